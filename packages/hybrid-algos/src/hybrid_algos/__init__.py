@@ -1,0 +1,3 @@
+"""hybrid_algos."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""hybrid_cli."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""hybrid_core."""
+
+__version__ = "0.1.0"

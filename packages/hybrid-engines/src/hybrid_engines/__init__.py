@@ -1,0 +1,3 @@
+"""hybrid_engines."""
+
+__version__ = "0.1.0"
