@@ -1,0 +1,58 @@
+"""Small checks shared by the two spec constructors: whole numbers, role-name sets, the cluster's size."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..errors import PlacementError
+
+#: Roles that are frozen inference-only models: cheap enough to stay resident beside a trainer or an engine.
+#: Every other role (actor, critic, rollout, env, any custom name) counts as memory-heavy unless told otherwise.
+LIGHT_ROLES = frozenset({"reference", "reward"})
+
+
+def cluster_size(cluster_gpus: int | None, gpus_per_node: int | None, num_nodes: int | None) -> int | None:
+    """The cluster's GPU count from whichever of the three settings are given; checks they agree."""
+    if gpus_per_node is not None:
+        require_int(gpus_per_node, "gpus_per_node", minimum=1)
+    if num_nodes is not None:
+        require_int(num_nodes, "num_nodes", minimum=1)
+        if gpus_per_node is None:
+            raise PlacementError("num_nodes", "num_nodes needs gpus_per_node to size the cluster.",
+                                 "Also give gpus_per_node (GPUs on each node).")
+    if cluster_gpus is not None:
+        require_int(cluster_gpus, "cluster_gpus", minimum=1)
+        if num_nodes is not None and gpus_per_node is not None and cluster_gpus != num_nodes * gpus_per_node:
+            raise PlacementError("cluster_gpus", f"cluster_gpus = {cluster_gpus} but num_nodes x gpus_per_node = "
+                                 f"{num_nodes} x {gpus_per_node} = {num_nodes * gpus_per_node}.",
+                                 "Give either cluster_gpus or num_nodes and gpus_per_node.")
+        if gpus_per_node is not None and cluster_gpus % gpus_per_node:
+            raise PlacementError("cluster_gpus", f"{cluster_gpus} GPUs do not fill whole nodes of {gpus_per_node}.",
+                                 "Make cluster_gpus a multiple of gpus_per_node.")
+        return cluster_gpus
+    if num_nodes is not None:
+        return num_nodes * gpus_per_node  # type: ignore[operator]
+    return None
+
+
+def role_set(roles: Iterable[str], field: str) -> set[str]:
+    """A set of role names (a lone string is one role, not its letters)."""
+    if isinstance(roles, str):  # "actor" would otherwise become {"a", "c", "t", ...}
+        roles = [roles]
+    out = set()
+    for role in roles:
+        if not isinstance(role, str):
+            raise PlacementError(field, f"expected role names, got {role!r}.",
+                                 "List role names as strings, e.g. ['actor', 'rollout'].")
+        out.add(role)
+    return out
+
+
+def require_int(value: object, field: str, *, minimum: int) -> int:
+    """``value`` if it is a whole number >= ``minimum`` (bools are not numbers here), else a PlacementError."""
+    fix = f"Give {field} a whole number >= {minimum}."
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlacementError(field, f"expected a whole number, got {value!r}.", fix)
+    if value < minimum:
+        raise PlacementError(field, f"must be at least {minimum}, got {value}.", fix)
+    return value

@@ -1,0 +1,234 @@
+"""OpenRLHF-style placement flags -> a :class:`PlacementSpec`.
+
+The rules follow OpenRLHF's launcher:
+
+* each role gets ``<role>_num_nodes x <role>_num_gpus_per_node`` GPUs; 0 means the role is absent (no critic for
+  GRPO/REINFORCE, no reference without a KL term); the rollout gets ``vllm_num_engines x vllm_tensor_parallel_size``;
+* ``colocate_all_models``: every role sits on the actor's GPUs (a role with fewer GPUs than the actor takes the
+  first ones), and the engines must fill the actor's GPUs exactly: actor GPUs == engines x TP (the seeds' rule);
+* ``colocate_actor_ref``: the reference sits on the actor's GPUs; ``colocate_critic_reward``: the reward model sits
+  on the critic's GPUs;
+* every role not colocated gets its own block of GPUs, in the order actor, rollout, critic, reference, reward;
+* ``vllm_enable_sleep``: the rollout sleeps; ``deepspeed_enable_sleep``: the trainers (actor, critic) sleep, those
+  of them that share GPUs with another role (a trainer alone on its GPUs has nobody to make room for).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from ..errors import PlacementError
+from .checks import LIGHT_ROLES, cluster_size, require_int, role_set
+
+if TYPE_CHECKING:
+    from .spec import PlacementSpec
+
+#: The keyword arguments of :func:`spec_from_counts` that mirror OpenRLHF flags (handy to copy from an argparse
+#: namespace: ``{k: getattr(args, k) for k in COUNT_FIELDS}``).
+COUNT_FIELDS = (
+    "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
+    "ref_num_nodes", "ref_num_gpus_per_node", "reward_num_nodes", "reward_num_gpus_per_node",
+    "vllm_num_engines", "vllm_tensor_parallel_size", "colocate_all_models", "colocate_actor_ref",
+    "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
+)
+
+# role -> (nodes flag, GPUs-per-node flag)
+_COUNT_FLAGS = {
+    "actor": ("actor_num_nodes", "actor_num_gpus_per_node"),
+    "critic": ("critic_num_nodes", "critic_num_gpus_per_node"),
+    "reference": ("ref_num_nodes", "ref_num_gpus_per_node"),
+    "reward": ("reward_num_nodes", "reward_num_gpus_per_node"),
+}
+_TRAINERS = ("actor", "critic")
+
+
+def spec_from_counts(
+    *,
+    actor_num_nodes: int = 1,
+    actor_num_gpus_per_node: int = 1,
+    critic_num_nodes: int = 1,
+    critic_num_gpus_per_node: int = 0,
+    ref_num_nodes: int = 1,
+    ref_num_gpus_per_node: int = 0,
+    reward_num_nodes: int = 1,
+    reward_num_gpus_per_node: int = 0,
+    vllm_num_engines: int = 0,
+    vllm_tensor_parallel_size: int = 1,
+    colocate_all_models: bool = False,
+    colocate_actor_ref: bool = False,
+    colocate_critic_reward: bool = False,
+    vllm_enable_sleep: bool = False,
+    deepspeed_enable_sleep: bool = False,
+    gpus_per_node: int | None = None,
+    cluster_gpus: int | None = None,
+    num_nodes: int | None = None,
+    heavy: Iterable[str] | None = None,
+) -> PlacementSpec:
+    """Translate OpenRLHF placement flags into a spec (roles: actor, rollout, critic, reference, reward).
+
+    ``gpus_per_node`` is the cluster's GPUs per node (a role's GPUs-per-node may not exceed it; engines may not
+    straddle nodes); the cluster size is ``cluster_gpus`` or ``num_nodes x gpus_per_node`` (unchecked when
+    neither is given: :func:`~hybrid_core.placement.place` then checks it against Ray).
+    """
+    cluster_gpus = cluster_size(cluster_gpus, gpus_per_node, num_nodes)  # checks gpus_per_node before it is used
+    sizes = {
+        "actor": _role_size("actor", actor_num_nodes, actor_num_gpus_per_node, gpus_per_node),
+        "critic": _role_size("critic", critic_num_nodes, critic_num_gpus_per_node, gpus_per_node),
+        "reference": _role_size("reference", ref_num_nodes, ref_num_gpus_per_node, gpus_per_node),
+        "reward": _role_size("reward", reward_num_nodes, reward_num_gpus_per_node, gpus_per_node),
+    }
+    require_int(vllm_num_engines, "vllm_num_engines", minimum=0)
+    tp = require_int(vllm_tensor_parallel_size, "vllm_tensor_parallel_size", minimum=1)
+    if gpus_per_node is not None and tp > gpus_per_node:
+        raise PlacementError("vllm_tensor_parallel_size", f"an engine of {tp} GPUs does not fit on a node of "
+                             f"{gpus_per_node} GPUs (tensor parallelism stays within a node).",
+                             f"Use --vllm_tensor_parallel_size <= {gpus_per_node}.")
+    sizes["rollout"] = vllm_num_engines * tp
+    for flag, value in (("colocate_all_models", colocate_all_models), ("colocate_actor_ref", colocate_actor_ref),
+                        ("colocate_critic_reward", colocate_critic_reward), ("vllm_enable_sleep", vllm_enable_sleep),
+                        ("deepspeed_enable_sleep", deepspeed_enable_sleep)):
+        if not isinstance(value, bool):
+            raise PlacementError(flag, f"expected true or false, got {value!r}.", f"Set {flag} to True or False.")
+    if sizes["actor"] == 0:
+        raise PlacementError("actor_num_gpus_per_node", "the actor has no GPUs (actor_num_nodes x "
+                             f"actor_num_gpus_per_node = {actor_num_nodes} x {actor_num_gpus_per_node}).",
+                             "Give the actor at least one GPU, e.g. --actor_num_gpus_per_node 1.")
+
+    from .spec import PlacementSpec  # spec.py imports this module for PlacementSpec.from_counts
+
+    gpus = _lay_out(sizes, tp, vllm_num_engines, colocate_all_models, colocate_actor_ref, colocate_critic_reward)
+    sleep = _sleeping_roles(gpus, vllm_enable_sleep, deepspeed_enable_sleep)
+    if heavy is None:
+        heavy_set = frozenset(gpus) - LIGHT_ROLES
+    else:
+        heavy_set = frozenset(role_set(heavy, "heavy")) & frozenset(gpus)
+    gpu_fields = {role: _COUNT_FLAGS[role][1] for role in _COUNT_FLAGS}
+    gpu_fields["rollout"] = "vllm_num_engines"
+    return PlacementSpec(
+        gpus=gpus,
+        tp={"rollout": tp} if "rollout" in gpus else {},
+        sleep=sleep,
+        heavy=heavy_set,
+        cluster_gpus=cluster_gpus,
+        gpus_per_node=gpus_per_node,
+        gpu_fields=gpu_fields,
+        tp_fields={"rollout": "vllm_tensor_parallel_size"},
+        sleep_fields={"rollout": "vllm_enable_sleep", "actor": "deepspeed_enable_sleep",
+                      "critic": "deepspeed_enable_sleep"},
+        unshare_fix="give them separate GPUs (drop --colocate_all_models / --colocate_actor_ref / "
+                    "--colocate_critic_reward)",
+    )
+
+
+def _role_size(role: str, nodes: int, per_node: int, gpus_per_node: int | None) -> int:
+    nodes_flag, per_node_flag = _COUNT_FLAGS[role]
+    require_int(nodes, nodes_flag, minimum=0)
+    require_int(per_node, per_node_flag, minimum=0)
+    if gpus_per_node is not None and per_node > gpus_per_node:
+        raise PlacementError(per_node_flag, f"{per_node} GPUs per node, but the cluster's nodes have "
+                             f"{gpus_per_node}.", f"Use more nodes ({nodes_flag}) with at most {gpus_per_node} "
+                             "GPUs each.")
+    return nodes * per_node
+
+
+def _lay_out(sizes: dict[str, int], tp: int, engines: int, colocate_all: bool, colocate_actor_ref: bool,
+             colocate_critic_reward: bool) -> dict[str, tuple[int, ...]]:
+    """Role -> GPUs: colocated roles reuse a host role's GPUs, the others get the next free block."""
+    gpus: dict[str, tuple[int, ...]] = {}
+    next_free = 0
+
+    def new_block(size: int) -> tuple[int, ...]:
+        nonlocal next_free
+        block = tuple(range(next_free, next_free + size))
+        next_free += size
+        return block
+
+    def on_host(role: str, host: str, flag: str) -> tuple[int, ...]:
+        nodes_flag, per_node_flag = _COUNT_FLAGS[role]
+        if sizes[role] > sizes[host]:
+            raise PlacementError(per_node_flag, f"--{flag} puts the {role} on the {host}'s GPUs, but the {role} asks "
+                                 f"for {sizes[role]} GPUs and the {host} has {sizes[host]}.",
+                                 f"Give the {role} at most {sizes[host]} GPUs ({nodes_flag} x {per_node_flag}), "
+                                 f"or drop --{flag}.")
+        return gpus[host][: sizes[role]]
+
+    gpus["actor"] = new_block(sizes["actor"])
+    if sizes["rollout"]:
+        if colocate_all:
+            if sizes["rollout"] != sizes["actor"]:
+                raise PlacementError("vllm_num_engines", _engines_problem(sizes["actor"], engines, tp),
+                                     _engines_fix(sizes["actor"], tp))
+            gpus["rollout"] = gpus["actor"]
+        else:
+            gpus["rollout"] = new_block(sizes["rollout"])
+    if sizes["critic"]:
+        if colocate_all:
+            gpus["critic"] = on_host("critic", "actor", "colocate_all_models")
+        else:
+            gpus["critic"] = new_block(sizes["critic"])
+    if sizes["reference"]:
+        if colocate_all or colocate_actor_ref:
+            gpus["reference"] = on_host("reference", "actor",
+                                        "colocate_all_models" if colocate_all else "colocate_actor_ref")
+        else:
+            gpus["reference"] = new_block(sizes["reference"])
+    elif colocate_actor_ref and not colocate_all:
+        raise PlacementError("colocate_actor_ref", "there is no reference model to colocate (ref_num_nodes x "
+                             "ref_num_gpus_per_node = 0).", "Drop --colocate_actor_ref, or give the reference GPUs.")
+    if sizes["reward"]:
+        if colocate_all:
+            gpus["reward"] = on_host("reward", "actor", "colocate_all_models")
+        elif colocate_critic_reward:
+            if "critic" not in gpus:
+                raise PlacementError("colocate_critic_reward", "there is no critic to colocate the reward model with "
+                                     "(critic_num_nodes x critic_num_gpus_per_node = 0).",
+                                     "Drop --colocate_critic_reward, or give the critic GPUs.")
+            gpus["reward"] = on_host("reward", "critic", "colocate_critic_reward")
+        else:
+            gpus["reward"] = new_block(sizes["reward"])
+    elif colocate_critic_reward and not colocate_all:
+        raise PlacementError("colocate_critic_reward", "there is no reward model to colocate (reward_num_nodes x "
+                             "reward_num_gpus_per_node = 0).", "Drop --colocate_critic_reward, or give the reward "
+                             "model GPUs.")
+    return gpus
+
+
+def _sleeping_roles(gpus: dict[str, tuple[int, ...]], vllm_sleep: bool, deepspeed_sleep: bool) -> frozenset[str]:
+    def shares(role: str) -> bool:
+        mine = set(gpus[role])
+        return any(mine & set(theirs) for other, theirs in gpus.items() if other != role)
+
+    sleep: set[str] = set()
+    if vllm_sleep:
+        if "rollout" not in gpus:
+            raise PlacementError("vllm_enable_sleep", "there are no engines to put to sleep (vllm_num_engines = 0).",
+                                 "Drop --vllm_enable_sleep, or set --vllm_num_engines.")
+        if not shares("rollout"):
+            raise PlacementError("vllm_enable_sleep", "the engines share no GPU with another role, so sleeping frees "
+                                 "memory for nobody and only costs a reload per step.",
+                                 "Add --colocate_all_models to put the engines on the actor's GPUs, or drop "
+                                 "--vllm_enable_sleep.")
+        sleep.add("rollout")
+    if deepspeed_sleep:
+        trainers = [role for role in _TRAINERS if role in gpus and shares(role)]
+        if not trainers:
+            raise PlacementError("deepspeed_enable_sleep", "neither the actor nor the critic shares a GPU with another "
+                                 "role, so sleeping frees memory for nobody.",
+                                 "Add --colocate_all_models (or --colocate_actor_ref), or drop "
+                                 "--deepspeed_enable_sleep.")
+        sleep.update(trainers)
+    return frozenset(sleep)
+
+
+def _engines_problem(actor_gpus: int, engines: int, tp: int) -> str:
+    return (f"--colocate_all_models puts the engines on the actor's GPUs, so actor_num_nodes x "
+            f"actor_num_gpus_per_node (= {actor_gpus}) must equal vllm_num_engines x vllm_tensor_parallel_size "
+            f"(= {engines} x {tp} = {engines * tp}).")
+
+
+def _engines_fix(actor_gpus: int, tp: int) -> str:
+    if actor_gpus % tp == 0:
+        return (f"Use --vllm_num_engines {actor_gpus // tp} with --vllm_tensor_parallel_size {tp}, or change the "
+                f"actor's GPUs to vllm_num_engines x vllm_tensor_parallel_size.")
+    return (f"{actor_gpus} actor GPUs cannot hold engines of {tp} GPUs: pick a --vllm_tensor_parallel_size that "
+            f"divides {actor_gpus}, or change the actor's GPUs to vllm_num_engines x vllm_tensor_parallel_size.")

@@ -1,0 +1,345 @@
+"""The built-in inference engine: a transformers causal LM with batched KV-cache decoding, on CPU or GPU.
+
+It is the embedded default (tests, the demo, machines without vLLM/SGLang) and the fallback backend. It implements
+the whole :class:`~hybrid_engines.protocol.InferenceEngine` protocol for real:
+
+* ``generate`` — see :mod:`hybrid_engines.hf_generation` (batching, cache) and :mod:`hybrid_engines.hf_sampling`
+  (sampling, per-row seeds). Log-probabilities are those of the raw model (float32 ``log_softmax`` of the logits,
+  before temperature / top-k / top-p / min-tokens suppression).
+* Stop tokens are ``params.stop_token_ids`` plus, when ``stop_at_eos`` (default, as vLLM and SGLang do), the
+  model's EOS ids from its generation config (or config). A stop token ends its completion and is included in it.
+* ``sleep(1)`` offloads parameters *and* buffers to host memory with hybrid_core's ``StateOffloader``; ``sleep(2)``
+  frees the parameters without a copy (buffers such as rotary ``inv_freq`` are not weights the trainer sends, so
+  they stay, on the device: discarding them corrupts outputs). Either way the device caching allocator is emptied.
+* The KV cache lives only inside one ``generate`` call, so there is none to free between calls; the "kv_cache" wake
+  tag is kept as a state (sleep clears it, ``wake_up(["kv_cache"])`` sets it) so that a loop that would fail on vLLM
+  by generating before waking the KV cache fails here too, with a clear error.
+* After ``sleep(2)``, ``wake_up(["weights"])`` allocates uninitialised parameters; every parameter must then be
+  loaded (``update_weights`` / ``update_weights_from_ipc``) before ``generate`` accepts a call.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from typing import Any, Sequence
+
+import torch
+
+from hybrid_core.errors import ConfigError, HybridError
+from hybrid_core.stats import TransferStats
+
+from .hf_generation import decode
+from .hf_sampling import row_seeds, row_uniforms
+from .hf_weights import NamedWeights
+from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
+
+
+class EngineStateError(HybridError, RuntimeError):
+    """The engine was asked for something its state does not allow (asleep, weights discarded, shut down)."""
+
+
+class HFEngine:
+    """Built-in transformers engine.
+
+    ``model``: a path / hub id (loaded with ``AutoModelForCausalLM``), a built ``PreTrainedModel`` (used as is, not
+    copied: the engine moves it, and its sleep frees it), or a config (random weights drawn under ``seed``: tests and
+    benchmarks). ``device`` defaults to CUDA when present; ``dtype`` to the
+    model's own. ``max_batch_size`` bounds the rows (prompts x n) decoded together, rounded to whole prompts.
+    ``seed`` seeds the weights of a config-built model and the seeds of calls whose ``params.seed`` is ``None``.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        seed: int = 0,
+        max_batch_size: int = 256,
+        stop_at_eos: bool = True,
+        attn_implementation: str | None = None,
+    ):
+        if max_batch_size < 1:
+            raise ConfigError("max_batch_size", f"must be >= 1, got {max_batch_size}.")
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.max_batch_size = max_batch_size
+        self.model = _build_model(model, _as_dtype(dtype), seed, attn_implementation).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.weights = NamedWeights(self.model, self.device)
+        self._rng = random.Random(seed)
+        self._eos = _eos_ids(self.model) if stop_at_eos else ()
+        self._vocab = self.model.get_input_embeddings().num_embeddings
+        pad = self.model.config.pad_token_id
+        self._pad_id = pad if isinstance(pad, int) and 0 <= pad < self._vocab else 0
+        self._max_len = getattr(self.model.config, "max_position_embeddings", None)
+        self._keep_last = "logits_to_keep" in _forward_params(self.model)
+        self._offloader = None
+        self._weights_state = "awake"  # "awake" | "offloaded" (sleep 1) | "discarded" (sleep 2)
+        self._kv_awake = True
+        self._group = None
+        self._closed = False
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 params: SamplingParams) -> list[list[GenerationOutput]]:
+        """``params.n`` completions per prompt, in prompt order."""
+        self._require_ready("generate")
+        prompts = self._check_prompts(prompt_token_ids, params)
+        stop = sorted(set(params.stop_token_ids) | set(self._eos))
+        bad = [s for s in stop if not 0 <= s < self._vocab]
+        if bad:
+            raise ConfigError("stop_token_ids", f"ids {bad} are outside the vocabulary [0, {self._vocab}).")
+        stop_ids = torch.tensor(stop, dtype=torch.long, device=self.device)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seeds = None if params.greedy else row_seeds(seed, prompts, params.n)
+
+        results: list[list[GenerationOutput] | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
+        per_batch = max(1, self.max_batch_size // params.n)
+        for start in range(0, len(order), per_batch):
+            chunk = order[start:start + per_batch]
+            uniforms = None
+            if seeds is not None:
+                chunk_seeds = [seeds[i * params.n + j] for i in chunk for j in range(params.n)]
+                uniforms = row_uniforms(chunk_seeds, params.max_new_tokens, self.device)
+            batch = decode(self.model, [prompts[i] for i in chunk], params, stop_ids=stop_ids, uniforms=uniforms,
+                           pad_id=self._pad_id, keep_last_logits=self._keep_last, with_logprobs=params.logprobs)
+            tokens, logprobs = batch.tokens.tolist(), batch.logprobs.tolist()
+            lengths, stopped = batch.lengths.tolist(), batch.stopped.tolist()
+            for c, i in enumerate(chunk):
+                outs = []
+                for j in range(params.n):
+                    r, length = c * params.n + j, lengths[c * params.n + j]
+                    outs.append(GenerationOutput(
+                        prompt_token_ids=list(prompts[i]), token_ids=tokens[r][:length],
+                        logprobs=logprobs[r][:length] if params.logprobs else None,
+                        finish_reason="stop" if stopped[r] else "length"))
+                results[i] = outs
+        return results  # type: ignore[return-value]
+
+    # ---- sleep / wake ------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> TransferStats:
+        """Level 1: weights to host memory; level 2: weights freed (re-sync before use). Frees the KV cache.
+
+        Sleeping while asleep changes nothing (weights already offloaded stay offloaded)."""
+        if level not in (1, 2):
+            raise ConfigError("level", f"sleep level must be 1 or 2, got {level!r}.")
+        self._require_open("sleep")
+        start = time.perf_counter()
+        stats = TransferStats(0, 0.0, f"sleep{level}")
+        if self._weights_state == "awake":
+            if level == 1:
+                stats = self._get_offloader().sleep()
+                self._weights_state = "offloaded"
+            else:
+                self.weights.discard()
+                self._weights_state = "discarded"
+        self._kv_awake = False
+        _empty_device_cache(self.device)
+        return TransferStats(stats.bytes, time.perf_counter() - start, f"sleep{level}")
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats:
+        """Bring back "weights" and/or "kv_cache" (both when ``tags`` is None)."""
+        self._require_open("wake_up")
+        if isinstance(tags, str):
+            raise ConfigError("tags", f"expected a list of tags, got the string {tags!r}.", f'Use ["{tags}"].')
+        tags = list(WAKE_TAGS if tags is None else tags)
+        unknown = [t for t in tags if t not in WAKE_TAGS]
+        if unknown:
+            raise ConfigError("tags", f"unknown wake-up tags {unknown!r}.", f"Use a subset of {list(WAKE_TAGS)}.")
+        start = time.perf_counter()
+        moved = 0
+        if "weights" in tags:
+            if self._weights_state == "offloaded":
+                moved = self._get_offloader().wake().bytes
+            elif self._weights_state == "discarded":
+                self.weights.allocate()  # contents undefined until update_weights fills every parameter
+            self._weights_state = "awake"
+        if "kv_cache" in tags:
+            self._kv_awake = True
+        return TransferStats(moved, time.perf_counter() - start, "wake")
+
+    # ---- weight updates ----------------------------------------------------------------------------------------
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "hybrid-weight-sync",
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Join the trainer's weight-sync group as rank ``rank_offset`` (the trainer sends from rank 0)."""
+        from hybrid_core.weight_sync import create_sync_group
+
+        self._require_open("init_weight_update_group")
+        if not 0 < rank_offset < world_size:
+            raise ConfigError("rank_offset", f"must be in [1, world_size={world_size}), got {rank_offset}.",
+                              "Rank 0 is the trainer; engine workers take ranks 1..world_size-1.")
+        if self._group is not None:
+            _destroy(self._group)
+        self._group = create_sync_group(master_address, master_port, rank_offset, world_size, backend=backend,
+                                        timeout_s=timeout_s, device=self.device, group_name=group_name)
+
+    def update_weights(self, metas: Sequence[Any], *, bucket_bytes: int) -> TransferStats:
+        """Receive the tensors ``metas`` describes from rank 0, bucket by bucket, into the parameters of those names.
+
+        Bad metas (unknown name, wrong shape) are reported after the transfer has been drained, so the sender is
+        never left hanging in a collective."""
+        from hybrid_core.weight_sync import WeightReceiver
+
+        if self._group is None:
+            raise EngineStateError("update_weights: no weight-update group. Call init_weight_update_group first.")
+        self._require_weights_on_device("update_weights")
+        problem = self.weights.check([(m.name, tuple(m.shape)) for m in metas])
+        receiver = WeightReceiver(self._group, bucket_bytes, self.device)
+        if problem:
+            receiver.receive(metas, lambda items: None)
+            raise ConfigError("metas", problem, "Send the engine model's own parameter names and shapes.")
+        stats = receiver.receive(metas, self.weights.load)
+        _synchronize(self.device)
+        return stats
+
+    def update_weights_from_ipc(self, bucket: Any) -> TransferStats:
+        """Load one CUDA-IPC (or CPU shared-memory) bucket from a colocated trainer; returns once copied."""
+        from hybrid_core.weight_sync import open_ipc_bucket
+
+        self._require_weights_on_device("update_weights_from_ipc")
+        start = time.perf_counter()
+        items = open_ipc_bucket(bucket)
+        problem = self.weights.check([(name, tuple(t.shape)) for name, t in items])
+        if problem:
+            raise ConfigError("bucket", problem, "Send the engine model's own parameter names and shapes.")
+        self.weights.load(items)
+        _synchronize(self.device)  # the sender may reuse the bucket as soon as we return
+        nbytes = sum(t.numel() * t.element_size() for _, t in items)
+        return TransferStats(nbytes, time.perf_counter() - start, "ipc")
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to do: this engine keeps no prefix cache across calls (the KV cache lives inside ``generate``)."""
+
+    def shutdown(self) -> None:
+        """Leave the weight-sync group and free the model; the engine accepts no further calls."""
+        if self._closed:
+            return
+        if self._group is not None:
+            _destroy(self._group)
+            self._group = None
+        self._closed = True
+        self.model = None  # type: ignore[assignment]
+        self.weights = None  # type: ignore[assignment]
+        self._offloader = None
+        gc.collect()
+        _empty_device_cache(self.device)
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+    def _get_offloader(self):
+        if self._offloader is None:
+            from hybrid_core.offload import StateOffloader
+
+            self._offloader = StateOffloader(self.model)
+        return self._offloader
+
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise EngineStateError(f"{what}: the engine was shut down.")
+
+    def _require_weights_on_device(self, what: str) -> None:
+        self._require_open(what)
+        if self._weights_state != "awake":
+            level = 1 if self._weights_state == "offloaded" else 2
+            raise EngineStateError(f"{what}: the weights are asleep (sleep level {level}). "
+                                   "Call wake_up(['weights']) first.")
+
+    def _require_ready(self, what: str) -> None:
+        self._require_weights_on_device(what)
+        if not self._kv_awake:
+            raise EngineStateError(f"{what}: the KV cache is asleep. Call wake_up(['kv_cache']) (or wake_up()) first.")
+        missing = self.weights.unloaded()
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise EngineStateError(f"{what}: weights were discarded by sleep(level=2) and {shown} have not been "
+                                   "loaded since. Call update_weights (or update_weights_from_ipc) with every weight.")
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
+            raise ConfigError("prompt_token_ids", "expected a non-empty list of token-id lists.",
+                              "Tokenize the prompts first; engines take token ids, not strings.")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, (str, bytes)) or len(p) == 0:
+                raise ConfigError("prompt_token_ids", f"prompt {i} is empty or not a list of token ids.")
+            ids = [int(t) for t in p]
+            if min(ids) < 0 or max(ids) >= self._vocab:
+                raise ConfigError("prompt_token_ids", f"prompt {i} has ids outside the vocabulary [0, {self._vocab}).")
+            if self._max_len is not None and len(ids) + params.max_new_tokens > self._max_len:
+                raise ConfigError("max_new_tokens", f"prompt {i} ({len(ids)} tokens) + max_new_tokens="
+                                  f"{params.max_new_tokens} exceeds the model's {self._max_len} positions.",
+                                  "Shorten the prompt or lower max_new_tokens.")
+            out.append(ids)
+        return out
+
+
+def _build_model(model: Any, dtype: torch.dtype | None, seed: int, attn_implementation: str | None):
+    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if isinstance(model, PreTrainedModel):
+        return model.to(dtype) if dtype is not None else model
+    if isinstance(model, PretrainedConfig):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            built = AutoModelForCausalLM.from_config(model, **kwargs)
+        return built.to(dtype) if dtype is not None else built
+    if isinstance(model, str):
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype if dtype is not None else "auto", **kwargs)
+    raise ConfigError("model", f"expected a path, a PreTrainedModel or a PretrainedConfig, got {type(model).__name__}.")
+
+
+def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return None if dtype == "auto" else dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise ConfigError("dtype", f"unknown dtype {dtype!r}.", "Use bfloat16, float16, float32 or auto.")
+    return value
+
+
+def _eos_ids(model) -> tuple[int, ...]:
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _forward_params(model) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # freed KV blocks go back to the driver, not just to torch's caching allocator
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _destroy(group) -> None:
+    close = getattr(group, "destroy", None) or getattr(group, "close", None)
+    if close is not None:
+        close()

@@ -1,0 +1,104 @@
+"""The one interface every inference engine implements.
+
+Engines take prompt *token ids*, never strings: re-tokenising inside an engine was one of the suspects when
+vLLM and SGLang disagreed in the seed project, and the trainer already holds the exact ids it will score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from hybrid_core.errors import ConfigError
+from hybrid_core.stats import TransferStats
+from hybrid_core.weight_sync import TensorMeta
+
+#: ``wake_up`` tags, as vLLM names them: weights and KV cache come back separately so that weights can be
+#: refreshed (weight sync) before the KV cache takes its memory.
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings shared by every backend (each adapter maps them to its engine's own names)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1  # samples per prompt
+    seed: int | None = None
+    logprobs: bool = True  # return the log-probability of each generated token
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ConfigError("temperature", f"must be >= 0, got {self.temperature}.", "Use 0 for greedy decoding.")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}.")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ConfigError("top_k", f"must be -1 (off) or >= 1, got {self.top_k}.")
+        if self.max_new_tokens < 1:
+            raise ConfigError("max_new_tokens", f"must be >= 1, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                "min_new_tokens", f"must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}."
+            )
+        if self.n < 1:
+            raise ConfigError("n", f"samples per prompt must be >= 1, got {self.n}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class GenerationOutput:
+    """One sampled completion.
+
+    ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the model's own distribution (raw logits, before
+    temperature / top-k / top-p), which is what the trainer recomputes and compares against.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" (a stop token was produced; it is included) or "length"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What the training loop needs from an inference engine.
+
+    ``generate`` returns, per prompt, ``params.n`` completions. ``sleep(level=1)`` offloads weights to host memory
+    and frees the KV cache; ``level=2`` discards weights too, so weights must be re-synced (``update_weights``)
+    before the next ``generate``. ``wake_up(tags)`` brings back "weights" and/or "kv_cache" (all when ``None``).
+    """
+
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[GenerationOutput]]: ...
+
+    def sleep(self, level: int = 1) -> TransferStats: ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats: ...
+
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "hybrid-weight-sync",
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None: ...
+
+    def update_weights(self, metas: Sequence[TensorMeta], *, bucket_bytes: int) -> TransferStats: ...
+
+    def update_weights_from_ipc(self, bucket: Any) -> TransferStats: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def shutdown(self) -> None: ...
