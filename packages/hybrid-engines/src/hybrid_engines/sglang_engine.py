@@ -1,0 +1,402 @@
+"""SGLang adapter: :class:`~hybrid_engines.protocol.InferenceEngine` on ``sglang.Engine`` (written against 0.5.23).
+
+Every SGLang name used here was read in the 0.5.23 wheel; where a server argument is defined is noted next to it
+(``srt/arg_groups/fields/<file>.py``). Not run on a GPU in this project (0.5.23 pins torch 2.14, which the lent
+machine does not have); ``tests/hybrid_engines/contracts`` checks the names against the installed package.
+
+Facts of 0.5.23 this adapter is built on (each one differs from what the seed project assumed):
+
+* Engine methods report failure as ``(False, message)`` instead of raising: every result is checked here.
+* ``update_weights_from_distributed`` / ``update_weights_from_tensor`` only run inside a weight-update session
+  (``begin_weight_update()`` ... ``end_weight_update()``, ``managers/scheduler_components/weight_updater.py``).
+* Logprobs are temperature-scaled unless ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``layers/sampler.py``, read when the
+  scheduler process imports it); it is set here, before the engine starts, so logprobs are the raw model's.
+* ``sampling_seed`` is ignored unless the engine runs with ``enable_deterministic_inference`` (``sampling/
+  sampling_batch_info.py``): a seeded request to an engine built without ``deterministic=True`` is refused.
+* Sleep frees the tags "weights", "kv_cache" and "cuda_graph" (``srt/constants.py``); with
+  ``enable_weights_cpu_backup`` the weights come back on resume, without it they are garbage until re-synced.
+  That is a server setting, so level 1 needs ``weights_cpu_backup=True``; level 2 always asks for a re-sync.
+
+Weight sync (broadcast path): SGLang has its own group and wire format, not hybrid-core's. The trainer's rank 0
+joins with :func:`sglang_trainer_group` (same rendezvous as SGLang's ``utils/common.py::
+init_custom_process_group``) and calls :func:`send_to_sglang` with the same ``bucket_bytes`` while the engine runs
+``update_weights(metas, bucket_bytes=...)``: both cut the stream with :func:`sglang_bucket_plan` and each bucket is
+one broadcast of its tensors' bytes back to back, SGLang's ``load_format="flattened_bucket"``
+(``weight_sync/tensor_bucket.py::FlattenedTensorBucket``). Colocated path: ``update_weights_from_ipc`` maps
+hybrid-core's IPC bucket in this process and hands the tensors to ``update_weights_from_tensor`` (SGLang passes them
+on to its scheduler by CUDA IPC again); TP = 1 only.
+
+Placement: TP = 1 and TP > 1 without a placement group use ``sglang.Engine`` on the GPUs this process sees
+(``base_gpu_id`` onwards). TP > 1 with ``placement_group``/``bundle_indices`` uses SGLang's ``RayEngine``, whose
+scheduler actors each take a whole GPU: refused (clear error) when ``gpus_per_worker`` < 1, i.e. GPUs shared.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from hybrid_core.errors import ConfigError, RoleFailure
+from hybrid_core.stats import TransferStats
+
+from .hf_engine import EngineStateError
+from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
+from .sampling_map import check_prompts, expand_rows, finish_reason, sglang_sampling_params
+
+#: Our argument -> ``sglang.Engine`` / ``ServerArgs`` field (the contract test checks each field exists).
+SGLANG_SERVER_ARGS = {
+    "model": "model_path",  # fields/model.py
+    "tensor_parallel_size": "tp_size",  # fields/parallel.py
+    "gpu_memory_utilization": "mem_fraction_static",  # fields/schedule.py: weights + KV pool, as vLLM's
+    "enable_sleep_mode": "enable_memory_saver",  # fields/exec_.py: needed by release/resume_memory_occupation
+    "weights_cpu_backup": "enable_weights_cpu_backup",  # fields/exec_.py
+    "enforce_eager": "disable_cuda_graph",  # fields/exec_.py (cuda_graph_hook.py: both phases); seed had it negated
+    "dtype": "dtype",  # fields/model.py
+    "seed": "random_seed",  # fields/device.py
+    "max_model_len": "context_length",  # fields/model.py
+    "enable_prefix_caching": "disable_radix_cache",  # fields/memory.py, negated
+    "deterministic": "enable_deterministic_inference",  # fields/exec_.py: makes sampling_seed work
+    "base_gpu_id": "base_gpu_id",  # fields/device.py
+}
+#: ``sglang.Engine`` methods used, with the keyword arguments passed (contract-tested).
+SGLANG_ENGINE_METHODS = {
+    "generate": ("input_ids", "sampling_params", "return_logprob"),
+    "release_memory_occupation": ("tags",),
+    "resume_memory_occupation": ("tags",),
+    "init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
+                                  "backend"),
+    "begin_weight_update": (),
+    "end_weight_update": (),
+    "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
+    "update_weights_from_tensor": ("named_tensors", "flush_cache"),
+    "flush_cache": (),
+    "shutdown": (),
+}
+#: Our wake tags -> SGLang memory tags (srt/constants.py); CUDA graphs belong to the decode path: with the KV cache.
+SGLANG_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+FLATTENED = "flattened_bucket"
+
+
+class SGLangEngine:
+    """The SGLang backend (same constructor spirit as :class:`~hybrid_engines.vllm_engine.VLLMEngine`)."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = True,
+        weights_cpu_backup: bool = True,
+        enforce_eager: bool = False,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        stop_at_eos: bool = True,
+        deterministic: bool = False,
+        base_gpu_id: int = 0,
+        placement_group: Any = None,
+        bundle_indices: Sequence[int] | None = None,
+        gpus_per_worker: float | None = None,
+        **extra: Any,
+    ):
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size", f"must be an int >= 1, got {tensor_parallel_size!r}.")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {gpu_memory_utilization!r}.")
+        _require_raw_logprobs()
+        if os.path.isdir(str(model)):
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        engine_cls = _engine_class(tensor_parallel_size, placement_group, bundle_indices, gpus_per_worker)
+        ours = dict(model=model, tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+                    weights_cpu_backup=weights_cpu_backup, enforce_eager=enforce_eager, dtype=dtype, seed=seed,
+                    max_model_len=max_model_len,
+                    enable_prefix_caching=not enable_prefix_caching,  # SGLang's field is disable_radix_cache
+                    deterministic=deterministic, base_gpu_id=base_gpu_id)
+        kwargs = {SGLANG_SERVER_ARGS[k]: v for k, v in ours.items()}
+        kwargs.update(extra)
+        if tensor_parallel_size > 1 and placement_group is not None:  # RayEngine pops it (srt/ray/engine.py)
+            kwargs["placement_group"] = placement_group
+        self.engine = engine_cls(**kwargs)
+        self.tp = tensor_parallel_size
+        self.enable_sleep_mode, self.weights_cpu_backup = enable_sleep_mode, weights_cpu_backup
+        self.stop_at_eos, self.deterministic = stop_at_eos, deterministic
+        self._asleep: set[str] = set()  # our tags currently released
+        self._needs_sync = False  # weights garbage until a weight update (sleep level 2 / no CPU backup)
+        self._group_name: str | None = None
+        self._closed = False
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 params: SamplingParams) -> list[list[GenerationOutput]]:
+        """``params.n`` completions per prompt, in prompt order."""
+        self._require_ready("generate")
+        prompts = check_prompts(prompt_token_ids)
+        rows = expand_rows(prompts, params)
+        if not self.deterministic and any(r.seed is not None for r in rows):
+            raise ConfigError("seed", "SGLang ignores per-request seeds unless the engine runs deterministic "
+                              "inference.", "Build SGLangEngine(deterministic=True), or sample with seed=None.")
+        sampling = [sglang_sampling_params(params, seed=r.seed, stop_at_eos=self.stop_at_eos) for r in rows]
+        outs = self.engine.generate(input_ids=[prompts[r.prompt] for r in rows], sampling_params=sampling,
+                                    return_logprob=params.logprobs)
+        results: list[list[Any]] = [[None] * params.n for _ in prompts]
+        for row, out in zip(rows, outs, strict=True):
+            ids = list(out["output_ids"])
+            meta = out["meta_info"]
+            logprobs = None
+            if params.logprobs:
+                steps = meta["output_token_logprobs"]  # [(logprob, token_id, text or None)] per output token
+                if [int(s[1]) for s in steps] != ids:
+                    raise RoleFailure("sglang generate: output_token_logprobs do not line up with output_ids.")
+                logprobs = [float(s[0]) for s in steps]
+            results[row.prompt][row.sample] = GenerationOutput(
+                prompt_token_ids=prompts[row.prompt], token_ids=ids, logprobs=logprobs,
+                finish_reason=finish_reason(meta["finish_reason"], engine="sglang"))
+        return results
+
+    # ---- sleep / wake ------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> TransferStats:
+        """Release weights, KV cache and CUDA graphs. ``bytes`` is 0: SGLang does not report what it freed."""
+        if level not in (1, 2):
+            raise ConfigError("level", f"sleep level must be 1 or 2, got {level!r}.")
+        self._require_open("sleep")
+        if not self.enable_sleep_mode:
+            raise ConfigError("enable_sleep_mode", "sleep needs the engine built with enable_sleep_mode=True.")
+        if level == 1 and not self.weights_cpu_backup:
+            raise ConfigError("level", "sleep level 1 keeps the weights, which needs SGLangEngine(weights_cpu_backup="
+                              "True) (SGLang's enable_weights_cpu_backup).", "Use level 2 and re-sync the weights.")
+        start = time.perf_counter()
+        awake = [t for t in WAKE_TAGS if t not in self._asleep]
+        if awake:
+            self._check(self.engine.release_memory_occupation(tags=_sglang_tags(awake)), "release_memory_occupation")
+        self._asleep = set(WAKE_TAGS)
+        if level == 2 or not self.weights_cpu_backup:
+            self._needs_sync = self._needs_sync or "weights" in awake
+        return TransferStats(0, time.perf_counter() - start, f"sglang sleep{level}")
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats:
+        self._require_open("wake_up")
+        wanted = list(WAKE_TAGS) if tags is None else list(dict.fromkeys(tags))
+        if isinstance(tags, str) or any(t not in WAKE_TAGS for t in wanted):
+            raise ConfigError("tags", f"unknown wake-up tags {tags!r}.", f"Use a subset of {list(WAKE_TAGS)}.")
+        asleep = [t for t in wanted if t in self._asleep]
+        start = time.perf_counter()
+        if asleep:
+            self._check(self.engine.resume_memory_occupation(tags=_sglang_tags(asleep)), "resume_memory_occupation")
+        self._asleep -= set(asleep)
+        return TransferStats(0, time.perf_counter() - start, "sglang wake")
+
+    # ---- weight updates ----------------------------------------------------------------------------------------
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, *,
+                                 group_name: str = "hybrid-weight-sync", backend: str = "nccl",
+                                 timeout_s: float = 600.0) -> None:
+        """SGLang's TP ranks join as ``rank_offset + tp_rank``; the trainer joins with :func:`sglang_trainer_group`.
+
+        ``timeout_s`` is not SGLang's to take (its group uses torch's default timeout); the caller's Ray call
+        deadline bounds this call."""
+        self._require_open("init_weight_update_group")
+        if rank_offset < 1 or rank_offset + self.tp > world_size:
+            raise ConfigError("rank_offset", f"the engine's {self.tp} TP rank(s) need ranks {rank_offset}.."
+                              f"{rank_offset + self.tp - 1} inside world_size={world_size}.")
+        self._check(self.engine.init_weights_update_group(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
+            group_name=group_name, backend=backend), "init_weights_update_group")
+        self._group_name = group_name
+
+    def update_weights(self, metas: Sequence[Any], *, bucket_bytes: int) -> TransferStats:
+        """Receive the trainer's :func:`send_to_sglang` broadcasts (same ``metas`` order and ``bucket_bytes``)."""
+        if self._group_name is None:
+            raise EngineStateError("update_weights: no weight-update group. Call init_weight_update_group first.")
+        self._require_weights_on_device("update_weights")
+        start = time.perf_counter()
+        with self._session():
+            for bucket in sglang_bucket_plan(metas, bucket_bytes):
+                self._check(self.engine.update_weights_from_distributed(
+                    names=[m.name for m in bucket], dtypes=[m.dtype for m in bucket],
+                    shapes=[list(m.shape) for m in bucket], group_name=self._group_name, flush_cache=False,
+                    load_format=FLATTENED), "update_weights_from_distributed")
+        return TransferStats(sum(m.nbytes for m in metas), time.perf_counter() - start, "sglang weight sync")
+
+    def update_weights_from_ipc(self, bucket: Any) -> TransferStats:
+        """Load one hybrid-core IPC bucket of a trainer on this engine's GPU (TP = 1)."""
+        from hybrid_core.weight_sync import open_ipc_bucket
+
+        if self.tp != 1:
+            raise ConfigError("tensor_parallel_size", "the SGLang IPC path supports TP = 1 only.",
+                              "Use update_weights (broadcast) for TP > 1.")
+        self._require_weights_on_device("update_weights_from_ipc")
+        start = time.perf_counter()
+        pairs = open_ipc_bucket(bucket)
+        with self._session():
+            self._check(self.engine.update_weights_from_tensor(named_tensors=pairs, flush_cache=False),
+                        "update_weights_from_tensor")
+        return TransferStats(bucket.nbytes, time.perf_counter() - start, "sglang weight sync ipc")
+
+    def reset_prefix_cache(self) -> None:
+        self._require_open("reset_prefix_cache")
+        self._check(self.engine.flush_cache(), "flush_cache")
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.engine.shutdown()
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+    def _session(self) -> "_UpdateSession":
+        return _UpdateSession(self)
+
+    @staticmethod
+    def _check(result: Any, what: str) -> Any:
+        """SGLang returns ``(success, message)`` (or an object with ``.success``) instead of raising."""
+        ok, message = result if isinstance(result, tuple) else (getattr(result, "success", True), result)
+        if ok is False:
+            raise RoleFailure(f"sglang {what} failed: {message}")
+        return result
+
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise EngineStateError(f"{what}: the engine was shut down.")
+
+    def _require_weights_on_device(self, what: str) -> None:
+        self._require_open(what)
+        if "weights" in self._asleep:
+            raise EngineStateError(f"{what}: the weights are asleep. Call wake_up(['weights']) first.")
+
+    def _require_ready(self, what: str) -> None:
+        self._require_weights_on_device(what)
+        if "kv_cache" in self._asleep:
+            raise EngineStateError(f"{what}: the KV cache is asleep. Call wake_up(['kv_cache']) (or wake_up()) first.")
+        if self._needs_sync:
+            raise EngineStateError(f"{what}: the weights were discarded by sleep. Re-sync them (update_weights / "
+                                   "update_weights_from_ipc) before generating.")
+
+
+class _UpdateSession:
+    """begin_weight_update ... end_weight_update, then one cache flush (the loads pass flush_cache=False)."""
+
+    def __init__(self, engine: SGLangEngine):
+        self.e = engine
+
+    def __enter__(self) -> None:
+        self.e._check(self.e.engine.begin_weight_update(), "begin_weight_update")
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.e._check(self.e.engine.end_weight_update(), "end_weight_update")
+        if exc_type is None:
+            self.e._needs_sync = False
+            self.e.reset_prefix_cache()
+
+
+def _engine_class(tp: int, placement_group: Any, bundle_indices: Sequence[int] | None,
+                  gpus_per_worker: float | None) -> type:
+    """``sglang.Engine`` (schedulers as subprocesses on this process's GPUs), or for TP > 1 on given Ray bundles
+    SGLang's own ``RayEngine`` (``srt/ray/engine.py``: one scheduler actor per bundle, in the order of
+    ``SGLANG_RAY_BUNDLE_INDICES``). Its scheduler actors take ``num_gpus=1`` each, so their GPUs cannot be shared."""
+    import sglang
+
+    if tp == 1 or placement_group is None:
+        return sglang.Engine
+    if gpus_per_worker is not None and gpus_per_worker < 1:
+        raise ConfigError("gpus_per_worker", f"SGLang 0.5.23 gives each TP scheduler a whole GPU (num_gpus=1 in "
+                          f"srt/ray/engine.py), so it cannot run on {gpus_per_worker} of a GPU shared with another "
+                          "role.", "Give SGLang's TP > 1 engines GPUs of their own (and the engine actor num_gpus=0), "
+                          "or use vLLM for colocated tensor parallelism.")
+    if bundle_indices is not None:
+        if len(bundle_indices) != tp:
+            raise ConfigError("bundle_indices", f"needs one bundle per TP rank ({tp}), got {list(bundle_indices)}.")
+        os.environ["SGLANG_RAY_BUNDLE_INDICES"] = ",".join(str(int(b)) for b in bundle_indices)
+    from sglang.srt.ray.engine import RayEngine
+
+    return RayEngine
+
+
+def _sglang_tags(tags: Iterable[str]) -> list[str]:
+    return [s for t in tags for s in SGLANG_TAGS[t]]
+
+
+def _require_raw_logprobs() -> None:
+    value = os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    if value.strip().lower() not in ("1", "true", "yes", "on"):
+        raise ConfigError("SGLANG_RETURN_ORIGINAL_LOGPROB", f"is {value!r}: SGLang would return temperature-scaled "
+                          "logprobs, but the protocol promises the raw model's.", "Unset it or set it to 1.")
+
+
+# ---- the trainer's side of SGLang's weight sync ------------------------------------------------------------------
+class _BucketCutter:
+    """Where SGLang flattened buckets end: at most ``bucket_bytes`` each (a larger tensor travels alone). SGLang packs
+    bytes back to back and refuses a tensor whose offset is not a multiple of its element size
+    (``FlattenedTensorBucket.empty``), so such a tensor opens a new bucket."""
+
+    def __init__(self, bucket_bytes: int):
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ConfigError("bucket_bytes", f"must be a positive int, got {bucket_bytes!r}.")
+        self.bucket_bytes, self.used = bucket_bytes, None
+
+    def opens_bucket(self, meta: Any) -> bool:
+        size = meta.nbytes
+        new = self.used is None or self.used + size > self.bucket_bytes or self.used % meta.torch_dtype.itemsize
+        self.used = (0 if new else self.used) + size
+        return bool(new)
+
+
+def sglang_bucket_plan(metas: Iterable[Any], bucket_bytes: int) -> list[list[Any]]:
+    """The ``TensorMeta`` lists of the buckets, in order (engine and :func:`send_to_sglang` cut alike)."""
+    cutter, buckets = _BucketCutter(bucket_bytes), []
+    for meta in metas:
+        if cutter.opens_bucket(meta):
+            buckets.append([])
+        buckets[-1].append(meta)
+    return buckets
+
+
+def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes of ``tensors`` back to back: what SGLang's ``FlattenedTensorBucket`` receives and splits."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def sglang_trainer_group(master_address: str, master_port: int, world_size: int, *, group_name: str,
+                         backend: str = "nccl", timeout_s: float = 600.0) -> Any:
+    """Rank 0 (the trainer) of the group SGLang's ``init_weights_update_group`` joins: the same TCP rendezvous,
+    ``PrefixStore(group_name)`` and process-group construction as SGLang 0.5.23's ``init_custom_process_group``."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    pg, _ = _new_process_group_helper(size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(size)}
+    return pg
+
+
+def send_to_sglang(group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> TransferStats:
+    """Broadcast ``named_tensors`` from rank 0, one flattened bucket at a time (streamed: a lazy iterator, e.g. ZeRO-3
+    gathers, holds at most one bucket of tensors). Run it while the engine's ``update_weights(metas,
+    bucket_bytes=bucket_bytes)`` runs with the metas of exactly these tensors, in this order."""
+    from hybrid_core.weight_sync import TensorMeta
+
+    cutter, current = _BucketCutter(bucket_bytes), []
+    start, nbytes, cuda = time.perf_counter(), 0, False
+
+    def flush() -> int:
+        flat = flatten_bucket(current)
+        torch.distributed.broadcast(flat, src=0, group=group)
+        return flat.numel()
+
+    for name, tensor in named_tensors:
+        if cutter.opens_bucket(TensorMeta.of(name, tensor)) and current:
+            nbytes += flush()
+            current = []
+        current.append(tensor)
+        cuda = cuda or tensor.is_cuda
+    if current:
+        nbytes += flush()
+    if cuda:
+        torch.cuda.synchronize()
+    return TransferStats(nbytes, time.perf_counter() - start, "sglang weight sync send")

@@ -1,0 +1,360 @@
+"""vLLM adapter: :class:`~hybrid_engines.protocol.InferenceEngine` on ``vllm.LLM`` (written against vLLM 0.26.0).
+
+* Generation: token-id prompts (``{"prompt_token_ids": ids}``, vLLM's ``TokensPrompt``), one request per completion
+  (:mod:`hybrid_engines.sampling_map`), logprobs of the sampled tokens under the raw model
+  (``logprobs_mode="raw_logprobs"``: before temperature / top-k / top-p and logits processors).
+* Sleep: ``LLM(enable_sleep_mode=True)``; ``sleep(1)`` offloads weights to host memory and drops the KV cache,
+  ``sleep(2)`` drops both. ``wake_up(["weights"])`` and ``wake_up(["kv_cache"])`` map to vLLM's tags one to one, so
+  weights can be refreshed before the KV cache takes its memory back. After a level-2 sleep ``generate`` is refused
+  until every parameter was loaded again (vLLM 0.26 saves and restores buffers such as rotary caches itself, in
+  ``Worker.sleep``/``wake_up``; the weights are garbage until re-synced).
+* Weight updates: a worker extension (:mod:`hybrid_engines.vllm_worker`) joins hybrid-core's weight-sync group
+  (broadcast path, ``update_weights``) or maps CUDA-IPC buckets of a colocated trainer (``update_weights_from_ipc``),
+  and loads through the model's own ``load_weights``. The prefix cache is reset after every update.
+
+Tensor parallelism over Ray (TP > 1), as vLLM 0.26 places workers (``v1/executor/ray_executor_v2.py``): build the
+engine inside a Ray actor that was scheduled in the placement group (vLLM takes ``get_current_placement_group()``
+then, ``engine/arg_utils.py``); give that actor no GPU of its own (``num_gpus=0``: the V2 Ray executor does not need
+one on the driver); pass ``bundle_indices`` (one bundle per TP rank, in rank order, -> ``VLLM_RAY_BUNDLE_INDICES``)
+and ``gpus_per_worker`` (the GPU fraction each worker takes from its bundle, e.g. 0.5 when the trainer shares the
+GPU, -> ``VLLM_RAY_PER_WORKER_GPUS``). vLLM itself sets ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` for its
+worker actors and maps each to its bundle's physical GPU, so nothing else is needed. TP = 1 runs in-process.
+
+Environment set here when not already set (before vLLM is imported): ``VLLM_USE_FLASHINFER_SAMPLER=0`` (FlashInfer
+otherwise JIT-compiles its sampler for minutes at start-up), ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in
+this process: one CUDA context, readable stack traces, objects passed to ``collective_rpc`` as they are; with it
+set to 1, IPC buckets need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to cross vLLM's msgpack channel) and, for a model
+that is a local folder, ``HF_HUB_OFFLINE=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Sequence
+
+from hybrid_core.errors import ConfigError, RemoteTimeout
+from hybrid_core.stats import TransferStats
+
+from .hf_engine import EngineStateError
+from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
+from .sampling_map import (
+    check_prompts, expand_rows, finish_reason, sampled_logprobs, vllm_sampling_kwargs,
+)
+
+WORKER_EXTENSION = "hybrid_engines.vllm_worker.HybridWorkerExtension"
+
+#: Keyword arguments this adapter gives ``vllm.LLM`` (checked against ``LLM.__init__`` and ``EngineArgs`` by the
+#: contract test; ``**extra`` from the caller goes through unchecked).
+VLLM_LLM_KWARGS = (
+    "model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "enforce_eager", "dtype", "seed",
+    "max_model_len", "enable_prefix_caching", "worker_extension_cls", "logprobs_mode", "distributed_executor_backend",
+)
+#: ``vllm.LLM`` methods this adapter calls, with the keyword arguments it passes (contract-tested).
+VLLM_LLM_METHODS = {
+    "generate": ("prompts", "sampling_params", "use_tqdm"),
+    "sleep": ("level",),
+    "wake_up": ("tags",),
+    "collective_rpc": ("method", "timeout", "args", "kwargs"),
+    "reset_prefix_cache": (),
+}
+#: vLLM 0.26 sleep-mode tags (``LLM.wake_up`` docstring: "weights", "kv_cache", "scheduling").
+VLLM_WAKE_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}
+
+ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class VLLMEngine:
+    """The vLLM backend. ``model``: a local folder or hub id (a hub id needs network access at start-up).
+
+    ``weight_loading``: "direct" (default) copies received tensors in with ``load_weights``, exact for unquantized
+    weights (vLLM 0.26's ``UnquantizedLinearMethod.process_weights_after_loading`` does nothing on CUDA); "layerwise"
+    wraps each broadcast sync in vLLM's layerwise reload (for quantized models; not for the IPC path, whose buckets may
+    split a layer). ``rpc_timeout_s`` bounds every ``collective_rpc`` (vLLM enforces it on multi-process executors;
+    with TP = 1 the call runs in this process and the weight-sync group's own ``timeout_s`` bounds the transfer).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        enable_sleep_mode: bool = True,
+        enforce_eager: bool = False,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        stop_at_eos: bool = True,
+        weight_loading: str = "direct",
+        placement_group: Any = None,
+        bundle_indices: Sequence[int] | None = None,
+        gpus_per_worker: float | None = None,
+        rpc_timeout_s: float = 600.0,
+        **extra: Any,
+    ):
+        _check_args(tensor_parallel_size, gpu_memory_utilization, weight_loading, bundle_indices, gpus_per_worker,
+                    rpc_timeout_s)
+        _set_env_defaults(model)
+        if tensor_parallel_size > 1:
+            _set_ray_placement(placement_group, bundle_indices, gpus_per_worker)
+        import vllm
+
+        kwargs = dict(
+            model=model, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode, enforce_eager=enforce_eager, dtype=dtype, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, worker_extension_cls=WORKER_EXTENSION,
+            logprobs_mode="raw_logprobs",
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "ray"
+        kwargs.update(extra)
+        self._vllm = vllm
+        self.llm = vllm.LLM(**kwargs)
+        self.enable_sleep_mode = enable_sleep_mode
+        self.stop_at_eos = stop_at_eos
+        self.weight_loading = weight_loading
+        self.rpc_timeout_s = rpc_timeout_s
+        self._weights = "awake"  # "awake" | "offloaded" (sleep 1) | "discarded" (sleep 2)
+        self._kv_awake = True
+        self._missing: tuple[int, list[str]] = (0, [])  # parameters still to load after a level-2 sleep
+        self._group = False
+        self._closed = False
+
+    # ---- generation --------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
+                 params: SamplingParams) -> list[list[GenerationOutput]]:
+        """``params.n`` completions per prompt, in prompt order."""
+        self._require_ready("generate")
+        prompts = check_prompts(prompt_token_ids)
+        rows = expand_rows(prompts, params)
+        make = self._vllm.SamplingParams
+        if all(r.seed is None for r in rows):  # one object for every row
+            sampling: Any = make(**vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos))
+        else:
+            sampling = [make(**vllm_sampling_kwargs(params, seed=r.seed, stop_at_eos=self.stop_at_eos)) for r in rows]
+        requests = [{"prompt_token_ids": prompts[r.prompt]} for r in rows]
+        outputs = self.llm.generate(prompts=requests, sampling_params=sampling, use_tqdm=False)
+        results: list[list[Any]] = [[None] * params.n for _ in prompts]
+        for row, out in zip(rows, outputs, strict=True):
+            done = out.outputs[0]
+            ids = list(done.token_ids)
+            results[row.prompt][row.sample] = GenerationOutput(
+                prompt_token_ids=prompts[row.prompt], token_ids=ids,
+                logprobs=sampled_logprobs(ids, done.logprobs) if params.logprobs else None,
+                finish_reason=finish_reason(done.finish_reason, engine="vllm"))
+        return results
+
+    # ---- sleep / wake ------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> TransferStats:
+        """Level 1: weights to host memory, KV cache dropped; level 2: both dropped (re-sync weights before use).
+
+        ``bytes`` is the device memory the call released. Sleeping while (partly) asleep first wakes what is asleep
+        (vLLM ignores a sleep while any tag sleeps), so the requested level always holds afterwards."""
+        if level not in (1, 2):
+            raise ConfigError("level", f"sleep level must be 1 or 2, got {level!r}.")
+        self._require_open("sleep")
+        if not self.enable_sleep_mode:
+            raise ConfigError("enable_sleep_mode", "sleep needs the engine built with enable_sleep_mode=True.")
+        if self._weights != "awake" and not self._kv_awake:
+            return TransferStats(0, 0.0, f"vllm sleep{level}")  # already fully asleep; a deeper level frees no more
+        if not self._kv_awake or self._weights != "awake":
+            self.wake_up()
+        free_before = self._free_bytes()
+        start = time.perf_counter()
+        self.llm.sleep(level=level)
+        seconds = time.perf_counter() - start
+        self._kv_awake = False
+        if level == 1:
+            self._weights = "offloaded"
+        else:
+            self._weights = "discarded"
+        return TransferStats(max(self._free_bytes() - free_before, 0), seconds, f"vllm sleep{level}")
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats:
+        """Bring back "weights" and/or "kv_cache" (both when ``tags`` is None); ``bytes``: device memory re-taken."""
+        self._require_open("wake_up")
+        wanted = _check_tags(tags)
+        sleeping = {"weights": self._weights != "awake", "kv_cache": not self._kv_awake}
+        asleep = [t for t in wanted if sleeping[t]]
+        if not asleep:
+            return TransferStats(0, 0.0, "vllm wake")
+        free_before = self._free_bytes()
+        start = time.perf_counter()
+        self.llm.wake_up(tags=[VLLM_WAKE_TAGS[t] for t in asleep])
+        seconds = time.perf_counter() - start
+        if "weights" in asleep:
+            if self._weights == "discarded":
+                counts = self._rpc("hybrid_expect_full_reload")
+                self._missing = (max(counts), ["(every parameter: weights were discarded by sleep level 2)"])
+            self._weights = "awake"
+        if "kv_cache" in asleep:
+            self._kv_awake = True
+        return TransferStats(max(free_before - self._free_bytes(), 0), seconds, "vllm wake")
+
+    # ---- weight updates ----------------------------------------------------------------------------------------
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "hybrid-weight-sync",
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Every worker joins the trainer's group as rank ``rank_offset + its TP rank`` (the trainer is rank 0)."""
+        self._require_open("init_weight_update_group")
+        workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
+        if rank_offset < 1 or rank_offset + workers > world_size:
+            raise ConfigError("rank_offset", f"this engine's {workers} worker(s) need ranks {rank_offset}.."
+                              f"{rank_offset + workers - 1} inside world_size={world_size}.",
+                              "Rank 0 is the trainer; give each engine a disjoint range of ranks >= 1.")
+        self._rpc("hybrid_init_weight_group", master_address, master_port, rank_offset, world_size, backend,
+                  timeout_s, group_name, timeout=timeout_s + 30)
+        self._group = True
+
+    def update_weights(self, metas: Sequence[Any], *, bucket_bytes: int) -> TransferStats:
+        """Receive one sync from the trainer's ``WeightSender`` (rank 0) and load it; resets the prefix cache.
+
+        The trainer must call ``WeightSender(group, bucket_bytes).send(named_tensors)`` at the same time, with the
+        tensors ``metas`` describes, in that order (names as in the Hugging Face checkpoint)."""
+        if not self._group:
+            raise EngineStateError("update_weights: no weight-update group. Call init_weight_update_group first.")
+        self._require_weights_on_device("update_weights")
+        wire = [(m.name, m.dtype, tuple(m.shape)) for m in metas]
+        results = self._rpc("hybrid_receive_weights", wire, bucket_bytes, self.weight_loading == "layerwise")
+        return self._after_update(results, "vllm weight sync")
+
+    def update_weights_from_ipc(self, bucket: Any) -> TransferStats:
+        """Load one CUDA-IPC bucket (``IpcBucket``) of a trainer on this engine's GPU, or a list of buckets, one per
+        GPU of a TP > 1 engine (each worker takes the one on its GPU). Returns once copied; resets the prefix cache."""
+        if self.weight_loading == "layerwise":
+            raise ConfigError("weight_loading", "the IPC path loads bucket by bucket, which layerwise reload cannot do "
+                              "(a bucket may hold part of a layer).", "Use update_weights (broadcast) for layerwise.")
+        self._require_weights_on_device("update_weights_from_ipc")
+        buckets = list(bucket) if isinstance(bucket, (list, tuple)) else [bucket]
+        return self._after_update(self._rpc("hybrid_load_ipc", buckets), "vllm weight sync ipc")
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (their KV was computed with the old weights)."""
+        self._require_open("reset_prefix_cache")
+        if not self.llm.reset_prefix_cache():
+            raise EngineStateError("reset_prefix_cache: vLLM could not reset the prefix cache (requests running?).")
+
+    def shutdown(self) -> None:
+        """Leave the weight-sync group and release the engine (its GPU memory with it)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._group:
+                self._rpc("hybrid_close_weight_group")
+        finally:
+            engine = getattr(self.llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None  # type: ignore[assignment]
+            import gc
+
+            gc.collect()
+
+    # ---- helpers -----------------------------------------------------------------------------------------------
+    def device_info(self) -> list[dict[str, Any]]:
+        """Per worker: rank, device, GPU UUID, free and total device memory."""
+        return self._rpc("hybrid_device_info")
+
+    def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        timeout = self.rpc_timeout_s if timeout is None else timeout
+        try:
+            return self.llm.collective_rpc(method, timeout=timeout, args=args)
+        except TimeoutError as e:
+            raise RemoteTimeout(f"vllm collective_rpc {method}: no answer within {timeout:g} s") from e
+
+    def _free_bytes(self) -> int:
+        return sum(self._rpc("hybrid_free_bytes"))
+
+    def _after_update(self, results: list[dict[str, Any]], what: str) -> TransferStats:
+        if self._missing[0]:
+            worst = max(results, key=lambda r: r["missing_count"])
+            self._missing = (worst["missing_count"], worst["missing"])
+        self.reset_prefix_cache()
+        return TransferStats(results[0]["bytes"], max(r["seconds"] for r in results), what)
+
+    def _require_open(self, what: str) -> None:
+        if self._closed:
+            raise EngineStateError(f"{what}: the engine was shut down.")
+
+    def _require_weights_on_device(self, what: str) -> None:
+        self._require_open(what)
+        if self._weights != "awake":
+            level = 1 if self._weights == "offloaded" else 2
+            raise EngineStateError(f"{what}: the weights are asleep (sleep level {level}). "
+                                   "Call wake_up(['weights']) first.")
+
+    def _require_ready(self, what: str) -> None:
+        self._require_weights_on_device(what)
+        if not self._kv_awake:
+            raise EngineStateError(f"{what}: the KV cache is asleep. Call wake_up(['kv_cache']) (or wake_up()) first.")
+        count, names = self._missing
+        if count:
+            raise EngineStateError(f"{what}: {count} parameter(s) hold no weights since sleep(level=2), e.g. "
+                                   f"{', '.join(names)}. Re-sync the weights (update_weights / "
+                                   "update_weights_from_ipc) before generating.")
+
+
+def _check_tags(tags: Sequence[str] | None) -> list[str]:
+    if tags is None:
+        return list(WAKE_TAGS)
+    if isinstance(tags, str) or any(t not in WAKE_TAGS for t in tags):
+        raise ConfigError("tags", f"unknown wake-up tags {tags!r}.", f"Use a subset of {list(WAKE_TAGS)}.")
+    return list(dict.fromkeys(tags))
+
+
+def _check_args(tp: int, gpu_mem: float, weight_loading: str, bundle_indices: Sequence[int] | None,
+                gpus_per_worker: float | None, rpc_timeout_s: float) -> None:
+    if not isinstance(tp, int) or tp < 1:
+        raise ConfigError("tensor_parallel_size", f"must be an int >= 1, got {tp!r}.")
+    if not 0 < gpu_mem <= 1:
+        raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {gpu_mem!r}.",
+                          "It is the fraction of the GPU this engine may take (weights + KV cache).")
+    if weight_loading not in ("direct", "layerwise"):
+        raise ConfigError("weight_loading", f"must be 'direct' or 'layerwise', got {weight_loading!r}.")
+    if bundle_indices is not None and len(bundle_indices) != tp:
+        raise ConfigError("bundle_indices", f"needs one bundle per TP rank ({tp}), got {list(bundle_indices)}.")
+    if bundle_indices is not None and len(set(bundle_indices)) != len(bundle_indices):
+        raise ConfigError("bundle_indices", f"must not repeat a bundle, got {list(bundle_indices)}.",
+                          "vLLM places one TP worker per bundle (one GPU each).")
+    if gpus_per_worker is not None and not 0 < gpus_per_worker <= 1:
+        raise ConfigError("gpus_per_worker", f"must be in (0, 1], got {gpus_per_worker!r}.")
+    if not rpc_timeout_s > 0:
+        raise ConfigError("rpc_timeout_s", f"must be positive, got {rpc_timeout_s!r}.")
+
+
+def _set_env_defaults(model: str) -> None:
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if os.path.isdir(str(model)):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder needs no hub lookups (and may have no network)
+
+
+def _set_ray_placement(placement_group: Any, bundle_indices: Sequence[int] | None,
+                       gpus_per_worker: float | None) -> None:
+    """What vLLM 0.26's Ray executor reads to place TP workers (see the module docstring)."""
+    import ray
+
+    current = ray.util.get_current_placement_group() if ray.is_initialized() else None
+    if placement_group is not None and (current is None or current.id != placement_group.id):
+        raise ConfigError("placement_group", "vLLM 0.26 places its TP workers in the placement group of the Ray actor "
+                          "that builds the engine, and this process is not in the given one.",
+                          "Build VLLMEngine inside an actor scheduled with PlacementGroupSchedulingStrategy("
+                          "placement_group=pg).")
+    if bundle_indices is not None:
+        os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(int(b)) for b in bundle_indices)
+    if gpus_per_worker is not None:
+        os.environ["VLLM_RAY_PER_WORKER_GPUS"] = str(float(gpus_per_worker))

@@ -1,0 +1,167 @@
+"""Code that runs inside each vLLM GPU worker: joins hybrid's weight-sync group and loads received weights.
+
+vLLM 0.26 mixes the class named by ``LLM(worker_extension_cls="hybrid_engines.vllm_worker.HybridWorkerExtension")``
+into its ``Worker`` class (``v1/worker/worker_base.py::WorkerWrapperBase.init_worker``) and refuses any attribute
+that ``Worker`` already has, so every name here starts with ``hybrid_`` (a contract test checks there is no clash).
+The adapter reaches these methods with ``LLM.collective_rpc("hybrid_...")``; arguments and results are plain
+Python values so they survive vLLM's executors (in-process, multiprocessing, Ray).
+
+Weights are loaded with the model's own ``load_weights``, so vLLM maps checkpoint names onto its fused parameters
+(``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``, TP sharding, tied embeddings) exactly as at start-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+#: Method names the adapter calls through ``collective_rpc`` (the contract test checks none exists on vLLM's Worker).
+RPC_METHODS = (
+    "hybrid_device_info", "hybrid_free_bytes", "hybrid_init_weight_group", "hybrid_close_weight_group",
+    "hybrid_receive_weights", "hybrid_load_ipc", "hybrid_expect_full_reload",
+)
+
+
+class HybridWorkerExtension:
+    """Mixed into vLLM's GPU ``Worker``: ``self`` is the worker (``self.device``, ``self.rank``, ``get_model()``)."""
+
+    # ---- introspection -------------------------------------------------------------------------------------------
+    def hybrid_device_info(self) -> dict[str, Any]:
+        """This worker's rank, device, GPU UUID (for CUDA IPC) and free device memory."""
+        dev = self._hybrid_device()
+        free, total = torch.cuda.mem_get_info(dev)
+        return {"rank": int(self.rank), "device": str(dev), "uuid": str(torch.cuda.get_device_properties(dev).uuid),
+                "free_bytes": int(free), "total_bytes": int(total)}
+
+    def hybrid_free_bytes(self) -> int:
+        torch.cuda.synchronize(self._hybrid_device())
+        return int(torch.cuda.mem_get_info(self._hybrid_device())[0])
+
+    # ---- weight-sync group ---------------------------------------------------------------------------------------
+    def hybrid_init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str, timeout_s: float, group_name: str) -> int:
+        """Join the trainer's group as rank ``rank_offset + self.rank`` (as vLLM's own NCCL engine numbers workers:
+        ``distributed/weight_transfer/nccl_common.py::worker_init_process_group``). Returns that rank."""
+        from hybrid_core.weight_sync import create_sync_group
+
+        self.hybrid_close_weight_group()
+        rank = rank_offset + int(self.rank)
+        self._hybrid_group = create_sync_group(master_address, master_port, rank, world_size, backend=backend,
+                                               timeout_s=timeout_s, device=self._hybrid_device(),
+                                               group_name=group_name)
+        return rank
+
+    def hybrid_close_weight_group(self) -> None:
+        group = getattr(self, "_hybrid_group", None)
+        if group is not None:
+            group.close()
+        self._hybrid_group = None
+        self._hybrid_receiver = None
+
+    # ---- loading -------------------------------------------------------------------------------------------------
+    def hybrid_expect_full_reload(self) -> int:
+        """After a level-2 sleep: every parameter counts as missing until a load brings it (returns how many)."""
+        self._hybrid_missing = {name for name, _ in self.get_model().named_parameters()}
+        return len(self._hybrid_missing)
+
+    def hybrid_receive_weights(self, metas: Sequence[tuple[str, str, Sequence[int]]], bucket_bytes: int,
+                               layerwise: bool) -> dict[str, Any]:
+        """Receive one broadcast sync (``WeightSender`` on the trainer's rank 0) and load it.
+
+        ``layerwise``: wrap the load in vLLM 0.26's layerwise reload (``model_executor/model_loader/reload``, what its
+        own NCCL/IPC weight-transfer engines do), which re-runs ``process_weights_after_loading`` per layer: needed for
+        quantized or otherwise post-processed weights. Its loaders keep the received tensors until a layer is
+        complete, so they get copies here (the receive buffers are reused).
+        """
+        from hybrid_core.weight_sync import TensorMeta, WeightReceiver
+
+        group = getattr(self, "_hybrid_group", None)
+        if group is None:
+            raise RuntimeError(f"vLLM worker rank {self.rank}: no weight-sync group; call init_weight_update_group.")
+        receiver = getattr(self, "_hybrid_receiver", None)
+        if receiver is None or receiver.bucket_bytes != bucket_bytes:
+            receiver = self._hybrid_receiver = WeightReceiver(group, bucket_bytes, self._hybrid_device())
+        wanted = [TensorMeta(name, dtype, tuple(shape)) for name, dtype, shape in metas]
+        model = self.get_model()
+        loaded: set[str] = set()
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            if layerwise:
+                pairs = [(name, t.clone()) for name, t in pairs]
+            loaded.update(model.load_weights(pairs) or ())
+
+        with _on(self._hybrid_device()), self._hybrid_reload(layerwise):
+            stats = receiver.receive(wanted, load)
+        return self._hybrid_result(stats.bytes, stats.seconds, loaded)
+
+    def hybrid_load_ipc(self, buckets: Sequence[Any]) -> dict[str, Any]:
+        """Load the CUDA-IPC bucket (``hybrid_core.weight_sync.IpcBucket``) that lives on this worker's GPU.
+
+        ``buckets`` holds one bucket per GPU (matched by GPU UUID: with TP > 1 each worker takes its own). Loads
+        directly (no layerwise reload): a bucket may hold only part of a fused layer, which layerwise reload would
+        finish with the rest of that layer uninitialised.
+        """
+        from hybrid_core.weight_sync import load_ipc_bucket
+
+        dev = self._hybrid_device()
+        uuid = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else ""  # "": CPU shm buckets
+        mine = [b for b in buckets if getattr(b.handle, "device_uuid", "") == uuid]
+        if len(mine) != 1:
+            raise RuntimeError(f"vLLM worker rank {self.rank} (GPU {uuid}): expected exactly one IPC bucket from this "
+                               f"GPU, got {len(mine)} of {len(buckets)}. Colocate a trainer rank with every engine "
+                               "worker's GPU, or use the broadcast path (update_weights).")
+        model = self.get_model()
+        loaded: set[str] = set()
+        with _on(dev):
+            stats = load_ipc_bucket(mine[0], lambda pairs: loaded.update(model.load_weights(pairs) or ()))
+        return self._hybrid_result(stats.bytes, stats.seconds, loaded)
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    def _hybrid_device(self) -> torch.device:
+        dev = getattr(self, "device", None) or torch.device("cuda")
+        return dev if dev.type != "cuda" or dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def _hybrid_reload(self, layerwise: bool):
+        return _LayerwiseReload(self.get_model(), self.model_config) if layerwise else _Nothing()
+
+    def _hybrid_result(self, nbytes: int, seconds: float, loaded: set[str]) -> dict[str, Any]:
+        # vLLM's own start-up check compares named_parameters() with what load_weights returned
+        # (model_executor/model_loader/default_loader.py); the same comparison tells when a level-2 reload is whole.
+        missing = getattr(self, "_hybrid_missing", None)
+        if missing is not None:
+            missing -= loaded
+        left = sorted(missing) if missing else []
+        return {"rank": int(self.rank), "bytes": int(nbytes), "seconds": float(seconds), "loaded": len(loaded),
+                "missing_count": len(left), "missing": left[:5]}
+
+
+class _LayerwiseReload:
+    """vLLM's checkpoint-format reload around a load; finalized even when the load fails (restores untouched layers)."""
+
+    def __init__(self, model: torch.nn.Module, model_config: Any):
+        self.model, self.model_config = model, model_config
+
+    def __enter__(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def __exit__(self, *exc: Any) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+        torch.cuda.synchronize()
+
+
+def _on(device: torch.device):
+    """Make ``device`` current while IPC handles are opened and tensors allocated (a CPU device: nothing to do)."""
+    return torch.cuda.device(device) if device.type == "cuda" else _Nothing()
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None

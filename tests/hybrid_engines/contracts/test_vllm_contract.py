@@ -1,0 +1,129 @@
+"""Every vLLM name the adapter uses exists in the installed vLLM (written against 0.26.0).
+
+Driven by the constants the adapter itself declares (``VLLM_LLM_KWARGS``, ``VLLM_LLM_METHODS``,
+``VLLM_SAMPLING_FIELDS``, ``RPC_METHODS``...), so a name added to the adapter is checked here without editing this
+file. vLLM installs on CPU but cannot start an engine: run with ``hatch run vllm-contract:test``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (optional env: hatch run vllm-contract:test)")
+
+from hybrid_engines import vllm_engine, vllm_worker  # noqa: E402
+from hybrid_engines.protocol import SamplingParams  # noqa: E402
+from hybrid_engines.sampling_map import VLLM_SAMPLING_FIELDS, expand_rows, vllm_sampling_kwargs  # noqa: E402
+
+pytestmark = pytest.mark.contract
+
+
+def _params(fn) -> set[str]:
+    return set(inspect.signature(fn).parameters)
+
+
+def test_version_is_the_one_the_adapter_was_read_against():
+    # Not a failure on another version (the checks below decide), but say which one was checked.
+    print(f"checked against vllm {vllm.__version__}")
+    assert vllm.__version__
+
+
+def test_llm_takes_every_keyword_the_adapter_passes():
+    from vllm.engine.arg_utils import EngineArgs
+
+    accepted = _params(vllm.LLM.__init__) | {f.name for f in dataclasses.fields(EngineArgs)}  # **kwargs -> EngineArgs
+    missing = [k for k in vllm_engine.VLLM_LLM_KWARGS if k not in accepted]
+    assert not missing, f"vllm.LLM / EngineArgs do not accept {missing}"
+
+
+def test_llm_methods_take_the_arguments_the_adapter_passes():
+    for method, kwargs in vllm_engine.VLLM_LLM_METHODS.items():
+        fn = getattr(vllm.LLM, method, None)
+        assert callable(fn), f"vllm.LLM has no {method}()"
+        assert set(kwargs) <= _params(fn), f"vllm.LLM.{method} lacks {set(kwargs) - _params(fn)}"
+
+
+def test_raw_logprobs_mode_and_wake_tags_exist():
+    from vllm.config.model import LogprobsMode
+
+    assert "raw_logprobs" in typing.get_args(LogprobsMode)
+    doc = inspect.getdoc(vllm.LLM.wake_up)
+    for tag in vllm_engine.VLLM_WAKE_TAGS.values():
+        assert f'"{tag}"' in doc, f"vllm.LLM.wake_up does not document the tag {tag!r}"
+
+
+def test_sampling_params_has_every_field_and_accepts_every_mapped_request():
+    fields = set(vllm.SamplingParams.__struct_fields__)
+    assert set(VLLM_SAMPLING_FIELDS) <= fields, f"missing: {set(VLLM_SAMPLING_FIELDS) - fields}"
+    for params in (SamplingParams(), SamplingParams(temperature=0.0, n=3), SamplingParams(top_k=1, temperature=0.5),
+                   SamplingParams(temperature=1.3, top_p=0.8, top_k=20, n=4, seed=7, min_new_tokens=2,
+                                  stop_token_ids=(2, 5), logprobs=False)):
+        for row in expand_rows([[1, 2, 3], [1, 2, 3]], params):
+            for stop_at_eos in (True, False):
+                sp = vllm.SamplingParams(**vllm_sampling_kwargs(params, seed=row.seed, stop_at_eos=stop_at_eos))
+                assert sp.n == 1 and sp.max_tokens == params.max_new_tokens and sp.seed == row.seed
+
+
+def test_token_prompts_and_outputs_have_the_fields_the_adapter_reads():
+    from vllm.inputs import TokensPrompt
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    assert "prompt_token_ids" in TokensPrompt.__required_keys__
+    assert {"token_ids", "logprobs", "finish_reason"} <= {f.name for f in dataclasses.fields(CompletionOutput)}
+    assert "outputs" in _params(RequestOutput.__init__)
+    assert "logprob" in {f.name for f in dataclasses.fields(Logprob)}
+    from vllm.v1.engine import FinishReason
+
+    assert {str(FinishReason.STOP), str(FinishReason.LENGTH)} == {"stop", "length"}
+
+
+def test_worker_extension_does_not_clash_with_vllms_worker_and_finds_what_it_uses():
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    ext = vllm_worker.HybridWorkerExtension
+    # vLLM's own rule (worker_base.py, init_worker): no extension attribute may exist on the worker class.
+    clashes = [a for a in dir(ext) if not a.startswith("__") and hasattr(Worker, a)]
+    assert not clashes, f"names vLLM would refuse: {clashes}"
+    assert set(vllm_worker.RPC_METHODS) <= {a for a in dir(ext) if callable(getattr(ext, a))}
+    assert callable(Worker.get_model)
+    init = inspect.getsource(WorkerBase.__init__)
+    for attr in ("self.rank", "self.device", "self.model_config"):
+        assert attr in init, f"vLLM's WorkerBase no longer sets {attr}"
+    assert vllm_engine.WORKER_EXTENSION == f"{ext.__module__}.{ext.__qualname__}"
+
+
+def test_layerwise_reload_functions_exist_with_the_arguments_used():
+    from vllm.model_executor.model_loader import reload
+
+    assert list(inspect.signature(reload.initialize_layerwise_reload).parameters) == ["model"]
+    finalize = inspect.signature(reload.finalize_layerwise_processing).parameters
+    assert list(finalize)[:2] == ["model", "model_config"]
+
+
+def test_environment_variables_the_adapter_sets_are_vllms():
+    import vllm.envs as envs
+
+    for name in (*vllm_engine.ENV_DEFAULTS, "VLLM_RAY_BUNDLE_INDICES", "VLLM_RAY_PER_WORKER_GPUS"):
+        assert name in envs.environment_variables, f"vLLM does not read {name}"
+
+
+def test_behaviours_the_adapter_relies_on_are_in_the_source():
+    from vllm.v1.worker.gpu_worker import Worker
+
+    # Level-2 sleep: vLLM keeps and restores the model's buffers itself; only parameters need a re-sync.
+    assert "_sleep_saved_buffers" in inspect.getsource(Worker.sleep)
+    assert "_sleep_saved_buffers" in inspect.getsource(Worker.wake_up)
+    # TP > 1 over Ray: the V2 executor is the default, sets NOSET for its workers and needs no GPU on the driver.
+    import vllm.envs as envs
+    from vllm.v1.executor import ray_executor_v2
+
+    assert envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND is True
+    source = inspect.getsource(ray_executor_v2)
+    assert "ray_noset_device_env_vars" in source and "require_gpu_on_driver=False" in source
+    assert "VLLM_RAY_BUNDLE_INDICES" in source and "VLLM_RAY_PER_WORKER_GPUS" in source
