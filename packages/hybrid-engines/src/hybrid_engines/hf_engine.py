@@ -205,19 +205,20 @@ class HFEngine:
         return stats
 
     def update_weights_from_ipc(self, bucket: Any) -> TransferStats:
-        """Load one CUDA-IPC (or CPU shared-memory) bucket from a colocated trainer; returns once copied."""
-        from hybrid_core.weight_sync import open_ipc_bucket
+        """Load one CUDA-IPC (or CPU shared-memory) bucket from a colocated trainer; returns once copied, so the
+        sender may reuse the buffer. The last bucket of a sync also unmaps the trainer's buffers."""
+        from hybrid_core.weight_sync import load_ipc_bucket
 
         self._require_weights_on_device("update_weights_from_ipc")
-        start = time.perf_counter()
-        items = open_ipc_bucket(bucket)
-        problem = self.weights.check([(name, tuple(t.shape)) for name, t in items])
-        if problem:
-            raise ConfigError("bucket", problem, "Send the engine model's own parameter names and shapes.")
-        self.weights.load(items)
-        _synchronize(self.device)  # the sender may reuse the bucket as soon as we return
-        nbytes = sum(t.numel() * t.element_size() for _, t in items)
-        return TransferStats(nbytes, time.perf_counter() - start, "ipc")
+
+        def load(items):
+            problem = self.weights.check([(name, tuple(t.shape)) for name, t in items])
+            if problem:
+                raise ConfigError("bucket", problem, "Send the engine model's own parameter names and shapes.")
+            self.weights.load(items)
+            _synchronize(self.device)
+
+        return load_ipc_bucket(bucket, load)
 
     def reset_prefix_cache(self) -> None:
         """Nothing to do: this engine keeps no prefix cache across calls (the KV cache lives inside ``generate``)."""

@@ -225,18 +225,19 @@ class SGLangEngine:
 
     def update_weights_from_ipc(self, bucket: Any) -> TransferStats:
         """Load one hybrid-core IPC bucket of a trainer on this engine's GPU (TP = 1)."""
-        from hybrid_core.weight_sync import open_ipc_bucket
+        from hybrid_core.weight_sync import load_ipc_bucket
 
         if self.tp != 1:
             raise ConfigError("tensor_parallel_size", "the SGLang IPC path supports TP = 1 only.",
                               "Use update_weights (broadcast) for TP > 1.")
         self._require_weights_on_device("update_weights_from_ipc")
-        start = time.perf_counter()
-        pairs = open_ipc_bucket(bucket)
-        with self._session():
-            self._check(self.engine.update_weights_from_tensor(named_tensors=pairs, flush_cache=False),
-                        "update_weights_from_tensor")
-        return TransferStats(bucket.nbytes, time.perf_counter() - start, "sglang weight sync ipc")
+
+        def load(pairs):
+            with self._session():
+                self._check(self.engine.update_weights_from_tensor(named_tensors=pairs, flush_cache=False),
+                            "update_weights_from_tensor")
+
+        return load_ipc_bucket(bucket, load)
 
     def reset_prefix_cache(self) -> None:
         self._require_open("reset_prefix_cache")

@@ -1,0 +1,110 @@
+"""Shared by the bench scripts: imports from a source checkout, the model under test, a printed table, and rows
+appended to bench/RESULTS.md (``| metric | value | unit | device | date | command |``, append only)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "RESULTS.md"
+HEADER = "| metric | value | unit | device | date | command |\n| --- | --- | --- | --- | --- | --- |\n"
+
+# NVLink multicast must stay off on the shared GPU hosts (children inherit these).
+for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                      ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_name, _value)
+
+try:  # run from a plain checkout too (the GPU machine has no editable install)
+    import hybrid_core  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT / "packages" / "hybrid-core" / "src"))
+
+
+@dataclass
+class Row:
+    metric: str
+    value: float
+    unit: str
+    record: bool = True  # False: printed only (diagnostics), not appended to RESULTS.md
+
+
+def llama_config(small: bool):
+    """The ~1B Llama of the issue (hidden 2048, 16 layers, intermediate 5632, vocab 32000), or a tiny one."""
+    from transformers import LlamaConfig
+
+    if small:
+        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
+                       tie_word_embeddings=False)
+
+
+def build_llama(small: bool, device, dtype):
+    """A randomly initialised model built directly on ``device`` in ``dtype`` (nothing is downloaded)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(llama_config(small))
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(device=device, dtype=dtype)
+
+
+def device_label(device) -> str:
+    import torch
+
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        count = torch.cuda.device_count()
+        return f"{count}x {torch.cuda.get_device_name(device)}" if count > 1 else torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def print_table(title: str, rows: list[Row]) -> None:
+    width = max([len(r.metric) for r in rows] + [6])
+    print(f"\n{title}")
+    print(f"{'metric':<{width}}  {'value':>12}  unit")
+    print(f"{'-' * width}  {'-' * 12}  {'-' * 24}")
+    for r in rows:
+        print(f"{r.metric:<{width}}  {_fmt(r.value):>12}  {r.unit}{'' if r.record else '  (not recorded)'}")
+
+
+def append_results(rows: list[Row], device: str, path: Path = RESULTS) -> int:
+    """Append the recordable rows to RESULTS.md (created with its header if missing); returns how many."""
+    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]).replace("|", "\\|")
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    lines = [f"| {r.metric} | {_fmt(r.value)} | {r.unit} | {device} | {date} | `{command}` |\n"
+             for r in rows if r.record]
+    new = not path.exists() or path.stat().st_size == 0
+    needs_newline = not new and not path.read_bytes().endswith(b"\n")
+    with open(path, "a") as f:
+        if new:
+            f.write(HEADER)
+        elif needs_newline:
+            f.write("\n")
+        f.writelines(lines)
+    return len(lines)
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value)

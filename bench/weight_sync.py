@@ -1,0 +1,253 @@
+"""Weight sync of the ~1B Llama in bf16 (1.9 GB) from a trainer process to an engine process.
+
+* ipc: sender and engine share one GPU; flat buckets are handed over by CUDA IPC handle (``IpcBucketSender``), the
+  engine copies them into its own model. Metric ``weight sync GB/s``.
+* nccl: sender on GPU 0, engine on GPU 1, a dedicated NCCL group (``WeightSender`` / ``WeightReceiver``). Metric
+  ``weight sync NCCL GB/s``. Runs when two GPUs are visible.
+
+Each mode runs several syncs; the first (mapping handles, building the communicator) is reported apart, the rate
+is the median of the others. After the last sync the engine's weights are checked bit-exact against the sender's.
+
+    python bench/weight_sync.py [--record]     # GPU(s)
+    python bench/weight_sync.py --small        # tiny model on CPU (shared memory + gloo): logic check only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+from _common import Row, append_results, build_llama, device_label, free_port, print_table
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="tiny model on CPU")
+    ap.add_argument("--mode", choices=("auto", "ipc", "nccl", "both"), default="auto",
+                    help="auto: ipc, plus nccl when 2 GPUs are visible (on CPU both run, the second over gloo)")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="default 512 (GPU), 1/32 with --small")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds for any one wait")
+    ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
+    return ap.parse_args()
+
+
+def fingerprint(model) -> list[tuple[int, int]]:
+    out = []
+    for p in model.parameters():
+        words = p.detach().contiguous().view(-1).view(torch.int16 if p.element_size() == 2 else torch.int32)
+        words = words.to(torch.int64)
+        out.append((int(words.sum()), int((words * words).sum())))
+    return out
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+# ---- the engine processes ------------------------------------------------------------------------------------------
+def ipc_engine(small: bool, device: str, requests, replies) -> None:
+    """Holds its own model on the same device; loads IPC buckets into it and acknowledges each."""
+    from hybrid_core.weight_sync import load_ipc_bucket
+
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        torch.manual_seed(1)  # different weights than the sender's until synced
+        model = build_llama(small, dev, _dtype(dev))
+        params = dict(model.named_parameters())
+
+        def load(pairs):
+            with torch.no_grad():
+                for name, tensor in pairs:
+                    params[name].copy_(tensor)
+
+        replies.put(("ready", None))
+        while (msg := requests.get(timeout=600)) is not None:
+            if msg == "fingerprint":
+                replies.put(("fingerprint", fingerprint(model)))
+            else:
+                load_ipc_bucket(msg, load)
+                replies.put(("ack", msg.index))
+    except BaseException:
+        replies.put(("error", traceback.format_exc()))
+
+
+def group_engine(small: bool, device: str, port: int, backend: str, bucket_bytes: int, timeout: float, requests,
+                 replies) -> None:
+    """Rank 1 of a sync group: receives broadcast buckets into its own model on its own device."""
+    from hybrid_core.weight_sync import WeightReceiver, create_sync_group
+
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        torch.manual_seed(1)
+        model = build_llama(small, dev, _dtype(dev))
+        params = dict(model.named_parameters())
+        group = create_sync_group("127.0.0.1", port, 1, 2, backend=backend, timeout_s=timeout, device=dev)
+        receiver = WeightReceiver(group, bucket_bytes, device=dev)
+
+        def load(pairs):
+            with torch.no_grad():
+                for name, tensor in pairs:
+                    params[name].copy_(tensor)
+
+        while (msg := requests.get(timeout=600)) is not None:
+            if msg == "fingerprint":
+                replies.put(("fingerprint", fingerprint(model)))
+            else:
+                stats = receiver.receive(msg, load)
+                replies.put(("received", stats.as_dict()))
+        group.close()
+    except BaseException:
+        replies.put(("error", traceback.format_exc()))
+
+
+def _reply(replies, kind: str, timeout: float):
+    got, value = replies.get(timeout=timeout)
+    if got == "error":
+        raise RuntimeError(f"engine process failed:\n{value}")
+    if got != kind:
+        raise RuntimeError(f"engine process answered {got!r}, expected {kind!r}")
+    return value
+
+
+# ---- the two modes -------------------------------------------------------------------------------------------------
+def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
+    from hybrid_core.weight_sync import IpcBucketSender
+
+    model = build_llama(args.small, device, _dtype(device))
+    ctx = mp.get_context("spawn")
+    requests, replies = ctx.Queue(), ctx.Queue()
+    engine = ctx.Process(target=ipc_engine, args=(args.small, str(device), requests, replies), daemon=True)
+    engine.start()
+    try:
+        _reply(replies, "ready", args.timeout)
+        sender = IpcBucketSender(bucket_bytes=int(args.bucket_mb * (1 << 20)), device=device)
+        acked: set[int] = set()
+
+        def deliver(bucket):
+            requests.put(bucket)
+            return bucket.index
+
+        def wait(index):
+            while index not in acked:
+                acked.add(_reply(replies, "ack", args.timeout))
+
+        rates = []
+        for r in range(args.rounds):
+            acked.clear()
+            start = time.perf_counter()
+            stats = sender.send(model.named_parameters(), deliver, wait)
+            seconds = time.perf_counter() - start
+            rates.append(stats.bytes / seconds / 1e9)
+            print(f"ipc sync {r}: {stats.bytes / 1e9:.3f} GB in {seconds * 1e3:.1f} ms ({rates[-1]:.1f} GB/s)",
+                  flush=True)
+        requests.put("fingerprint")
+        exact = _reply(replies, "fingerprint", args.timeout) == fingerprint(model)
+        requests.put(None)
+        sender.close()
+    finally:
+        engine.join(timeout=60)
+        if engine.is_alive():
+            engine.kill()
+    if not exact:
+        raise AssertionError("the engine's weights differ from the sender's after the IPC syncs")
+    print("ipc: engine weights bit-exact", flush=True)
+    what = "CUDA IPC buckets" if device.type == "cuda" else "shared-memory buckets, CPU"
+    rows += [Row("weight sync GB/s", statistics.median(rates[1:] or rates),
+                 f"GB/s ({what}, {args.bucket_mb:g} MB, median)"),
+             Row("weight sync GB/s (first sync)", rates[0], "GB/s (maps the handles)", record=False)]
+
+
+def bench_group(args, device: torch.device, rows: list[Row]) -> None:
+    from hybrid_core.weight_sync import TensorMeta, WeightSender, create_sync_group
+
+    on_gpu = device.type == "cuda"
+    backend = "nccl" if on_gpu else "gloo"
+    sender_dev = torch.device("cuda", 0) if on_gpu else device
+    engine_dev = "cuda:1" if on_gpu else "cpu"
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    model = build_llama(args.small, sender_dev, _dtype(sender_dev))
+    metas = [TensorMeta.of(n, p) for n, p in model.named_parameters()]
+    ctx = mp.get_context("spawn")
+    requests, replies = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    engine = ctx.Process(target=group_engine, args=(args.small, engine_dev, port, backend, bucket_bytes, args.timeout,
+                                                    requests, replies), daemon=True)
+    engine.start()
+    try:
+        group = create_sync_group("127.0.0.1", port, 0, 2, backend=backend, timeout_s=args.timeout, device=sender_dev)
+        sender = WeightSender(group, bucket_bytes)
+        rates = []
+        for r in range(args.rounds):
+            requests.put(metas)
+            stats = sender.send(model.named_parameters())
+            _reply(replies, "received", args.timeout)
+            rates.append(stats.gbps)
+            print(f"{backend} sync {r}: {stats.bytes / 1e9:.3f} GB in {stats.seconds * 1e3:.1f} ms "
+                  f"({stats.gbps:.1f} GB/s)", flush=True)
+        requests.put("fingerprint")
+        exact = _reply(replies, "fingerprint", args.timeout) == fingerprint(model)
+        requests.put(None)
+        group.close()
+    finally:
+        engine.join(timeout=60)
+        if engine.is_alive():
+            engine.kill()
+    if not exact:
+        raise AssertionError(f"the engine's weights differ from the sender's after the {backend} syncs")
+    print(f"{backend}: engine weights bit-exact", flush=True)
+    unit = f"GB/s ({'NCCL, GPU 0 -> GPU 1' if on_gpu else 'gloo over loopback, CPU'}, {args.bucket_mb:g} MB, median)"
+    rows += [Row("weight sync NCCL GB/s", statistics.median(rates[1:] or rates), unit),
+             Row("weight sync NCCL GB/s (first sync)", rates[0], "GB/s", record=False)]
+
+
+def main() -> int:
+    args = parse_args()
+    if args.bucket_mb is None:
+        args.bucket_mb = 1 / 32 if args.small else 512  # small: many buckets, some tensors larger than one
+    if args.small:
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("no GPU: use --small for the CPU logic check", file=sys.stderr)
+            return 2
+        device = torch.device("cuda", torch.cuda.current_device())
+    modes = {"auto": ["ipc"] + (["nccl"] if args.small or torch.cuda.device_count() >= 2 else []),
+             "both": ["ipc", "nccl"], "ipc": ["ipc"], "nccl": ["nccl"]}[args.mode]
+    if "nccl" in modes and not args.small and torch.cuda.device_count() < 2:
+        print("nccl mode needs two visible GPUs", file=sys.stderr)
+        return 2
+    label = device_label(device)
+    print(f"device: {label}; torch {torch.__version__}; modes {modes}", flush=True)
+    failed = []
+    suffix = " (--small: logic check only)" if args.small else ""
+    for mode in modes:
+        rows: list[Row] = []
+        try:
+            (bench_ipc if mode == "ipc" else bench_group)(args, device, rows)
+        except Exception:
+            traceback.print_exc()
+            failed.append(mode)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if rows:  # printed and recorded mode by mode, so a later mode that crashes or hangs loses nothing
+            print_table(f"weight sync ({mode}) on {label}{suffix}", rows)
+            if args.record:
+                print(f"appended {append_results(rows, label)} rows to bench/RESULTS.md", flush=True)
+    if failed:
+        print(f"FAILED modes: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())

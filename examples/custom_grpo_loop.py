@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""A GRPO loop written by hand from hybrid's building blocks, with no training framework in between.
+
+One GPU is shared by a trainer (a plain torch model + AdamW in a Ray actor) and an inference engine. They take turns
+through a per-GPU turnstile; each sleeps (moves its memory off the GPU) while the other works, and after every update
+the trainer hands its new weights to the engine in flat shared buckets (CUDA IPC on a GPU, shared memory on CPU).
+
+    python examples/custom_grpo_loop.py --steps 20                  # CPU: built-in engine, one declared GPU
+    python examples/custom_grpo_loop.py --steps 20 --backend vllm   # GPU: vLLM engine (pip install hybrid-engines[vllm])
+
+The task is the built-in synthetic one: the prompt is ``<bos> s_k <sep>`` and the reward is 1 for answering ``s_k``.
+A random policy scores ~1/12; the reward should pass 0.8 within about 20 steps.
+
+    building block                               used for
+    hybrid_core.placement.PlacementSpec, place   both roles on GPU 0, pinned to one placement-group bundle
+    hybrid_core.turnstile.Turnstile              one role awake on the GPU at a time
+    hybrid_core.offload.StateOffloader           the trainer's weights + Adam state to host memory and back
+    hybrid_core.weight_sync.IpcBucketSender      trainer -> engine weight updates
+    hybrid_engines.launch_engines                the engine as a Ray actor (generate / sleep / wake_up)
+    hybrid_algos                                 GRPO advantages, the clipped policy loss, the k3 KL term
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import ray
+import torch
+
+from hybrid_algos import (AdvantageInputs, aggregate_loss, compute_advantages, kl_estimate, logprobs_from_logits,
+                          ppo_policy_loss)
+from hybrid_algos.train.tasks import EOS, SyntheticTask
+from hybrid_algos.train.tiny import save_tiny_model
+from hybrid_core.cluster import connect
+from hybrid_core.offload import StateOffloader
+from hybrid_core.placement import PlacementSpec, place
+from hybrid_core.remote import get_with_timeout
+from hybrid_core.runtime_env import worker_runtime_env
+from hybrid_core.turnstile import Turnstile
+from hybrid_core.weight_sync import IpcBucketSender
+from hybrid_engines import SamplingParams, launch_engines
+
+TIMEOUT_S = 300.0  # every remote call has a deadline
+QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # no weight-loading progress bars from the actors
+
+
+class Trainer:
+    """The policy and a frozen reference copy (for the KL term) on the trainer's GPU, with AdamW."""
+
+    def __init__(self, model_path: str, lr: float, kl_coef: float, epochs: int, minibatch: int, seed: int):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray made our GPU cuda:0
+        load = lambda: AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)  # noqa: E731
+        self.policy, self.ref = load(), load().requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=lr)
+        self.kl_coef, self.epochs, self.minibatch = kl_coef, epochs, minibatch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.offloader = StateOffloader(torch.nn.ModuleList([self.policy, self.ref]), self.opt)
+        self.sender = IpcBucketSender(bucket_bytes=64 << 20, device=self.device)
+
+    def sleep(self):
+        return self.offloader.sleep()
+
+    def wake(self):
+        return self.offloader.wake()
+
+    @staticmethod
+    def response_logprobs(model, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
+        # Every prompt has the same length and responses are right-padded, so no attention mask is needed.
+        logits = model(input_ids=seqs).logits[:, prompt_len - 1:-1]
+        return logprobs_from_logits(logits, seqs[:, prompt_len:])
+
+    def train(self, seqs, mask, advantages, engine_logprobs, prompt_len: int) -> dict:
+        seqs, mask, advantages = seqs.to(self.device), mask.to(self.device), advantages.to(self.device)
+        with torch.no_grad():
+            old = self.response_logprobs(self.policy, seqs, prompt_len)
+            ref = self.response_logprobs(self.ref, seqs, prompt_len)
+        # The engine sampled with the weights the trainer holds now: their log-probs must agree.
+        gap = (old.cpu() - engine_logprobs).abs().masked_fill(~mask.cpu(), 0).max().item()
+        for _ in range(self.epochs):
+            for idx in torch.randperm(len(seqs), generator=self.gen).split(self.minibatch):
+                logp = self.response_logprobs(self.policy, seqs[idx], prompt_len)
+                pg_loss, info = ppo_policy_loss(logp, old[idx], advantages[idx], mask[idx], clip_low=0.2)
+                kl = aggregate_loss(kl_estimate(logp, ref[idx], "k3", mask=mask[idx]), mask[idx])
+                (pg_loss + self.kl_coef * kl).backward()
+                torch.nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
+                self.opt.step()
+                self.opt.zero_grad(set_to_none=True)  # no gradients left to offload while asleep
+        return {"pg_loss": pg_loss.item(), "kl": kl.item(), "clip_frac": info["clip_frac"].item(), "gap": gap}
+
+    def push_weights(self, engine) -> object:
+        """Pack the weights into shared buckets and have the engine (a Ray actor on this GPU) load each one."""
+        return self.sender.send(self.policy.named_parameters(), deliver=engine.update_weights_from_ipc.remote,
+                                wait=lambda ref: get_with_timeout(ref, TIMEOUT_S, "engine: update_weights_from_ipc"))
+
+
+def to_batch(task: SyntheticTask, prompts, outputs, max_new: int):
+    """Prompt-major rows ``[prompt | response | pad]``, the response mask, engine log-probs and rewards."""
+    seqs, mask, logprobs, scores = [], [], [], []
+    for prompt, samples in zip(prompts, outputs):
+        for out in samples:
+            pad = max_new - len(out.token_ids)
+            seqs.append(prompt.prompt_ids + out.token_ids + [0] * pad)
+            mask.append([True] * len(out.token_ids) + [False] * pad)
+            logprobs.append(out.logprobs + [0.0] * pad)
+            scores.append(task.score(out.token_ids, prompt.label))
+    return torch.tensor(seqs), torch.tensor(mask), torch.tensor(logprobs), torch.tensor(scores)
+
+
+def engine_kwargs(backend: str, model_path: str, seed: int) -> dict:
+    if backend == "vllm":  # float32 so trainer and engine agree closely on the tiny random model
+        return {"model": model_path, "dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": True,
+                "max_model_len": 64, "seed": seed}
+    return {"model": model_path, "dtype": "float32", "seed": seed}
+
+
+def main(argv=None) -> list[float]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"])
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+
+    os.environ.update(QUIET)
+    task = SyntheticTask("copy", num_symbols=8, prompt_symbols=1)
+    model_path = save_tiny_model(os.path.join(tempfile.mkdtemp(prefix="grpo-"), "tiny"), seed=args.seed)
+    connect(num_gpus=None if torch.cuda.is_available() else 1)  # on CPU, declare one (fake) GPU to Ray
+
+    plan = PlacementSpec.from_ranges({"actor": "0", "rollout": "0"}, sleep={"actor", "rollout"}).plan()
+    print(plan.render())
+    gpus = list(plan.roles["actor"].gpus)
+    placed = place(plan, timeout_s=60)
+    turnstile = Turnstile.create(f"grpo-{os.getpid()}", timeout_s=TIMEOUT_S)
+    engines = launch_engines(placed, "rollout", backend=args.backend, timeout_s=TIMEOUT_S, env_vars=QUIET,
+                             engine_kwargs=engine_kwargs(args.backend, model_path, args.seed))
+    trainer_options = {**placed.actor_options("actor", 0), "runtime_env": worker_runtime_env(QUIET)}
+    trainer = ray.remote(Trainer).options(**trainer_options).remote(
+        model_path, lr=args.lr, kl_coef=1e-3, epochs=2, minibatch=32, seed=args.seed)
+    call = lambda ref, what: get_with_timeout(ref, TIMEOUT_S, what)  # noqa: E731
+    call(trainer.sleep.remote(), "trainer: first sleep")  # the engine's turn comes first
+    rewards = []
+    try:
+        for step in range(args.steps):
+            prompts = task.prompts(args.prompts, seed=args.seed * 100_000 + step)
+            params = SamplingParams(temperature=1.0, max_new_tokens=task.answer_len + 1, n=args.samples,
+                                    stop_token_ids=(EOS,), seed=step)
+            with turnstile.turn("rollout", gpus):
+                engines.wake_up(["kv_cache"])  # its weights came back (fresh) in the trainer's turn
+                outputs = engines.generate([q.prompt_ids for q in prompts], params)
+                engines.sleep(2)  # level 2: drop the weights too; the trainer sends new ones anyway
+            seqs, mask, engine_lp, scores = to_batch(task, prompts, outputs, params.max_new_tokens)
+            advantages, _ = compute_advantages("grpo", AdvantageInputs(mask, scores, n_samples_per_prompt=args.samples))
+            with turnstile.turn("actor", gpus):
+                woke = call(trainer.wake.remote(), "trainer: wake")
+                stats = call(trainer.train.remote(seqs, mask, advantages, engine_lp, len(prompts[0].prompt_ids)),
+                             "trainer: train")
+                engines.wake_up(["weights"])  # the one moment both share the GPU: weights only, no KV cache
+                synced = call(trainer.push_weights.remote(engines.actors[0]), "trainer: push_weights")
+                slept = call(trainer.sleep.remote(), "trainer: sleep")
+            rewards.append(scores.mean().item())
+            print(f"step {step:3d} | reward {rewards[-1]:.3f} | pg_loss {stats['pg_loss']:+.4f} | kl {stats['kl']:.2e}"
+                  f" | engine/trainer logprob gap {stats['gap']:.1e} | trainer sleep {slept.bytes / 1e6:.1f} MB"
+                  f" wake {woke.bytes / 1e6:.1f} MB | sync {synced.bytes / 1e6:.1f} MB {synced.seconds * 1e3:.0f} ms",
+                  flush=True)
+    finally:
+        engines.shutdown()
+        ray.kill(trainer)
+        turnstile.kill()
+        placed.remove()
+        ray.shutdown()
+    k = min(3, len(rewards))
+    print(f"reward: first {k} steps {statistics.mean(rewards[:k]):.3f} -> last {k} steps "
+          f"{statistics.mean(rewards[-k:]):.3f}")
+    return rewards
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""Training configuration: one dataclass per algorithm, field names = OpenRLHF flag names.
+
+``hybrid ppo --zero_stage 3`` sets ``PPOConfig.zero_stage``; a YAML file (``--config``) uses the same names. Every
+check that can be made before Ray starts is made by :meth:`RLConfig.validate`, which raises
+:class:`hybrid_core.errors.ConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybrid_core.errors import ConfigError
+
+BACKENDS = ("hf", "vllm", "sglang")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+#: Built-in synthetic tasks (prompts + rule-based reward) used when no --prompt_data is given.
+TASKS = ("copy", "copy_first", "reverse", "add")
+
+
+@dataclass
+class RLConfig:
+    """Settings shared by PPO, GRPO and REINFORCE++. Defaults give the CPU demo (tiny model, built-in engine)."""
+
+    # ---- models ---------------------------------------------------------------------------------------------
+    pretrain: str | None = None  # HF model folder; None = the tiny built-in demo model (built from a config)
+    reward_pretrain: str | None = None  # sequence-classification reward model folder
+    reward_fn: str | None = None  # "module:function" rule-based reward; None = the built-in task's rule
+    critic_pretrain: str | None = None  # PPO critic init; None = reward_pretrain, else pretrain
+    task: str = "copy"  # built-in synthetic task when prompt_data is None
+    task_length: int = 2  # symbols in each built-in task prompt
+    tiny_model: dict[str, Any] = field(default_factory=dict)  # overrides of the demo model's config
+
+    # ---- placement (OpenRLHF counts; or `placement` as RLinf-style ranges) -----------------------------------
+    actor_num_nodes: int = 1
+    actor_num_gpus_per_node: int = 1
+    critic_num_nodes: int = 1
+    critic_num_gpus_per_node: int = 1
+    ref_num_nodes: int = 1
+    ref_num_gpus_per_node: int = 1
+    reward_num_nodes: int = 1
+    reward_num_gpus_per_node: int = 1
+    vllm_num_engines: int = 1
+    vllm_tensor_parallel_size: int = 1
+    colocate_all_models: bool = True
+    colocate_actor_ref: bool = False
+    colocate_critic_reward: bool = False
+    placement: dict[str, str] | None = None  # e.g. {"actor": "0-7", "rollout": "4-7"}; overrides the counts
+    gpus_per_node: int | None = None  # cluster size check; None = what Ray reports
+
+    # ---- inference engine ------------------------------------------------------------------------------------
+    backend: str = "hf"  # hf (built-in transformers engine) | vllm | sglang
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_enable_sleep: bool = True
+    vllm_sync_backend: str = "nccl"
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = False
+    weight_sync_bucket_mb: int = 512
+    weight_sync: str = "auto"  # auto (CUDA IPC when engines share the actor's GPUs, else broadcast) | ipc | broadcast
+    engine_sleep_level: int = 1  # 1: weights to host memory; 2: weights discarded (re-synced from the actor)
+
+    # ---- trainer (DeepSpeed) ---------------------------------------------------------------------------------
+    deepspeed_enable_sleep: bool = True
+    zero_stage: int = 2
+    bf16: bool = False
+    adam_offload: bool = False
+    gradient_checkpointing: bool = False
+    packing_samples: bool = False
+    flash_attn: bool = False
+    actor_learning_rate: float = 1e-6
+    critic_learning_rate: float = 9e-6
+    lr_warmup_ratio: float = 0.0
+    l2: float = 0.0  # weight decay
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    max_norm: float = 1.0
+
+    # ---- batch shape -----------------------------------------------------------------------------------------
+    rollout_batch_size: int = 16  # prompts per step
+    n_samples_per_prompt: int = 1
+    micro_rollout_batch_size: int = 16  # per GPU, for reference / critic / reward inference
+    train_batch_size: int = 16  # samples per optimizer step (all ranks)
+    micro_train_batch_size: int = 8  # per GPU
+    max_epochs: int = 1  # PPO epochs over each rollout batch
+    num_episodes: int = 1  # passes over the prompt set
+    max_samples: int = 1_000_000
+    max_steps: int | None = None  # stop after this many steps (None = as many as the prompts allow)
+    prompt_max_len: int = 1024
+    generate_max_len: int = 1024
+
+    # ---- sampling --------------------------------------------------------------------------------------------
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    # ---- RL --------------------------------------------------------------------------------------------------
+    advantage_estimator: str = "gae"
+    gamma: float = 1.0
+    lambd: float = 1.0
+    init_kl_coef: float = 0.01
+    kl_target: float | None = None  # set => adaptive KL controller
+    kl_horizon: int = 10000
+    kl_estimator: str = "k1"
+    use_kl_loss: bool = False  # KL as a loss term (GRPO) instead of a reward penalty
+    eps_clip: float = 0.2
+    eps_clip_low_high: tuple[float, float] | None = None  # asymmetric clip (clip-higher)
+    dual_clip: float | None = None
+    value_clip: float = 0.2
+    entropy_loss_coef: float = 0.0
+    normalize_reward: bool = False
+    reward_clip_range: tuple[float, float] = (-10.0, 10.0)
+    loss_agg_mode: str = "token-mean"
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    prompt_data: str | None = None  # JSONL / Parquet file or a datasets folder; None = the built-in task
+    input_key: str | None = None
+    label_key: str | None = None
+    apply_chat_template: bool = False
+    prompt_split: str = "train"
+
+    # ---- saving, logging -------------------------------------------------------------------------------------
+    save_path: str = "./runs/hybrid"
+    ckpt_path: str | None = None  # default: <save_path>/checkpoints
+    save_steps: int = -1
+    save_hf_ckpt: bool = False
+    max_ckpt_num: int = 3
+    resume: bool = False
+    logging_steps: int = 1
+    use_wandb: str | None = None
+    wandb_project: str = "hybrid"
+    wandb_run_name: str | None = None
+    use_tensorboard: bool = True
+    seed: int = 42
+
+    # ---- Ray and reliability ---------------------------------------------------------------------------------
+    address: str | None = None  # Ray cluster; None = RAY_ADDRESS or a new local one
+    ray_temp_dir: str | None = None
+    ray_log_max_mb: int = 100
+    num_gpus: int | None = None  # local Ray only: GPUs to declare (CPU machines use this for the demo)
+    call_timeout_s: float = 600.0
+    step_timeout_s: float = 3600.0
+
+    # ---------------------------------------------------------------------------------------------------------
+    @property
+    def algorithm(self) -> str:
+        return "rl"
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.init_kl_coef > 0 or self.use_kl_loss
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def actor_world_size(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def critic_world_size(self) -> int:
+        return self.critic_num_nodes * self.critic_num_gpus_per_node
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        return tuple(self.eps_clip_low_high) if self.eps_clip_low_high else (self.eps_clip, self.eps_clip)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.ckpt_path or os.path.join(self.save_path, "checkpoints")
+
+    def replace(self, **changes: Any) -> "RLConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def validate(self) -> "RLConfig":
+        """Check everything that can be checked without Ray or a GPU; return self so calls chain."""
+        _choice("backend", self.backend, BACKENDS, "--backend hf runs anywhere; vllm/sglang need the extras.")
+        _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.prompt_data is None:
+            _choice("task", self.task, TASKS, "Or give your own prompts with --prompt_data FILE --input_key KEY.")
+        self._validate_estimator()
+        for name in ("task_length", "rollout_batch_size", "n_samples_per_prompt", "micro_rollout_batch_size", "train_batch_size",
+                     "micro_train_batch_size", "max_epochs", "num_episodes", "max_samples", "prompt_max_len",
+                     "generate_max_len", "vllm_num_engines", "vllm_tensor_parallel_size", "actor_num_nodes",
+                     "actor_num_gpus_per_node", "logging_steps", "max_ckpt_num"):
+            _positive(name, getattr(self, name))
+        if self.max_steps is not None:
+            _positive("max_steps", self.max_steps)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.")
+        if self.deepspeed_enable_sleep and self.zero_stage == 0:
+            raise ConfigError("deepspeed_enable_sleep", "DeepSpeed can only offload/reload its states with ZeRO 1-3.",
+                              "Use --zero_stage 1, 2 or 3, or drop --deepspeed_enable_sleep.")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError("vllm_gpu_memory_utilization", f"must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
+        _choice("weight_sync", self.weight_sync, ("auto", "ipc", "broadcast"))
+        if self.engine_sleep_level not in (1, 2):
+            raise ConfigError("engine_sleep_level", f"must be 1 or 2, got {self.engine_sleep_level}.")
+        if self.vllm_sync_backend not in ("nccl", "gloo"):
+            raise ConfigError("vllm_sync_backend", f"must be nccl or gloo, got {self.vllm_sync_backend!r}.")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k == 0 or self.top_k < -1:
+            raise ConfigError("temperature/top_p/top_k", "temperature >= 0, 0 < top_p <= 1, top_k = -1 or >= 1.")
+        for name in ("actor_learning_rate", "critic_learning_rate"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}.")
+        if self.init_kl_coef < 0:
+            raise ConfigError("init_kl_coef", f"must be >= 0, got {self.init_kl_coef}.")
+        self._validate_clip()
+        self._validate_batches()
+        self._validate_sleep()
+        self._validate_files()
+        if self.save_steps == 0 or self.save_steps < -1:
+            raise ConfigError("save_steps", f"must be -1 (only the final save) or >= 1, got {self.save_steps}.")
+        if self.resume and not os.path.isdir(self.checkpoint_dir):
+            raise ConfigError("resume", f"no checkpoint folder at {self.checkpoint_dir!r}.",
+                              "Point --ckpt_path (or --save_path) at the run to continue, or drop --resume.")
+        if self.step_timeout_s <= 0 or self.call_timeout_s <= 0:
+            raise ConfigError("call_timeout_s/step_timeout_s", "timeouts must be > 0 seconds.")
+        return self
+
+    def _validate_estimator(self) -> None:
+        from hybrid_algos.advantages import list_advantage_estimators
+
+        known = list_advantage_estimators()
+        if self.advantage_estimator not in known:
+            raise ConfigError("advantage_estimator", f"unknown estimator {self.advantage_estimator!r}.",
+                              f"Choose one of: {', '.join(sorted(known))}.")
+
+    def _validate_clip(self) -> None:
+        low, high = self.clip_range
+        if not (0 < low < 1 and high > 0):
+            raise ConfigError("eps_clip_low_high" if self.eps_clip_low_high else "eps_clip",
+                              f"clip range must satisfy 0 < low < 1 and high > 0, got ({low}, {high}).")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError("dual_clip", f"must be > 1 (it bounds the loss for negative advantages), got {self.dual_clip}.")
+        lo, hi = self.reward_clip_range
+        if lo >= hi:
+            raise ConfigError("reward_clip_range", f"low must be below high, got ({lo}, {hi}).")
+
+    def _validate_batches(self) -> None:
+        samples = self.samples_per_step
+        if samples % self.train_batch_size:
+            raise ConfigError("train_batch_size",
+                              f"rollout_batch_size x n_samples_per_prompt = {samples} samples per step is not a multiple "
+                              f"of train_batch_size = {self.train_batch_size}.",
+                              f"Use a train_batch_size that divides {samples} (e.g. {math.gcd(samples, self.train_batch_size)}).")
+        per_update = self.micro_train_batch_size * self.actor_world_size
+        if self.train_batch_size % per_update:
+            raise ConfigError("micro_train_batch_size",
+                              f"train_batch_size = {self.train_batch_size} is not a multiple of micro_train_batch_size x "
+                              f"actor GPUs = {self.micro_train_batch_size} x {self.actor_world_size} = {per_update}.",
+                              "Pick micro_train_batch_size so that it divides train_batch_size / actor GPUs.")
+        if self.max_samples < self.rollout_batch_size:
+            raise ConfigError("max_samples", f"max_samples = {self.max_samples} is smaller than one rollout batch "
+                              f"(rollout_batch_size = {self.rollout_batch_size}).", "Raise --max_samples or lower --rollout_batch_size.")
+        if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
+            raise ConfigError("n_samples_per_prompt",
+                              f"{self.advantage_estimator} compares samples of the same prompt, so it needs at least 2 per prompt.",
+                              "Use --n_samples_per_prompt 4 (or more).")
+
+    def _validate_sleep(self) -> None:
+        colocated = self.colocate_all_models or self.placement is not None
+        if self.vllm_enable_sleep and not colocated:
+            raise ConfigError("vllm_enable_sleep", "engine sleep only helps when engines share GPUs with the trainer.",
+                              "Add --colocate_all_models, or drop --vllm_enable_sleep.")
+        if self.deepspeed_enable_sleep and not (colocated or self.colocate_actor_ref or self.colocate_critic_reward):
+            raise ConfigError("deepspeed_enable_sleep", "trainer sleep only helps when models share GPUs.",
+                              "Add --colocate_all_models, or drop --deepspeed_enable_sleep.")
+
+    def _validate_files(self) -> None:
+        for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isdir(path):
+                raise ConfigError(name, f"no model folder at {path!r} (models are not downloaded at run time).",
+                                  "Give a local Hugging Face model folder (config.json + weights).")
+        if self.prompt_data is not None:
+            if not os.path.exists(self.prompt_data):
+                raise ConfigError("prompt_data", f"no file or folder at {self.prompt_data!r}.",
+                                  "Give a local JSONL/Parquet file or a datasets folder.")
+            if not self.input_key:
+                raise ConfigError("input_key", "--prompt_data needs --input_key to say which field holds the prompt.",
+                                  "Add e.g. --input_key prompt.")
+        if self.reward_fn is not None:
+            module, _, func = self.reward_fn.partition(":")
+            if not module or not func:
+                raise ConfigError("reward_fn", f"expected 'module:function', got {self.reward_fn!r}.")
+            if not os.path.isfile(module) and not _module_exists(module):
+                raise ConfigError("reward_fn", f"cannot find module {module!r}.", "Make it importable (PYTHONPATH) or give a .py path.")
+        if self.reward_pretrain is not None and self.reward_fn is not None:
+            raise ConfigError("reward_fn", "both --reward_pretrain and --reward_fn are set; a run uses one reward.",
+                              "Keep one of them.")
+
+
+#: Settings of the built-in demo (no --pretrain): the tiny model learns to copy two prompt symbols in ~60 steps of
+#: a few tenths of a second on a CPU core. Real models want OpenRLHF-scale settings (lr ~1e-6), which are the defaults.
+DEMO_SETTINGS: dict[str, Any] = dict(
+    task="copy", task_length=2, max_steps=80, rollout_batch_size=16, n_samples_per_prompt=8, train_batch_size=32,
+    micro_train_batch_size=32, micro_rollout_batch_size=64, max_epochs=2, actor_learning_rate=2e-3,
+    critic_learning_rate=2e-3, use_kl_loss=True, kl_estimator="k3", init_kl_coef=1e-3,
+)
+
+
+def demo_config(cls: type["RLConfig"], **overrides: Any) -> "RLConfig":
+    """``cls`` with the demo settings (see :data:`DEMO_SETTINGS`), then ``overrides``."""
+    return cls(**{**DEMO_SETTINGS, **overrides})
+
+
+GROUP_ESTIMATORS = ("group_norm", "grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce_plus_plus_baseline")
+
+
+@dataclass
+class PPOConfig(RLConfig):
+    """PPO with a GAE critic (Schulman et al. 2017; the OpenRLHF default)."""
+
+    advantage_estimator: str = "gae"
+    gamma: float = 1.0
+    lambd: float = 0.95
+    init_kl_coef: float = 0.01
+
+    @property
+    def algorithm(self) -> str:
+        return "ppo"
+
+
+@dataclass
+class GRPOConfig(RLConfig):
+    """GRPO (Shao et al. 2024): group-normalised rewards, no critic, KL as a loss term."""
+
+    advantage_estimator: str = "group_norm"
+    n_samples_per_prompt: int = 8
+    use_kl_loss: bool = True
+    kl_estimator: str = "k3"
+    init_kl_coef: float = 0.001
+
+    @property
+    def algorithm(self) -> str:
+        return "grpo"
+
+
+@dataclass
+class ReinforceConfig(RLConfig):
+    """REINFORCE++ (Hu 2025): discounted returns with KL in the reward, batch-normalised, no critic."""
+
+    advantage_estimator: str = "reinforce"
+    init_kl_coef: float = 0.01
+
+    @property
+    def algorithm(self) -> str:
+        return "reinforce"
+
+
+CONFIGS: dict[str, type[RLConfig]] = {"ppo": PPOConfig, "grpo": GRPOConfig, "reinforce": ReinforceConfig}
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or the name is not a module path
+        return False
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}.")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...], fix: str | None = None) -> None:
+    if value not in choices:
+        raise ConfigError(name, f"{value!r} is not one of {', '.join(choices)}.", fix)

@@ -1,0 +1,253 @@
+"""Prompt datasets: local JSONL / JSON / Parquet files, ``datasets`` folders (``save_to_disk``), or the built-in task.
+
+``load_prompts(config, tokenizer)`` returns a list of :class:`~hybrid_algos.train.tasks.Prompt` (token ids, text,
+label). What happens to each record:
+
+* ``--max_samples N`` keeps the first N records (before anything else, as OpenRLHF does).
+* ``--input_key`` names the prompt field: a string, or a list of chat messages (``[{"role", "content"}, ...]``).
+* ``--apply_chat_template`` renders the field with the tokenizer's chat template and ``add_generation_prompt=True``
+  (a plain string becomes one user message). The rendered text already holds the template's BOS, so it is encoded
+  with ``add_special_tokens=False``; plain text without a template is encoded with the tokenizer's special tokens.
+* ``--prompt_max_len``: longer prompts are **dropped, not truncated**: cutting the end loses the generation prompt
+  and cutting the start loses the instruction; either way the model is asked something else. Dropped prompts are
+  counted (``PromptStats``) and logged; dropping all of them is an error.
+* ``--label_key`` (optional) is passed to rule rewards as the prompt's label.
+
+Parquet needs ``pyarrow`` and ``datasets`` folders need ``datasets``: both are the ``hybrid-cli[data]`` extra.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from hybrid_core.errors import ConfigError
+
+from .tasks import BOS, FIRST_SYMBOL_ID, SEP, Prompt, task_from_config
+
+log = logging.getLogger(__name__)
+
+#: Built-in task prompts made when neither --max_steps nor --max_samples asks for fewer.
+SYNTHETIC_PROMPTS = 1024
+DATA_EXTRA = "pip install 'hybrid-cli[data]'"
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass(frozen=True)
+class PromptStats:
+    """How a prompt set was built: records read, prompts kept, prompts dropped for length."""
+
+    source: str
+    records: int
+    kept: int
+    dropped_too_long: int
+    max_prompt_len: int
+
+    def describe(self) -> str:
+        text = f"{self.kept} prompts from {self.source} ({self.records} records read"
+        if self.dropped_too_long:
+            text += f", {self.dropped_too_long} dropped: longer than prompt_max_len={self.max_prompt_len} tokens"
+        return text + ")"
+
+
+def load_prompts(config: Any, tokenizer: Any) -> list[Prompt]:
+    """The prompts of a run: ``config.prompt_data`` encoded with ``tokenizer``, or the built-in task's prompts."""
+    return load_prompt_set(config, tokenizer)[0]
+
+
+def load_prompt_set(config: Any, tokenizer: Any) -> tuple[list[Prompt], PromptStats]:
+    """Like :func:`load_prompts`, also returning what was read and dropped."""
+    if config.prompt_data is None:
+        return synthetic_prompts(config, tokenizer)
+    if not config.input_key:
+        raise ConfigError("input_key", "--prompt_data needs --input_key to say which field holds the prompt.",
+                          "Add e.g. --input_key prompt.")
+    records = read_records(config.prompt_data, split=getattr(config, "prompt_split", "train"))
+    records = records[: config.max_samples]
+    prompts, dropped = encode_records(
+        records, tokenizer, input_key=config.input_key, label_key=config.label_key,
+        apply_chat_template=config.apply_chat_template, prompt_max_len=config.prompt_max_len, source=config.prompt_data)
+    stats = PromptStats(config.prompt_data, len(records), len(prompts), dropped, config.prompt_max_len)
+    if dropped:
+        log.warning("%s", stats.describe())
+    return prompts, stats
+
+
+def synthetic_prompts(config: Any, tokenizer: Any | None = None) -> tuple[list[Prompt], PromptStats]:
+    """The built-in task's prompts: enough for ``max_steps`` steps (or SYNTHETIC_PROMPTS), capped by max_samples."""
+    task = task_from_config(config)
+    if tokenizer is not None:
+        _check_task_vocab(tokenizer, task.num_symbols)
+    wanted = config.rollout_batch_size * config.max_steps if config.max_steps else SYNTHETIC_PROMPTS
+    count = min(config.max_samples, max(wanted, config.rollout_batch_size))
+    prompts = task.prompts(count, seed=config.seed)
+    longest = max(len(p.prompt_ids) for p in prompts)
+    if longest > config.prompt_max_len:
+        raise ConfigError("prompt_max_len", f"the built-in task's prompts are {longest} tokens, more than "
+                          f"prompt_max_len={config.prompt_max_len}.", f"Use --prompt_max_len {longest} or more.")
+    return prompts, PromptStats(f"built-in task {config.task!r}", count, count, 0, config.prompt_max_len)
+
+
+def _check_task_vocab(tokenizer: Any, num_symbols: int) -> None:
+    """The built-in tasks speak the tiny model's vocabulary; another model's tokenizer would score garbage."""
+    want = {"<bos>": BOS, "<sep>": SEP, "s0": FIRST_SYMBOL_ID, f"s{num_symbols - 1}": FIRST_SYMBOL_ID + num_symbols - 1}
+    got = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in want}
+    if got != want:
+        raise ConfigError("prompt_data", "the built-in tasks use the tiny demo model's vocabulary, which this "
+                          "--pretrain tokenizer does not have.",
+                          "Give your own prompts with --prompt_data FILE --input_key KEY (and a reward), "
+                          "or drop --pretrain to train the demo model.")
+
+
+# ---- reading records ---------------------------------------------------------------------------------------------
+def read_records(path: str, *, split: str = "train") -> list[dict[str, Any]]:
+    """All records of a JSONL/JSON/Parquet file, a ``datasets`` folder, or a folder of such files (sorted)."""
+    if not os.path.exists(path):
+        raise ConfigError("prompt_data", f"no file or folder at {path!r} (datasets are not downloaded at run time).",
+                          "Give a local JSONL/Parquet file or a datasets folder (Dataset.save_to_disk).")
+    if os.path.isdir(path):
+        records = _read_folder(path, split)
+    else:
+        records = _read_file(path)
+    if not records:
+        raise ConfigError("prompt_data", f"{path!r} holds no records.", "Point --prompt_data at a non-empty dataset.")
+    return records
+
+
+def _read_file(path: str) -> list[dict[str, Any]]:
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        return _read_parquet(path)
+    if lower.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if text.lstrip().startswith("["):
+            try:
+                records = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError("prompt_data", f"{path!r} is not valid JSON: {e}.") from None
+            return _check_dicts(records, path)
+    if lower.endswith((".jsonl", ".json")):
+        return _read_jsonl(path)
+    raise ConfigError("prompt_data", f"cannot tell the format of {path!r} from its name.",
+                      "Use a .jsonl, .json or .parquet file, or a datasets folder.")
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError("prompt_data", f"{path!r} line {lineno} is not valid JSON: {e.msg}.",
+                                  "Write one JSON object per line.") from None
+    return _check_dicts(records, path)
+
+
+def _check_dicts(records: Any, path: str) -> list[dict[str, Any]]:
+    if not isinstance(records, list):
+        raise ConfigError("prompt_data", f"{path!r} must hold a list of records (JSON objects).")
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ConfigError("prompt_data", f"record {i} of {path!r} is a {type(record).__name__}, not a JSON object.")
+    return records
+
+
+def _read_parquet(path: str) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError("prompt_data", f"reading the Parquet file {path!r} needs pyarrow, which is not installed.",
+                          DATA_EXTRA) from None
+    return pq.read_table(path).to_pylist()
+
+
+def _read_folder(path: str, split: str) -> list[dict[str, Any]]:
+    if any(os.path.exists(os.path.join(path, marker)) for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        return _read_saved_dataset(path, split)
+    files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if f.lower().endswith(_FILE_SUFFIXES))
+    if not files:
+        raise ConfigError("prompt_data", f"the folder {path!r} is neither a datasets folder (save_to_disk) nor holds "
+                          ".jsonl/.json/.parquet files.", "Point --prompt_data at a data file or a datasets folder.")
+    # A hub-style folder (data/train-0000.parquet, data/test-....parquet): keep the split's files when named so.
+    in_split = [f for f in files if split in os.path.basename(f)]
+    records: list[dict[str, Any]] = []
+    for f in in_split or files:
+        records.extend(_read_file(f))
+    return records
+
+
+def _read_saved_dataset(path: str, split: str) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("prompt_data", f"{path!r} is a datasets folder; reading it needs the datasets package, "
+                          "which is not installed.", DATA_EXTRA) from None
+    loaded = datasets.load_from_disk(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ConfigError("prompt_split", f"{path!r} has no split {split!r}; it has: {', '.join(loaded)}.",
+                              f"Use --prompt_split {next(iter(loaded))}.")
+        loaded = loaded[split]
+    return loaded.to_list()
+
+
+# ---- encoding ----------------------------------------------------------------------------------------------------
+def encode_records(records: Sequence[dict[str, Any]], tokenizer: Any, *, input_key: str, label_key: str | None = None,
+                   apply_chat_template: bool = False, prompt_max_len: int = 1024, source: str = "prompt_data"
+                   ) -> tuple[list[Prompt], int]:
+    """Token ids of every record's prompt; returns the prompts and how many were dropped for length."""
+    _check_key("input_key", input_key, records, source)
+    if label_key:
+        _check_key("label_key", label_key, records, source)
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("apply_chat_template", "the tokenizer has no chat template.",
+                          "Drop --apply_chat_template, or use a model folder whose tokenizer_config.json has a chat_template.")
+    prompts, dropped = [], 0
+    for i, record in enumerate(records):
+        value = record[input_key]
+        text = _render(value, tokenizer, apply_chat_template, i, input_key, source)
+        ids = list(tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"])
+        if len(ids) > prompt_max_len:
+            dropped += 1
+            continue
+        if not ids:
+            raise ConfigError("input_key", f"record {i} of {source!r} has an empty prompt in {input_key!r}.")
+        prompts.append(Prompt(ids, text, label=record[label_key] if label_key else None))
+    if not prompts:
+        raise ConfigError("prompt_max_len", f"all {len(records)} prompts of {source!r} are longer than "
+                          f"prompt_max_len={prompt_max_len} tokens.", "Raise --prompt_max_len.")
+    return prompts, dropped
+
+
+def _check_key(flag: str, key: str, records: Sequence[dict[str, Any]], source: str) -> None:
+    for i, record in enumerate(records):
+        if key not in record:
+            keys = ", ".join(sorted(record)) or "(none)"
+            raise ConfigError(flag, f"record {i} of {source!r} has no key {key!r}; its keys are: {keys}.",
+                              f"Use --{flag} with one of those keys.")
+
+
+def _render(value: Any, tokenizer: Any, apply_chat_template: bool, index: int, key: str, source: str) -> str:
+    is_messages = isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    if apply_chat_template:
+        if isinstance(value, str):
+            value = [{"role": "user", "content": value}]
+        elif not is_messages or not value:
+            raise ConfigError("input_key", f"record {index} of {source!r}: {key!r} is neither a string nor a list of "
+                              "chat messages ({'role': ..., 'content': ...}).")
+        return tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
+    if is_messages:
+        raise ConfigError("apply_chat_template", f"{key!r} in {source!r} holds chat messages, not text.",
+                          "Add --apply_chat_template to render them with the tokenizer's chat template.")
+    if not isinstance(value, str):
+        raise ConfigError("input_key", f"record {index} of {source!r}: {key!r} is a {type(value).__name__}, not text.",
+                          "Point --input_key at a text field (or a list of chat messages with --apply_chat_template).")
+    return value

@@ -1,0 +1,67 @@
+"""DeepSpeed for the trained roles (actor, critic): distributed init, the engine config, the engine itself.
+
+The optimizer is declared in the DeepSpeed config (not passed in) because ``engine.offload_states()`` — the trainer's
+sleep — only works with DeepSpeed's own optimizer.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+def local_device() -> torch.device:
+    """The worker's device: Ray gives each GPU worker CUDA_VISIBLE_DEVICES of its own GPU, so it is cuda:0."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float) -> None:
+    """Join the role's torch.distributed group (NCCL on GPU, gloo on CPU) with a timeout on every collective."""
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), verbose=False)
+
+
+def deepspeed_config(*, zero_stage: int, bf16: bool, micro_batch: int, grad_accum: int, lr: float,
+                     betas: tuple[float, float], weight_decay: float, max_norm: float, adam_offload: bool,
+                     warmup_steps: int = 0, num_params: int | None = None) -> dict[str, Any]:
+    # Communication buckets no larger than the model: DeepSpeed allocates them whole (5e8 elements = 2 GB in fp32).
+    # (rounded up to a multiple of 4096: DeepSpeed wants multiples of its alignment factor).
+    bucket = int(min(5e8, -(-num_params // 4096) * 4096)) if num_params else int(5e8)
+    zero: dict[str, Any] = {"stage": zero_stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                            "overlap_comm": False}
+    if zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_param_persistence_threshold=0,
+                    stage3_prefetch_bucket_size=int(min(5e7, bucket)))
+    if adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bool(bf16)},
+        "gradient_clipping": max_norm,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "weight_decay": weight_decay}},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if warmup_steps > 0:
+        config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                               "warmup_num_steps": warmup_steps, "warmup_type": "linear"}}
+    return config
+
+
+def make_engine(model: torch.nn.Module, config: dict[str, Any]):
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=config)
+    return engine

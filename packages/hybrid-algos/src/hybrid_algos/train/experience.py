@@ -1,0 +1,124 @@
+"""The rollout batch that flows through a step: generated sequences plus everything computed about them.
+
+Layout: ``sequences[b] = [left-padded prompt (P) | right-padded response (R)]``; ``action_mask[b, t]`` marks real
+response tokens (the stop token included). Samples are prompt-major: the ``n`` samples of prompt 0, then of prompt 1,
+so ``group`` (the prompt index) is what GRPO / RLOO group by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+OPTIONAL_FIELDS = ("old_logprobs", "ref_logprobs", "values", "scores", "advantages", "returns", "token_rewards")
+
+
+@dataclass
+class Rollout:
+    sequences: torch.Tensor  # [B, P+R] long
+    attention_mask: torch.Tensor  # [B, P+R] long
+    action_mask: torch.Tensor  # [B, R] float (1 = response token)
+    group: torch.Tensor  # [B] long, prompt index within the step
+    engine_logprobs: torch.Tensor | None = None  # [B, R] from the engine (raw model distribution)
+    old_logprobs: torch.Tensor | None = None  # [B, R] actor before this step's update
+    ref_logprobs: torch.Tensor | None = None  # [B, R]
+    values: torch.Tensor | None = None  # [B, R] critic
+    scores: torch.Tensor | None = None  # [B] reward per sequence
+    token_rewards: torch.Tensor | None = None  # [B, R] scores on the last token, KL penalty on every token
+    advantages: torch.Tensor | None = None  # [B, R]
+    returns: torch.Tensor | None = None  # [B, R]
+
+    @property
+    def batch_size(self) -> int:
+        return self.sequences.size(0)
+
+    @property
+    def response_len(self) -> int:
+        return self.action_mask.size(1)
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.action_mask.sum(-1)
+
+    @classmethod
+    def from_generations(cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Sequence[int]]],
+                         pad_id: int, logprobs: Sequence[Sequence[Sequence[float]]] | None = None) -> "Rollout":
+        """Build from per-prompt lists of completions (``completions[i]`` = the samples of prompt ``i``)."""
+        flat_prompts, flat_resp, flat_lp, group = [], [], [], []
+        for i, (prompt, samples) in enumerate(zip(prompts, completions)):
+            for j, resp in enumerate(samples):
+                flat_prompts.append(list(prompt))
+                flat_resp.append(list(resp))
+                group.append(i)
+                if logprobs is not None:
+                    flat_lp.append(list(logprobs[i][j]))
+        if not flat_resp:
+            raise ValueError("no completions to build a rollout from")
+        P = max(len(p) for p in flat_prompts)
+        R = max(1, max(len(r) for r in flat_resp))
+        B = len(flat_resp)
+        seq = torch.full((B, P + R), pad_id, dtype=torch.long)
+        att = torch.zeros((B, P + R), dtype=torch.long)
+        act = torch.zeros((B, R), dtype=torch.float32)
+        elp = torch.zeros((B, R), dtype=torch.float32) if logprobs is not None else None
+        for b, (p, r) in enumerate(zip(flat_prompts, flat_resp)):
+            seq[b, P - len(p) : P] = torch.tensor(p, dtype=torch.long)
+            att[b, P - len(p) : P] = 1
+            if r:
+                seq[b, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
+                att[b, P : P + len(r)] = 1
+                act[b, : len(r)] = 1
+                if elp is not None:
+                    elp[b, : len(r)] = torch.tensor(flat_lp[b][: len(r)], dtype=torch.float32)
+        return cls(seq, att, act, torch.tensor(group, dtype=torch.long), engine_logprobs=elp)
+
+    # ---- slicing ------------------------------------------------------------------------------------------------
+    def select(self, index: torch.Tensor | slice) -> "Rollout":
+        return dataclasses.replace(self, **{f.name: (v[index] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                                            for f in dataclasses.fields(self)})
+
+    def split(self, parts: int) -> list["Rollout"]:
+        """Contiguous, equal shards (one per data-parallel rank); the batch must divide evenly."""
+        if self.batch_size % parts:
+            raise ValueError(f"batch of {self.batch_size} samples does not split into {parts} equal shards")
+        size = self.batch_size // parts
+        return [self.select(slice(i * size, (i + 1) * size)) for i in range(parts)]
+
+    def micro_batches(self, size: int) -> list["Rollout"]:
+        return [self.select(slice(i, i + size)).trimmed() for i in range(0, self.batch_size, size)]
+
+    def trimmed(self) -> "Rollout":
+        """Drop prompt columns that are padding in every row and response columns past the longest response."""
+        R_keep = int(self.action_mask.sum(0).nonzero().max().item()) + 1 if self.action_mask.any() else 1
+        P = self.sequences.size(1) - self.response_len
+        prompt_cols = self.attention_mask[:, :P].any(0).nonzero()
+        P_start = int(prompt_cols.min().item()) if len(prompt_cols) else P - 1
+        changes = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, torch.Tensor) or v.dim() < 2:
+                continue
+            if f.name in ("sequences", "attention_mask"):
+                changes[f.name] = v[:, P_start : P + R_keep]
+            else:
+                changes[f.name] = v[:, :R_keep]
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def cat(parts: Sequence["Rollout"]) -> "Rollout":
+        """Concatenate shards with the same layout (as returned by :meth:`split`)."""
+        out = {}
+        for f in dataclasses.fields(Rollout):
+            values = [getattr(p, f.name) for p in parts]
+            out[f.name] = torch.cat(values) if all(isinstance(v, torch.Tensor) for v in values) else None
+        return Rollout(**out)
+
+    def to(self, device: torch.device | str) -> "Rollout":
+        return dataclasses.replace(self, **{f.name: v.to(device) for f in dataclasses.fields(self)
+                                            if isinstance(v := getattr(self, f.name), torch.Tensor)})
+
+    def with_(self, **fields: torch.Tensor) -> "Rollout":
+        return dataclasses.replace(self, **fields)

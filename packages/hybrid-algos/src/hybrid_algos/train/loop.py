@@ -1,0 +1,385 @@
+"""``train(config)``: set up the roles on the placement plan, run the steps, checkpoint, save the final model.
+
+The per-algorithm recipes (:mod:`.ppo`, :mod:`.grpo`, :mod:`.reinforce`) only choose a config; everything they
+share is here and in :mod:`.step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from hybrid_core.errors import HybridError
+
+from .checkpoint import CheckpointManager
+from .config import RLConfig
+from .placement import build_plan
+from .step import StepContext, run_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """What ``prepare`` resolves before any Ray or GPU work: model folder, tokenizer, prompts, step count."""
+
+    config: RLConfig
+    plan: Any
+    model_path: str
+    tokenizer: Any
+    prompts: list
+    reward_fn: Any
+    max_new_tokens: int
+    total_steps: int
+    run_dir: str
+
+
+def prepare(config: RLConfig) -> Prepared:
+    """Validate the config and resolve everything that does not need Ray: errors here cost nothing."""
+    from transformers import AutoTokenizer
+
+    from .data import load_prompts
+    from .rewards import load_reward_fn
+    from .tasks import task_from_config
+    from .tiny import save_tiny_model
+
+    config.validate()
+    plan = build_plan(config)
+    run_dir = os.path.abspath(config.save_path)
+    os.makedirs(run_dir, exist_ok=True)
+    task = task_from_config(config) if config.prompt_data is None else None
+    if config.pretrain is None:
+        model_path = save_tiny_model(os.path.join(run_dir, "tiny-model"), seed=config.seed, **config.tiny_model)
+    else:
+        model_path = config.pretrain
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    prompts = load_prompts(config, tokenizer)
+    if config.reward_fn is not None:
+        reward_fn = load_reward_fn(config.reward_fn)
+    elif task is not None:
+        reward_fn = task.reward_fn()
+    else:
+        reward_fn = None  # the reward model scores
+    if reward_fn is None and config.reward_pretrain is None:
+        from hybrid_core.errors import ConfigError
+
+        raise ConfigError("reward_pretrain", "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
+                          "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.")
+    # Built-in tasks have short answers: generating up to 1024 tokens would only waste time.
+    max_new_tokens = min(config.generate_max_len, task.answer_len + 1) if task else config.generate_max_len
+    steps_per_episode = len(prompts) // config.rollout_batch_size
+    if steps_per_episode == 0:
+        from hybrid_core.errors import ConfigError
+
+        raise ConfigError("rollout_batch_size", f"only {len(prompts)} prompts, fewer than one rollout batch "
+                          f"({config.rollout_batch_size}).", "Lower --rollout_batch_size or give more prompts.")
+    total = steps_per_episode * config.num_episodes
+    if config.max_steps is not None:
+        total = min(total, config.max_steps)
+    return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir)
+
+
+def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Run a whole training job; returns a summary (steps, final metrics, saved paths)."""
+    prep = prepare(config)
+    from hybrid_core.cluster import connect, shutdown
+
+    cluster = connect(config.address, num_gpus=config.num_gpus if config.num_gpus is not None else
+                      (None if (config.address or os.environ.get("RAY_ADDRESS")) else prep.plan.num_gpus),
+                      temp_dir=config.ray_temp_dir, log_max_mb=config.ray_log_max_mb)
+    session = None
+    try:
+        session = TrainingSession(prep)
+        session.start()
+        _emit(callbacks, "on_start", {"plan": prep.plan, "total_steps": prep.total_steps, "run_dir": prep.run_dir,
+                                      "config": config, "start_step": session.start_step})
+        summary = session.run(callbacks)
+        _emit(callbacks, "on_end", summary)
+        return summary
+    finally:
+        if session is not None:
+            session.close()
+        if cluster.started_here:
+            shutdown(cluster)
+
+
+def _emit(callbacks: Sequence[Any], event: str, payload: Any) -> None:
+    for cb in callbacks:
+        fn = getattr(cb, event, None)
+        if fn is not None:
+            fn(payload)
+
+
+class _SetupClock:
+    """Seconds spent in each set-up stage (logged, and returned in the summary)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self._last
+        self._last = now
+        log.info("set-up: %s in %.1f s", stage, self.seconds[stage])
+
+
+class TrainingSession:
+    """The live job: placement group, turnstile, role groups, engines, weight sync, checkpoints."""
+
+    def __init__(self, prep: Prepared):
+        self.prep = prep
+        self.config = prep.config
+        self.log_dir = os.path.join(prep.run_dir, "logs")
+        self.ckpt = CheckpointManager(self.config.checkpoint_dir, self.config.max_ckpt_num)
+        self.placed = None
+        self.groups: list = []
+        self.engines = None
+        self.start_step = 0
+        self.history: list[dict[str, float]] = []
+
+    # ---- set-up ----------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        from hybrid_core.placement import place
+        from hybrid_core.turnstile import Turnstile
+        from hybrid_engines.ray_engines import launch_engines
+
+        from hybrid_algos.kl import make_kl_controller
+
+        from .rewards import RewardScorer
+        from .roles import RoleGroup
+        from .weight_sync import WeightSync, choose_mode
+        from .workers.critic import CriticWorker
+        from .workers.frozen import ReferenceWorker, RewardModelWorker
+        from .workers.policy import PolicyWorker
+
+        cfg, prep, plan = self.config, self.prep, self.prep.plan
+        timeout = cfg.call_timeout_s
+        clock = _SetupClock()
+        self.setup_seconds = clock.seconds
+        self.placed = place(plan, timeout_s=timeout)
+        clock.lap("placement group")
+        self.turnstile = Turnstile.create(f"hybrid-turnstile-{uuid.uuid4().hex[:8]}", timeout_s=timeout)
+
+        self.actor = RoleGroup("actor", PolicyWorker, self.placed, cfg, self.log_dir, timeout_s=timeout)
+        self.groups.append(self.actor)
+        self.critic = self.reference = self.reward_model = None
+        if "critic" in plan.roles:
+            self.critic = RoleGroup("critic", CriticWorker, self.placed, cfg, self.log_dir, timeout_s=timeout)
+            self.groups.append(self.critic)
+        if "reference" in plan.roles:
+            self.reference = RoleGroup("reference", ReferenceWorker, self.placed, cfg, self.log_dir, timeout_s=timeout)
+            self.groups.append(self.reference)
+        if "reward" in plan.roles:
+            self.reward_model = RoleGroup("reward", RewardModelWorker, self.placed, cfg, self.log_dir, timeout_s=timeout)
+            self.groups.append(self.reward_model)
+
+        # Models load concurrently; DeepSpeed roles rendezvous on their rank 0's node.
+        pending = []
+        for group, path in ((self.actor, prep.model_path), (self.critic, cfg.critic_pretrain or cfg.reward_pretrain or prep.model_path)):
+            if group is None:
+                continue
+            import ray
+
+            addr = ray.get(group.workers[0].where.remote(), timeout=timeout)["node_ip"]
+            port = ray.get(group.workers[0].free_port.remote(), timeout=timeout)
+            pending.append((group, "setup", (path, addr, port, prep.total_steps)))
+        if self.reference is not None:
+            pending.append((self.reference, "setup", (prep.model_path,)))
+        if self.reward_model is not None:
+            pending.append((self.reward_model, "setup", (cfg.reward_pretrain,)))
+        clock.lap("role actors started")
+        self._call_all(pending)
+        clock.lap("role models loaded")
+        # Each trainer role gives its GPU back before the engines start (they size their KV cache from free memory).
+        self._call_all([(g, "sleep", ()) for g in self.groups if g.sleeps])
+
+        engine_kwargs = self._engine_kwargs()
+        self.engines = launch_engines(self.placed, role="rollout", backend=cfg.backend, engine_kwargs=engine_kwargs,
+                                      timeout_s=timeout)
+        rollout = plan.roles["rollout"]
+        engine_sleeps = rollout.sleeps
+        if engine_sleeps:
+            self.engines.sleep(1)
+        clock.lap("engines started")
+
+        mode = choose_mode(cfg, plan)
+        self.weight_sync = WeightSync(mode, self.actor, self.engines, plan, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+                                      backend=_sync_backend(cfg), timeout_s=timeout)
+        self.weight_sync.setup()
+        clock.lap("weight sync ready")
+
+        tok = prep.tokenizer
+        self.reward = RewardScorer(prep.reward_fn, lambda ids: tok.decode(ids, skip_special_tokens=False),
+                                   normalize=cfg.normalize_reward, clip_range=tuple(cfg.reward_clip_range))
+        kl_controller = make_kl_controller(cfg.init_kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon) \
+            if cfg.uses_reference else None
+        self.ctx = StepContext(
+            config=cfg, actor=self.actor, engines=self.engines, weight_sync=self.weight_sync, reward=self.reward,
+            turnstile=self.turnstile, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
+            reward_model=self.reward_model, kl_controller=kl_controller,
+            engine_gpus=sorted({g for w in rollout.workers for g in w.gpus}), engine_sleeps=engine_sleeps,
+            engine_weights_awake=not engine_sleeps)
+        if cfg.resume:
+            self._resume()
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        kwargs: dict[str, Any] = {"model": self.prep.model_path, "seed": cfg.seed}
+        if cfg.backend == "hf":
+            kwargs["dtype"] = "bfloat16" if cfg.bf16 else "float32"
+        else:
+            kwargs.update(tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                          enable_prefix_caching=cfg.enable_prefix_caching, dtype="bfloat16" if cfg.bf16 else "auto",
+                          max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
+                          enable_sleep_mode=self.prep.plan.roles["rollout"].sleeps)
+        return kwargs
+
+    def _call_all(self, calls) -> list:
+        from hybrid_core.remote import get_all_with_timeout
+
+        named = []
+        for group, method, args in calls:
+            for r, w in enumerate(group.workers):
+                named.append((f"{group.role} rank {r}: {method}", getattr(w, method).remote(*args)))
+        try:
+            return get_all_with_timeout(named, self.config.call_timeout_s)
+        except HybridError:
+            for group, _, _ in calls:
+                group.dump_stacks()
+            raise
+
+    # ---- the steps -------------------------------------------------------------------------------------------------
+    def sampling(self, step: int):
+        from hybrid_engines.protocol import SamplingParams
+
+        cfg = self.config
+        eos = self.prep.tokenizer.eos_token_id
+        return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              max_new_tokens=self.prep.max_new_tokens, n=cfg.n_samples_per_prompt,
+                              stop_token_ids=(eos,) if eos is not None else (), seed=cfg.seed * 1_000_003 + step)
+
+    def prompts_for(self, step: int) -> list:
+        """Step ``step``'s prompts: episode-seeded shuffles of the prompt set, so a resumed run sees the same order."""
+        prompts, bs = self.prep.prompts, self.config.rollout_batch_size
+        per_episode = len(prompts) // bs
+        episode, index = divmod(step, per_episode)
+        order = list(range(len(prompts)))
+        random.Random(self.config.seed + episode).shuffle(order)
+        return [prompts[i] for i in order[index * bs : (index + 1) * bs]]
+
+    def run(self, callbacks: Sequence[Any]) -> dict[str, Any]:
+        cfg = self.config
+        step = self.start_step
+        for step in range(self.start_step, self.prep.total_steps):
+            metrics, _ = run_step(self.ctx, step, self.prompts_for(step), self.sampling(step))
+            self.history.append(metrics)
+            if (step + 1) % cfg.logging_steps == 0 or step + 1 == self.prep.total_steps:
+                _emit(callbacks, "on_step", metrics)
+            if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
+                self.save_checkpoint(step + 1)
+        final = self.save_final_model()
+        return {"steps": self.prep.total_steps, "start_step": self.start_step, "history": self.history,
+                "setup_seconds": self.setup_seconds,
+                "final_model": final, "checkpoint_dir": self.ckpt.root, "run_dir": self.prep.run_dir,
+                "plan": self.prep.plan}
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------------
+    def driver_state(self, next_step: int) -> dict[str, Any]:
+        kl = self.ctx.kl_controller
+        return {"next_step": next_step, "kl": kl.state_dict() if kl is not None else None,
+                "reward_norm": self.reward.state_dict(), "history": self.history, "config": self.config.to_dict()}
+
+    def save_checkpoint(self, next_step: int) -> str:
+        def save_roles(folder: str) -> None:
+            for group in (self.actor, self.critic):
+                if group is not None:
+                    with self.awake(group):
+                        group.call("save_checkpoint", os.path.join(folder, group.role), "state")
+
+        return self.ckpt.save(next_step, save_roles, self.driver_state(next_step))
+
+    @contextlib.contextmanager
+    def awake(self, group) -> Iterator[None]:
+        """DeepSpeed saves and loads from device memory: a sleeping role takes its turn and wakes for it."""
+        if not group.sleeps:
+            yield
+            return
+        self.turnstile.acquire(group.role, group.gpus, timeout_s=self.config.call_timeout_s)
+        try:
+            group.call("wake")
+            yield
+            group.call("sleep")
+        finally:
+            self.turnstile.release(group.role, group.gpus)
+
+    def _resume(self) -> None:
+        self.ckpt.sweep_incomplete()
+        found = self.ckpt.latest()
+        if found is None:
+            from hybrid_core.errors import ConfigError
+
+            raise ConfigError("resume", f"no complete checkpoint under {self.ckpt.root}.", "Drop --resume to start fresh.")
+        path, step = found
+        state = self.ckpt.load_driver_state(path)
+        for group in (self.actor, self.critic):
+            if group is not None:
+                with self.awake(group):
+                    group.call("load_checkpoint", os.path.join(path, group.role), "state")
+        if self.ctx.kl_controller is not None and state["kl"] is not None:
+            self.ctx.kl_controller.load_state_dict(state["kl"])
+        self.reward.load_state_dict(state["reward_norm"])
+        self.history = list(state["history"])
+        self.start_step = int(state["next_step"])
+        # The engines still hold the pretrained weights: give them the restored actor's.
+        with self.awake(self.actor):
+            self.weight_sync.sync(wake_engines=self.ctx.engine_sleeps)
+            if self.ctx.engine_sleeps:
+                self.engines.sleep(1)
+        log.info("resumed from %s at step %d", path, self.start_step)
+
+    def save_final_model(self) -> str:
+        """The trained policy in Hugging Face format, written atomically to ``<save_path>/final``."""
+        final = os.path.join(self.prep.run_dir, "final")
+        tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
+        with self.awake(self.actor):
+            self.actor.call("save_pretrained", tmp, self.prep.model_path)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        return final
+
+    # ---- tear-down -------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        import ray
+
+        if self.engines is not None:
+            try:
+                self.engines.shutdown()
+            except Exception:  # tearing down after an error: report the error, not the clean-up
+                log.debug("engine shutdown failed", exc_info=True)
+        for group in self.groups:
+            group.kill()
+        if getattr(self, "turnstile", None) is not None:
+            try:
+                ray.kill(self.turnstile.actor)
+            except Exception:
+                log.debug("turnstile kill failed", exc_info=True)
+        if self.placed is not None:
+            self.placed.remove()
+
+
+def _sync_backend(cfg: RLConfig) -> str:
+    import torch
+
+    return cfg.vllm_sync_backend if torch.cuda.is_available() else "gloo"

@@ -1,0 +1,16 @@
+"""REINFORCE++ recipe: actor + reference (KL in the reward), batch-normalised discounted returns, no critic.
+
+    from hybrid_algos.train import ReinforceConfig, train_reinforce
+    summary = train_reinforce(ReinforceConfig(max_steps=40))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .config import ReinforceConfig, demo_config
+from .loop import train
+
+
+def train_reinforce(config: ReinforceConfig | None = None, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    return train(config or demo_config(ReinforceConfig), callbacks=callbacks)

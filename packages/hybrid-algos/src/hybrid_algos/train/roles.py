@@ -1,0 +1,82 @@
+"""A role = N Ray workers of one class, one per data-parallel rank, on the bundles the placement plan assigns.
+
+Every call goes through :func:`hybrid_core.remote.get_all_with_timeout`, so a late or dead worker ends the step with
+an error naming the role, the method (phase) and the rank — after the stacks of the role's workers are dumped into
+the run's log folder.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from hybrid_core.errors import RemoteTimeout, RoleFailure
+from hybrid_core.remote import get_all_with_timeout
+from hybrid_core.runtime_env import worker_runtime_env
+
+log = logging.getLogger(__name__)
+
+
+def remote_class(worker_cls: type):
+    """The worker class as a Ray actor with a 'control' thread for stack dumps and health checks."""
+    import ray
+
+    cls = type(worker_cls.__name__, (worker_cls,), {
+        "dump_stacks": ray.method(concurrency_group="control")(worker_cls.dump_stacks),
+        "ping": ray.method(concurrency_group="control")(worker_cls.ping),
+    })
+    return ray.remote(concurrency_groups={"control": 1})(cls)
+
+
+class RoleGroup:
+    """The workers of one role. ``call`` sends the same arguments to every rank; ``call_sharded`` one shard each."""
+
+    def __init__(self, role: str, worker_cls: type, placed, config, log_dir: str, *, timeout_s: float):
+        self.role = role
+        self.timeout_s = timeout_s
+        placement = placed.plan.roles[role]
+        self.world_size = len(placement.workers)
+        self.sleeps = placement.sleeps
+        self.gpus = sorted({g for w in placement.workers for g in w.gpus})
+        actor_cls = remote_class(worker_cls)
+        self.workers = [
+            actor_cls.options(**placed.actor_options(role, rank), runtime_env=worker_runtime_env(),
+                              name=None, max_restarts=0).remote(role, rank, self.world_size, config, log_dir)
+            for rank in range(self.world_size)
+        ]
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        refs = [(f"{self.role} rank {r}: {method}", getattr(w, method).remote(*args, **kwargs))
+                for r, w in enumerate(self.workers)]
+        return self._wait(refs, timeout_s)
+
+    def call_sharded(self, method: str, shards: Sequence[Any], *args: Any, timeout_s: float | None = None,
+                     **kwargs: Any) -> list[Any]:
+        if len(shards) != self.world_size:
+            raise ValueError(f"{self.role}: {len(shards)} shards for {self.world_size} ranks")
+        refs = [(f"{self.role} rank {r}: {method}", getattr(w, method).remote(shard, *args, **kwargs))
+                for r, (w, shard) in enumerate(zip(self.workers, shards))]
+        return self._wait(refs, timeout_s)
+
+    def _wait(self, named_refs, timeout_s: float | None) -> list[Any]:
+        try:
+            return get_all_with_timeout(named_refs, timeout_s or self.timeout_s)
+        except (RemoteTimeout, RoleFailure):
+            self.dump_stacks()
+            raise
+
+    def dump_stacks(self, timeout_s: float = 10.0) -> None:
+        """Ask every worker for its Python stacks (written to the run's log folder); never raises."""
+        import ray
+
+        refs = [w.dump_stacks.remote() for w in self.workers]
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        except Exception:  # a dead worker cannot dump; the error that brought us here says enough
+            log.debug("stack dump of %s failed", self.role, exc_info=True)
+
+    def kill(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w, no_restart=True)

@@ -1,0 +1,71 @@
+"""The critic role (PPO): a value model under DeepSpeed with sleep, per-token values and clipped value updates."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from hybrid_core.offload import DeepSpeedOffloader
+
+from ... import clipped_value_loss
+from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
+from ..experience import Rollout
+from ..models import load_critic, response_values
+from .base import RoleWorker
+from .policy import _pad_right, attn_implementation
+
+
+class CriticWorker(RoleWorker):
+    def setup(self, model_path: str, master_addr: str, master_port: int, total_steps: int) -> dict[str, Any]:
+        cfg = self.config
+        init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
+        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        model = load_critic(model_path, dtype=dtype, attn_implementation=attn_implementation(cfg),
+                            gradient_checkpointing=cfg.gradient_checkpointing)
+        self.engine = make_engine(model, deepspeed_config(
+            zero_stage=cfg.zero_stage, bf16=cfg.bf16, micro_batch=cfg.micro_train_batch_size,
+            grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
+            lr=cfg.critic_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
+            num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload))
+        if cfg.deepspeed_enable_sleep:
+            self.offloader = DeepSpeedOffloader(self.engine)
+        self.settle()
+        return self.where()
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        self.engine.eval()
+        out = []
+        for mb in rollout.micro_batches(self.config.micro_rollout_batch_size):
+            mb = mb.to(self.device)
+            v = response_values(self.engine, mb.sequences, mb.attention_mask, mb.response_len)
+            out.append(_pad_right(v, rollout.response_len).cpu())
+        return torch.cat(out)
+
+    def train(self, rollout: Rollout, step: int) -> dict[str, float]:
+        cfg = self.config
+        self.engine.train()
+        stats: dict[str, list[float]] = defaultdict(list)
+        gen = torch.Generator().manual_seed(cfg.seed * 100019 + step * 137 + self.rank)
+        for _ in range(cfg.max_epochs):
+            order = torch.randperm(rollout.batch_size, generator=gen)
+            for mb in rollout.select(order).micro_batches(cfg.micro_train_batch_size):
+                mb = mb.to(self.device)
+                values = response_values(self.engine, mb.sequences, mb.attention_mask, mb.response_len)
+                loss, info = clipped_value_loss(values, mb.values, mb.returns, mb.action_mask, clip=cfg.value_clip,
+                                                agg_mode=cfg.loss_agg_mode, norm_len=cfg.generate_max_len)
+                self.engine.backward(loss)
+                self.engine.step()
+                stats["critic/value_loss"].append(loss.item())
+                stats["critic/clip_frac"].append(float(info.get("clip_frac", 0.0)))
+        return {k: sum(v) / len(v) for k, v in stats.items()}
+
+    def save_checkpoint(self, path: str, tag: str) -> None:
+        self.engine.save_checkpoint(path, tag=tag, save_latest=False)
+
+    def load_checkpoint(self, path: str, tag: str) -> None:
+        load_path, _ = self.engine.load_checkpoint(path, tag=tag)
+        if load_path is None:
+            raise FileNotFoundError(f"critic rank {self.rank}: no DeepSpeed checkpoint {tag!r} under {path}")

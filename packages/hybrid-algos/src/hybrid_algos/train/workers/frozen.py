@@ -1,0 +1,55 @@
+"""Roles that only run forward passes: the reference policy (KL) and a reward model. They sleep with hybrid-core's
+StateOffloader (weights to pinned host memory and back)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybrid_core.offload import StateOffloader
+
+from ..experience import Rollout
+from ..models import load_causal_lm, load_reward_model, response_logprobs, sequence_scores
+from .base import RoleWorker
+from .policy import _pad_right, attn_implementation
+
+
+def _frozen_dtype(cfg) -> torch.dtype:
+    return torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+class ReferenceWorker(RoleWorker):
+    def setup(self, model_path: str) -> dict[str, Any]:
+        model = load_causal_lm(model_path, dtype=_frozen_dtype(self.config), attn_implementation=attn_implementation(self.config))
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.offloader = StateOffloader(self.model)
+        self.settle()
+        return self.where()
+
+    @torch.no_grad()
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        out = []
+        for mb in rollout.micro_batches(self.config.micro_rollout_batch_size):
+            mb = mb.to(self.device)
+            lp = response_logprobs(self.model, mb.sequences, mb.attention_mask, mb.response_len,
+                                   temperature=self.config.temperature)
+            out.append(_pad_right(lp, rollout.response_len).cpu())
+        return torch.cat(out)
+
+
+class RewardModelWorker(RoleWorker):
+    def setup(self, model_path: str) -> dict[str, Any]:
+        model = load_reward_model(model_path, dtype=_frozen_dtype(self.config), attn_implementation=attn_implementation(self.config))
+        self.model = model.to(self.device)
+        self.offloader = StateOffloader(self.model)
+        self.settle()
+        return self.where()
+
+    @torch.no_grad()
+    def scores(self, rollout: Rollout) -> torch.Tensor:
+        out = []
+        for mb in rollout.micro_batches(self.config.micro_rollout_batch_size):
+            mb = mb.to(self.device)
+            out.append(sequence_scores(self.model, mb.sequences, mb.attention_mask).cpu())
+        return torch.cat(out)

@@ -1,0 +1,138 @@
+"""Metrics writers: ``<save_path>/metrics.jsonl`` always, TensorBoard when installed, Weights & Biases on request.
+
+One JSON object per step (the step's metrics plus ``wall_time``); non-finite numbers are written as ``null`` so
+every JSON reader accepts the file. A resumed run appends to the file; a new run starts it afresh. The end-of-run
+summary goes to ``summary.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from typing import Any
+
+from hybrid_core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+WANDB_FIX = "pip install wandb (or pip install 'hybrid-cli[wandb]'), or drop --use_wandb."
+
+
+class MetricsLogger:
+    """A training callback writing every step's metrics to JSONL (+ TensorBoard, + W&B)."""
+
+    def __init__(self, run_dir: str | None = None, *, tensorboard: bool = True, wandb_key: str | None = None,
+                 wandb_project: str = "hybrid", wandb_run_name: str | None = None, config: dict | None = None):
+        self.run_dir = run_dir
+        self.tensorboard = tensorboard
+        self.wandb_key = wandb_key
+        self.wandb_project = wandb_project
+        self.wandb_run_name = wandb_run_name
+        self.config = config or {}
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if wandb_key:
+            self._wandb_module()  # fail now, before Ray or a GPU is taken
+
+    @classmethod
+    def for_config(cls, config: Any) -> "MetricsLogger":
+        return cls(config.save_path, tensorboard=config.use_tensorboard, wandb_key=config.use_wandb,
+                   wandb_project=config.wandb_project, wandb_run_name=config.wandb_run_name,
+                   config=_plain({**config.to_dict(), "use_wandb": "<redacted>" if config.use_wandb else None}))
+
+    @property
+    def path(self) -> str | None:
+        return os.path.join(self.run_dir, "metrics.jsonl") if self.run_dir else None
+
+    # ---- callback ----------------------------------------------------------------------------------------------
+    def on_start(self, info: dict[str, Any]) -> None:
+        self.run_dir = os.path.abspath(info.get("run_dir") or self.run_dir or ".")
+        os.makedirs(self.run_dir, exist_ok=True)
+        resumed = int(info.get("start_step") or 0) > 0
+        self._jsonl = open(self.path, "a" if resumed else "w", encoding="utf-8")
+        if self.tensorboard:
+            self._tb = _tensorboard_writer(os.path.join(self.run_dir, "tensorboard"))
+        if self.wandb_key:
+            wandb = self._wandb_module()
+            if self.wandb_key.lower() not in ("true", "1"):  # OpenRLHF passes the API key itself
+                wandb.login(key=self.wandb_key, relogin=True)
+            self._wandb = wandb.init(project=self.wandb_project, name=self.wandb_run_name, config=self.config,
+                                     dir=self.run_dir, resume="allow" if resumed else None)
+
+    def on_step(self, metrics: dict[str, Any]) -> None:
+        if self._jsonl is None:
+            self.on_start({})
+        step = int(metrics.get("step", 0))
+        record = {k: _finite(v) for k, v in metrics.items()}
+        record["wall_time"] = time.time()
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        numbers = {k: float(v) for k, v in metrics.items() if _is_number(v) and k != "step"}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
+
+    def on_end(self, summary: dict[str, Any]) -> None:
+        if self.run_dir:
+            with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(_plain(summary), f, indent=2)
+        self.close()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def _wandb_module(self):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("use_wandb", "logging to Weights & Biases needs the wandb package, which is not "
+                              "installed.", WANDB_FIX) from None
+        return wandb
+
+
+def _tensorboard_writer(log_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's writer needs the tensorboard package
+        log.info("tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
+        return None
+    return SummaryWriter(log_dir=log_dir)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if hasattr(value, "item") and callable(value.item):  # torch / numpy scalars
+        return _finite(value.item())
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready copy (tuples to lists, unknown objects to their repr)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float):
+        return _finite(value)
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    return repr(value)

@@ -1,0 +1,243 @@
+"""Colocated weight sync: sender and engine share a GPU, so buckets are handed over by CUDA IPC handle, not copied.
+
+The sender packs flat buckets in its own device memory and sends only a small :class:`IpcBucket` (an IPC handle of
+the bucket buffer + the tensors' metadata and offsets) to the engine, e.g. through a Ray call; the engine maps the
+buffer and copies the tensors into its model. Two buffers alternate so packing the next bucket overlaps the engine's
+loading of the previous one; a buffer is reused only after the engine said it is done with it.
+
+On CPU the same code path runs over shared-memory files (``/dev/shm``), so it is tested without a GPU.
+A tensor larger than a bucket travels alone in a temporary buffer of its own size.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..errors import ConfigError
+from ..stats import TransferStats
+from .buckets import BucketPacker, Piece, check_bucket_bytes
+from .meta import TensorMeta
+from .sender import DEFAULT_BUCKET_BYTES
+from .wire import tensor_bytes
+
+
+@dataclass(frozen=True)
+class IpcHandle:
+    """How to map a bucket buffer in another process: ``kind`` "cuda" (torch's IPC rebuild args) or "shm" (a path)."""
+
+    kind: str
+    payload: Any
+    nbytes: int
+    device_uuid: str = ""  # cuda: which physical GPU (device indices differ between processes)
+
+
+@dataclass(frozen=True)
+class IpcBucket:
+    """One packed bucket as the engine receives it: a handle and ``(meta, byte offset)`` of each tensor in it.
+
+    ``last``: the sync's final delivery (possibly with no entries); the receiver then drops its mappings, so the
+    sender's memory is really freed when it is released. ``reusable``: the buffer comes back in later buckets, so
+    the receiver keeps it mapped until ``last`` (mapping a CUDA IPC handle is not free).
+    """
+
+    index: int
+    handle: IpcHandle | None
+    entries: tuple[tuple[TensorMeta, int], ...]
+    last: bool = False
+    reusable: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m, _ in self.entries)
+
+
+class IpcBucketSender:
+    """Packs ``(name, tensor)`` streams into shared buckets on ``device`` (default: the current CUDA device, else CPU).
+
+    The two bucket buffers stay allocated between ``send`` calls (the engine keeps its mapping of them too);
+    ``close()`` frees them.
+    """
+
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None):
+        check_bucket_bytes(bucket_bytes)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type not in ("cuda", "cpu"):
+            raise ConfigError("device", f"IPC buckets need a CUDA or CPU device, got {self.device}.",
+                              "Pass the trainer's CUDA device.")
+        self.bucket_bytes = bucket_bytes
+        self._slots: list[_SharedBuffer] = []
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], deliver: Callable[[IpcBucket], Any],
+             wait: Callable[[Any], None]) -> TransferStats:
+        """For each packed bucket call ``deliver(bucket)`` (returns e.g. Ray refs) and, before reusing its buffer or
+        returning, ``wait(what deliver returned)``. At most two buckets are in flight."""
+        start = time.perf_counter()
+        if not self._slots:
+            self._slots = [_SharedBuffer(self.bucket_bytes, self.device) for _ in range(2)]
+        packer = BucketPacker(self.bucket_bytes, split_large=False)
+        inflight: list[Any] = [None, None]
+        pieces: list[Piece] = []
+        payload = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                meta = TensorMeta.of(name, tensor)
+                payload += meta.nbytes
+                (piece,) = packer.add(meta)
+                if pieces and piece.bucket != pieces[0].bucket:
+                    inflight[pieces[0].bucket % 2] = deliver(_bucket(self._slots[pieces[0].bucket % 2], pieces))
+                    pieces = []
+                slot = piece.bucket % 2
+                if not pieces and inflight[slot] is not None:  # opening a bucket: the engine must be done with it
+                    wait(inflight[slot])
+                    inflight[slot] = None
+                if piece.nbytes > self.bucket_bytes:  # oversize: alone, in a buffer of its own size
+                    alone = _SharedBuffer(piece.nbytes, self.device)
+                    alone.tensor.copy_(tensor_bytes(tensor))
+                    wait(deliver(_bucket(alone, [piece], reusable=False)))
+                    alone.release()
+                    continue
+                buf = self._slots[slot].tensor
+                buf[piece.bucket_offset:piece.bucket_offset + piece.nbytes].copy_(
+                    tensor_bytes(tensor), non_blocking=self.device.type == "cuda")  # a host bucket is read at once
+                pieces.append(piece)
+            if pieces:
+                inflight[pieces[0].bucket % 2] = deliver(_bucket(self._slots[pieces[0].bucket % 2], pieces, last=True))
+            else:  # nothing pending (empty stream, or it ended with an oversize tensor): a bare end marker
+                wait(deliver(IpcBucket(packer.bucket + int(packer.filled), None, (), last=True)))
+            for refs in inflight:
+                if refs is not None:
+                    wait(refs)
+        return TransferStats(payload, time.perf_counter() - start, "weight sync ipc")
+
+    def close(self) -> None:
+        for slot in self._slots:
+            slot.release()
+        self._slots = []
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to release
+            pass
+
+
+def open_ipc_bucket(bucket: IpcBucket) -> list[tuple[str, torch.Tensor]]:
+    """Receiver side: ``(name, tensor)`` views into the shared bucket; copy them before the sender reuses it."""
+    if bucket.handle is None:
+        return []
+    key = _handle_key(bucket.handle)
+    buf = _MAPPED.get(key)
+    if buf is None:
+        buf = _map(bucket.handle)
+        if bucket.reusable:
+            _MAPPED[key] = buf
+            while len(_MAPPED) > _MAX_MAPPED:
+                _MAPPED.pop(next(iter(_MAPPED)))
+    return [(meta.name, buf[offset:offset + meta.nbytes].view(meta.torch_dtype).view(meta.shape))
+            for meta, offset in bucket.entries]
+
+
+def load_ipc_bucket(bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> TransferStats:
+    """Receiver side in one call: map, ``load(pairs)`` (which copies), wait for the copies; after the last bucket
+    of a sync, unmap everything."""
+    start = time.perf_counter()
+    if bucket.index == 0:
+        release_ipc_mappings()  # a new sync: mappings of an earlier one are stale
+    pairs = open_ipc_bucket(bucket)
+    if pairs:
+        load(pairs)
+        if bucket.handle.kind == "cuda":
+            torch.cuda.current_stream(pairs[0][1].device).synchronize()
+    del pairs
+    if bucket.last:
+        release_ipc_mappings()
+    return TransferStats(bucket.nbytes, time.perf_counter() - start, "weight sync ipc")
+
+
+def release_ipc_mappings() -> None:
+    """Unmap the buckets this process keeps mapped, so the sender's memory can really be freed."""
+    _MAPPED.clear()
+
+
+# Bucket buffers mapped in this (receiver) process, kept while a sync lasts (the sender alternates two of them).
+_MAPPED: dict[tuple, torch.Tensor] = {}
+_MAX_MAPPED = 2
+
+
+def _handle_key(handle: IpcHandle) -> tuple:
+    if handle.kind == "cuda":
+        args = handle.payload
+        return handle.kind, handle.device_uuid, bytes(args[7]), args[9], handle.nbytes  # memory handle + offset
+    return handle.kind, handle.payload, handle.nbytes
+
+
+# ---- shared buffers ------------------------------------------------------------------------------------------------
+class _SharedBuffer:
+    """A uint8 buffer another process can map: CUDA memory with an IPC handle, or a file in shared memory."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.path = None
+        self.nbytes = nbytes
+        if device.type == "cuda":
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.device_uuid = str(torch.cuda.get_device_properties(device).uuid)
+        else:
+            self.path = os.path.join(_shm_dir(), f"hybrid-ipc-{os.getpid()}-{uuid.uuid4().hex}")
+            self.tensor = torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8)
+
+    def handle(self) -> IpcHandle:
+        """A fresh handle per delivery: torch's CUDA IPC counts each one as a reference the receiver releases."""
+        if self.path is not None:
+            return IpcHandle("shm", self.path, self.nbytes)
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        _, args = reduce_tensor(self.tensor)
+        return IpcHandle("cuda", args, self.nbytes, self.device_uuid)
+
+    def release(self) -> None:
+        if self.path is not None and os.path.exists(self.path):
+            os.unlink(self.path)  # mappings already open elsewhere stay valid
+        self.path = None
+        self.tensor = None
+
+
+def _bucket(buffer: _SharedBuffer, pieces: list[Piece], *, last: bool = False, reusable: bool = True) -> IpcBucket:
+    if buffer.tensor.device.type == "cuda":
+        torch.cuda.current_stream(buffer.tensor.device).synchronize()  # the other process cannot see our stream
+    return IpcBucket(pieces[0].bucket, buffer.handle(), tuple((p.meta, p.bucket_offset) for p in pieces), last=last,
+                     reusable=reusable)
+
+
+def _map(handle: IpcHandle) -> torch.Tensor:
+    if handle.kind == "shm":
+        return torch.from_file(handle.payload, shared=True, size=handle.nbytes, dtype=torch.uint8)
+    if handle.kind != "cuda":
+        raise ConfigError("IpcHandle.kind", f"unknown kind {handle.kind!r}.", 'Use buckets from IpcBucketSender.')
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(handle.payload)
+    args[6] = _local_device_index(handle.device_uuid)  # the sender's index for this GPU may differ from ours
+    return rebuild_cuda_tensor(*args)
+
+
+def _local_device_index(device_uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == device_uuid:
+            return i
+    raise ConfigError("weight_sync", f"this process does not see the sender's GPU (uuid {device_uuid}), so CUDA IPC "
+                      "cannot work.", "Colocate the engine on the trainer's GPU, or use the broadcast path.")
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()

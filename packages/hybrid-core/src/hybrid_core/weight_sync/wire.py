@@ -1,0 +1,68 @@
+"""What goes over the wire, in order, for one sync:
+
+1. a handshake from rank 0: ``[MAGIC, PROTOCOL, bucket_bytes]`` (receivers check they pack the same way);
+2. per bucket, a fixed-size header ``[digest of the bucket's layout, bucket index, payload bytes]``, then the
+   payload. A receiver posts the payload only after the header matched its own plan, so a metadata mismatch is a
+   named error before any bytes are received or loaded, never a size mismatch inside the backend;
+3. an end header ``[END, number of buckets, 0]``, so a stream longer or shorter than the receivers' plan is an
+   error too, not a hang.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from .buckets import Bucket, Piece, layout_digest, used_bytes
+
+MAGIC = 0x6879627269642D77  # "hybrid-w"
+PROTOCOL = 2
+END = -1
+
+
+def handshake_tensor(bucket_bytes: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([MAGIC, PROTOCOL, bucket_bytes], dtype=torch.int64, device=device)
+
+
+def check_handshake(received: torch.Tensor, bucket_bytes: int, rank: int) -> None:
+    magic, protocol, sender_bucket_bytes = (int(v) for v in received.tolist())
+    if magic != MAGIC or protocol != PROTOCOL:
+        raise ConfigError("weight_sync", f"rank {rank} got a handshake that is not hybrid's weight-sync protocol "
+                          f"v{PROTOCOL} (magic {magic:#x}, protocol {protocol}).",
+                          "Use the same hybrid version on the trainer and the engines, and a group used only for sync.")
+    if sender_bucket_bytes != bucket_bytes:
+        raise ConfigError("bucket_bytes", f"the sender packs {sender_bucket_bytes}-byte buckets but rank {rank} "
+                          f"expects {bucket_bytes}.",
+                          "Pass the same bucket_bytes (weight_sync_bucket_mb) to both sides.")
+
+
+def header_tensor(index: int, pieces: list[Piece], device: torch.device) -> torch.Tensor:
+    return torch.tensor([layout_digest(index, pieces), index, used_bytes(pieces)], dtype=torch.int64, device=device)
+
+
+def end_tensor(n_buckets: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([END, n_buckets, 0], dtype=torch.int64, device=device)
+
+
+def check_header(received: torch.Tensor, expected: Bucket | None, n_planned: int, rank: int) -> None:
+    """``expected`` is the next bucket of the receiver's plan, or None when the plan is done (an end is due)."""
+    digest, index, _ = (int(v) for v in received.tolist())
+    fix = ("Give the receivers the TensorMetas of exactly the sender's stream, in the same order (same names, dtypes, "
+           "shapes).")
+    if expected is None:
+        if digest != END:
+            raise ConfigError("metas", f"rank {rank}: the sender streams more tensors than the {n_planned} buckets "
+                              "this receiver's metadata plans.", fix)
+        return
+    if digest == END:
+        raise ConfigError("metas", f"rank {rank}: the sender's stream ended after {index} buckets, but this "
+                          f"receiver's metadata plans {n_planned}.", fix)
+    if digest != expected.digest() or index != expected.index:
+        first = expected.pieces[0].meta if expected.pieces else None
+        raise ConfigError("metas", f"rank {rank}: weight-sync bucket {expected.index} from the sender does not hold "
+                          f"what this receiver's metadata says (expected it to start with {first}).", fix)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's data as a flat uint8 tensor (a view when it is already contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)

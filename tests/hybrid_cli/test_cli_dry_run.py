@@ -1,0 +1,74 @@
+"""--dry-run of the demo and of placement variants: plan printed, budget printed, exit status, no Ray."""
+
+import pytest
+
+from hybrid_cli.dry_run import DEFAULT_GPU_GIB, detect_gpu_gib
+from hybrid_cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def no_ray_after():
+    yield
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_demo_dry_run(tmp_path, capsys):
+    assert main(["ppo", "--dry-run", "--save_path", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "ppo: 1 GPU(s), backend hf" in out and "actor" in out and "rollout" in out
+    assert "prompts: 1024 prompts from built-in task 'copy'" in out
+    assert "GPU memory per phase" in out and "actor_train" in out and "fits:" in out
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+def test_grpo_dry_run_with_rlinf_ranges(capsys):
+    assert main(["grpo", "--dry-run", "--placement", "actor=0-1", "rollout=0-1", "reference=0-1",
+                 "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "4",
+                 "--actor_num_gpus_per_node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo: 2 GPU(s)" in out and "critic" not in out.split("prompts:")[0]
+
+
+def test_placement_error_exits_2_naming_the_flag(capsys):
+    # colocated engines must fill the actor's GPUs exactly (actor 2 GPUs, engines 3 x 1)
+    assert main(["ppo", "--dry-run", "--colocate_all_models", "--actor_num_gpus_per_node", "2",
+                 "--vllm_num_engines", "3", "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "vllm_num_engines" in err and "Fix:" in err
+
+
+def test_too_few_prompts_for_one_rollout_batch(prompts_jsonl, capsys, tiny_model_dir, tiny_reward_dir):
+    assert main(["ppo", "--dry-run", "--pretrain", tiny_model_dir, "--prompt_data", prompts_jsonl, "--input_key",
+                 "prompt", "--reward_pretrain", tiny_reward_dir, "--max_samples", "20",
+                 "--rollout_batch_size", "32", "--train_batch_size", "32"]) == 2
+    assert "rollout_batch_size" in capsys.readouterr().err
+
+
+def test_own_prompts_need_a_reward(prompts_jsonl, capsys, tiny_model_dir, tmp_path, monkeypatch):
+    base = ["ppo", "--dry-run", "--pretrain", tiny_model_dir, "--prompt_data", prompts_jsonl, "--input_key", "prompt"]
+    assert main(base) == 2
+    assert "reward_pretrain: no reward" in capsys.readouterr().err
+    (tmp_path / "my_reward.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main([*base, "--reward_fn", "my_reward:score"]) == 0
+    assert "reward: function" in capsys.readouterr().out
+    assert main([*base, "--reward_fn", "my_reward:nope"]) == 2
+    assert "has no function 'nope'" in capsys.readouterr().err
+
+
+def test_missing_input_key_fails_before_anything_starts(prompts_jsonl, capsys, tiny_model_dir):
+    assert main(["ppo", "--dry-run", "--pretrain", tiny_model_dir, "--prompt_data", prompts_jsonl,
+                 "--input_key", "question"]) == 2
+    err = capsys.readouterr().err
+    assert "input_key" in err and "context_messages, prompt" in err
+
+
+def test_gpu_memory_default_without_a_gpu():
+    import torch
+
+    if not torch.cuda.is_available():
+        assert detect_gpu_gib() == DEFAULT_GPU_GIB
+    else:
+        assert detect_gpu_gib() > 1
