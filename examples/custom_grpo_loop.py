@@ -35,13 +35,14 @@ from hybrid_algos import (AdvantageInputs, aggregate_loss, compute_advantages, k
 from hybrid_algos.train.tasks import EOS, SyntheticTask
 from hybrid_algos.train.tiny import save_tiny_model
 from hybrid_core.cluster import connect
+from hybrid_core.errors import ConfigError
 from hybrid_core.offload import StateOffloader
 from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.remote import get_with_timeout
 from hybrid_core.runtime_env import worker_runtime_env
 from hybrid_core.turnstile import Turnstile
 from hybrid_core.weight_sync import IpcBucketSender
-from hybrid_engines import SamplingParams, launch_engines
+from hybrid_engines import SamplingParams, engine_class, launch_engines
 
 TIMEOUT_S = 300.0  # every remote call has a deadline
 QUIET = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}  # no weight-loading progress bars from the actors
@@ -127,6 +128,10 @@ def main(argv=None) -> list[float]:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    try:
+        engine_class(args.backend)  # a missing backend library fails here, naming the extra, before Ray starts
+    except ConfigError as e:
+        p.error(str(e))
 
     os.environ.update(QUIET)
     task = SyntheticTask("copy", num_symbols=8, prompt_symbols=1)

@@ -94,3 +94,29 @@ def _version_in_repo(dist: str) -> str:
         if line.startswith("__version__"):
             return line.split("=", 1)[1].strip().strip("\"'")
     raise AssertionError(f"no __version__ in {init}")
+
+
+@pytest.mark.slow
+def test_algos_only_example_runs_with_torch_and_hybrid_algos_alone(wheelhouse: Path, tmp_path: Path) -> None:
+    # examples/algos_only.py is what a downstream project importing only hybrid-algos does: it must run (and learn)
+    # in a venv holding just torch and the hybrid-algos wheel, and load none of the heavy modules.
+    python = _fresh_venv(tmp_path / "venv")
+    _install_alone(python, wheelhouse, "hybrid-algos")
+    installed = _run([str(python), "-m", "pip", "list", "--format=freeze"]).stdout.lower()
+    for heavy in ("ray", "transformers", "deepspeed", "hybrid-core", "hybrid-engines"):
+        assert f"\n{heavy}==" not in f"\n{installed}", f"hybrid-algos alone pulled in {heavy}"
+    example = ROOT / "examples" / "algos_only.py"
+    probe = textwrap.dedent(
+        f"""
+        import runpy, sys
+        code = 0
+        try:
+            runpy.run_path({str(example)!r}, run_name="__main__")
+        except SystemExit as e:
+            code = e.code
+        print("HEAVY:", ",".join(m for m in {HEAVY!r} if m in sys.modules) or "none")
+        sys.exit(code)
+        """
+    )
+    result = _run([str(python), "-c", probe], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.stdout.splitlines()[-2:] == ["OK", "HEAVY: none"], result.stdout

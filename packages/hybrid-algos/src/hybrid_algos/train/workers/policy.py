@@ -89,18 +89,31 @@ class PolicyWorker(RoleWorker):
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
     # ---- weights out -----------------------------------------------------------------------------------------------
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (gathered) weights one parameter at a time; under ZeRO-3 every rank must iterate together."""
-        model = self.engine.module
-        if self.config.zero_stage == 3:
-            import deepspeed
+    def named_weights(self, gather_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (gathered) weights; under ZeRO-3 every rank must iterate together.
 
-            for name, p in model.named_parameters():
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                    yield name, p.data
-        else:
-            for name, p in model.named_parameters():
+        ZeRO-3 shards are gathered in groups of up to ``gather_bytes`` (one all-gather per group instead of one per
+        parameter); each tensor is valid until the next one is requested, which is how the senders consume them.
+        """
+        named = list(self.engine.module.named_parameters())
+        if self.config.zero_stage != 3:
+            for name, p in named:
                 yield name, p.data
+            return
+        import deepspeed
+
+        group: list[tuple[str, torch.nn.Parameter]] = []
+        size = 0
+        for name, p in named + [("", None)]:
+            full = p.ds_numel * p.element_size() if p is not None else 0
+            if group and (p is None or size + full > gather_bytes):
+                with deepspeed.zero.GatheredParameters([q for _, q in group], modifier_rank=None):
+                    for gname, q in group:
+                        yield gname, q.data
+                group, size = [], 0
+            if p is not None:
+                group.append((name, p))
+                size += full
 
     def weight_metas(self) -> list:
         from hybrid_core.weight_sync import TensorMeta
