@@ -43,8 +43,8 @@ def command(args, model: str, data: str, save: str) -> list[str]:
         cmd += ["--critic_num_nodes", "1", "--critic_num_gpus_per_node", "1", "--critic_learning_rate", "1e-6"]
     if args.split:
         # Engine on its own GPU, the trainer roles on the other: nothing sleeps, weights go over NCCL.
-        cmd += ["--placement", "actor=0,reference=0,rollout=1" + (",critic=0" if args.algo == "ppo" else ""),
-                "--no_vllm_enable_sleep", "--deepspeed_enable_sleep"]
+        cmd += ["--placement", "actor=0", "reference=0", "rollout=1", *(["critic=0"] if args.algo == "ppo" else []),
+                "--no_vllm_enable_sleep"]
     else:
         cmd += ["--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep"]
     if args.enforce_eager:

@@ -226,7 +226,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(ctx, target, *args):
+def spawn(ctx, target, *args):
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, *args), daemon=True)
     proc.start()
@@ -298,7 +298,7 @@ def run_gpu(args, run: Run) -> None:
         except EngineStateError as e:
             run.info["level2_guard"] = f"ok: {e}"
     with run.phase("weight update by CUDA IPC"):
-        parent, proc = start(ctx, ipc_trainer, engine_gpu, dirs[1], dtype, args.bucket_mb << 20)
+        parent, proc = spawn(ctx, ipc_trainer, engine_gpu, dirs[1], dtype, args.bucket_mb << 20)
         try:
             parent.send("go")
             while True:
@@ -319,7 +319,7 @@ def run_gpu(args, run: Run) -> None:
             engine.sleep(2)
             engine.wake_up(["weights"])
             port = free_port()
-            parent, proc = start(ctx, nccl_trainer, gpus[0], dirs[2], dtype, args.bucket_mb << 20, port)
+            parent, proc = spawn(ctx, nccl_trainer, gpus[0], dirs[2], dtype, args.bucket_mb << 20, port)
             try:
                 engine.init_weight_update_group("127.0.0.1", port, 1, 2, backend="nccl", timeout_s=300)
                 metas = weight_metas(dirs[2], dtype)

@@ -88,7 +88,7 @@ def train(estimator: str, steps: int, seed: int = 0) -> list[float]:
         for _ in range(2):  # PPO epochs over the batch
             logits, values = policy(prompts, responses)
             logprobs = logprobs_from_logits(logits, responses)
-            loss, stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.28)
+            loss, _ = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.28)
             if estimator == "gae":
                 value_loss, _ = clipped_value_loss(values, old_values, returns, mask, clip=0.2)
                 loss = loss + 0.5 * value_loss

@@ -1,23 +1,16 @@
 #!/usr/bin/env python3
-"""A GRPO loop written by hand from hybrid's building blocks, with no training framework in between.
+"""A GRPO loop written by hand from hybrid's building blocks: hybrid-core placement, turnstile, offload and weight
+sync, a hybrid-engines engine and the hybrid-algos math, with no training framework in between.
 
-One GPU is shared by a trainer (a plain torch model + AdamW in a Ray actor) and an inference engine. They take turns
-through a per-GPU turnstile; each sleeps (moves its memory off the GPU) while the other works, and after every update
-the trainer hands its new weights to the engine in flat shared buckets (CUDA IPC on a GPU, shared memory on CPU).
+One GPU is shared by a trainer (plain torch + AdamW, in a Ray actor) and an inference engine. They take turns on it;
+each sleeps (moves its memory off the GPU) while the other works, and after every update the trainer streams its new
+weights into the engine in flat shared buckets (CUDA IPC on a GPU, shared memory on CPU).
 
-    python examples/custom_grpo_loop.py --steps 20                  # CPU: built-in engine, one declared GPU
-    python examples/custom_grpo_loop.py --steps 20 --backend vllm   # GPU: vLLM engine (pip install hybrid-engines[vllm])
+    python examples/custom_grpo_loop.py --steps 20                  # CPU: the built-in engine, one declared GPU
+    python examples/custom_grpo_loop.py --steps 20 --backend vllm   # GPU: pip install "hybrid-engines[vllm]"
 
-The task is the built-in synthetic one: the prompt is ``<bos> s_k <sep>`` and the reward is 1 for answering ``s_k``.
-A random policy scores ~1/12; the reward should pass 0.8 within about 20 steps.
-
-    building block                               used for
-    hybrid_core.placement.PlacementSpec, place   both roles on GPU 0, pinned to one placement-group bundle
-    hybrid_core.turnstile.Turnstile              one role awake on the GPU at a time
-    hybrid_core.offload.StateOffloader           the trainer's weights + Adam state to host memory and back
-    hybrid_core.weight_sync.IpcBucketSender      trainer -> engine weight updates
-    hybrid_engines.launch_engines                the engine as a Ray actor (generate / sleep / wake_up)
-    hybrid_algos                                 GRPO advantages, the clipped policy loss, the k3 KL term
+The task is the built-in copy task: prompt ``<bos> s_k <sep>``, reward 1 for answering ``s_k``. A random policy
+scores ~1/12; the reward passes 0.8 in about 20 steps.
 """
 
 from __future__ import annotations
@@ -55,8 +48,9 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # Ray made our GPU cuda:0
-        load = lambda: AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)  # noqa: E731
-        self.policy, self.ref = load(), load().requires_grad_(False)
+        load = AutoModelForCausalLM.from_pretrained
+        self.policy = load(model_path, dtype=torch.float32).to(self.device)
+        self.ref = load(model_path, dtype=torch.float32).to(self.device).requires_grad_(False)
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=lr)
         self.kl_coef, self.epochs, self.minibatch = kl_coef, epochs, minibatch
         self.gen = torch.Generator().manual_seed(seed)
@@ -112,11 +106,11 @@ def to_batch(task: SyntheticTask, prompts, outputs, max_new: int):
     return torch.tensor(seqs), torch.tensor(mask), torch.tensor(logprobs), torch.tensor(scores)
 
 
-def engine_kwargs(backend: str, model_path: str, seed: int) -> dict:
-    if backend == "vllm":  # float32 so trainer and engine agree closely on the tiny random model
-        return {"model": model_path, "dtype": "float32", "gpu_memory_utilization": 0.3, "enforce_eager": True,
+def engine_kwargs(backend: str, model_path: str, seed: int, dtype: str = "float32") -> dict:
+    if backend == "vllm":
+        return {"model": model_path, "dtype": dtype, "gpu_memory_utilization": 0.3, "enforce_eager": True,
                 "max_model_len": 64, "seed": seed}
-    return {"model": model_path, "dtype": "float32", "seed": seed}
+    return {"model": model_path, "dtype": dtype, "seed": seed}
 
 
 def main(argv=None) -> list[float]:
@@ -127,6 +121,7 @@ def main(argv=None) -> list[float]:
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--engine-dtype", default="float32", help="float32: engine and trainer agree to ~1e-6")
     args = p.parse_args(argv)
     try:
         engine_class(args.backend)  # a missing backend library fails here, naming the extra, before Ray starts
@@ -144,7 +139,7 @@ def main(argv=None) -> list[float]:
     placed = place(plan, timeout_s=60)
     turnstile = Turnstile.create(f"grpo-{os.getpid()}", timeout_s=TIMEOUT_S)
     engines = launch_engines(placed, "rollout", backend=args.backend, timeout_s=TIMEOUT_S, env_vars=QUIET,
-                             engine_kwargs=engine_kwargs(args.backend, model_path, args.seed))
+                             engine_kwargs=engine_kwargs(args.backend, model_path, args.seed, args.engine_dtype))
     trainer_options = {**placed.actor_options("actor", 0), "runtime_env": worker_runtime_env(QUIET)}
     trainer = ray.remote(Trainer).options(**trainer_options).remote(
         model_path, lr=args.lr, kl_coef=1e-3, epochs=2, minibatch=32, seed=args.seed)

@@ -2,6 +2,7 @@
 
 import pytest
 
+from hybrid_algos.train.config import DEMO_SETTINGS
 from hybrid_cli.dry_run import DEFAULT_GPU_GIB, detect_gpu_gib
 from hybrid_cli.main import main
 
@@ -18,7 +19,8 @@ def test_demo_dry_run(tmp_path, capsys):
     assert main(["ppo", "--dry-run", "--save_path", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "ppo: 1 GPU(s), backend hf" in out and "actor" in out and "rollout" in out
-    assert "prompts: 1024 prompts from built-in task 'copy'" in out
+    demo = DEMO_SETTINGS["rollout_batch_size"] * DEMO_SETTINGS["max_steps"]  # one prompt per rollout slot
+    assert f"prompts: {demo} prompts from built-in task 'copy'" in out
     assert "GPU memory per phase" in out and "actor_train" in out and "fits:" in out
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
@@ -28,7 +30,8 @@ def test_grpo_dry_run_with_rlinf_ranges(capsys):
                  "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "4",
                  "--actor_num_gpus_per_node", "2"]) == 0
     out = capsys.readouterr().out
-    assert "grpo: 2 GPU(s)" in out and "critic" not in out.split("prompts:")[0]
+    plan = out.split("placement:", 1)[1].split("prompts:")[0]
+    assert "grpo: 2 GPU(s)" in out and "reference" in plan and "critic" not in plan  # GRPO has no critic role
 
 
 def test_placement_error_exits_2_naming_the_flag(capsys):

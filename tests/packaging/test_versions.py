@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"hybrid-core": "hybrid_core", "hybrid-engines": "hybrid_engines", "hybrid-algos": "hybrid_algos",
             "hybrid-cli": "hybrid_cli"}
 MODULE_TO_DIST = {module: dist for dist, module in PACKAGES.items()}
-VERSION_LINE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']\s*$""", re.M)  # hatchling's default pattern
+VERSION_LINE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']\s*$""", re.MULTILINE)  # hatchling's default pattern
 
 
 def pyproject(dist: str) -> dict:
@@ -109,7 +109,7 @@ def test_changelog_has_an_entry_for_the_version(dist: str) -> None:
     text = changelog.read_text()
     assert "## [Unreleased]" in text, f"{changelog}: keep an [Unreleased] section on top for the next changes"
     version = repo_version(dist)
-    heading = re.search(rf"^## \[{re.escape(version)}\] - (\d{{4}}-\d{{2}}-\d{{2}}|unreleased)$", text, re.M)
+    heading = re.search(rf"^## \[{re.escape(version)}\] - (\d{{4}}-\d{{2}}-\d{{2}}|unreleased)$", text, re.MULTILINE)
     assert heading, f"{changelog}: no '## [{version}] - YYYY-MM-DD' entry for the version in __init__.py"
     entry = text[heading.end():].split("\n## ", 1)[0]
     assert "### " in entry and "\n- " in entry, f"{changelog}: the {version} entry lists no changes"

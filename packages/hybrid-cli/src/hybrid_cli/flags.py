@@ -17,6 +17,7 @@ import difflib
 import functools
 import inspect
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -113,8 +114,8 @@ def convert(spec: FlagSpec, value: Any, *, source: str = "flag") -> Any:
         if spec.kind == "int":
             return _to_int(value)
         if spec.kind == "float":
-            if isinstance(value, bool):
-                raise ValueError
+            if isinstance(value, bool) or not math.isfinite(float(value)):
+                raise ValueError  # NaN passes every `<` check downstream: refuse it here
             return float(value)
         if spec.kind == "str":
             if isinstance(value, (dict, list, bool)):
@@ -123,13 +124,15 @@ def convert(spec: FlagSpec, value: Any, *, source: str = "flag") -> Any:
         if spec.kind == "pair":
             if isinstance(value, str):
                 value = value.replace(",", " ").split()
-            low, high = value
-            return (float(low), float(high))
+            low, high = (float(v) for v in value)
+            if not (math.isfinite(low) and math.isfinite(high)):
+                raise ValueError
+            return (low, high)
         if spec.kind == "mapping":
             return parse_mapping(value)
     except (ValueError, TypeError):
         pass
-    example = {"bool": "true/false", "int": "an integer", "float": "a number", "str": "text",
+    example = {"bool": "true/false", "int": "an integer", "float": "a finite number", "str": "text",
                "pair": "two numbers, e.g. 0.2 0.28", "mapping": "KEY=VALUE words or a JSON object"}[spec.kind]
     raise ConfigError(spec.name, f"invalid value {value!r} ({source}).", f"Give {example}.")
 

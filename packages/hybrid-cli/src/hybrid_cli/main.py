@@ -86,8 +86,10 @@ def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[s
         from hybrid_algos.train.config import DEMO_SETTINGS
 
         implied = {k: v for k, v in DEMO_SETTINGS.items() if k not in given}
+        critic = given.get("advantage_estimator", cls.advantage_estimator) == "gae"  # only GAE trains a critic
+        shown = {k: v for k, v in implied.items() if critic or not k.startswith("critic_")}
         notes.append("no --pretrain: the built-in demo (a tiny model learns the copy task) with its settings: "
-                     + ", ".join(f"{k}={v}" for k, v in implied.items()))
+                     + ", ".join(f"{k}={v}" for k, v in shown.items()))
     config = cls(**merge_layers(implied, given))
     return config.validate(), args, notes
 

@@ -41,3 +41,7 @@ class RemoteTimeout(HybridError, TimeoutError):
 
 class RoleFailure(HybridError, RuntimeError):
     """A role's actor died or raised; the message names the role, the phase and the rank."""
+
+
+class GpuMemoryError(HybridError, MemoryError):
+    """A role cannot wake: its GPU lacks the free memory it needs; the message names who holds that memory."""

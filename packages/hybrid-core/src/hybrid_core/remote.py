@@ -1,10 +1,54 @@
-"""Ray calls with deadlines: nothing waits forever, and a timeout names what it was waiting for."""
+"""Ray calls with deadlines: nothing waits forever, and a timeout names what it was waiting for.
+
+Each call has its own timeout; :func:`deadline` adds a shared budget on top (e.g. one training step): inside the
+block every call waits at most until the budget is spent, and the error then says which budget ran out.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+import contextvars
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 from .errors import RemoteTimeout, RoleFailure
+
+
+@dataclass(frozen=True)
+class _Budget:
+    ends: float  # time.monotonic()
+    seconds: float
+    label: str
+
+
+_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("hybrid_remote_budget", default=None)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, label: str) -> Iterator[None]:
+    """Every timed call in the block finishes within ``seconds`` from now (``label`` names the budget in errors).
+
+    Nested budgets keep the earlier end."""
+    outer = _budget.get()
+    ends = time.monotonic() + seconds
+    budget = outer if outer is not None and outer.ends <= ends else _Budget(ends, seconds, label)
+    token = _budget.set(budget)
+    try:
+        yield
+    finally:
+        _budget.reset(token)
+
+
+def effective_timeout(timeout_s: float) -> tuple[float, str]:
+    """The wait allowed now for a call of ``timeout_s``, and how to describe that limit in an error."""
+    budget = _budget.get()
+    if budget is None:
+        return timeout_s, f"within {timeout_s:g} s"
+    left = max(budget.ends - time.monotonic(), 0.0)
+    if left < timeout_s:
+        return left, f"within the {budget.seconds:g} s budget of {budget.label}"
+    return timeout_s, f"within {timeout_s:g} s"
 
 
 def get_with_timeout(refs: Any, timeout_s: float, what: str) -> Any:
@@ -15,10 +59,11 @@ def get_with_timeout(refs: Any, timeout_s: float, what: str) -> Any:
     """
     import ray
 
+    timeout_s, limit = effective_timeout(timeout_s)
     try:
         return ray.get(refs, timeout=timeout_s)
     except ray.exceptions.GetTimeoutError as e:
-        raise RemoteTimeout(f"{what}: no answer within {timeout_s:g} s") from e
+        raise RemoteTimeout(f"{what}: no answer {limit}") from e
     except ray.exceptions.RayActorError as e:
         raise RoleFailure(f"{what}: the actor died ({type(e).__name__}: {_first_line(e)})") from e
     except ray.exceptions.RayTaskError as e:
@@ -27,20 +72,19 @@ def get_with_timeout(refs: Any, timeout_s: float, what: str) -> Any:
 
 def get_all_with_timeout(named_refs: Sequence[tuple[str, Any]], timeout_s: float) -> list[Any]:
     """Wait for several named calls under one deadline; the error names the first that failed or is late."""
-    import time
-
     import ray
 
-    deadline = time.monotonic() + timeout_s
+    timeout_s, limit = effective_timeout(timeout_s)
+    ends = time.monotonic() + timeout_s
     pending = {ref: name for name, ref in named_refs}
     while pending:
-        left = deadline - time.monotonic()
+        left = ends - time.monotonic()
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=max(left, 0.0))
         for ref in ready:
             get_with_timeout(ref, 1.0, pending.pop(ref))  # raise the named error of a failed call at once
-        if pending and time.monotonic() >= deadline:
+        if pending and time.monotonic() >= ends:
             late = ", ".join(sorted(set(pending.values())))
-            raise RemoteTimeout(f"{late}: no answer within {timeout_s:g} s")
+            raise RemoteTimeout(f"{late}: no answer {limit}")
     return [ray.get(ref) for _, ref in named_refs]
 
 

@@ -2,7 +2,8 @@
 
 Ray workers do not inherit the driver's shell: a variable such as LD_LIBRARY_PATH set in ``.bashrc`` is missing in a
 job submitted with ``ray job submit`` (the seed lost days to this). Every actor hybrid creates takes
-``worker_runtime_env()``, which carries the driver's values of the variables below plus anything the user adds.
+``worker_runtime_env()``, which carries the driver's values of the variables below plus anything the user adds,
+and runs :func:`hybrid_core.stacks.install` in each worker before its actor is built (stacks on request).
 """
 
 from __future__ import annotations
@@ -41,9 +42,17 @@ def worker_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: Ray's per-worker setup hook is read from this variable when the worker process starts. Ray documents the hook only
+#: as a job-level ``runtime_env`` field; setting the variable per actor gives each hybrid worker the hook without
+#: taking the job-level one away from the user's own jobs.
+SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
+SETUP_HOOK = "hybrid_core.stacks.install"
+
+
 def worker_runtime_env(extra: Mapping[str, str] | None = None) -> dict:
     """A Ray ``runtime_env`` for ``Actor.options(runtime_env=...)``: merged by Ray with the job's own."""
     env = worker_env_vars()
     if extra:
         env.update(extra)
+    env.setdefault(SETUP_HOOK_ENV, SETUP_HOOK)
     return {"env_vars": env}

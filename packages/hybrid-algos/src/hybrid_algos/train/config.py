@@ -141,8 +141,8 @@ class RLConfig:
     ray_temp_dir: str | None = None
     ray_log_max_mb: int = 100
     num_gpus: int | None = None  # local Ray only: GPUs to declare (CPU machines use this for the demo)
-    call_timeout_s: float = 600.0
-    step_timeout_s: float = 3600.0
+    call_timeout_s: float = 600.0  # deadline of each remote call, turn wait and collective
+    step_timeout_s: float = 3600.0  # budget of one whole step (or checkpoint); then stacks are dumped and the run ends
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -195,40 +195,59 @@ class RLConfig:
         for name in ("task_length", "rollout_batch_size", "n_samples_per_prompt", "micro_rollout_batch_size", "train_batch_size",
                      "micro_train_batch_size", "max_epochs", "num_episodes", "max_samples", "prompt_max_len",
                      "generate_max_len", "vllm_num_engines", "vllm_tensor_parallel_size", "actor_num_nodes",
-                     "actor_num_gpus_per_node", "logging_steps", "max_ckpt_num"):
+                     "actor_num_gpus_per_node", "logging_steps", "max_ckpt_num", "ray_log_max_mb",
+                     "weight_sync_bucket_mb"):
             _positive(name, getattr(self, name))
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps)
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.")
+            raise ConfigError("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.",
+                              "Use --zero_stage 2 (the default) or 3 for models that do not fit one GPU.")
         if self.deepspeed_enable_sleep and self.zero_stage == 0:
             raise ConfigError("deepspeed_enable_sleep", "DeepSpeed can only offload/reload its states with ZeRO 1-3.",
                               "Use --zero_stage 1, 2 or 3, or drop --deepspeed_enable_sleep.")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ConfigError("vllm_gpu_memory_utilization", f"must be in (0, 1], got {self.vllm_gpu_memory_utilization}.")
+            raise ConfigError("vllm_gpu_memory_utilization", f"must be in (0, 1], got {self.vllm_gpu_memory_utilization}.",
+                              "It is a fraction of the GPU, e.g. --vllm_gpu_memory_utilization 0.5.")
         _choice("weight_sync", self.weight_sync, ("auto", "ipc", "broadcast"))
         if self.engine_sleep_level not in (1, 2):
-            raise ConfigError("engine_sleep_level", f"must be 1 or 2, got {self.engine_sleep_level}.")
+            raise ConfigError("engine_sleep_level", f"must be 1 or 2, got {self.engine_sleep_level}.",
+                              "1 keeps the weights in host memory, 2 discards them; use --engine_sleep_level 1.")
         if self.vllm_sync_backend not in ("nccl", "gloo"):
-            raise ConfigError("vllm_sync_backend", f"must be nccl or gloo, got {self.vllm_sync_backend!r}.")
+            raise ConfigError("vllm_sync_backend", f"must be nccl or gloo, got {self.vllm_sync_backend!r}.",
+                              "Use --vllm_sync_backend nccl on GPUs (gloo is picked by itself on CPU).")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k == 0 or self.top_k < -1:
-            raise ConfigError("temperature/top_p/top_k", "temperature >= 0, 0 < top_p <= 1, top_k = -1 or >= 1.")
+            field = ("temperature" if self.temperature < 0 else "top_p" if not 0 < self.top_p <= 1 else "top_k")
+            raise ConfigError(field, f"got temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}.",
+                              "Use temperature >= 0, 0 < top_p <= 1, and top_k = -1 (off) or >= 1.")
         for name in ("actor_learning_rate", "critic_learning_rate"):
             if not getattr(self, name) > 0:
-                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}.")
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)}.", f"E.g. --{name} 1e-6.")
         if self.init_kl_coef < 0:
-            raise ConfigError("init_kl_coef", f"must be >= 0, got {self.init_kl_coef}.")
+            raise ConfigError("init_kl_coef", f"must be >= 0, got {self.init_kl_coef}.",
+                              "Use 0 for no KL term, or a small positive value such as 0.01.")
         self._validate_clip()
         self._validate_batches()
         self._validate_sleep()
         self._validate_files()
         if self.save_steps == 0 or self.save_steps < -1:
-            raise ConfigError("save_steps", f"must be -1 (only the final save) or >= 1, got {self.save_steps}.")
+            raise ConfigError("save_steps", f"must be -1 (only the final save) or >= 1, got {self.save_steps}.",
+                              "E.g. --save_steps 10 to checkpoint every 10 steps.")
         if self.resume and not os.path.isdir(self.checkpoint_dir):
             raise ConfigError("resume", f"no checkpoint folder at {self.checkpoint_dir!r}.",
                               "Point --ckpt_path (or --save_path) at the run to continue, or drop --resume.")
-        if self.step_timeout_s <= 0 or self.call_timeout_s <= 0:
-            raise ConfigError("call_timeout_s/step_timeout_s", "timeouts must be > 0 seconds.")
+        for name in ("call_timeout_s", "step_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ConfigError(name, f"must be a finite number of seconds > 0, got {value}.",
+                                  f"Every wait has a deadline; e.g. --{name} 600.")
+        if self.address and self.num_gpus is not None:
+            raise ConfigError("num_gpus", f"cannot declare GPUs when joining the running cluster at {self.address}.",
+                              "Drop --num_gpus; the cluster's own GPUs are used.")
+        if self.backend == "hf" and self.vllm_tensor_parallel_size > 1:
+            raise ConfigError("vllm_tensor_parallel_size", f"the built-in engine (--backend hf) runs on one GPU, but "
+                              f"vllm_tensor_parallel_size = {self.vllm_tensor_parallel_size}.",
+                              "Use --vllm_tensor_parallel_size 1 with --backend hf, or --backend vllm / sglang.")
         return self
 
     def _validate_estimator(self) -> None:
@@ -243,12 +262,15 @@ class RLConfig:
         low, high = self.clip_range
         if not (0 < low < 1 and high > 0):
             raise ConfigError("eps_clip_low_high" if self.eps_clip_low_high else "eps_clip",
-                              f"clip range must satisfy 0 < low < 1 and high > 0, got ({low}, {high}).")
+                              f"clip range must satisfy 0 < low < 1 and high > 0, got ({low}, {high}).",
+                              "E.g. --eps_clip 0.2, or --eps_clip_low_high 0.2 0.28.")
         if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ConfigError("dual_clip", f"must be > 1 (it bounds the loss for negative advantages), got {self.dual_clip}.")
+            raise ConfigError("dual_clip", f"must be > 1 (it bounds the loss for negative advantages), got {self.dual_clip}.",
+                              "E.g. --dual_clip 3, or leave it unset.")
         lo, hi = self.reward_clip_range
         if lo >= hi:
-            raise ConfigError("reward_clip_range", f"low must be below high, got ({lo}, {hi}).")
+            raise ConfigError("reward_clip_range", f"low must be below high, got ({lo}, {hi}).",
+                              "E.g. --reward_clip_range -10 10.")
 
     def _validate_batches(self) -> None:
         samples = self.samples_per_step
@@ -296,7 +318,8 @@ class RLConfig:
         if self.reward_fn is not None:
             module, _, func = self.reward_fn.partition(":")
             if not module or not func:
-                raise ConfigError("reward_fn", f"expected 'module:function', got {self.reward_fn!r}.")
+                raise ConfigError("reward_fn", f"expected 'module:function', got {self.reward_fn!r}.",
+                                  "E.g. --reward_fn my_rewards:score or --reward_fn path/to/file.py:score.")
             if not os.path.isfile(module) and not _module_exists(module):
                 raise ConfigError("reward_fn", f"cannot find module {module!r}.", "Make it importable (PYTHONPATH) or give a .py path.")
         if self.reward_pretrain is not None and self.reward_fn is not None:
@@ -373,10 +396,10 @@ def _module_exists(name: str) -> bool:
 
 
 def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ConfigError(name, f"must be a positive integer, got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(name, f"must be a positive integer, got {value!r}.", f"Give --{name} a whole number >= 1.")
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...], fix: str | None = None) -> None:
     if value not in choices:
-        raise ConfigError(name, f"{value!r} is not one of {', '.join(choices)}.", fix)
+        raise ConfigError(name, f"{value!r} is not one of {', '.join(choices)}.", fix or f"Use one of: {', '.join(choices)}.")

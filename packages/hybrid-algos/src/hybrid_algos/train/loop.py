@@ -7,6 +7,7 @@ share is here and in :mod:`.step`.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import random
@@ -21,7 +22,7 @@ from hybrid_core.errors import HybridError
 from .checkpoint import CheckpointManager
 from .config import RLConfig
 from .placement import build_plan
-from .step import StepContext, run_step
+from .step import StepContext, release_quietly, run_step
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Prepared:
     max_new_tokens: int
     total_steps: int
     run_dir: str
+    max_model_len: int = 0  # the longest sequence a rollout can make: the engine's context size
 
 
 def prepare(config: RLConfig) -> Prepared:
@@ -50,8 +52,16 @@ def prepare(config: RLConfig) -> Prepared:
     from .tasks import task_from_config
     from .tiny import save_tiny_model
 
+    from hybrid_core.errors import ConfigError
+
     config.validate()
     plan = build_plan(config)
+    if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
+        raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
+                          f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.")
+    if config.backend != "hf" and importlib.util.find_spec(config.backend) is None:
+        raise ConfigError("backend", f"--backend {config.backend} needs the {config.backend} package, which is not "
+                          "installed.", f"pip install 'hybrid-engines[{config.backend}]', or use --backend hf.")
     run_dir = os.path.abspath(config.save_path)
     os.makedirs(run_dir, exist_ok=True)
     task = task_from_config(config) if config.prompt_data is None else None
@@ -82,16 +92,46 @@ def prepare(config: RLConfig) -> Prepared:
 
         raise ConfigError("rollout_batch_size", f"only {len(prompts)} prompts, fewer than one rollout batch "
                           f"({config.rollout_batch_size}).", "Lower --rollout_batch_size or give more prompts.")
+    # Size the engine's context to what rollouts can reach, not to the flags' ceiling: a small model's position
+    # table is often shorter than prompt_max_len + generate_max_len, and vLLM refuses a longer max_model_len.
+    longest_prompt = min(config.prompt_max_len, max(len(p.prompt_ids) for p in prompts))
+    max_model_len = longest_prompt + max_new_tokens
+    positions = _max_positions(model_path)
+    if positions is not None and max_model_len > positions:
+        from hybrid_core.errors import ConfigError
+
+        raise ConfigError("generate_max_len", f"prompts of up to {longest_prompt} tokens plus {max_new_tokens} new "
+                          f"tokens need {max_model_len} positions; the model has {positions}.",
+                          "Lower --generate_max_len or --prompt_max_len (prompts longer than it are truncated).")
     total = steps_per_episode * config.num_episodes
     if config.max_steps is not None:
         total = min(total, config.max_steps)
-    return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir)
+    return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
+                    max_model_len)
+
+
+def _max_positions(model_path: str) -> int | None:
+    """The model's position-table size from its config.json (None when it does not say)."""
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            value = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, (int, float)) else None
 
 
 def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Run a whole training job; returns a summary (steps, final metrics, saved paths)."""
     prep = prepare(config)
     from hybrid_core.cluster import connect, shutdown
+
+    from .deepspeed_ops import ensure_cpu_ops_built
+
+    built_s = ensure_cpu_ops_built()  # before any worker: one build, not one per role racing for torch's lock
+    if built_s > 5:
+        log.info("set-up: DeepSpeed CPU ops ready in %.1f s", built_s)
 
     cluster = connect(config.address, num_gpus=config.num_gpus if config.num_gpus is not None else
                       (None if (config.address or os.environ.get("RAY_ADDRESS")) else prep.plan.num_gpus),
@@ -144,18 +184,23 @@ class TrainingSession:
         self.placed = None
         self.groups: list = []
         self.engines = None
+        self.engine_where: list[dict] = []  # pid and node of each engine, for stack dumps when a step fails
+        self.memory = None
         self.start_step = 0
         self.history: list[dict[str, float]] = []
 
     # ---- set-up ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
         from hybrid_core.placement import place
+        from hybrid_core.runtime_env import set_worker_env
+        from hybrid_core.stacks import DIR_ENV
         from hybrid_core.turnstile import Turnstile
         from hybrid_engines.ray_engines import launch_engines
 
         from hybrid_algos.kl import make_kl_controller
 
         from .rewards import RewardScorer
+        from .memory_guard import WakeGuard
         from .roles import RoleGroup
         from .weight_sync import WeightSync, choose_mode
         from .workers.critic import CriticWorker
@@ -166,6 +211,7 @@ class TrainingSession:
         timeout = cfg.call_timeout_s
         clock = _SetupClock()
         self.setup_seconds = clock.seconds
+        set_worker_env({DIR_ENV: self.log_dir})  # every worker's stacks land in the run's log folder
         self.placed = place(plan, timeout_s=timeout)
         clock.lap("placement group")
         self.turnstile = Turnstile.create(f"hybrid-turnstile-{uuid.uuid4().hex[:8]}", timeout_s=timeout)
@@ -201,15 +247,21 @@ class TrainingSession:
         self._call_all(pending)
         clock.lap("role models loaded")
         # Each trainer role gives its GPU back before the engines start (they size their KV cache from free memory).
-        self._call_all([(g, "sleep", ()) for g in self.groups if g.sleeps])
+        self.memory = WakeGuard(plan, self.groups, timeout_s=timeout)
+        sleepers = [g for g in self.groups if g.sleeps]
+        slept = self._call_all([(g, "sleep", ()) for g in sleepers])
+        for g in sleepers:
+            self.memory.after_sleep(g.role, slept[: g.world_size])
+            slept = slept[g.world_size:]
 
         engine_kwargs = self._engine_kwargs()
         self.engines = launch_engines(self.placed, role="rollout", backend=cfg.backend, engine_kwargs=engine_kwargs,
                                       timeout_s=timeout)
+        self.engine_where = self.engines.call("where")
         rollout = plan.roles["rollout"]
         engine_sleeps = rollout.sleeps
         if engine_sleeps:
-            self.engines.sleep(1)
+            self.memory.after_sleep("rollout", self.engines.sleep(1))
         clock.lap("engines started")
 
         mode = choose_mode(cfg, plan)
@@ -228,7 +280,7 @@ class TrainingSession:
             turnstile=self.turnstile, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
             reward_model=self.reward_model, kl_controller=kl_controller,
             engine_gpus=sorted({g for w in rollout.workers for g in w.gpus}), engine_sleeps=engine_sleeps,
-            engine_weights_awake=not engine_sleeps)
+            engine_weights_awake=not engine_sleeps, memory=self.memory)
         if cfg.resume:
             self._resume()
 
@@ -241,7 +293,7 @@ class TrainingSession:
             kwargs.update(tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
                           enable_prefix_caching=cfg.enable_prefix_caching, dtype="bfloat16" if cfg.bf16 else "auto",
-                          max_model_len=cfg.prompt_max_len + cfg.generate_max_len,
+                          max_model_len=self.prep.max_model_len,
                           enable_sleep_mode=self.prep.plan.roles["rollout"].sleeps)
         return kwargs
 
@@ -282,17 +334,55 @@ class TrainingSession:
         cfg = self.config
         step = self.start_step
         for step in range(self.start_step, self.prep.total_steps):
-            metrics, _ = run_step(self.ctx, step, self.prompts_for(step), self.sampling(step))
+            metrics, _ = self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
+                                                                           self.sampling(step)))
             self.history.append(metrics)
             if (step + 1) % cfg.logging_steps == 0 or step + 1 == self.prep.total_steps:
                 _emit(callbacks, "on_step", metrics)
             if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-                self.save_checkpoint(step + 1)
-        final = self.save_final_model()
+                self.guarded(f"the checkpoint after step {step + 1}", lambda: self.save_checkpoint(step + 1))
+        final = self.guarded("saving the final model", self.save_final_model)
         return {"steps": self.prep.total_steps, "start_step": self.start_step, "history": self.history,
                 "setup_seconds": self.setup_seconds,
                 "final_model": final, "checkpoint_dir": self.ckpt.root, "run_dir": self.prep.run_dir,
                 "plan": self.prep.plan}
+
+    # ---- failures --------------------------------------------------------------------------------------------------
+    def guarded(self, label: str, fn):
+        """Run ``fn`` within ``step_timeout_s`` (every remote call in it shares that budget). A failure or timeout
+        dumps the Python stacks of every role actor into the run's log folder, then ends the run with an error
+        naming what failed (role, phase, rank), where the stacks are and the checkpoint to resume from."""
+        from hybrid_core.remote import deadline
+
+        try:
+            with deadline(self.config.step_timeout_s, label):
+                return fn()
+        except HybridError as e:
+            self.dump_all_stacks()
+            latest = self.ckpt.latest()
+            resume = (f"The last complete checkpoint is {latest[0]} (step {latest[1]}): continue with --resume."
+                      if latest else "No checkpoint was saved yet (--save_steps N saves every N steps).")
+            message = (f"{label} failed: {e} Python stacks of every role actor: {self.log_dir}/stacks-*.txt. "
+                       f"{resume}")
+            try:
+                error = type(e)(message)
+            except TypeError:  # an error type with its own arguments: keep it as it is
+                raise e from None
+            raise error from e
+
+    def dump_all_stacks(self) -> None:
+        """Stacks of every trainer worker (control-thread call) and every engine (signal); never raises."""
+        from hybrid_core.stacks import request_dump
+
+        for group in self.groups:
+            group.dump_stacks()
+        for where in self.engine_where:
+            request_dump(where["pid"], where.get("node_ip"))
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, "stacks-index.txt"), "a") as f:  # which pid is which engine
+            f.write("".join(f"{time.strftime('%H:%M:%S')} rollout engine {r}: pid {w['pid']} on {w.get('node_ip')} "
+                            f"-> stacks-pid{w['pid']}.txt\n" for r, w in enumerate(self.engine_where)))
+        time.sleep(0.5)  # the signal handlers write asynchronously
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def driver_state(self, next_step: int) -> dict[str, Any]:
@@ -317,11 +407,18 @@ class TrainingSession:
             return
         self.turnstile.acquire(group.role, group.gpus, timeout_s=self.config.call_timeout_s)
         try:
+            before = self.memory.before_wake(group.role) if self.memory is not None else None
             group.call("wake")
+            if self.memory is not None:
+                self.memory.after_wake(group.role, "all", before)
             yield
-            group.call("sleep")
-        finally:
-            self.turnstile.release(group.role, group.gpus)
+            slept = group.call("sleep")
+            if self.memory is not None:
+                self.memory.after_sleep(group.role, slept)
+        except BaseException:
+            release_quietly(self.turnstile, group.role, group.gpus)
+            raise
+        self.turnstile.release(group.role, group.gpus)
 
     def _resume(self) -> None:
         self.ckpt.sweep_incomplete()
@@ -341,11 +438,15 @@ class TrainingSession:
         self.reward.load_state_dict(state["reward_norm"])
         self.history = list(state["history"])
         self.start_step = int(state["next_step"])
-        # The engines still hold the pretrained weights: give them the restored actor's.
+        # The engines still hold the pretrained weights: give them the restored actor's. They are then left as a
+        # step leaves them (fresh weights on the GPU, KV cache asleep), so the next step runs as it would have.
         with self.awake(self.actor):
             self.weight_sync.sync(wake_engines=self.ctx.engine_sleeps)
-            if self.ctx.engine_sleeps:
-                self.engines.sleep(1)
+        if self.ctx.engine_sleeps and self.critic is not None and self.critic.sleeps:
+            self.memory.after_sleep("rollout", self.engines.sleep(1))  # a step's critic turn needs the GPU too
+        elif self.ctx.engine_sleeps:
+            self.ctx.engine_weights_awake = True
+            self.memory.mark_awake("rollout")
         log.info("resumed from %s at step %d", path, self.start_step)
 
     def save_final_model(self) -> str:
@@ -365,7 +466,7 @@ class TrainingSession:
 
         if self.engines is not None:
             try:
-                self.engines.shutdown()
+                self.engines.shutdown(timeout_s=min(60.0, self.config.call_timeout_s))  # then killed regardless
             except Exception:  # tearing down after an error: report the error, not the clean-up
                 log.debug("engine shutdown failed", exc_info=True)
         for group in self.groups:

@@ -7,25 +7,48 @@ the run's log folder.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from typing import Any, Sequence
 
 from hybrid_core.errors import RemoteTimeout, RoleFailure
+from hybrid_core.faults import maybe_inject
 from hybrid_core.remote import get_all_with_timeout
 from hybrid_core.runtime_env import worker_runtime_env
 
 log = logging.getLogger(__name__)
 
 
+#: Answered on the 'control' thread, so a worker busy (or stuck) in a phase still answers them.
+CONTROL_METHODS = ("dump_stacks", "ping", "gpu_memory")
+
+
 def remote_class(worker_cls: type):
-    """The worker class as a Ray actor with a 'control' thread for stack dumps and health checks."""
+    """The worker class as a Ray actor with a 'control' thread for stack dumps, health and memory checks.
+
+    Every other public method is a phase: it first passes :func:`hybrid_core.faults.maybe_inject` (test-only fault
+    injection through ``HYBRID_FAULT``; a no-op when unset)."""
     import ray
 
-    cls = type(worker_cls.__name__, (worker_cls,), {
-        "dump_stacks": ray.method(concurrency_group="control")(worker_cls.dump_stacks),
-        "ping": ray.method(concurrency_group="control")(worker_cls.ping),
-    })
+    members: dict[str, Any] = {name: ray.method(concurrency_group="control")(getattr(worker_cls, name))
+                               for name in CONTROL_METHODS}
+    for name, fn in inspect.getmembers(worker_cls, inspect.isfunction):
+        if name.startswith("_") or name in CONTROL_METHODS or isinstance(inspect.getattr_static(worker_cls, name),
+                                                                         staticmethod):
+            continue
+        members[name] = _phase(name, fn)
+    cls = type(worker_cls.__name__, (worker_cls,), members)
     return ray.remote(concurrency_groups={"control": 1})(cls)
+
+
+def _phase(name: str, fn):
+    @functools.wraps(fn)
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        maybe_inject(self.role, name, self.rank)
+        return fn(self, *args, **kwargs)
+
+    return call
 
 
 class RoleGroup:

@@ -45,24 +45,39 @@ class StepContext:
     engine_gpus: list[int] = field(default_factory=list)
     engine_sleeps: bool = False
     engine_weights_awake: bool = True  # False while the engines' weights are offloaded (level 1) or discarded (level 2)
+    memory: Any | None = None  # WakeGuard (memory_guard.py): room on the GPU is checked before each wake
 
 
 @contextlib.contextmanager
 def turn(ctx: StepContext, role: str, gpus: list[int], sleeps: bool, timer: PhaseTimer,
-         wake: Callable[[], Any], sleep: Callable[[], Any]) -> Iterator[None]:
-    """Take the role's turn on its GPUs (if it sleeps), wake it, run the block, put it back to sleep."""
+         wake: Callable[[], Any], sleep: Callable[[], Any], wake_kind: str = "all") -> Iterator[None]:
+    """Take the role's turn on its GPUs (if it sleeps), check there is room, wake it, run the block, sleep."""
     if not sleeps:
         yield
         return
     if ctx.turnstile is not None:
         ctx.turnstile.acquire(role, gpus, timeout_s=ctx.config.call_timeout_s)
     try:
+        before = ctx.memory.before_wake(role, wake_kind) if ctx.memory is not None else None
         _timed(timer, "wake", wake)
+        if ctx.memory is not None:
+            ctx.memory.after_wake(role, wake_kind, before)
         yield
-        _timed(timer, "sleep", sleep)
-    finally:
+        slept = _timed(timer, "sleep", sleep)
+        if ctx.memory is not None:
+            ctx.memory.after_sleep(role, slept)
+    except BaseException:
         if ctx.turnstile is not None:
-            ctx.turnstile.release(role, gpus)
+            release_quietly(ctx.turnstile, role, gpus)  # the phase's own error is the one to report
+        raise
+    if ctx.turnstile is not None:
+        ctx.turnstile.release(role, gpus)
+
+
+def release_quietly(turnstile: Any, role: str, gpus: list[int]) -> None:
+    """Give a turn back after a failed phase; a failure here (the step's budget is spent) must not hide that one."""
+    with contextlib.suppress(Exception):
+        turnstile.release(role, gpus)
 
 
 def _timed(timer: PhaseTimer, phase: str, fn: Callable[[], Any]) -> Any:
@@ -91,7 +106,8 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
         return ctx.engines.wake_up(["kv_cache"] if ctx.engine_weights_awake else None)
 
     with turn(ctx, "rollout", ctx.engine_gpus, ctx.engine_sleeps, timer, engines_wake,
-              lambda: ctx.engines.sleep(cfg.engine_sleep_level)):
+              lambda: ctx.engines.sleep(cfg.engine_sleep_level),
+              wake_kind="kv_cache" if ctx.engine_weights_awake else "all"):
         with timer.phase("generate"):
             outputs = ctx.engines.generate([p.prompt_ids for p in prompts], sampling)
     if ctx.engine_sleeps:
@@ -136,13 +152,17 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
             sync_stats = ctx.weight_sync.sync(wake_engines=not ctx.engine_weights_awake)
         timer.bytes["sync"] = timer.bytes.get("sync", 0) + sync_stats.bytes
         ctx.engine_weights_awake = True
+        if ctx.memory is not None and ctx.engine_sleeps:
+            ctx.memory.mark_awake("rollout")  # the engines' weights are back on the GPU
     critic_stats: list[dict] = []
     if ctx.critic is not None:
         critic = ctx.critic
         if ctx.engine_sleeps and critic.sleeps:
             # The engines now hold fresh weights; they give the GPU back before the critic takes its turn.
-            _timed(timer, "sleep", lambda: ctx.engines.sleep(1))
+            slept = _timed(timer, "sleep", lambda: ctx.engines.sleep(1))
             ctx.engine_weights_awake = False
+            if ctx.memory is not None:
+                ctx.memory.after_sleep("rollout", slept)
         with turn(ctx, "critic", critic.gpus, critic.sleeps, timer, lambda: critic.call("wake"), lambda: critic.call("sleep")):
             with timer.phase("train"):
                 critic_stats = critic.call_sharded("train", rollout.split(critic.world_size), step)

@@ -80,6 +80,15 @@ class RoleWorker:
         self.asleep = False
         return stats.as_dict()
 
+    def gpu_memory(self) -> dict[str, Any] | None:
+        """Free/total bytes of this worker's GPU and its process list (for the wake check); None on CPU."""
+        import dataclasses
+
+        from hybrid_core.gpu_memory import probe
+
+        memory = probe(self.device) if self.device.type == "cuda" else None
+        return dataclasses.asdict(memory) if memory is not None else None
+
     def device_memory(self) -> dict[str, int]:
         """Bytes this process holds on its GPU (allocated / reserved); zeros on CPU."""
         if self.device.type != "cuda":

@@ -1,0 +1,87 @@
+"""Is there room on a GPU to wake a role? Checked before the wake, so a shortage is a clear error naming who holds
+the memory instead of a CUDA out-of-memory error deep inside an engine or DeepSpeed.
+
+:func:`check_room` is the decision (plain numbers, testable anywhere); :func:`probe` reads the numbers of the
+current process's GPU (None on a machine without CUDA, where the check is skipped).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import GpuMemoryError
+
+GIB = 1 << 30
+#: Wake needs its footprint plus this much: allocator fragmentation and the first kernels' workspaces.
+DEFAULT_HEADROOM = 256 << 20
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """What one GPU has free / in total, and (when nvidia tools can tell) which processes use it."""
+
+    free: int
+    total: int
+    processes: str | None = None
+
+
+def check_room(role: str, gpu: int, need: int, memory: GpuMemory, *, awake: Mapping[str, int | None],
+               headroom: int = DEFAULT_HEADROOM) -> None:
+    """Raise :class:`GpuMemoryError` unless ``need`` + ``headroom`` bytes are free on ``gpu``.
+
+    ``awake``: the other roles that may hold memory on that GPU now -> their footprint in bytes (None: unknown).
+    """
+    if need <= 0 or memory.free >= need + headroom:
+        return
+    holders = [f"{name} ({_gib(size)})" if size else name for name, size in awake.items() if name != role]
+    who = ("awake on it: " + ", ".join(holders)) if holders else "no other hybrid role is awake on it"
+    if memory.processes:
+        who += f"; processes on the GPU: {memory.processes}"
+    biggest = max((r for r, s in awake.items() if r != role and s), key=lambda r: awake[r] or 0, default=None)
+    fix = (f"make {biggest} sleep before {role}'s turn (sleep flags, colocation), " if biggest else
+           "free the GPU from other jobs (see the processes), ")
+    raise GpuMemoryError(
+        f"{role} cannot wake on GPU {gpu}: it needs {_gib(need)} (+ {_gib(headroom)} headroom) but only "
+        f"{_gib(memory.free)} of {_gib(memory.total)} is free; {who}. Fix: {fix}or lower the memory the roles take "
+        "(--vllm_gpu_memory_utilization, --zero_stage 3, --adam_offload, a smaller micro batch).")
+
+
+def probe(device: Any = None) -> GpuMemory | None:
+    """Free/total bytes of this process's CUDA device (and the GPU's process list when available); None on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return GpuMemory(int(free), int(total), gpu_processes(device))
+
+
+def gpu_processes(device: Any) -> str | None:
+    """``pid (used)`` of each process on the GPU, through torch (pynvml) or nvidia-smi; None if neither can tell."""
+    import torch
+
+    try:
+        text = torch.cuda.list_gpu_processes(device)
+        lines = [line.strip() for line in text.splitlines()[1:] if line.strip()]
+        if lines and "pynvml" not in text:
+            return "; ".join(lines)
+    except Exception:  # no pynvml: try the command-line tool
+        pass
+    try:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        select = [f"--id=GPU-{uuid}"] if uuid and not uuid.startswith("GPU-") else ([f"--id={uuid}"] if uuid else [])
+        out = subprocess.run(["nvidia-smi", *select, "--query-compute-apps=pid,process_name,used_memory",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
+        return "; ".join(lines) or None
+    except Exception:  # no nvidia-smi either: the roles' own figures must do
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"

@@ -1,0 +1,109 @@
+"""A run whose role hangs or dies ends with a named error, in time, with stacks and a checkpoint to resume from.
+
+Real runs on one local Ray (a fake GPU): the hang and the trainer's death are injected with ``HYBRID_FAULT`` (the
+worker itself hangs or exits in the named phase); the engine is SIGKILLed from here, found by a tag in its
+environment so no other process is touched.
+"""
+
+import os
+import signal
+import threading
+import time
+import uuid
+
+import pytest
+
+from hybrid_algos.train import train
+from hybrid_algos.train.checkpoint import CheckpointManager
+from hybrid_core.errors import RemoteTimeout, RoleFailure
+
+from tiny_runs import tiny_config, worker_pids
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster(tmp_path_factory):
+    import ray
+
+    from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
+    from hybrid_core.cluster import connect
+
+    ensure_cpu_ops_built()
+    connect(num_gpus=1, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield
+    ray.shutdown()
+
+
+class _StepTimes:
+    def __init__(self):
+        self.last = None
+
+    def on_step(self, metrics):
+        self.last = time.monotonic()
+
+
+def test_hang_is_reported_within_the_step_budget_with_stacks(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_FAULT", "actor:train:hang:2")  # the actor hangs in step 2's update
+    budget = 12.0
+    steps = _StepTimes()
+    with pytest.raises(RemoteTimeout) as info:
+        train(tiny_config(tmp_path, max_steps=3, save_steps=1, step_timeout_s=budget), callbacks=[steps])
+    waited = time.monotonic() - steps.last
+    message = str(info.value)
+    # role, phase and rank of the late call, the step and its budget, the stacks and the checkpoint
+    assert "actor rank 0: train" in message and "step 2" in message and f"{budget:g} s budget" in message
+    assert "stacks" in message and "step-00000001" in message and "--resume" in message
+    assert waited < budget + 25, f"reported {waited:.0f} s after the last good step"
+    logs = tmp_path / "logs"
+    actor_stacks = (logs / "stacks-actor-0.txt").read_text()
+    assert "in maybe_inject" in actor_stacks  # the dump shows where the actor hangs
+    assert (logs / "stacks-reference-0.txt").read_text().strip()  # every role's stacks, not only the late one
+    engine_pid = int((logs / "stacks-index.txt").read_text().split("pid ")[1].split()[0])
+    assert "File " in (logs / f"stacks-pid{engine_pid}.txt").read_text()  # the engine answered the signal
+    path, step = CheckpointManager(str(tmp_path / "checkpoints")).latest()
+    assert step == 1
+
+
+def test_trainer_death_ends_the_run_and_resume_continues(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID_FAULT", "actor:train:die:2")  # the actor's process exits in step 2
+    start = time.monotonic()
+    with pytest.raises(RoleFailure) as info:
+        train(tiny_config(tmp_path, max_steps=3, save_steps=1))
+    message = str(info.value)
+    assert "actor rank 0: train" in message and "died" in message and "step 2" in message
+    assert time.monotonic() - start < 120
+
+    monkeypatch.delenv("HYBRID_FAULT")
+    summary = train(tiny_config(tmp_path, max_steps=2, save_steps=1, resume=True))
+    assert summary["start_step"] == 1 and len(summary["history"]) == 2
+    assert CheckpointManager(str(tmp_path / "checkpoints")).latest()[1] == 2
+    assert os.path.isfile(os.path.join(summary["final_model"], "config.json"))
+
+
+def test_killed_engine_ends_the_run_within_60_s(tmp_path, monkeypatch):
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("HYBRID_TEST_TAG", tag)  # forwarded to every worker (HYBRID_ prefix)
+    ckpt = tmp_path / "checkpoints" / "step-00000002" / "COMPLETE.json"
+    killed = {}
+
+    def kill_engine_after_second_checkpoint():
+        deadline = time.monotonic() + 240
+        while not ckpt.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = worker_pids(tag, "EngineActor")
+        if len(pids) == 1:
+            os.kill(pids[0], signal.SIGKILL)
+            killed["at"] = time.monotonic()
+
+    killer = threading.Thread(target=kill_engine_after_second_checkpoint, daemon=True)
+    killer.start()
+    with pytest.raises(RoleFailure) as info:
+        train(tiny_config(tmp_path, max_steps=60, save_steps=1))
+    ended = time.monotonic()
+    killer.join(timeout=5)
+    assert "at" in killed, "the engine process was not found"
+    assert ended - killed["at"] < 60
+    assert "rollout engine 0" in str(info.value) and "died" in str(info.value)
+    path, step = CheckpointManager(str(tmp_path / "checkpoints")).latest()
+    assert step >= 2 and os.path.isfile(os.path.join(path, "actor", "state", "mp_rank_00_model_states.pt"))
