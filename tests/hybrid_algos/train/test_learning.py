@@ -16,7 +16,7 @@ import pytest
 from hybrid_algos.train import CONFIGS, train
 from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
 
-SETTINGS = dict(task="copy", task_length=1, max_steps=36, rollout_batch_size=16, n_samples_per_prompt=8,
+SETTINGS = dict(task="copy", task_length=1, max_steps=48, rollout_batch_size=16, n_samples_per_prompt=8,
                 train_batch_size=32, micro_train_batch_size=32, micro_rollout_batch_size=64, max_epochs=2,
                 actor_learning_rate=2e-3, critic_learning_rate=2e-3, seed=1, call_timeout_s=300,
                 # KL against the reference as a loss term for all three: as a reward term it is whitened together

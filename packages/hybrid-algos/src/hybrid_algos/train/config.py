@@ -278,7 +278,7 @@ class RLConfig:
             raise ConfigError("train_batch_size",
                               f"rollout_batch_size x n_samples_per_prompt = {samples} samples per step is not a multiple "
                               f"of train_batch_size = {self.train_batch_size}.",
-                              f"Use a train_batch_size that divides {samples} (e.g. {math.gcd(samples, self.train_batch_size)}).")
+                              f"Use a train_batch_size that divides {samples}{_closest_divisor_hint(samples, self.train_batch_size, self.micro_train_batch_size * self.actor_world_size)}.")
         per_update = self.micro_train_batch_size * self.actor_world_size
         if self.train_batch_size % per_update:
             raise ConfigError("micro_train_batch_size",
@@ -403,3 +403,9 @@ def _positive(name: str, value: int) -> None:
 def _choice(name: str, value: str, choices: tuple[str, ...], fix: str | None = None) -> None:
     if value not in choices:
         raise ConfigError(name, f"{value!r} is not one of {', '.join(choices)}.", fix or f"Use one of: {', '.join(choices)}.")
+
+
+def _closest_divisor_hint(samples: int, wanted: int, per_update: int) -> str:
+    """' (e.g. N)': the divisor of ``samples`` nearest ``wanted`` that is also a multiple of ``per_update``."""
+    fits = [d for d in range(per_update, samples + 1, per_update) if samples % d == 0]
+    return f" (e.g. {min(fits, key=lambda d: abs(d - wanted))})" if fits else ""
