@@ -1,5 +1,8 @@
 """GPU end to end (issue 8): `hybrid grpo` / `hybrid ppo` colocated on one GPU, timed phase by phase.
 
+``--kl 0 --zero_stage 1 --micro 64`` is the set-up matched to TRL's defaults (no reference model, no parameter
+partitioning, one micro-batch); the default is the issue's (reference + KL, ZeRO-3).
+
 The workload is the TRL peer's (bench/peer_workload.py): a random ~359M Qwen2-shaped model, 8 prompts x 8 samples
 per step, 32-token prompts, up to 128 new tokens, reward = fraction of completion tokens equal to the prompt's first
 token. vLLM engine with sleep, DeepSpeed ZeRO-3 actor with sleep, a reference model (KL), bf16.
@@ -33,10 +36,10 @@ def command(args, model: str, data: str, save: str) -> list[str]:
            "--reward_fn", f"{HERE}/peer_workload.py:copy_first", "--backend", args.backend,
            "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "1", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "1",
            "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "1",
-           "--zero_stage", "3", "--bf16", "--rollout_batch_size", "8", "--n_samples_per_prompt", "8",
+           "--zero_stage", str(args.zero_stage), "--bf16", "--rollout_batch_size", "8", "--n_samples_per_prompt", "8",
            "--train_batch_size", "64", "--micro_train_batch_size", str(args.micro), "--micro_rollout_batch_size", "64",
            "--prompt_max_len", "64", "--generate_max_len", "128", "--max_steps", str(args.steps),
-           "--actor_learning_rate", str(args.lr), "--temperature", "1.0", "--init_kl_coef", "0.001",
+           "--actor_learning_rate", str(args.lr), "--temperature", "1.0", "--init_kl_coef", str(args.kl),
            "--vllm_gpu_memory_utilization", str(args.gpu_util), "--save_path", save, "--seed", "0",
            "--engine_sleep_level", str(args.sleep_level)]
     if args.algo == "ppo":
@@ -76,6 +79,10 @@ def main() -> int:
     ap.add_argument("--gpu_util", type=float, default=0.35)
     ap.add_argument("--sleep_level", type=int, default=1)
     ap.add_argument("--split", action="store_true", help="engine on GPU 1, trainer on GPU 0")
+    ap.add_argument("--zero_stage", type=int, default=3, help="the actor's ZeRO stage (the issue's set-up: 3)")
+    ap.add_argument("--kl", type=float, default=0.001,
+                    help="--init_kl_coef; 0 runs no reference model (TRL's default beta = 0)")
+    ap.add_argument("--tag", default="", help="suffix of the run folder and JSON name (variants of one algo)")
     ap.add_argument("--enforce_eager", action="store_true")
     ap.add_argument("--workdir", default="/tmp/peer")
     ap.add_argument("--dry", action="store_true")
@@ -86,7 +93,7 @@ def main() -> int:
     from peer_workload import build
 
     model, data = build(args.workdir, **({"layers": 2, "hidden": 112} if args.small else {}))
-    tag = f"{args.algo}-{'split' if args.split else 'colocated'}"
+    tag = f"{args.algo}-{'split' if args.split else 'colocated'}{'-' + args.tag if args.tag else ''}"
     save = os.path.join(args.workdir, "runs", tag)
     cmd = command(args, model, data, save)
     print("command:", shlex.join(cmd), flush=True)

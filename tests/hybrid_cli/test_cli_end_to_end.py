@@ -19,6 +19,11 @@ def _metrics(run):
         return [json.loads(line) for line in f]
 
 
+def _timeline(run):
+    with open(run / "timeline.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
 def test_grpo_run_then_resume(tmp_path):
     import ray
 
@@ -43,10 +48,18 @@ def test_grpo_run_then_resume(tmp_path):
     assert any(name.endswith(".safetensors") for name in os.listdir(final))
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["start_step"] == 0
+    timeline = _timeline(run)
+    assert [t["step"] for t in timeline] == [0, 1]
+    for t in timeline:  # each step's phases, in the order they ran, inside the step's own time
+        phases = [p for p, _, _ in t["spans"]]
+        assert phases.index("generate") < phases.index("train") < phases.index("sync")
+        assert all(start <= end for _, start, end in t["spans"])
+    assert max(e for _, _, e in timeline[0]["spans"]) <= min(s for _, s, _ in timeline[1]["spans"]) + 1e-3
 
     assert main(["grpo", "--max_steps", "3", "--resume", "--save_path", str(run), *SMALL]) == 0
     lines = _metrics(run)
     assert [m["step"] for m in lines] == [0, 1, 2]  # appended: steps 1-2 were not run again
+    assert [t["step"] for t in _timeline(run)] == [0, 1, 2]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["start_step"] == 2 and summary["steps"] == 3
     assert json.loads((checkpoints / "latest.json").read_text())["step"] == 3

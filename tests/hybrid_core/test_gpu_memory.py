@@ -40,3 +40,11 @@ def test_probe_is_none_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine")
     assert probe() is None
+
+
+def test_a_role_too_small_to_matter_is_not_the_fix():
+    # seen on an H200: a foreign process held 136 GiB; sleeping the actor (a few MiB) would not have helped
+    memory = GpuMemory(free=GIB // 4, total=140 * GIB, processes="process 4033 uses 139798 MB")
+    with pytest.raises(GpuMemoryError) as e:
+        check_room("rollout", 0, GIB, memory, awake={"actor": 1 << 20, "reference": None})
+    assert "free the GPU from other jobs" in str(e.value) and "make actor sleep" not in str(e.value)

@@ -19,20 +19,7 @@ from hybrid_core.errors import RemoteTimeout, RoleFailure
 
 from tiny_runs import tiny_config, worker_pids
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster(tmp_path_factory):
-    import ray
-
-    from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
-    from hybrid_core.cluster import connect
-
-    ensure_cpu_ops_built()
-    connect(num_gpus=1, temp_dir=str(tmp_path_factory.mktemp("ray")))
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.usefixtures("one_gpu_ray")]
 
 
 class _StepTimes:

@@ -70,3 +70,45 @@ def ipc_engine(requests, replies) -> None:
         replies.put(("done", exact))
     except BaseException as e:
         replies.put(("error", repr(e)))
+
+
+def engine_group_member(rank: int, world_size: int, port: int, bucket_bytes: int, results) -> None:
+    """Trainer ranks 0..world-1 share one "TP engine": each packs its own weights (seed = its rank); rank 0 submits
+    each bucket list and the engine reads it only later, in ``wait_submitted`` (as a busy engine would), after a
+    pause; every rank's tensors must still arrive intact (no buffer reused before the engine is done)."""
+    import time
+
+    import torch.distributed as dist
+
+    from hybrid_core.weight_sync import IpcBucketSender, engine_group_callbacks, load_ipc_bucket
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        got: dict[tuple[int, str], torch.Tensor] = {}
+        lists: list[int] = []
+
+        def submit(buckets):
+            lists.append(len(buckets))
+            return buckets
+
+        def wait_submitted(buckets):
+            time.sleep(0.05)  # the engine comes to the buckets late: followers must still be waiting
+            for peer, bucket in enumerate(buckets):
+                load_ipc_bucket(bucket, lambda pairs, p=peer: got.update({(p, n): t.clone() for n, t in pairs}))
+
+        deliver, wait = engine_group_callbacks(list(range(world_size)), submit, wait_submitted)
+        sender = IpcBucketSender(bucket_bytes=bucket_bytes, device="cpu")
+        for seed_offset in (0, 100):  # two syncs: the buffers are reused
+            stats = sender.send(iter(random_weights(seed=rank + seed_offset)), deliver, wait)
+        sender.close()
+        if rank == 0:
+            ok = {peer: [n for n, t in random_weights(seed=peer + 100) if torch.equal(got[(peer, n)], t)]
+                  for peer in range(world_size)}
+            results.put(("leader", ok, lists, stats.bytes))
+        else:
+            results.put(("follower", rank, stats.bytes))
+        dist.destroy_process_group()
+    except Exception as e:  # report instead of hanging the test
+        import traceback
+
+        results.put(("error", rank, f"{e!r}\n{traceback.format_exc()}"))

@@ -34,6 +34,7 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[
     console.print(f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
                   f"advantage estimator {config.advantage_estimator}")
     console.print(plan.render())
+    console.print(f"weight sync: {choose_mode(config, plan)} (actor -> engines after each update)")
     console.print(describe_prompts(config))
     console.print(describe_reward(config))
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -57,6 +58,13 @@ def build_plan(config: Any):
     from hybrid_algos.train.placement import build_plan as plan_for_config
 
     return plan_for_config(config)
+
+
+def choose_mode(config: Any, plan: Any) -> str:
+    """The weight-sync path the run would take (the training loop's choice; an impossible one raises here)."""
+    from hybrid_algos.train.weight_sync import choose_mode as mode_for_plan
+
+    return mode_for_plan(config, plan)
 
 
 def detect_gpu_gib() -> float:

@@ -35,17 +35,44 @@ def check_room(role: str, gpu: int, need: int, memory: GpuMemory, *, awake: Mapp
     """
     if need <= 0 or memory.free >= need + headroom:
         return
+    raise room_error(role, gpu, need, memory, awake=awake, headroom=headroom)
+
+
+def room_error(role: str, gpu: int, need: int, memory: GpuMemory, *, awake: Mapping[str, int | None],
+               headroom: int = DEFAULT_HEADROOM, failed: str | None = None) -> GpuMemoryError:
+    """The error for a role that cannot wake on ``gpu``: what it needs, what is free, who holds the rest, the fix.
+
+    ``failed``: the allocator's own message when the wake itself ran out of memory (another process took the memory
+    between the check and the wake); the error then says so and quotes it.
+    """
     holders = [f"{name} ({_gib(size)})" if size else name for name, size in awake.items() if name != role]
     who = ("awake on it: " + ", ".join(holders)) if holders else "no other hybrid role is awake on it"
     if memory.processes:
         who += f"; processes on the GPU: {memory.processes}"
-    biggest = max((r for r, s in awake.items() if r != role and s), key=lambda r: awake[r] or 0, default=None)
+    # Sleeping another role helps only if it holds what is missing; otherwise the memory is someone else's.
+    short = need + headroom - memory.free
+    biggest = max((r for r, s in awake.items() if r != role and s and s >= short), key=lambda r: awake[r] or 0,
+                  default=None)
     fix = (f"make {biggest} sleep before {role}'s turn (sleep flags, colocation), " if biggest else
            "free the GPU from other jobs (see the processes), ")
-    raise GpuMemoryError(
-        f"{role} cannot wake on GPU {gpu}: it needs {_gib(need)} (+ {_gib(headroom)} headroom) but only "
-        f"{_gib(memory.free)} of {_gib(memory.total)} is free; {who}. Fix: {fix}or lower the memory the roles take "
+    needs = f"it needs {_gib(need)} (+ {_gib(headroom)} headroom)" if need > 0 else "it needs more memory"
+    ran_out = f"; the wake ran out of memory ({failed.strip()[:300]})" if failed else ""
+    return GpuMemoryError(
+        f"{role} cannot wake on GPU {gpu}: {needs} but only {_gib(memory.free)} of {_gib(memory.total)} is free"
+        f"{ran_out}; {who}. Fix: {fix}or lower the memory the roles take "
         "(--vllm_gpu_memory_utilization, --zero_stage 3, --adam_offload, a smaller micro batch).")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it, through remote-call wrappers) is a device out-of-memory error."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = f"{type(error).__name__} {error}".lower()
+        if "outofmemory" in text or "out of memory" in text:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def probe(device: Any = None) -> GpuMemory | None:

@@ -28,14 +28,22 @@ class TransferStats:
 
 @dataclass
 class PhaseTimer:
-    """Accumulates seconds and bytes per named phase (generate, sleep, wake, infer, train, sync)."""
+    """Accumulates seconds and bytes per named phase (generate, sleep, wake, infer, train, sync).
+
+    ``spans`` keeps each timed block as (phase, start, end) in wall-clock (Unix) seconds, so that what other
+    processes saw at the same moment (a GPU memory sampler, say) can be attributed to the phase.
+    """
 
     seconds: dict[str, float] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
 
-    def add(self, phase: str, seconds: float, nbytes: int = 0) -> None:
+    def add(self, phase: str, seconds: float, nbytes: int = 0, *, end: float | None = None) -> None:
+        """Add a block of ``seconds`` that ended at ``end`` (Unix time; now if not given)."""
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
         self.bytes[phase] = self.bytes.get(phase, 0) + nbytes
+        end = time.time() if end is None else end
+        self.spans.append((phase, end - seconds, end))
 
     def phase(self, name: str) -> "_Phase":
         """``with timer.phase("generate"): ...`` adds the block's wall time to ``name``."""

@@ -106,7 +106,9 @@ class HybridWorkerExtension:
 
         dev = self._hybrid_device()
         uuid = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else ""  # "": CPU shm buckets
-        mine = [b for b in buckets if getattr(b.handle, "device_uuid", "") == uuid]
+        mine = [b for b in buckets if b.handle is not None and b.handle.device_uuid == uuid]
+        if not mine and buckets and all(b.handle is None for b in buckets):
+            mine = list(buckets[:1])  # the sync's bare end marker (no tensors): every worker takes it
         if len(mine) != 1:
             raise RuntimeError(f"vLLM worker rank {self.rank} (GPU {uuid}): expected exactly one IPC bucket from this "
                                f"GPU, got {len(mine)} of {len(buckets)}. Colocate a trainer rank with every engine "

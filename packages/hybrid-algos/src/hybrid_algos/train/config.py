@@ -114,6 +114,7 @@ class RLConfig:
     normalize_reward: bool = False
     reward_clip_range: tuple[float, float] = (-10.0, 10.0)
     loss_agg_mode: str = "token-mean"
+    recompute_old_logprobs: bool = False  # always run the actor's old log-prob pass (else skipped when on-policy)
 
     # ---- data ------------------------------------------------------------------------------------------------
     prompt_data: str | None = None  # JSONL / Parquet file or a datasets folder; None = the built-in task
@@ -155,7 +156,26 @@ class RLConfig:
 
     @property
     def uses_reference(self) -> bool:
-        return self.init_kl_coef > 0 or self.use_kl_loss
+        # A zero coefficient makes the KL term vanish, as a reward penalty or as a loss: no reference to run.
+        return self.init_kl_coef > 0
+
+    @property
+    def single_update(self) -> bool:
+        """One optimizer step per rollout: one epoch, and the whole rollout is one train batch."""
+        return self.max_epochs == 1 and self.train_batch_size == self.samples_per_step
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether a step runs the actor's forward pass for the "old" log-probs before training.
+
+        With a single update, DeepSpeed only steps at the end of gradient accumulation, so every micro-batch of
+        ``PolicyWorker.train`` sees the pre-update weights: its own detached log-probs are the old ones (ratio 1).
+        They are still needed before training for KL as a reward penalty (``advantage_step``), and for an adaptive
+        KL controller, which steers on the KL they give.
+        """
+        if self.recompute_old_logprobs or not self.single_update:
+            return True
+        return self.uses_reference and (not self.use_kl_loss or self.kl_target is not None)
 
     @property
     def samples_per_step(self) -> int:
@@ -226,6 +246,11 @@ class RLConfig:
         if self.init_kl_coef < 0:
             raise ConfigError("init_kl_coef", f"must be >= 0, got {self.init_kl_coef}.",
                               "Use 0 for no KL term, or a small positive value such as 0.01.")
+        nothing_to_pair = not (self.uses_reference or self.colocate_all_models or self.placement is not None)
+        if self.colocate_actor_ref and nothing_to_pair:
+            raise ConfigError("colocate_actor_ref", "init_kl_coef = 0 turns the KL term off, so there is no reference "
+                              "model to put on the actor's GPUs.",
+                              "Drop --colocate_actor_ref, or give --init_kl_coef > 0.")
         self._validate_clip()
         self._validate_batches()
         self._validate_sleep()

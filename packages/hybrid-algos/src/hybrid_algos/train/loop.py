@@ -23,6 +23,8 @@ from .checkpoint import CheckpointManager
 from .config import RLConfig
 from .placement import build_plan
 from .step import StepContext, release_quietly, run_step
+from .timeline import TimelineWriter
+from .weight_sync import choose_mode as choose_sync_mode
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ def prepare(config: RLConfig) -> Prepared:
 
     config.validate()
     plan = build_plan(config)
+    choose_sync_mode(config, plan)  # a weight-sync path the placement cannot take fails here, before Ray
     if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
         raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
                           f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.")
@@ -273,6 +276,8 @@ class TrainingSession:
         tok = prep.tokenizer
         self.reward = RewardScorer(prep.reward_fn, lambda ids: tok.decode(ids, skip_special_tokens=False),
                                    normalize=cfg.normalize_reward, clip_range=tuple(cfg.reward_clip_range))
+        # Spans in wall-clock time so an outside sampler (GPU memory) can be matched to phases; kept on resume.
+        self.timeline = TimelineWriter(os.path.join(prep.run_dir, "timeline.jsonl"), append=bool(cfg.resume))
         kl_controller = make_kl_controller(cfg.init_kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon) \
             if cfg.uses_reference else None
         self.ctx = StepContext(
@@ -280,7 +285,8 @@ class TrainingSession:
             turnstile=self.turnstile, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
             reward_model=self.reward_model, kl_controller=kl_controller,
             engine_gpus=sorted({g for w in rollout.workers for g in w.gpus}), engine_sleeps=engine_sleeps,
-            engine_weights_awake=not engine_sleeps, memory=self.memory)
+            engine_weights_awake=not engine_sleeps, memory=self.memory,
+            on_phases=self.timeline)
         if cfg.resume:
             self._resume()
 
@@ -464,6 +470,8 @@ class TrainingSession:
     def close(self) -> None:
         import ray
 
+        if getattr(self, "timeline", None) is not None:
+            self.timeline.close()
         if self.engines is not None:
             try:
                 self.engines.shutdown(timeout_s=min(60.0, self.config.call_timeout_s))  # then killed regardless

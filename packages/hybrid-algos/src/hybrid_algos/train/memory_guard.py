@@ -5,6 +5,10 @@ its GPU), or before any such wake, what its last sleep freed. The roles that may
 loop knows to be awake on that GPU (those that never sleep, and the sleeping role whose turn it is), each with its
 footprint. Free memory is read by a role worker on that GPU (a control-thread call, answered even mid-phase); on a
 machine without CUDA the first probe says so and the guard turns itself off.
+
+The check cannot stop another process from taking the memory between the reading and the wake (seen on an H200: a
+neighbour job grabbing what a sleep freed). So a wake that fails for want of memory is explained the same way, from a
+fresh reading: :meth:`WakeGuard.explain_wake_failure`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable
 
-from hybrid_core.gpu_memory import GpuMemory, check_room
+from hybrid_core.gpu_memory import GpuMemory, check_room, is_out_of_memory, room_error
 from hybrid_core.remote import get_with_timeout
 
 log = logging.getLogger(__name__)
@@ -66,13 +70,24 @@ class WakeGuard:
                     return None
                 continue
             readings[gpu] = memory
-            need = self.woke.get((role, kind), {}).get(gpu)
-            if need is None and kind == "all":
-                need = self.slept.get(role, {}).get(gpu, 0)
-            holders = {r: self._footprint(r, gpu) for r in sorted(self.awake) if gpu in self.gpus_of(r)}
-            check_room(role, gpu, need or 0, memory, awake=holders)
+            check_room(role, gpu, self._need(role, kind, gpu), memory, awake=self._holders(gpu))
         self.awake.add(role)
         return readings
+
+    def explain_wake_failure(self, role: str, kind: str, error: BaseException) -> Exception | None:
+        """The guard's error for a wake of ``role`` that ran out of memory (None: not a memory failure, or no
+        reading to explain it with; the caller re-raises the original)."""
+        if not self.enabled or not is_out_of_memory(error):
+            return None
+        for gpu in self.gpus_of(role):
+            try:
+                memory = self.read(gpu)
+            except Exception:  # the reading failing must not hide the wake's own error
+                return None
+            if memory is not None:
+                return room_error(role, gpu, self._need(role, kind, gpu), memory, awake=self._holders(gpu),
+                                  failed=_oom_line(error))
+        return None
 
     def after_wake(self, role: str, kind: str, before: dict[int, GpuMemory] | None) -> None:
         if not before:
@@ -95,9 +110,23 @@ class WakeGuard:
             return None
         return GpuMemory(**answer)
 
+    def _need(self, role: str, kind: str, gpu: int) -> int:
+        need = self.woke.get((role, kind), {}).get(gpu)
+        if need is None and kind == "all":
+            need = self.slept.get(role, {}).get(gpu, 0)
+        return need or 0
+
+    def _holders(self, gpu: int) -> dict[str, int | None]:
+        return {r: self._footprint(r, gpu) for r in sorted(self.awake) if gpu in self.gpus_of(r)}
+
     def _footprint(self, role: str, gpu: int) -> int | None:
         woke = [taken[gpu] for (r, _), taken in self.woke.items() if r == role and gpu in taken]
         return max(woke + [self.slept.get(role, {}).get(gpu, 0)]) or None
+
+
+def _oom_line(error: BaseException) -> str:
+    lines = str(error).splitlines() or [type(error).__name__]
+    return next((line for line in lines if "out of memory" in line.lower()), lines[-1])
 
 
 def _bytes_of(result: Any) -> int:

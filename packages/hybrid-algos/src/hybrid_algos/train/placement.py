@@ -1,7 +1,8 @@
 """The training config's placement: OpenRLHF counts (or RLinf-style ranges) -> a validated hybrid-core plan.
 
 Roles the algorithm does not use get no GPUs: no critic unless the estimator is GAE, no reference without a KL
-term, no reward model with a rule-based reward. The CLI's ``--dry-run`` prints exactly this plan.
+term (``init_kl_coef`` 0, with or without ``use_kl_loss``), no reward model with a rule-based reward. The CLI's
+``--dry-run`` prints exactly this plan.
 """
 
 from __future__ import annotations

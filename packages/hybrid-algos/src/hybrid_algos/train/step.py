@@ -5,6 +5,7 @@
     reference turn: log-probs for the KL term
     critic turn:    values (PPO)
     actor turn:     wake -> old log-probs -> advantages -> PPO epochs -> weight sync to the engines -> sleep
+                    (old log-probs only when ``config.needs_old_logprobs``: an on-policy update takes its own)
     critic turn:    value updates (PPO)
 
 A "turn" is only taken by roles that sleep (they share GPUs); the turnstile guarantees the previous holder of those
@@ -46,6 +47,7 @@ class StepContext:
     engine_sleeps: bool = False
     engine_weights_awake: bool = True  # False while the engines' weights are offloaded (level 1) or discarded (level 2)
     memory: Any | None = None  # WakeGuard (memory_guard.py): room on the GPU is checked before each wake
+    on_phases: Callable[[int, list], Any] | None = None  # gets (step, [(phase, start, end), ...]): timeline.py
 
 
 @contextlib.contextmanager
@@ -58,10 +60,7 @@ def turn(ctx: StepContext, role: str, gpus: list[int], sleeps: bool, timer: Phas
     if ctx.turnstile is not None:
         ctx.turnstile.acquire(role, gpus, timeout_s=ctx.config.call_timeout_s)
     try:
-        before = ctx.memory.before_wake(role, wake_kind) if ctx.memory is not None else None
-        _timed(timer, "wake", wake)
-        if ctx.memory is not None:
-            ctx.memory.after_wake(role, wake_kind, before)
+        guarded_wake(ctx, role, wake_kind, lambda: _timed(timer, "wake", wake))
         yield
         slept = _timed(timer, "sleep", sleep)
         if ctx.memory is not None:
@@ -72,6 +71,23 @@ def turn(ctx: StepContext, role: str, gpus: list[int], sleeps: bool, timer: Phas
         raise
     if ctx.turnstile is not None:
         ctx.turnstile.release(role, gpus)
+
+
+def guarded_wake(ctx: StepContext, role: str, kind: str, wake: Callable[[], Any]) -> Any:
+    """Wake ``role`` under the memory guard: room checked first, and a wake that still runs out of memory (another
+    process took the memory after the check) raises the guard's error naming who holds the GPU."""
+    if ctx.memory is None:
+        return wake()
+    before = ctx.memory.before_wake(role, kind)
+    try:
+        result = wake()
+    except Exception as error:
+        explained = ctx.memory.explain_wake_failure(role, kind, error)
+        if explained is None:
+            raise
+        raise explained from error
+    ctx.memory.after_wake(role, kind, before)
+    return result
 
 
 def release_quietly(turnstile: Any, role: str, gpus: list[int]) -> None:
@@ -140,16 +156,23 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
     # ---- actor: old log-probs, advantages, update, weight sync --------------------------------------------------
     actor = ctx.actor
     kl_coef = ctx.kl_controller.value if ctx.kl_controller is not None else 0.0
+    recompute_old = cfg.needs_old_logprobs  # else train uses its own pre-update log-probs (see the config)
     with turn(ctx, "actor", actor.gpus, actor.sleeps, timer, lambda: actor.call("wake"), lambda: actor.call("sleep")):
-        with timer.phase("infer"):
-            rollout = rollout.with_(old_logprobs=torch.cat(actor.call_sharded("logprobs", rollout.split(actor.world_size))))
+        if recompute_old:
+            with timer.phase("infer"):
+                old = actor.call_sharded("logprobs", rollout.split(actor.world_size))
+                rollout = rollout.with_(old_logprobs=torch.cat(old))
         rollout, adv_stats = advantages_for(cfg, rollout, kl_coef)
         with timer.phase("train"):
             actor_stats = actor.call_sharded("train", rollout.split(actor.world_size), step, kl_coef)
         with timer.phase("sync"):
             # The sync is the one moment two roles share a GPU: the actor's states and the engines' weights (no KV
             # cache). It happens inside the actor's turn; the engines' KV cache waits for the rollout turn.
-            sync_stats = ctx.weight_sync.sync(wake_engines=not ctx.engine_weights_awake)
+            wake_engines = not ctx.engine_weights_awake
+            if wake_engines and ctx.memory is not None and ctx.engine_sleeps:
+                sync_stats = guarded_wake(ctx, "rollout", "weights", lambda: ctx.weight_sync.sync(wake_engines=True))
+            else:
+                sync_stats = ctx.weight_sync.sync(wake_engines=wake_engines)
         timer.bytes["sync"] = timer.bytes.get("sync", 0) + sync_stats.bytes
         ctx.engine_weights_awake = True
         if ctx.memory is not None and ctx.engine_sleeps:
@@ -168,10 +191,13 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
                 critic_stats = critic.call_sharded("train", rollout.split(critic.world_size), step)
 
     metrics = _metrics(step, rollout, adv_stats, actor_stats, critic_stats, timer, kl_coef)
+    metrics["actor/old_logprobs_recomputed"] = float(recompute_old)
     metrics["reward"] = raw_scores.float().mean().item()
     metrics["time/step"] = time.perf_counter() - t0
     if ctx.kl_controller is not None:
         ctx.kl_controller.update(metrics["kl_seq"], rollout.batch_size)
+    if ctx.on_phases is not None:
+        ctx.on_phases(step, timer.spans)
     return metrics, rollout
 
 
@@ -183,14 +209,25 @@ def _mean_dicts(dicts: list[dict]) -> dict[str, float]:
 def _metrics(step, rollout: Rollout, adv_stats, actor_stats, critic_stats, timer: PhaseTimer, kl_coef) -> dict[str, float]:
     mask = rollout.action_mask
     metrics: dict[str, float] = {"step": step, "response_len": rollout.response_lengths.float().mean().item(), "kl_coef": kl_coef}
-    if rollout.ref_logprobs is not None:  # k1 estimate of KL(actor || reference)
+    actor = _mean_dicts(actor_stats)
+    if rollout.ref_logprobs is None:
+        metrics["kl"] = metrics["kl_seq"] = 0.0
+    elif rollout.old_logprobs is not None:  # k1 estimate of KL(actor || reference)
         kl_tokens = (rollout.old_logprobs - rollout.ref_logprobs) * mask
         metrics["kl"] = (kl_tokens.sum() / mask.sum().clamp(min=1)).item()
         metrics["kl_seq"] = kl_tokens.sum(-1).mean().item()  # per sequence, what the adaptive controller steers
-    else:
-        metrics["kl"] = metrics["kl_seq"] = 0.0
+    else:  # no old-logprob pass: train summed the same k1 terms from its own pre-update log-probs.
+        # Every rank holds an equal shard, so the ratios of the ranks' means are the ratios of the totals.
+        metrics["kl"] = actor["_kl_sum"] / actor["_kl_tokens"] if actor["_kl_tokens"] else 0.0
+        metrics["kl_seq"] = actor["_kl_sum"] / actor["_kl_seqs"]
+    if rollout.old_logprobs is not None and rollout.engine_logprobs is not None and rollout.engine_logprobs.any():
+        # Engine vs trainer on the same tokens, same weights: numerics only (bf16, kernels). A large gap means the
+        # weight sync loaded something else (a wrong shard or name mapping): worth watching on a new set-up.
+        gap = (rollout.old_logprobs.float() - rollout.engine_logprobs.float()).abs() * mask
+        metrics["rollout/logprob_gap"] = (gap.sum() / mask.sum().clamp(min=1)).item()
+        metrics["rollout/logprob_gap_max"] = gap.max().item()
     metrics.update(adv_stats)
-    metrics.update(_mean_dicts(actor_stats))
+    metrics.update({k: v for k, v in actor.items() if not k.startswith("_")})  # "_..." are sums, not metrics
     if critic_stats:
         metrics.update(_mean_dicts(critic_stats))
     for phase in ("generate", "sleep", "wake", "reward", "infer", "train", "sync"):

@@ -4,16 +4,18 @@
   ``WeightSender`` on the trainer's rank 0 and ``WeightReceiver`` on each engine worker. Receivers get the
   ``TensorMeta`` list up front and plan the same buckets (``plan_buckets``) as the sender.
 * Colocated path: ``IpcBucketSender`` hands CUDA-IPC (CPU: shared-memory) buckets to the engine on the same GPU,
-  which reads them with ``open_ipc_bucket`` / ``load_ipc_bucket``.
+  which reads them with ``open_ipc_bucket`` / ``load_ipc_bucket``; ``engine_group_callbacks`` when a TP > 1 engine
+  spans several trainer ranks' GPUs.
 """
 
 from .buckets import Bucket, Piece, plan_buckets
 from .group import SyncGroup, create_sync_group
-from .ipc import IpcBucket, IpcBucketSender, IpcHandle, load_ipc_bucket, open_ipc_bucket, release_ipc_mappings
+from .ipc import (IpcBucket, IpcBucketSender, IpcHandle, engine_group_callbacks, load_ipc_bucket, open_ipc_bucket,
+                  release_ipc_mappings)
 from .meta import TensorMeta
 from .receiver import WeightReceiver
 from .sender import DEFAULT_BUCKET_BYTES, WeightSender
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "IpcBucket", "IpcBucketSender", "IpcHandle", "Piece", "SyncGroup",
-           "TensorMeta", "WeightReceiver", "WeightSender", "create_sync_group", "load_ipc_bucket", "open_ipc_bucket",
-           "plan_buckets", "release_ipc_mappings"]
+           "TensorMeta", "WeightReceiver", "WeightSender", "create_sync_group", "engine_group_callbacks",
+           "load_ipc_bucket", "open_ipc_bucket", "plan_buckets", "release_ipc_mappings"]

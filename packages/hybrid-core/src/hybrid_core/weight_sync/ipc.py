@@ -7,6 +7,11 @@ loading of the previous one; a buffer is reused only after the engine said it is
 
 On CPU the same code path runs over shared-memory files (``/dev/shm``), so it is tested without a GPU.
 A tensor larger than a bucket travels alone in a temporary buffer of its own size.
+
+A tensor-parallel engine spans several GPUs, each shared with one trainer rank: :func:`engine_group_callbacks` makes
+those ranks hand over each bucket together (one bucket per GPU in a single engine call; each engine worker maps the
+one on its own GPU). One NCCL group holding a trainer rank and an engine worker on the same GPU is not an option:
+NCCL refuses two ranks on one device ("Duplicate GPU detected"), seen with vLLM TP 2 on two H200s.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -130,6 +135,39 @@ class IpcBucketSender:
             self.close()
         except Exception:  # interpreter shutdown: nothing left to release
             pass
+
+
+def engine_group_callbacks(peers: Sequence[int], submit: Callable[[list[IpcBucket]], Any],
+                           wait_submitted: Callable[[Any], None], *, group: Any = None
+                           ) -> tuple[Callable[[IpcBucket], Any], Callable[[Any], None]]:
+    """``deliver``/``wait`` for :meth:`IpcBucketSender.send` when one engine spans the GPUs of trainer ranks ``peers``.
+
+    Every rank of ``group`` (torch.distributed; the trainer's own group by default) must call ``send`` with the same
+    tensor stream, so all pack the same buckets in step. Per bucket, the handles are gathered; the first rank of
+    ``peers`` submits its engine's list (``submit``, e.g. a Ray call) and, in ``wait``, waits for it
+    (``wait_submitted``); then all ranks pass a barrier, so no rank reuses or frees a buffer the engine still reads.
+    The group's own timeout bounds the collectives.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    peers = list(peers)
+    if rank not in peers:
+        raise ValueError(f"trainer rank {rank} is not among the engine's ranks {peers}")
+    leads = rank == peers[0]
+
+    def deliver(bucket: IpcBucket) -> Any:
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, bucket, group=group)
+        return ("submitted", submit([gathered[p] for p in peers])) if leads else ("follower", None)
+
+    def wait(token: Any) -> None:
+        kind, ref = token
+        if kind == "submitted":
+            wait_submitted(ref)
+        dist.all_gather_object([None] * world, None, group=group)  # the barrier: the engine is done with the bucket
+
+    return deliver, wait
 
 
 def open_ipc_bucket(bucket: IpcBucket) -> list[tuple[str, torch.Tensor]]:

@@ -54,11 +54,20 @@ class PolicyWorker(RoleWorker):
 
     # ---- update ----------------------------------------------------------------------------------------------------
     def train(self, rollout: Rollout, step: int, kl_coef: float) -> dict[str, float]:
-        """PPO epochs over this rank's shard, in micro-batches; DeepSpeed accumulates gradients across them."""
+        """PPO epochs over this rank's shard, in micro-batches; DeepSpeed accumulates gradients across them.
+
+        Without ``old_logprobs`` (a single update: see ``RLConfig.needs_old_logprobs``) each micro-batch's own
+        detached log-probs are the old ones; with a reference, the k1 KL sums of the step's metrics ("_kl_*") are
+        then taken from them too.
+        """
         cfg = self.config
+        if rollout.old_logprobs is None and not cfg.single_update:
+            raise ValueError("train without old_logprobs needs a single optimizer update per step (max_epochs = 1, "
+                             "train_batch_size = samples per step); after the first, the weights have moved")
         self.engine.train()
         low, high = cfg.clip_range
         stats: dict[str, list[float]] = defaultdict(list)
+        kl_sums: dict[str, float] = {}
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + step * 131 + self.rank)
         for _ in range(cfg.max_epochs):
             order = torch.randperm(rollout.batch_size, generator=gen)
@@ -68,7 +77,12 @@ class PolicyWorker(RoleWorker):
                 res = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.response_len,
                                         temperature=cfg.temperature, return_entropy=need_entropy)
                 logp, entropy = res if need_entropy else (res, None)
-                loss, info = ppo_policy_loss(logp, mb.old_logprobs, mb.advantages, mb.action_mask, clip_low=low,
+                old = mb.old_logprobs
+                if old is None:  # the weights have not moved yet this step: these are the old log-probs
+                    old = logp.detach()
+                    if mb.ref_logprobs is not None:
+                        _add_k1_sums(kl_sums, old, mb.ref_logprobs, mb.action_mask)
+                loss, info = ppo_policy_loss(logp, old, mb.advantages, mb.action_mask, clip_low=low,
                                              clip_high=high, dual_clip=cfg.dual_clip, agg_mode=cfg.loss_agg_mode,
                                              norm_len=cfg.generate_max_len)
                 stats["actor/pg_loss"].append(loss.item())
@@ -86,7 +100,7 @@ class PolicyWorker(RoleWorker):
                 self.engine.backward(loss)
                 self.engine.step()
         stats["actor/lr"].append(self.engine.get_lr()[0])
-        return {k: sum(v) / len(v) for k, v in stats.items()}
+        return {**{k: sum(v) / len(v) for k, v in stats.items()}, **kl_sums}
 
     # ---- weights out -----------------------------------------------------------------------------------------------
     def named_weights(self, gather_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
@@ -143,19 +157,26 @@ class PolicyWorker(RoleWorker):
             return TransferStats(0, 0.0, "sync").as_dict()
         return WeightSender(self._sync, bucket_bytes=bucket_bytes).send(weights).as_dict()
 
-    def send_weights_ipc(self, engine: Any, bucket_bytes: int, timeout_s: float) -> dict:
-        """Colocated: hand CUDA-IPC (or shared-memory on CPU) buckets to the engine on this rank's GPU."""
+    def send_weights_ipc(self, engine: Any, bucket_bytes: int, timeout_s: float, peers: list[int] | None = None) -> dict:
+        """Colocated: hand CUDA-IPC (or shared-memory on CPU) buckets to the engine on this rank's GPU.
+
+        ``peers``: the actor ranks whose GPUs one tensor-parallel engine spans (this rank among them); they hand
+        each bucket over together and the first of them calls the engine (``engine_group_callbacks``)."""
         from hybrid_core.remote import get_with_timeout
-        from hybrid_core.weight_sync import IpcBucketSender
+        from hybrid_core.weight_sync import IpcBucketSender, engine_group_callbacks
 
         sender = IpcBucketSender(bucket_bytes=bucket_bytes, device=self.device)
+        what = f"rollout engine on actor rank {self.rank}'s GPU: update_weights_from_ipc"
 
-        def deliver(bucket):
+        def submit(bucket):
             return engine.update_weights_from_ipc.remote(bucket)
 
         def wait(ref):
-            get_with_timeout(ref, timeout_s, f"rollout engine on actor rank {self.rank}'s GPU: update_weights_from_ipc")
+            get_with_timeout(ref, timeout_s, what)
 
+        deliver = submit
+        if peers is not None and len(peers) > 1:
+            deliver, wait = engine_group_callbacks(peers, submit, wait)
         try:
             return sender.send(self.named_weights(), deliver=deliver, wait=wait).as_dict()
         finally:
@@ -190,6 +211,14 @@ def attn_implementation(cfg) -> str | None:
     import importlib.util
 
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+
+
+def _add_k1_sums(sums: dict[str, float], logp: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    """Accumulate what step._metrics needs for the k1 KL(actor || reference): its sum, tokens and sequences."""
+    kl_tokens = (logp.float() - ref_logprobs.float()) * mask
+    sums["_kl_sum"] = sums.get("_kl_sum", 0.0) + kl_tokens.sum().item()
+    sums["_kl_tokens"] = sums.get("_kl_tokens", 0.0) + mask.sum().item()
+    sums["_kl_seqs"] = sums.get("_kl_seqs", 0.0) + float(mask.size(0))
 
 
 def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
