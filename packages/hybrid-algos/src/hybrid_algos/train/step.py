@@ -168,11 +168,9 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
         with timer.phase("sync"):
             # The sync is the one moment two roles share a GPU: the actor's states and the engines' weights (no KV
             # cache). It happens inside the actor's turn; the engines' KV cache waits for the rollout turn.
-            wake_engines = not ctx.engine_weights_awake
-            if wake_engines and ctx.memory is not None and ctx.engine_sleeps:
-                sync_stats = guarded_wake(ctx, "rollout", "weights", lambda: ctx.weight_sync.sync(wake_engines=True))
-            else:
-                sync_stats = ctx.weight_sync.sync(wake_engines=wake_engines)
+            if not ctx.engine_weights_awake:  # the engines' weights come back first (guarded like any wake)
+                guarded_wake(ctx, "rollout", "weights", lambda: ctx.engines.wake_up(["weights"]))
+            sync_stats = ctx.weight_sync.sync(wake_engines=False)
         timer.bytes["sync"] = timer.bytes.get("sync", 0) + sync_stats.bytes
         ctx.engine_weights_awake = True
         if ctx.memory is not None and ctx.engine_sleeps:
