@@ -43,6 +43,7 @@ class Prepared:
     total_steps: int
     run_dir: str
     max_model_len: int = 0  # the longest sequence a rollout can make: the engine's context size
+    sync_mode: str = "broadcast"  # weight_sync.choose_mode's answer for this plan
 
 
 def prepare(config: RLConfig) -> Prepared:
@@ -58,7 +59,7 @@ def prepare(config: RLConfig) -> Prepared:
 
     config.validate()
     plan = build_plan(config)
-    choose_sync_mode(config, plan)  # a weight-sync path the placement cannot take fails here, before Ray
+    sync_mode = choose_sync_mode(config, plan)  # a weight-sync path the placement cannot take fails here, before Ray
     if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
         raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
                           f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.")
@@ -110,7 +111,7 @@ def prepare(config: RLConfig) -> Prepared:
     if config.max_steps is not None:
         total = min(total, config.max_steps)
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len)
+                    max_model_len, sync_mode)
 
 
 def _max_positions(model_path: str) -> int | None:
@@ -187,6 +188,7 @@ class TrainingSession:
         self.placed = None
         self.groups: list = []
         self.engines = None
+        self.timeline = None
         self.engine_where: list[dict] = []  # pid and node of each engine, for stack dumps when a step fails
         self.memory = None
         self.start_step = 0
@@ -205,7 +207,7 @@ class TrainingSession:
         from .rewards import RewardScorer
         from .memory_guard import WakeGuard
         from .roles import RoleGroup
-        from .weight_sync import WeightSync, choose_mode
+        from .weight_sync import WeightSync
         from .workers.critic import CriticWorker
         from .workers.frozen import ReferenceWorker, RewardModelWorker
         from .workers.policy import PolicyWorker
@@ -267,9 +269,9 @@ class TrainingSession:
             self.memory.after_sleep("rollout", self.engines.sleep(1))
         clock.lap("engines started")
 
-        mode = choose_mode(cfg, plan)
-        self.weight_sync = WeightSync(mode, self.actor, self.engines, plan, bucket_bytes=cfg.weight_sync_bucket_mb << 20,
-                                      backend=_sync_backend(cfg), timeout_s=timeout)
+        self.weight_sync = WeightSync(prep.sync_mode, self.actor, self.engines, plan,
+                                      bucket_bytes=cfg.weight_sync_bucket_mb << 20, backend=_sync_backend(cfg),
+                                      timeout_s=timeout)
         self.weight_sync.setup()
         clock.lap("weight sync ready")
 
@@ -470,7 +472,7 @@ class TrainingSession:
     def close(self) -> None:
         import ray
 
-        if getattr(self, "timeline", None) is not None:
+        if self.timeline is not None:
             self.timeline.close()
         if self.engines is not None:
             try:

@@ -172,9 +172,7 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
                 guarded_wake(ctx, "rollout", "weights", lambda: ctx.engines.wake_up(["weights"]))
             sync_stats = ctx.weight_sync.sync(wake_engines=False)
         timer.bytes["sync"] = timer.bytes.get("sync", 0) + sync_stats.bytes
-        ctx.engine_weights_awake = True
-        if ctx.memory is not None and ctx.engine_sleeps:
-            ctx.memory.mark_awake("rollout")  # the engines' weights are back on the GPU
+        ctx.engine_weights_awake = True  # (the guard counted the engines awake in guarded_wake)
     critic_stats: list[dict] = []
     if ctx.critic is not None:
         critic = ctx.critic

@@ -37,7 +37,7 @@ def choose_mode(cfg, plan) -> str:
 
 
 def _sync_uses_nccl(cfg) -> bool:
-    return getattr(cfg, "vllm_sync_backend", "nccl") == "nccl" and getattr(cfg, "backend", "vllm") != "hf"
+    return cfg.vllm_sync_backend == "nccl" and cfg.backend != "hf"
 
 
 class WeightSync:
