@@ -272,8 +272,7 @@ def overlaps(intervals):
 @pytest.fixture(scope="module")
 def placed_workers(cluster):
     """Six role workers on three shared fake GPUs: actor on 0-2, a TP-2 engine on 0-1, critic on 1-2."""
-    plan = PlacementSpec.from_ranges({"actor": "0-2", "rollout": "0-1", "critic": "1-2"}, tp={"rollout": 2},
-                                     sleep={"actor", "rollout", "critic"}).plan()
+    plan = PlacementSpec.from_ranges({"actor": "0-2", "rollout": "0-1", "critic": "1-2"}, tp={"rollout": 2}).plan()
     placed = place(plan, timeout_s=TIMEOUT)
     turnstile = Turnstile.create("test-turnstile-schedule", timeout_s=TIMEOUT)
     Monitor, RoleWorker = make_classes()

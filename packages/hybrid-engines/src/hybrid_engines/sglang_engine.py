@@ -180,6 +180,19 @@ class SGLangEngine:
             self._needs_sync = self._needs_sync or "weights" in awake
         return TransferStats(0, time.perf_counter() - start, f"sglang sleep{level}")
 
+    def release_kv_cache(self) -> TransferStats:
+        """Free the KV cache (and the decode CUDA graphs that belong to it), keep the weights."""
+        self._require_open("release_kv_cache")
+        if not self.enable_sleep_mode:
+            raise ConfigError("enable_sleep_mode", "releasing the KV cache needs the engine built with "
+                              "enable_sleep_mode=True.")
+        start = time.perf_counter()
+        if "kv_cache" not in self._asleep:
+            self._check(self.engine.release_memory_occupation(tags=_sglang_tags(["kv_cache"])),
+                        "release_memory_occupation")
+            self._asleep.add("kv_cache")
+        return TransferStats(0, time.perf_counter() - start, "sglang release kv")
+
     def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats:
         self._require_open("wake_up")
         wanted = list(WAKE_TAGS) if tags is None else list(dict.fromkeys(tags))

@@ -19,8 +19,11 @@ import torch
 #: Method names the adapter calls through ``collective_rpc`` (the contract test checks none exists on vLLM's Worker).
 RPC_METHODS = (
     "hybrid_device_info", "hybrid_free_bytes", "hybrid_init_weight_group", "hybrid_close_weight_group",
-    "hybrid_receive_weights", "hybrid_load_ipc", "hybrid_expect_full_reload",
+    "hybrid_receive_weights", "hybrid_load_ipc", "hybrid_expect_full_reload", "hybrid_release_kv_cache",
+    "hybrid_reacquire_kv_cache",
 )
+#: The sleep-mode allocator's tag of the KV cache (vLLM 0.26 ``v1/worker/gpu_worker.py`` allocates it under it).
+KV_TAG = "kv_cache"
 
 
 class HybridWorkerExtension:
@@ -118,6 +121,36 @@ class HybridWorkerExtension:
         with _on(dev):
             stats = load_ipc_bucket(mine[0], lambda pairs: loaded.update(model.load_weights(pairs) or ()))
         return self._hybrid_result(stats.bytes, stats.seconds, loaded)
+
+    # ---- the KV cache alone (residency) --------------------------------------------------------------------------
+    def hybrid_release_kv_cache(self) -> int:
+        """Unmap the KV cache's physical memory and keep the weights: vLLM's own ``sleep`` always takes both.
+
+        The sleep-mode allocator keeps each allocation's virtual address, so the CUDA graphs captured over the cache
+        stay valid once :meth:`hybrid_reacquire_kv_cache` maps fresh memory back. Returns the bytes released."""
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+        torch.cuda.synchronize(self._hybrid_device())
+        freed = 0
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == KV_TAG and not data.is_asleep:
+                unmap_and_release(data.handle)
+                data.is_asleep = True
+                freed += int(data.handle[1])
+        torch.cuda.empty_cache()
+        return freed
+
+    def hybrid_reacquire_kv_cache(self) -> int:
+        """Map memory back under the released KV cache (its contents are gone: the prefix cache was reset)."""
+        from vllm.device_allocator.cumem import CuMemAllocator, create_and_map
+
+        taken = 0
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == KV_TAG and data.is_asleep:
+                create_and_map(data.handle)
+                data.is_asleep = False
+                taken += int(data.handle[1])
+        return taken
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     def _hybrid_device(self) -> torch.device:

@@ -32,7 +32,7 @@ class PolicyWorker(RoleWorker):
             grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
             lr=cfg.actor_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
             num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload, warmup_steps=int(cfg.lr_warmup_ratio * total_steps * updates_per_step)))
-        if cfg.deepspeed_enable_sleep:
+        if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
         self._sync = None
         self.settle()
