@@ -360,8 +360,9 @@ class RLConfig:
                               "E.g. --gpu_memory_usable 0.92.")
 
     def residency_settings(self) -> dict[str, Any]:
-        """What the sleep flags say to the residency planner: roles asked to sleep, states pinned."""
-        sleep_roles, pins = set(), {}
+        """What the sleep flags say to the residency planner: roles asked to sleep, states pinned (``flag_pins``
+        name every role a flag speaks for, present in the run or not; ``pins`` are the user's own)."""
+        sleep_roles, flag_pins, pins = set(), {}, {}
         for flag, roles in (("vllm_enable_sleep", ("rollout",)), ("deepspeed_enable_sleep", ("actor", "critic"))):
             value = getattr(self, flag)
             if value:
@@ -369,14 +370,14 @@ class RLConfig:
             elif value is False:  # --no_<flag>: those roles keep everything on the GPU
                 for role in roles:
                     states = ("weights", "kv_cache") if role == "rollout" else ("params", "grads", "optimizer")
-                    pins.update({(role, s): "resident" for s in states})
-        if self.engine_sleep_level is not None and ("rollout", "weights") not in pins:
+                    flag_pins.update({(role, s): "resident" for s in states})
+        if self.engine_sleep_level is not None and ("rollout", "weights") not in flag_pins:
             # a level given with the planner on: when the engines' weights must leave, they leave this way
-            pins[("rollout", "weights")] = ("resident", "offload" if self.engine_sleep_level == 1 else "discard")
+            flag_pins[("rollout", "weights")] = ("resident", "offload" if self.engine_sleep_level == 1 else "discard")
         for key, move in (self.residency_pins or {}).items():
             role, _, state = str(key).partition(".")
             pins[(role, state)] = move
-        return {"mode": self.residency, "sleep_roles": sleep_roles, "pins": pins,
+        return {"mode": self.residency, "sleep_roles": sleep_roles, "pins": pins, "flag_pins": flag_pins,
                 "engine_sleep_level": self.engine_sleep_level or 1}
 
     def _validate_files(self) -> None:

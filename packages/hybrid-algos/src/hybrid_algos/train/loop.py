@@ -282,8 +282,7 @@ class TrainingSession:
                                     timeout_s=timeout, overlap=cfg.residency_overlap)
         self.owner.guard = WakeGuard(probes, self.owner.holders, timeout_s=timeout)
         self.owner.to_phase_state("generate")
-        for line in residency.render().splitlines():
-            log.info("%s", line)
+        _write_json(os.path.join(prep.run_dir, "residency.json"), residency.to_dict())  # what each phase may use
 
         self.engines = launch_engines(self.placed, role="rollout", backend=cfg.backend,
                                       engine_kwargs=self._engine_kwargs(), timeout_s=timeout)
@@ -489,6 +488,15 @@ class TrainingSession:
                 log.debug("turnstile kill failed", exc_info=True)
         if self.placed is not None:
             self.placed.remove()
+
+
+def _write_json(path: str, data: Any) -> None:
+    import json
+
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _train_phase(role: str) -> str:

@@ -70,19 +70,31 @@ def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | N
         gpu_bytes, _ = gpu_memory(cfg)
     shapes = role_models(cfg, list(placement.roles), model_path)
     settings = cfg.residency_settings()
+    notes = []
+    trainers = [placement.roles[r] for r in ("actor", "critic") if r in placement.roles]
+    if cfg.zero_stage == 3 and all(t.world_size == 1 for t in trainers):
+        # ZeRO-3 splits states across ranks; with one rank there is nothing to split, the same bytes stay on the GPU,
+        # and every layer is still gathered and released around each use (measured: train 0.96 s vs 0.27 s at 357M).
+        cfg = cfg.replace(zero_stage=1)
+        notes.append("--zero_stage 3 with one rank per trainer partitions nothing: running ZeRO-1 (the same bytes "
+                     "per GPU, without ZeRO-3's per-layer gather and release)")
     plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, settings)
     if any(m == "host" for (_, s), m in plan.moves.items() if s == "optimizer") and not cfg.adam_offload:
         cfg = cfg.replace(adam_offload=True)  # DeepSpeed's CPU Adam: the optimizer state never enters the GPU
-        notes = plan.notes
+        notes += plan.notes
         plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, settings)
-        plan.notes[:0] = notes
+    plan.notes[:0] = notes
     return plan, cfg
 
 
 def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, settings) -> ResidencyPlan:
     layout = build_layout(placement, shapes, workload(cfg, prompt_len, generate_len), gpu_bytes)
-    return plan_residency(layout, gpu_bytes, mode=settings["mode"], pins=settings["pins"],
-                          sleep_roles=settings["sleep_roles"], engine_sleep_level=settings["engine_sleep_level"],
+    present = set(placement.roles)
+    pins = {k: v for k, v in settings["flag_pins"].items() if k[0] in present}  # the flags speak for both trainers
+    pins.update(settings["pins"])
+    return plan_residency(layout, gpu_bytes, mode=settings["mode"], pins=pins,
+                          sleep_roles=settings["sleep_roles"] & present,
+                          engine_sleep_level=settings["engine_sleep_level"],
                           usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1)
 
 

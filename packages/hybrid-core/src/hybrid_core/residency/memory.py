@@ -147,6 +147,9 @@ class RoleSize:
     states: dict[str, float]  # state -> bytes (see steps.KIND_STATES)
     working: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> item -> bytes
     context: float = CONTEXT_BYTES
+    #: states whose bytes are exact, not estimated: a vLLM / SGLang pool is the fraction of the GPU it was told to
+    #: take, so the safety margin of the estimates does not apply to it
+    exact: frozenset[str] = frozenset()
 
     def working_total(self, phase: str) -> float:
         return sum(self.working.get(phase, {}).values())
@@ -219,7 +222,7 @@ def _engine(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int
                 f"the KV cache of one {seq}-token sequence.",
                 "Raise --vllm_gpu_memory_utilization or --vllm_tensor_parallel_size.")
         return RoleSize(role, "engine", {"weights": weights, "kv_cache": pool - weights},
-                        {"sync": {"sync_bucket": bucket}}, work.context_bytes)
+                        {"sync": {"sync_bucket": bucket}}, work.context_bytes, frozenset({"weights", "kv_cache"}))
     b = work.bytes_per_value
     sequences = math.ceil(work.rollout_samples / max(ranks, 1))
     generate = {"kv_cache": sequences * seq * shape.kv_bytes_per_token(b) / tp,

@@ -102,8 +102,12 @@ class ResidencyOwner:
             # What comes back may need the memory of what is leaving: let those moves finish first.
             self._wait(lambda p: p.direction == "off" and self._shares_gpu(p.role, coming), "sleep")
         self._take_turn(phase)
-        for role, states in coming.items():
-            self._bring_on(role, states)
+        try:
+            for role, states in coming.items():
+                self._bring_on(role, states)
+        except BaseException:
+            self.release_turn_quietly()  # the phase will not run: its turn goes back, the wake's error is reported
+            raise
         if not self._fits_with_pending(phase):
             self._wait(lambda p: p.direction == "off", "sleep")
         if self.overlap:
@@ -213,7 +217,7 @@ class ResidencyOwner:
         if not early:
             return set()
         extra = self._need(role, tuple(early))
-        if any(self.plan.peak(g, phase) + extra.get(g, 0.0) > self.plan.capacity for g in self.handles[role].gpus):
+        if not all(self.plan.fits_phase(g, phase, extra.get(g, 0.0)) for g in self.handles[role].gpus):
             return set()
         return early
 
@@ -224,7 +228,7 @@ class ResidencyOwner:
         _, coming = self._transition_from(phase, nxt)
         for role, states in coming.items():
             extra = self._need(role, states)
-            if any(self.plan.peak(g, phase) + extra.get(g, 0.0) > self.plan.capacity for g in self.handles[role].gpus):
+            if not all(self.plan.fits_phase(g, phase, extra.get(g, 0.0)) for g in self.handles[role].gpus):
                 continue
             if self.guard is not None and not self.guard.has_room(role, "+".join(states), self.handles[role].gpus,
                                                                   extra):
@@ -267,7 +271,7 @@ class ResidencyOwner:
         for gpu, shares in self.plan.layout.items():
             extra = sum(share.size.states.get(s, 0.0) * share.workers for share in shares for (r, s) in leaving
                         if r == share.role)
-            if self.plan.peak(gpu, phase) + extra > self.plan.capacity:
+            if not self.plan.fits_phase(gpu, phase, extra):
                 return False
         return True
 

@@ -45,7 +45,7 @@ class ResidencyPlan:
     moves: dict[tuple[str, str], str]  # (role, state) -> move
     layout: dict[int, tuple[GpuShare, ...]]  # plan GPU -> the roles on it
     gpu_bytes: float
-    capacity: float  # bytes a phase may use on one GPU (gpu_bytes less the safety margin)
+    capacity: float  # bytes of estimates a phase may use on one GPU (gpu_bytes less the safety margin)
     notes: list[str] = field(default_factory=list)
     measured: dict[tuple[int, str], float] = field(default_factory=dict)  # (gpu, phase) -> bytes seen at run time
 
@@ -98,20 +98,35 @@ class ResidencyPlan:
         return items
 
     def peak(self, gpu: int, phase: str) -> float:
+        """Predicted bytes on ``gpu`` at the height of ``phase``."""
         return sum(self.breakdown(gpu, phase).values())
 
+    @property
+    def usable(self) -> float:
+        return self.capacity / self.gpu_bytes if self.gpu_bytes else 1.0
+
+    def load(self, gpu: int, phase: str, extra: float = 0.0) -> float:
+        """The peak as the capacity sees it: estimates at face value, exact pools (an engine's pre-allocated
+        fraction of the GPU) scaled by the usable fraction, since the safety margin is for estimates only.
+        ``extra``: estimated bytes to add (a state brought back early)."""
+        exact = self._exact_bytes(gpu, phase)
+        return self.peak(gpu, phase) - exact + exact * self.usable + extra
+
+    def fits_phase(self, gpu: int, phase: str, extra: float = 0.0) -> bool:
+        return self.load(gpu, phase, extra) <= self.capacity + 1.0
+
     def worst(self) -> tuple[int, str, float]:
-        """(gpu, phase, bytes) of the fullest GPU in its fullest phase."""
+        """(gpu, phase, bytes) of the fullest GPU in its fullest phase (fullest against its capacity)."""
         return max(((g, p.name, self.peak(g, p.name)) for g in self.layout for p in self.phases),
-                   key=lambda t: t[2], default=(0, "", 0.0))
+                   key=lambda t: self.load(t[0], t[1]), default=(0, "", 0.0))
 
     def fits(self) -> bool:
-        return all(self.peak(g, p.name) <= self.capacity for g in self.layout for p in self.phases)
+        return all(self.fits_phase(g, p.name) for g in self.layout for p in self.phases)
 
     def check(self) -> None:
         """Raise a :class:`PlacementError` naming the GPU, the phase and the numbers when the plan does not fit."""
         gpu, phase, total = self.worst()
-        if total <= self.capacity:
+        if self.fits_phase(gpu, phase):
             return
         items = self.breakdown(gpu, phase)
         parts = ", ".join(f"{role} {item} {v / GiB:.1f}" for (role, item), v in
@@ -119,6 +134,10 @@ class ResidencyPlan:
         raise PlacementError(
             "residency", f"GPU {gpu}, phase {phase}: {total / GiB:.1f} GiB needed > {self.capacity / GiB:.1f} GiB "
             f"usable of {self.gpu_bytes / GiB:.1f} GiB ({parts} GiB).", _fix_for(self, items))
+
+    def _exact_bytes(self, gpu: int, phase: str) -> float:
+        return sum(share.size.states[s] * share.workers for share in self.layout[gpu] for s in share.size.exact
+                   if self.present(share.role, s, phase))
 
     def bytes_moved(self, gpu: int) -> float:
         """Bytes that cross PCIe on ``gpu`` per step (offloads and reloads; discards and releases move none)."""
@@ -159,7 +178,7 @@ class ResidencyPlan:
                     if held:
                         resident.append(f"{share.role}[{','.join(held)}]")
                 peak = self.peak(gpu, phase.name)
-                flag = "ok" if peak <= self.capacity else "OVER"
+                flag = "ok" if self.fits_phase(gpu, phase.name) else "OVER"
                 seen = self.measured.get((gpu, phase.name))
                 seen_text = f", measured {seen / GiB:.2f}" if seen else ""
                 lines.append(f"  {phase.name:<13} peak {peak / GiB:7.2f} GiB {flag:<4}{seen_text}  "

@@ -88,7 +88,7 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
         moves = {key: options[0] for key, options in choices.items()}
         plan = ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes)
         return plan
-    moves = _cheapest_fit(layout, phases, choices, capacity)
+    moves = _cheapest_fit(layout, phases, choices, capacity, gpu_bytes)
     if moves is None:  # nothing fits: return the plan that moves the most, so the error shows the smallest peak
         moves = {key: _most_moving(options) for key, options in choices.items()}
         notes.append("no plan fits the GPUs; this one moves everything it can")
@@ -101,17 +101,18 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
 
 
 # ---- the search ----------------------------------------------------------------------------------------------------
-def _cheapest_fit(layout, phases, choices: dict[tuple[str, str], tuple[str, ...]], capacity: float
-                  ) -> dict[tuple[str, str], str] | None:
+def _cheapest_fit(layout, phases, choices: dict[tuple[str, str], tuple[str, ...]], capacity: float,
+                  gpu_bytes: float) -> dict[tuple[str, str], str] | None:
     keys = list(choices)
     groups = _gpu_groups(layout)  # identical GPUs are checked once
     columns = [(g, p.name) for g in groups for p in phases]
     base = np.array([_base_bytes(layout, g, p) for g in groups for p in phases])
+    usable = capacity / gpu_bytes if gpu_bytes else 1.0
     vectors, costs = [], []
     for key in keys:
         vs, cs = [], []
         for move in choices[key]:
-            vs.append(np.array([_state_bytes(layout, g, p, key, move, phases) for g, p in columns]))
+            vs.append(np.array([_state_bytes(layout, g, p, key, move, phases, usable) for g, p in columns]))
             cs.append(_move_cost(layout, phases, key, move))
         order = sorted(range(len(cs)), key=lambda i: cs[i])  # each state's options, cheapest first
         choices[key] = tuple(choices[key][i] for i in order)
@@ -125,7 +126,7 @@ def _cheapest_fit(layout, phases, choices: dict[tuple[str, str], tuple[str, ...]
         cost, _, index = heapq.heappop(heap)
         total = base + sum((vectors[k][i] for k, i in enumerate(index)), np.zeros(len(columns)))
         moves = {key: choices[key][i] for key, i in zip(keys, index)}
-        if (total <= capacity).all() and consistent(moves):
+        if (total <= capacity + 1.0).all() and consistent(moves):
             return moves
         for k in range(len(keys)):
             if index[k] + 1 < len(choices[keys[k]]):
@@ -161,13 +162,15 @@ def _base_bytes(layout, gpu: int, phase: Phase) -> float:
     return total
 
 
-def _state_bytes(layout, gpu: int, phase: str, key: tuple[str, str], move: str, phases) -> float:
+def _state_bytes(layout, gpu: int, phase: str, key: tuple[str, str], move: str, phases, usable: float) -> float:
+    """A state's bytes on ``gpu`` in ``phase`` under ``move``, as the capacity counts them (see ResidencyPlan.load)."""
     role, state = key
     plan = ResidencyPlan("auto", phases, {key: move}, dict(layout), 0.0, 0.0)
     total = 0.0
     for share in layout[gpu]:
         if share.role == role and plan.present(role, state, phase):
-            total += share.size.states.get(state, 0.0) * share.workers
+            scale = usable if state in share.size.exact else 1.0
+            total += share.size.states.get(state, 0.0) * share.workers * scale
     return total
 
 
