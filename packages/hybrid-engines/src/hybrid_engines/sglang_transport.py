@@ -25,6 +25,7 @@ communicator aborted at the deadline instead of hanging).
 
 from __future__ import annotations
 
+import collections
 import io
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from hybrid_core.weight_sync.group import GROUP_NAME
 from .weight_transport import WeightTransport
 
 FLATTENED = "flattened_bucket"
+_CPU_ALIVE: "collections.deque[torch.Tensor]" = collections.deque(maxlen=3)  # see _shared_tensor
 
 
 class SGLangTransport(WeightTransport):
@@ -202,15 +204,25 @@ class SGLangIpcPayload:
 
 
 def serialize_bucket(bucket: Any) -> bytes:
-    """A hybrid-core ``IpcBucket`` as SGLang's ``MultiprocessingSerializer`` bytes of a flattened-bucket dict."""
+    """A hybrid-core ``IpcBucket`` as SGLang's ``MultiprocessingSerializer`` bytes of a flattened-bucket dict (only
+    globals that SGLang's allow-listing unpickler admits: torch rebuild functions, ``types.SimpleNamespace``,
+    ``torch.Size`` and dtypes)."""
     from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
 
     metadata = [SimpleNamespace(name=meta.name, shape=torch.Size(meta.shape), dtype=meta.torch_dtype, start_idx=offset,
                                 end_idx=offset + meta.nbytes, numel=meta.nbytes)
                 for meta, offset in bucket.entries]
     flat = _shared_tensor(bucket.handle)
     buf = io.BytesIO()
-    ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
+    strategy = tmp.get_sharing_strategy()
+    if bucket.handle.kind == "shm":
+        tmp.set_sharing_strategy("file_system")
+    try:
+        ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
+    finally:
+        tmp.set_sharing_strategy(strategy)
     return buf.getvalue()
 
 
@@ -228,23 +240,14 @@ class _CudaIpcTensor:
         return reductions.rebuild_cuda_tensor, tuple(args)
 
 
-class _ShmTensor:
-    """CPU (tests): pickles as ``torch.from_file`` of the sender's shared-memory file, which any process on the host
-    maps (ForkingPickler's own CPU sharing passes descriptors, authenticated per process tree). Like a CUDA handle it
-    is valid only while the sender waits for the engine's answer."""
-
-    def __init__(self, handle: Any):
-        self.handle = handle
-
-    def __reduce__(self):
-        import functools
-
-        return functools.partial(torch.from_file, dtype=torch.uint8), (self.handle.payload, True, self.handle.nbytes)
-
-
 def _shared_tensor(handle: Any) -> Any:
     if handle.kind == "cuda":
         return _CudaIpcTensor(handle)
     if handle.kind == "shm":
-        return _ShmTensor(handle)
+        # CPU (tests): a copy in torch's "file_system" shared memory, which any process on the host attaches to by
+        # name (torch's default descriptor passing authenticates per process tree); SGLang's unpickler allows its
+        # rebuild functions. Kept alive until the next-but-one bucket (the sender has two in flight at most).
+        copy = torch.from_file(handle.payload, shared=True, size=handle.nbytes, dtype=torch.uint8).clone()
+        _CPU_ALIVE.append(copy)
+        return copy
     raise ConfigError("IpcHandle.kind", f"unknown kind {handle.kind!r}.", "Use buckets from IpcBucketSender.")
