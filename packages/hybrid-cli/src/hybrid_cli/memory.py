@@ -265,10 +265,18 @@ def _role_usage(config: Any, r: RolePlacement, m: ModelShape, phase: str, b: int
     return usage
 
 
+def _memory_pool(backend: str) -> bool:
+    """The engine takes ``vllm_gpu_memory_utilization`` x its GPU at start-up (weights + KV cache), as vLLM and SGLang
+    do; its class says so (``MEMORY_POOL``), so a new engine needs no edit here."""
+    from hybrid_engines.registry import engine_spec
+
+    return bool(getattr(engine_spec(backend), "MEMORY_POOL", False))
+
+
 def _engine(config: Any, r: RolePlacement, m: ModelShape, phase: str, b: int, seq: int, gpu_bytes: float
             ) -> dict[str, float]:
     """An engine worker's bytes on one of its GPUs: generating, syncing weights, or resident while others work."""
-    if config.backend in ("vllm", "sglang"):
+    if _memory_pool(config.backend):
         weights = 2 * m.num_params / r.tp
         pool = config.vllm_gpu_memory_utilization * gpu_bytes
         if weights + m.kv_bytes_per_token(2) / r.tp * seq > pool:

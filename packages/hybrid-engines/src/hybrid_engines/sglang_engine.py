@@ -96,6 +96,8 @@ class SGLangEngine:
 
     #: SGLang serves from CUDA devices only (the built-in engine also runs on CPU)
     NEEDS_GPU = True
+    #: takes gpu_memory_utilization x its GPU at start-up for weights + KV cache (the dry run's memory model)
+    MEMORY_POOL = True
 
     @classmethod
     def weight_transport(cls) -> SGLangTransport:

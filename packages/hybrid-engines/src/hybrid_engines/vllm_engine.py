@@ -75,6 +75,8 @@ class VLLMEngine:
     """
 
     NEEDS_GPU = True
+    #: takes gpu_memory_utilization x its GPU at start-up for weights + KV cache (the dry run's memory model)
+    MEMORY_POOL = True
 
     @classmethod
     def weight_transport(cls):
