@@ -15,6 +15,7 @@ gives the per-token log-prob difference of the two engines.
     export PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-cli/src
     python bench/sglang_gpu.py                # on the GPU machine; --record appends the rows to bench/RESULTS.md
     python bench/sglang_gpu.py --dry          # CPU: models, reference path, IPC payload round trip, compare, rows
+    python bench/sglang_gpu.py --append-from sglang_gpu.json   # here, after a GPU run: its rows into RESULTS.md
 
 Every phase runs in its own try/except (a failure is recorded, later phases still run); JSON goes to
 ``$OUT/sglang_gpu.json`` when ``$OUT`` is set.
@@ -364,12 +365,21 @@ def main(argv=None) -> int:
     p.add_argument("--deterministic", action="store_true",
                    help="SGLang's deterministic inference (what the training loop uses for seeded sampling)")
     p.add_argument("--workdir", default="/tmp/hybrid_sglang_gpu")
+    p.add_argument("--append-from", help="append the rows of a finished GPU run's sglang_gpu.json to RESULTS.md, exit")
     p.add_argument("--vllm-generate", help=argparse.SUPPRESS)  # internal: the vLLM subprocess
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--prompts", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.vllm_generate:
         return vllm_generate(args)
+    if args.append_from:
+        done = json.loads(Path(args.append_from).read_text())
+        if done.get("device", "cpu (dry)").startswith("cpu"):
+            raise SystemExit("not a GPU run: rows are recorded from GPU runs only")
+        rows = [Row(name, value, UNITS[name]) for name, value in done["metrics"].items() if value is not None]
+        sys.argv = done["argv"]  # the command column names the run that measured, not this append
+        print(f"appended {append_results(rows, done['device'])} rows to bench/RESULTS.md")
+        return 0
     run = eg.Run(args)
     (run_dry if args.dry else run_gpu)(args, run)
     device = run.info.get("device", "cpu (dry)")
@@ -381,7 +391,8 @@ def main(argv=None) -> int:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "sglang_gpu.json").write_text(json.dumps(
-            {"device": device, "metrics": run.metrics, "info": run.info, "errors": run.errors}, indent=1, default=str))
+            {"device": device, "argv": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
+             "metrics": run.metrics, "info": run.info, "errors": run.errors}, indent=1, default=str))
     if args.record and not args.dry and rows:
         print(f"appended {append_results(rows, device)} rows to bench/RESULTS.md")
     return 1 if run.errors else 0
