@@ -40,10 +40,7 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 from typing import Any, Iterable, Sequence
-
-import torch
 
 from hybrid_core.errors import ConfigError, RoleFailure
 from hybrid_core.stats import TransferStats
