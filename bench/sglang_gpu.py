@@ -203,9 +203,13 @@ def run_gpu(args, run) -> None:
         for dtype in dict.fromkeys([args.dtype, "bfloat16"]):
             try:
                 start = time.perf_counter()
+                # float32: SGLang's Hopper default (FA3) takes 16-bit inputs only; its Triton kernels take float32
+                backend = args.attention_backend or ("triton" if dtype == "float32" else None)
+                extra = {"attention_backend": backend} if backend else {}
                 engine = SGLangEngine(dirs[0], dtype=dtype, gpu_memory_utilization=args.gpu_mem,
                                       enforce_eager=args.enforce_eager, max_model_len=1024, seed=0,
-                                      deterministic=args.deterministic)
+                                      deterministic=args.deterministic, **extra)
+                run.info["attention_backend"] = backend or "SGLang's default"
                 run.info.update(dtype=dtype, engine_start_s=round(time.perf_counter() - start, 2))
                 break
             except Exception as e:  # float32 refused: say so and go on in bfloat16
@@ -362,6 +366,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--cycles", type=int, default=2, help="level-1 sleep/wake cycles before the update")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--attention-backend", help="SGLang attention backend (default: triton in float32, else SGLang's)")
     p.add_argument("--deterministic", action="store_true",
                    help="SGLang's deterministic inference (what the training loop uses for seeded sampling)")
     p.add_argument("--workdir", default="/tmp/hybrid_sglang_gpu")
