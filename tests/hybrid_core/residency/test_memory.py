@@ -25,7 +25,7 @@ def small_config(**overrides):
 
 def work(**overrides):
     values = dict(bf16=True, zero_stage=3, micro_train_batch_size=2, micro_rollout_batch_size=4, prompt_len=16,
-                  generate_len=16, rollout_samples=8, backend="vllm", engine_memory_fraction=0.5,
+                  generate_len=16, rollout_samples=8, engine_pool=True, engine_memory_fraction=0.5,
                   sync_bucket_bytes=1 << 20)
     values.update(overrides)
     return Workload(**values)
@@ -87,7 +87,7 @@ def test_engines_hold_their_pool_or_a_per_call_cache():
     shape = model_shape(small_config())
     vllm = size_role("rollout", shape, work(), ranks=2, tp=2, gpu_bytes=4 * GiB)
     assert vllm.states == {"weights": 2 * P / 2, "kv_cache": 0.5 * 4 * GiB - 2 * P / 2}  # TP 2; pool = 0.5 x GPU
-    hf = size_role("rollout", shape, work(backend="hf"), ranks=1, tp=1, gpu_bytes=4 * GiB)
+    hf = size_role("rollout", shape, work(engine_pool=False), ranks=1, tp=1, gpu_bytes=4 * GiB)
     assert hf.states == {"weights": 2 * P, "kv_cache": 0.0}
     assert hf.working["generate"]["kv_cache"] == 8 * S * (2 * 2 * 32 * 2)  # 8 sequences x K and V of 2 layers, bf16
     with pytest.raises(ConfigError, match="vllm_gpu_memory_utilization"):  # weights do not fit the engine's share

@@ -30,7 +30,10 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[
     console.print(f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
                   f"advantage estimator {config.advantage_estimator}")
     console.print(plan.render(), markup=False)
-    console.print(f"weight sync: {choose_mode(config, plan)} (actor -> engines after each update)")
+    console.print(f"weight sync: {describe_sync(config, plan)} (actor -> engines after each update)", markup=False)
+    missing = library_missing(config.backend)
+    if missing:
+        console.print(f"warning: {missing}; the run will stop before it starts unless it is installed.")
     prompts = load_prompts(config, console)
     console.print(describe_reward(config))
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
@@ -63,11 +66,17 @@ def build_plan(config: Any):
     return plan_for_config(config)
 
 
-def choose_mode(config: Any, plan: Any) -> str:
-    """The weight-sync path the run would take (the training loop's choice; an impossible one raises here)."""
-    from hybrid_algos.train.weight_sync import choose_mode as mode_for_plan
+def describe_sync(config: Any, plan: Any) -> str:
+    """The sync path and the engine's wire format (the loop's own chooser: a path it cannot run raises here)."""
+    from hybrid_algos.train.weight_sync import describe_sync as describe
 
-    return mode_for_plan(config, plan)
+    return describe(config, plan)
+
+
+def library_missing(backend: str) -> str | None:
+    from hybrid_engines.registry import library_missing as missing
+
+    return missing(backend)
 
 
 def load_prompts(config: Any, console: Console | None = None) -> list:

@@ -50,6 +50,19 @@ class HFEngine:
     ``seed`` seeds the weights of a config-built model and the seeds of calls whose ``params.seed`` is ``None``.
     """
 
+    NEEDS_GPU = False  # runs on CPU too
+
+    @classmethod
+    def placement_refusal(cls, *, tp: int, shares_gpus: bool) -> str | None:
+        return f"the built-in engine runs on one GPU, and these engines have TP {tp}" if tp > 1 else None
+
+    @classmethod
+    def weight_transport(cls):
+        """The trainer's side of this engine's weight sync: hybrid-core's own format."""
+        from .weight_transport import WeightTransport
+
+        return WeightTransport()
+
     def __init__(
         self,
         model: Any,

@@ -295,9 +295,11 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
     cls = engine_class(backend)  # a missing backend fails here, before any actor starts
     tp = plan.roles[role].tp
     kwargs = dict(engine_kwargs or {})
-    if tp > 1 and backend == "hf":
-        raise ConfigError(f"{role}.tp", f"the built-in engine runs on one GPU, but {role} engines have TP {tp}.",
-                          "Use tensor-parallel size 1 with backend 'hf', or backend 'vllm'/'sglang'.")
+    refusal = getattr(cls, "placement_refusal", None)
+    problem = refusal(tp=tp, shares_gpus=bool(plan.shared_gpus(role))) if refusal else None
+    if problem:
+        raise ConfigError(f"{role}.tp", f"{backend} engines cannot take this placement: {problem}.",
+                          "Use tensor-parallel size 1, or backend 'vllm'.")
     given_tp = kwargs.get("tensor_parallel_size")
     if given_tp is not None and given_tp != tp:
         raise ConfigError("tensor_parallel_size", f"engine kwargs ask for {given_tp}, the plan gives {role} {tp}.",

@@ -74,6 +74,17 @@ class VLLMEngine:
     with TP = 1 the call runs in this process and the weight-sync group's own ``timeout_s`` bounds the transfer).
     """
 
+    NEEDS_GPU = True
+    #: takes gpu_memory_utilization x its GPU at start-up for weights + KV cache (the dry run's memory model)
+    MEMORY_POOL = True
+
+    @classmethod
+    def weight_transport(cls):
+        """The trainer's side of this engine's weight sync: hybrid-core's format (:mod:`.vllm_worker` receives it)."""
+        from .weight_transport import WeightTransport
+
+        return WeightTransport()
+
     def __init__(
         self,
         model: str,

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_core.errors import ConfigError
+from hybrid_engines.registry import backend_names
 
-BACKENDS = ("hf", "vllm", "sglang")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 #: Built-in synthetic tasks (prompts + rule-based reward) used when no --prompt_data is given.
@@ -214,7 +214,8 @@ class RLConfig:
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> "RLConfig":
         """Check everything that can be checked without Ray or a GPU; return self so calls chain."""
-        _choice("backend", self.backend, BACKENDS, "--backend hf runs anywhere; vllm/sglang need the extras.")
+        # the engine registry is the one list of backends
+        _choice("backend", self.backend, backend_names(), "--backend hf runs anywhere; vllm/sglang need the extras.")
         _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.prompt_data is None:

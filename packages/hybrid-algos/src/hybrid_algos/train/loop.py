@@ -6,7 +6,6 @@ share is here and in :mod:`.step`.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import random
@@ -56,6 +55,7 @@ def prepare(config: RLConfig) -> Prepared:
     from .tiny import save_tiny_model
 
     from hybrid_core.errors import ConfigError
+    from hybrid_engines.registry import library_missing
 
     config.validate()
     plan = build_plan(config)
@@ -63,9 +63,9 @@ def prepare(config: RLConfig) -> Prepared:
     if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
         raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
                           f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.")
-    if config.backend != "hf" and importlib.util.find_spec(config.backend) is None:
-        raise ConfigError("backend", f"--backend {config.backend} needs the {config.backend} package, which is not "
-                          "installed.", f"pip install 'hybrid-engines[{config.backend}]', or use --backend hf.")
+    missing = library_missing(config.backend)  # the engine registry knows each backend's package
+    if missing:
+        raise ConfigError("backend", f"--backend {config.backend}: {missing}.", "Install it, or use --backend hf.")
     run_dir = os.path.abspath(config.save_path)
     os.makedirs(run_dir, exist_ok=True)
     task = task_from_config(config) if config.prompt_data is None else None
@@ -474,6 +474,11 @@ class TrainingSession:
 
         if self.timeline is not None:
             self.timeline.close()
+        if getattr(self, "weight_sync", None) is not None:
+            try:
+                self.weight_sync.close()
+            except Exception:  # tearing down after an error: report the error, not the clean-up
+                log.debug("weight-sync close failed", exc_info=True)
         if self.engines is not None:
             try:
                 self.engines.shutdown(timeout_s=min(60.0, self.config.call_timeout_s))  # then killed regardless

@@ -99,11 +99,14 @@ def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, settings)
 
 
 def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
+    from hybrid_engines.registry import engine_spec
+
     return Workload(bf16=cfg.bf16, zero_stage=cfg.zero_stage, adam_offload=cfg.adam_offload,
                     gradient_checkpointing=cfg.gradient_checkpointing,
                     micro_train_batch_size=cfg.micro_train_batch_size,
                     micro_rollout_batch_size=cfg.micro_rollout_batch_size, prompt_len=prompt_len,
-                    generate_len=generate_len, rollout_samples=cfg.samples_per_step, backend=cfg.backend,
+                    generate_len=generate_len, rollout_samples=cfg.samples_per_step,
+                    engine_pool=bool(getattr(engine_spec(cfg.backend), "MEMORY_POOL", False)),
                     engine_memory_fraction=cfg.vllm_gpu_memory_utilization,
                     sync_bucket_bytes=cfg.weight_sync_bucket_mb << 20, context_bytes=cfg.gpu_context_gb * GiB)
 

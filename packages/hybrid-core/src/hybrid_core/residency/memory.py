@@ -18,7 +18,7 @@ Trainers (actor, critic), per GPU -- the ZeRO paper's accounting (Rajbhandari et
 Frozen models (reference, reward) are whole on every rank (they are not sharded): params = b P; working: one
     forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8).
 Engines, per GPU of an engine of TP GPUs:
-    vllm / sglang pre-allocate ``engine_memory_fraction x GPU memory`` (their pool): weights = 2P/TP (bf16) and the
+    engines with a pool (vLLM, SGLang: their class says ``MEMORY_POOL``) pre-allocate ``engine_memory_fraction x GPU memory`` (their pool): weights = 2P/TP (bf16) and the
                  KV cache = the rest of the pool; nothing else grows while they generate.
     hf (built-in): weights = b P / TP; while it generates, the KV cache of its share of the rollout
                  (ceil(samples / engines) sequences of S tokens, 2 L kv b / TP per token) + the last logits.
@@ -123,7 +123,7 @@ class Workload:
     prompt_len: int = 1024
     generate_len: int = 1024
     rollout_samples: int = 16  # sequences generated per step (all engines together)
-    backend: str = "hf"  # hf | vllm | sglang
+    engine_pool: bool = False  # the engine takes engine_memory_fraction x its GPU at start-up (vLLM, SGLang)
     engine_memory_fraction: float = 0.5  # vllm_gpu_memory_utilization
     sync_bucket_bytes: int = 512 << 20
     logprob_chunk_tokens: int | None = None  # tokens per log-prob chunk (None: the whole micro batch at once)
@@ -211,7 +211,7 @@ def _logits(shape: ModelShape, work: Workload, tokens: int) -> float:
 def _engine(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int, gpu_bytes: float) -> RoleSize:
     seq = work.seq_len
     bucket = _bucket(work, shape)
-    if work.backend in ("vllm", "sglang"):
+    if work.engine_pool:
         weights = 2 * shape.num_params / tp
         pool = work.engine_memory_fraction * gpu_bytes
         if weights + shape.kv_bytes_per_token(2) / tp * seq > pool:
