@@ -133,7 +133,7 @@ def main(argv=None) -> list[float]:
     model_path = save_tiny_model(os.path.join(tempfile.mkdtemp(prefix="grpo-"), "tiny"), seed=args.seed)
     connect(num_gpus=None if torch.cuda.is_available() else 1)  # on CPU, declare one (fake) GPU to Ray
 
-    plan = PlacementSpec.from_ranges({"actor": "0", "rollout": "0"}, sleep={"actor", "rollout"}).plan()
+    plan = PlacementSpec.from_ranges({"actor": "0", "rollout": "0"}).plan()
     print(plan.render())
     gpus = list(plan.roles["actor"].gpus)
     placed = place(plan, timeout_s=60)

@@ -197,7 +197,7 @@ def test_random_concurrent_schedule_keeps_one_role_per_gpu():
 # ---- the Ray actor --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

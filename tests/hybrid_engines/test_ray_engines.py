@@ -33,7 +33,7 @@ def ids(outputs):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -100,7 +100,7 @@ def trainer(cluster):
 
 def plan(colocated: bool):
     if colocated:
-        return PlacementSpec.from_ranges({"actor": "0", "rollout": "0"}, sleep={"actor", "rollout"}).plan()
+        return PlacementSpec.from_ranges({"actor": "0", "rollout": "0"}).plan()
     return PlacementSpec.from_ranges({"actor": "0", "rollout": "1"}).plan()
 
 

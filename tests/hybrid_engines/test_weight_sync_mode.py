@@ -20,8 +20,7 @@ def settings(backend="vllm", weight_sync="auto", vllm_sync_backend="nccl"):
 
 
 def colocated(gpus="0-1", tp=1):
-    return PlacementSpec.from_ranges({"actor": gpus, "reference": gpus, "rollout": gpus}, tp={"rollout": tp},
-                                     sleep={"actor", "rollout"}).plan()
+    return PlacementSpec.from_ranges({"actor": gpus, "reference": gpus, "rollout": gpus}, tp={"rollout": tp}).plan()
 
 
 def split(tp=1):

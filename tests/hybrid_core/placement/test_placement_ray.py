@@ -19,7 +19,7 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, num_gpus=CLUSTER_GPUS, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=CLUSTER_GPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
