@@ -51,6 +51,7 @@ class HFEngine:
     """
 
     NEEDS_GPU = False  # runs on CPU too
+    CHEAP_SEEDED_SAMPLING = True  # a seed per sample costs nothing here (one noise draw per row, batched)
 
     @classmethod
     def placement_refusal(cls, *, tp: int, shares_gpus: bool) -> str | None:
@@ -152,6 +153,15 @@ class HFEngine:
         self._kv_awake = False
         _empty_device_cache(self.device)
         return TransferStats(stats.bytes, time.perf_counter() - start, f"sleep{level}")
+
+    def release_kv_cache(self) -> TransferStats:
+        """Free the KV cache, keep the weights. This engine builds its cache per ``generate`` call, so only the
+        allocator's cached blocks are given back."""
+        self._require_open("release_kv_cache")
+        start = time.perf_counter()
+        self._kv_awake = False
+        _empty_device_cache(self.device)
+        return TransferStats(0, time.perf_counter() - start, "release kv")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats:
         """Bring back "weights" and/or "kv_cache" (both when ``tags`` is None)."""

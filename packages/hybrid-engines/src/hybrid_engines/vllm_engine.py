@@ -77,6 +77,8 @@ class VLLMEngine:
     NEEDS_GPU = True
     #: takes gpu_memory_utilization x its GPU at start-up for weights + KV cache (the dry run's memory model)
     MEMORY_POOL = True
+    #: vLLM samples seeded requests one by one (a per-request generator each decode step); unseeded, in one batch
+    CHEAP_SEEDED_SAMPLING = False
 
     @classmethod
     def weight_transport(cls):

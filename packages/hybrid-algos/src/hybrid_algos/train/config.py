@@ -60,6 +60,7 @@ class RLConfig:
     vllm_sync_backend: str = "nccl"
     enforce_eager: bool = False
     enable_prefix_caching: bool = False
+    seeded_sampling: bool | None = None  # a seed per sample (batch-independent; resumes draw the same); None = where cheap (hf)
     weight_sync_bucket_mb: int = 512
     weight_sync: str = "auto"  # auto (CUDA IPC when engines share the actor's GPUs, else broadcast) | ipc | broadcast
     engine_sleep_level: int | None = None  # when engine weights leave: 1 to host memory, 2 discarded (re-synced); None = planner

@@ -343,11 +343,17 @@ class TrainingSession:
     def sampling(self, step: int):
         from hybrid_engines.protocol import SamplingParams
 
+        from hybrid_engines.registry import engine_spec
+
         cfg = self.config
         eos = self.prep.tokenizer.eos_token_id
+        seeded = cfg.seeded_sampling
+        if seeded is None:  # vLLM / SGLang sample seeded requests one by one; they are seeded once from --seed
+            seeded = bool(getattr(engine_spec(cfg.backend), "CHEAP_SEEDED_SAMPLING", False))
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=self.prep.max_new_tokens, n=cfg.n_samples_per_prompt,
-                              stop_token_ids=(eos,) if eos is not None else (), seed=cfg.seed * 1_000_003 + step)
+                              stop_token_ids=(eos,) if eos is not None else (),
+                              seed=cfg.seed * 1_000_003 + step if seeded else None)
 
     def prompts_for(self, step: int) -> list:
         """Step ``step``'s prompts: episode-seeded shuffles of the prompt set, so a resumed run sees the same order."""

@@ -10,9 +10,10 @@ says which phase comes next::
     ...
 
 Moves overlap with work where the memory allows: states leaving are released asynchronously and only waited for
-when the phase needs their memory (the engines free their KV cache while the driver scores rewards); states that
-the next phase needs are brought back during the current phase when the plan and a fresh reading of the GPU say
-they fit beside it (the actor reloads its optimizer while the reference model scores). A wake that does not fit
+when the phase needs their memory (the engines free their KV cache while the driver scores rewards); in plans the
+planner made (``auto``), states that the next phase needs are brought back during the current phase when the plan
+and a fresh reading of the GPU say they fit beside it (the actor reloads its optimizer while the reference model
+scores), and a state the next phase needs is not sent away if it fits beside this one. A wake that does not fit
 waits for the moves ahead of it, and if it still does not fit the guard raises naming who holds the GPU.
 
 Roles whose plan moves states take turns on their GPUs (the turnstile's table records who is working where); the
@@ -66,7 +67,9 @@ class ResidencyOwner:
         self.turnstile = turnstile
         self.guard = guard
         self.timeout_s = timeout_s
-        self.overlap = overlap
+        # Early moves only where the plan is the planner's: in all-sleep / manual plans the user asked for the
+        # absences themselves (bringing a state back early because it fits would undo them).
+        self.overlap = overlap and plan.mode == "auto"
         # The one record of what is on the GPUs: role -> states resident now (every state starts resident).
         self.resident: dict[str, set[str]] = {r: set(self._states(r)) for r in self.handles}
         self.pending: list[_Pending] = []
