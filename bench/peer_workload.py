@@ -55,8 +55,14 @@ def build(root: str, *, size: str = "357m", layers: int | None = None, hidden: i
                           pad_token_id=VOCAB - 2, eos_token_id=VOCAB - 1, bos_token_id=None, tie_word_embeddings=tied,
                           rope_theta=1_000_000.0, rms_norm_eps=1e-6)
         torch.manual_seed(seed)
-        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # 7B initialises in seconds on a GPU
-            model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        # Built on the CPU, in bf16: a GPU build in the background would take memory from the runs beside it
+        # (vLLM's start-up profiling refuses to start when other processes' GPU memory changes under it).
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(previous)
         model.save_pretrained(model_dir)
         del model
         tok.save_pretrained(model_dir)
