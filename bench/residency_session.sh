@@ -31,6 +31,10 @@ ours() {  # $1 label, then e2e_gpu.py arguments
   OUT=$LOGS timeout $(left 560) $PY bench/e2e_gpu.py --tag $label "$@" > $LOGS/ours_$label.log 2>&1
   echo "ours $label rc=$?"; grep -E "median step|^peak |generated tokens" $LOGS/ours_$label.log | tail -6
   cp $LOGS/e2e-*$label*.json $OUT/ 2>/dev/null
+  for run in /tmp/peer*/runs/*$label; do  # what the offline analysis needs: phases, plan, metrics, memory samples
+    mkdir -p $LOGS/run_$label; cp $run/metrics.jsonl $run/timeline.jsonl $run/residency.json $LOGS/run_$label/ 2>/dev/null
+    cp $(dirname $(dirname $run))/mem-*$label*.csv $LOGS/run_$label/ 2>/dev/null
+  done
 }
 
 case "$1" in

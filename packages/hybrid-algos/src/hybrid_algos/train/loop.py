@@ -371,6 +371,8 @@ class TrainingSession:
             self.owner.tag = step
             metrics, _ = self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
                                                                            self.sampling(step)))
+            if step == self.start_step:
+                metrics.update(self.guarded("refining the residency plan", self.refine_residency))
             self.history.append(metrics)
             if (step + 1) % cfg.logging_steps == 0 or step + 1 == self.prep.total_steps:
                 _emit(callbacks, "on_step", metrics)
@@ -383,6 +385,41 @@ class TrainingSession:
                 "setup_seconds": self.setup_seconds,
                 "final_model": final, "checkpoint_dir": self.ckpt.root, "run_dir": self.prep.run_dir,
                 "plan": self.prep.plan, "residency": self.prep.residency, "residency_log": self.owner.log}
+
+    def refine_residency(self) -> dict[str, float]:
+        """After the first step, what each GPU really holds against what the plan counts. The difference (CUDA
+        contexts, library buffers, fragmentation, another process) becomes the plan's measured overhead, held in
+        every phase, and the plan is made again with it: a plan that no longer fits changes now, before a later
+        phase would run out of memory. Nothing to measure without CUDA (the guard is off)."""
+        from .placement import replan
+
+        owner, guard = self.owner, self.owner.guard
+        plan = owner.plan
+        if guard is None or not guard.enabled:
+            return {}
+        owner.settle()
+        phase = owner.phase or plan.phases[-1].name
+        overhead = {}
+        for gpu in plan.layout:
+            reading = guard.read(gpu)
+            if reading is None:
+                return {}
+            # what the plan says is held now: everything of the phase just run, but the working memory of roles that
+            # trim their allocator cache after it (the others keep it reserved)
+            trimmed = {(s.role, item) for s in plan.layout[gpu] if plan.move(s.role, "cache") != "resident"
+                       for item in s.size.working.get(phase, {})}
+            held = sum(v for key, v in plan.breakdown(gpu, phase).items() if key not in trimmed)
+            overhead[gpu] = max(reading.total - reading.free - held, 0.0)
+        refined = replan(self.config, plan.layout, plan.gpu_bytes, overhead=overhead)
+        changed = refined.moves != plan.moves
+        refined.notes = plan.notes + [f"refined after the first step: measured {max(overhead.values()) / 2**30:.2f} "
+                                      "GiB per GPU beyond the model" + ("; the moves changed" if changed else "")]
+        if changed:
+            log.warning("residency plan changed after the first step (%.2f GiB beyond the model):\n%s",
+                        max(overhead.values()) / 2**30, refined.render())
+        owner.plan = self.prep.residency = refined
+        _write_json(os.path.join(self.prep.run_dir, "residency.json"), refined.to_dict())
+        return {"residency/overhead_gib": max(overhead.values()) / 2**30, "residency/replanned": float(changed)}
 
     # ---- failures --------------------------------------------------------------------------------------------------
     def guarded(self, label: str, fn):

@@ -89,13 +89,20 @@ def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | N
 
 def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, settings) -> ResidencyPlan:
     layout = build_layout(placement, shapes, workload(cfg, prompt_len, generate_len), gpu_bytes)
-    present = set(placement.roles)
+    return replan(cfg, layout, gpu_bytes)
+
+
+def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None) -> ResidencyPlan:
+    """The plan for a sized layout under this config's residency settings (``overhead``: bytes measured per GPU
+    beyond the model, by a run's first step)."""
+    settings = cfg.residency_settings()
+    present = {s.role for shares in layout.values() for s in shares}
     pins = {k: v for k, v in settings["flag_pins"].items() if k[0] in present}  # the flags speak for both trainers
     pins.update(settings["pins"])
     return plan_residency(layout, gpu_bytes, mode=settings["mode"], pins=pins,
                           sleep_roles=settings["sleep_roles"] & present,
                           engine_sleep_level=settings["engine_sleep_level"],
-                          usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1)
+                          usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1, overhead=overhead)
 
 
 def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:

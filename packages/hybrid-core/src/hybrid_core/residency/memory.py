@@ -178,7 +178,12 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
     tokens = work.micro_train_batch_size * seq
     saved = (shape.num_layers * shape.hidden_size + shape.layer_activation_values if work.gradient_checkpointing
              else shape.num_layers * shape.layer_activation_values)
-    train = {"activations": tokens * saved * b, "logits": _logits(shape, work, tokens), **gather}
+    # DeepSpeed's own buffers: the gradient reduce bucket (reduce_bucket_size elements of the model dtype, capped at
+    # 5e8 as the training loop configures it) and, for the optimizer step, fp32 copies of this rank's gradients.
+    ds_buffers = {"reduce_bucket": b * min(5e8, shape.num_params)}
+    if work.bf16 and not work.adam_offload and z >= 1:
+        ds_buffers["fp32_grads"] = 4 * shape.num_params / n
+    train = {"activations": tokens * saved * b, "logits": _logits(shape, work, tokens), **gather, **ds_buffers}
     infer = {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather}
     if role == "critic":
         working = {"critic_infer": infer, "critic_train": train}

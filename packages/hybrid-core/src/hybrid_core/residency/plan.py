@@ -48,6 +48,9 @@ class ResidencyPlan:
     capacity: float  # bytes of estimates a phase may use on one GPU (gpu_bytes less the safety margin)
     notes: list[str] = field(default_factory=list)
     measured: dict[tuple[int, str], float] = field(default_factory=dict)  # (gpu, phase) -> bytes seen at run time
+    #: gpu -> bytes a run measured beyond what the model counts (contexts, library buffers, fragmentation); added to
+    #: every phase of that GPU (see hybrid_algos.train.loop's refinement after the first step)
+    overhead: dict[int, float] = field(default_factory=dict)
 
     # ---- what is where ---------------------------------------------------------------------------------------------
     @property
@@ -91,10 +94,18 @@ class ResidencyPlan:
             for state, nbytes in size.states.items():
                 if nbytes and self.present(size.role, state, phase):
                     items[(size.role, state)] = items.get((size.role, state), 0.0) + nbytes * n
-            for item, nbytes in size.working.get(phase, {}).items():
-                if nbytes and self._works_in(size.role, phase):
+            working = size.working.get(phase, {}) if self._works_in(size.role, phase) else {}
+            for item, nbytes in working.items():
+                if nbytes:
                     items[(size.role, item)] = items.get((size.role, item), 0.0) + nbytes * n
+            if working and self.move(size.role, "cache") == "resident":
+                # the allocator still holds the role's largest working set from its earlier phase (its cache)
+                floor = size.states.get("cache", 0.0) - sum(working.values())
+                if floor > 0:
+                    items[(size.role, "cache")] = items.get((size.role, "cache"), 0.0) + floor * n
             items[(size.role, "context")] = items.get((size.role, "context"), 0.0) + size.context * n
+        if self.overhead.get(gpu):
+            items[("measured", "overhead")] = self.overhead[gpu]
         return items
 
     def peak(self, gpu: int, phase: str) -> float:
@@ -191,6 +202,7 @@ class ResidencyPlan:
             "mode": self.mode, "gpu_bytes": self.gpu_bytes, "capacity": self.capacity,
             "moves": {f"{r}.{s}": m for (r, s), m in self.moves.items()},
             "peaks": {str(g): {p.name: self.peak(g, p.name) for p in self.phases} for g in self.layout},
+            "overhead": {str(g): v for g, v in self.overhead.items()},
             "bytes_moved_per_step": {str(g): self.bytes_moved(g) for g in self.layout},
             "notes": list(self.notes),
         }

@@ -64,8 +64,10 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
                    pins: Mapping[tuple[str, str], Any] | None = None, sleep_roles: Iterable[str] = (),
                    engine_sleep_level: int = 1,
                    usable: float = DEFAULT_USABLE, allow_host: bool = True,
-                   phases: tuple[Phase, ...] | None = None) -> ResidencyPlan:
-    """The residency plan for ``layout`` on GPUs of ``gpu_bytes`` (see the module docstring)."""
+                   phases: tuple[Phase, ...] | None = None,
+                   overhead: Mapping[int, float] | None = None) -> ResidencyPlan:
+    """The residency plan for ``layout`` on GPUs of ``gpu_bytes`` (see the module docstring). ``overhead``: GPU ->
+    bytes measured beyond the model (a run's refinement after its first step), held in every phase."""
     if mode not in MODES:
         raise ConfigError("residency", f"unknown mode {mode!r}.", f"Use one of: {', '.join(MODES)}.")
     if not 0 < usable <= 1:
@@ -84,15 +86,15 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
                           f"Drop the sleep flag for {', '.join(lonely)}, or place it on GPUs another role uses.")
     choices = _choices(layout, phases, mode, pins, set(sleep_roles), shared, engine_sleep_level, allow_host)
     notes: list[str] = []
+    overhead = {g: float(v) for g, v in (overhead or {}).items() if v}
     if mode != "auto":
         moves = {key: options[0] for key, options in choices.items()}
-        plan = ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes)
-        return plan
-    moves = _cheapest_fit(layout, phases, choices, capacity, gpu_bytes)
+        return ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes, overhead=overhead)
+    moves = _cheapest_fit(layout, phases, choices, capacity, gpu_bytes, overhead)
     if moves is None:  # nothing fits: return the plan that moves the most, so the error shows the smallest peak
         moves = {key: _most_moving(options) for key, options in choices.items()}
         notes.append("no plan fits the GPUs; this one moves everything it can")
-    plan = ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes)
+    plan = ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes, overhead=overhead)
     for (role, state), move in moves.items():
         if move == "host":
             plan.notes.append(f"{role}'s optimizer state stays in host memory (CPU Adam): it does not fit on the "
@@ -102,11 +104,11 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
 
 # ---- the search ----------------------------------------------------------------------------------------------------
 def _cheapest_fit(layout, phases, choices: dict[tuple[str, str], tuple[str, ...]], capacity: float,
-                  gpu_bytes: float) -> dict[tuple[str, str], str] | None:
+                  gpu_bytes: float, overhead: Mapping[int, float]) -> dict[tuple[str, str], str] | None:
     keys = list(choices)
-    groups = _gpu_groups(layout)  # identical GPUs are checked once
+    groups = _gpu_groups(layout, overhead)  # identical GPUs are checked once
     columns = [(g, p.name) for g in groups for p in phases]
-    base = np.array([_base_bytes(layout, g, p) for g in groups for p in phases])
+    base = np.array([_base_bytes(layout, g, p) + overhead.get(g, 0.0) for g in groups for p in phases])
     usable = capacity / gpu_bytes if gpu_bytes else 1.0
     vectors, costs = [], []
     for key in keys:
@@ -144,11 +146,12 @@ def consistent(moves: Mapping[tuple[str, str], str]) -> bool:
                for (role, state), move in moves.items() if state == "weights" and move != "resident")
 
 
-def _gpu_groups(layout) -> list[int]:
-    """One GPU per group of GPUs that hold the same roles with the same sizes."""
+def _gpu_groups(layout, overhead: Mapping[int, float] | None = None) -> list[int]:
+    """One GPU per group of GPUs that hold the same roles with the same sizes (and the same measured overhead)."""
     seen: dict[tuple, int] = {}
     for gpu, shares in layout.items():
-        seen.setdefault(tuple((s.role, s.workers, id(s.size)) for s in shares), gpu)
+        key = tuple((s.role, s.workers, id(s.size)) for s in shares) + ((overhead or {}).get(gpu, 0.0),)
+        seen.setdefault(key, gpu)
     return list(seen.values())
 
 
@@ -168,9 +171,15 @@ def _state_bytes(layout, gpu: int, phase: str, key: tuple[str, str], move: str, 
     plan = ResidencyPlan("auto", phases, {key: move}, dict(layout), 0.0, 0.0)
     total = 0.0
     for share in layout[gpu]:
-        if share.role == role and plan.present(role, state, phase):
+        if share.role != role:
+            continue
+        if plan.present(role, state, phase):
             scale = usable if state in share.size.exact else 1.0
             total += share.size.states.get(state, 0.0) * share.workers * scale
+        elif state == "cache" and move == "resident" and share.size.working.get(phase) and \
+                any(p.name == phase and role in p.needs for p in phases):
+            # working again while the allocator still holds its largest working set (see ResidencyPlan.breakdown)
+            total += max(share.size.states["cache"] - share.size.working_total(phase), 0.0) * share.workers
     return total
 
 
