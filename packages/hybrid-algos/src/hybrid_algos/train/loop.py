@@ -288,7 +288,7 @@ class TrainingSession:
             reward_model=self.reward_model, kl_controller=kl_controller,
             engine_gpus=sorted({g for w in rollout.workers for g in w.gpus}), engine_sleeps=engine_sleeps,
             engine_weights_awake=not engine_sleeps, memory=self.memory,
-            on_phases=self.timeline)
+            on_phases=self.timeline, prompt_pool=prep.prompts)
         if cfg.resume:
             self._resume()
 

@@ -24,6 +24,7 @@ import torch
 from hybrid_core.stats import PhaseTimer
 
 from .advantage_step import advantages_for
+from .dynamic_sampling import sample_rollout, shape_rewards
 from .experience import Rollout
 from .rewards import RewardScorer
 
@@ -48,6 +49,7 @@ class StepContext:
     engine_weights_awake: bool = True  # False while the engines' weights are offloaded (level 1) or discarded (level 2)
     memory: Any | None = None  # WakeGuard (memory_guard.py): room on the GPU is checked before each wake
     on_phases: Callable[[int, list], Any] | None = None  # gets (step, [(phase, start, end), ...]): timeline.py
+    prompt_pool: list | None = None  # every prompt: dynamic sampling (dynamic_sampling.py) draws extra ones here
 
 
 @contextlib.contextmanager
@@ -125,7 +127,8 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
               lambda: ctx.engines.sleep(cfg.engine_sleep_level),
               wake_kind="kv_cache" if ctx.engine_weights_awake else "all"):
         with timer.phase("generate"):
-            outputs = ctx.engines.generate([p.prompt_ids for p in prompts], sampling)
+            sampled = sample_rollout(ctx, step, prompts, sampling)  # DAPO dynamic sampling: dynamic_sampling.py
+    prompts, outputs = sampled.prompts, sampled.outputs
     if ctx.engine_sleeps:
         ctx.engine_weights_awake = False
     rollout = Rollout.from_generations(
@@ -134,14 +137,17 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
 
     # ---- rewards, reference, critic ------------------------------------------------------------------------------
     with timer.phase("reward"):
-        scores = ctx.reward.score(prompts, outputs) if ctx.reward_model is None else None
+        scores = sampled.scores
+        if scores is None and ctx.reward_model is None:
+            scores = ctx.reward.score(prompts, outputs)
     if ctx.reward_model is not None:
         rm = ctx.reward_model
         with turn(ctx, "reward", rm.gpus, rm.sleeps, timer, lambda: rm.call("wake"), lambda: rm.call("sleep")):
             with timer.phase("infer"):
                 scores = torch.cat(rm.call_sharded("scores", rollout.split(rm.world_size)))
     raw_scores = scores
-    rollout = rollout.with_(scores=ctx.reward.normalize(scores))
+    scores, sample_mask, shaping = shape_rewards(cfg, outputs, scores, sampling.max_new_tokens)  # DAPO overlong
+    rollout = rollout.with_(scores=ctx.reward.normalize(scores), sample_mask=sample_mask)
     if ctx.reference is not None:
         ref = ctx.reference
         with turn(ctx, "reference", ref.gpus, ref.sleeps, timer, lambda: ref.call("wake"), lambda: ref.call("sleep")):
@@ -188,6 +194,8 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
 
     metrics = _metrics(step, rollout, adv_stats, actor_stats, critic_stats, timer, kl_coef)
     metrics["actor/old_logprobs_recomputed"] = float(recompute_old)
+    metrics.update(sampled.metrics)
+    metrics.update(shaping)
     metrics["reward"] = raw_scores.float().mean().item()
     metrics["time/step"] = time.perf_counter() - t0
     if ctx.kl_controller is not None:
