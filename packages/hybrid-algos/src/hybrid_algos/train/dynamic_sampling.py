@@ -5,7 +5,8 @@ the rule reward, drops the groups whose (shaped) rewards are all equal -- they h
 only dilute the batch -- and generates for more prompts until ``rollout_batch_size`` groups are kept, for at most
 ``--dynamic_filtering_max_rounds`` extra rounds (the engines stay awake: it all happens in the rollout turn). If
 the cap is reached first, dropped groups fill the batch (they still cost nothing to the policy gradient), and the
-step's metrics say how many. Extra prompts are drawn from the whole prompt set with a seed of (seed, step, round),
+step's metrics say how many. The step's ``reward`` is then the mean over every sample generated (how good the
+policy is), ``reward/batch`` the one of the batch trained on. Extra prompts are drawn from the whole prompt set with a seed of (seed, step, round),
 so a resumed run draws the same ones.
 
 :func:`shape_rewards` applies DAPO's soft overlong penalty (``--overlong_buffer_len``) and marks the completions cut
@@ -69,11 +70,14 @@ def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -
 
     filled = max(0, target - len(kept))
     chosen = kept[:target] + dropped[:filled]
-    metrics = {"dynamic_sampling/rounds": float(rounds + 1), "dynamic_sampling/generated_prompts": float(generated),
+    scores = torch.cat([c[2] for c in chosen])
+    everything = torch.cat([g[2] for g in kept + dropped])
+    metrics = {"reward": everything.float().mean().item(), "reward/batch": scores.float().mean().item(),
+               "dynamic_sampling/rounds": float(rounds + 1), "dynamic_sampling/generated_prompts": float(generated),
                "dynamic_sampling/generated_samples": float(generated * n),
                "dynamic_sampling/pass_rate": len(kept) / generated, "dynamic_sampling/filled_groups": float(filled),
                "dynamic_sampling/reward_s": reward_s}
-    return Sampled([c[0] for c in chosen], [c[1] for c in chosen], torch.cat([c[2] for c in chosen]), metrics)
+    return Sampled([c[0] for c in chosen], [c[1] for c in chosen], scores, metrics)
 
 
 def _round_seed(seed: int | None, round_: int) -> int | None:

@@ -194,9 +194,9 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
 
     metrics = _metrics(step, rollout, adv_stats, actor_stats, critic_stats, timer, kl_coef)
     metrics["actor/old_logprobs_recomputed"] = float(recompute_old)
-    metrics.update(sampled.metrics)
-    metrics.update(shaping)
     metrics["reward"] = raw_scores.float().mean().item()
+    metrics.update(sampled.metrics)  # with dynamic sampling, "reward" is over every sample generated, not only kept
+    metrics.update(shaping)
     metrics["time/step"] = time.perf_counter() - t0
     if ctx.kl_controller is not None:
         ctx.kl_controller.update(metrics["kl_seq"], rollout.batch_size)
