@@ -36,8 +36,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=64, help="samples in the rollout (one optimizer update)")
     ap.add_argument("--micro", type=int, default=8, help="micro_train_batch_size (samples)")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
-    ap.add_argument("--response-len", type=int, nargs=2, default=(32, 3072), metavar=("MIN", "MAX"),
-                    help="log-uniform between MIN and MAX")
+    ap.add_argument("--response-len", type=int, nargs=2, default=(32, 1536), metavar=("MIN", "MAX"),
+                    help="log-uniform between MIN and MAX (prompt + response <= the model's 2048 positions)")
     ap.add_argument("--repeats", type=int, default=3, help="timed train calls per mode (after one warm-up)")
     ap.add_argument("--dynamic", action="store_true", help="also: packed + --use_dynamic_batch")
     ap.add_argument("--max-tokens", type=int, default=16384, help="train_max_tokens_per_gpu of --dynamic")

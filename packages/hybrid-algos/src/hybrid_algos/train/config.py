@@ -299,6 +299,10 @@ class RLConfig:
             field = ("temperature" if self.temperature < 0 else "top_p" if not 0 < self.top_p <= 1 else "top_k")
             raise ConfigError(field, f"got temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}.",
                               "Use temperature >= 0, 0 < top_p <= 1, and top_k = -1 (off) or >= 1.")
+        if self.temperature == 0:
+            raise ConfigError("temperature", "0 is greedy decoding: all samples of a prompt are the same (no signal to "
+                              "learn from) and the trainer's log-probs of a greedy choice are undefined.",
+                              "Use a sampling temperature > 0, e.g. --temperature 1.0.")
         for name in ("actor_learning_rate", "critic_learning_rate"):
             if not getattr(self, name) > 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)}.", f"E.g. --{name} 1e-6.")

@@ -284,8 +284,13 @@ def attn_implementation(cfg) -> str | None:
     if not cfg.flash_attn:
         return None
     import importlib.util
+    import logging
 
-    return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    if importlib.util.find_spec("flash_attn"):
+        return "flash_attention_2"
+    logging.getLogger(__name__).warning("--flash_attn: the flash-attn package is not installed; the trainers use "
+                                        "PyTorch SDPA (which has its own flash kernel) instead")
+    return "sdpa"
 
 
 def warmup_steps(cfg, total_steps: int) -> int:
