@@ -94,7 +94,6 @@ def test_correction_bounds_come_from_the_type_unless_given():
     ({"overlong_penalty_factor": -1.0}, "overlong_penalty_factor"),
     ({"train_max_tokens_per_gpu": 4096}, "train_max_tokens_per_gpu"),
     ({"use_dynamic_batch": True, "rollout_max_tokens_per_gpu": 0}, "rollout_max_tokens_per_gpu"),
-    ({"temperature": 0.0}, "temperature"),  # greedy: the trainer's tempered log-probs would divide by 0
 ])
 def test_bad_or_ignored_settings_are_refused(changes, field):
     with pytest.raises(ConfigError) as e:

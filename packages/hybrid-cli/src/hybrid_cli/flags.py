@@ -30,7 +30,7 @@ from hybrid_core.errors import ConfigError
 from .openrlhf import ALIASES, HELP, UNSUPPORTED
 
 #: Flags of the training commands that are not config fields.
-CLI_ONLY = ("config", "dry_run", "gpu_memory_gb")
+CLI_ONLY = ("config", "dry_run")
 
 
 @dataclass(frozen=True)

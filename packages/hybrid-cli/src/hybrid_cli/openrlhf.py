@@ -8,8 +8,9 @@ and trainers sleeping while another role works, the built-in ``hf`` engine. In O
 unless its flag is given, and the engines are vLLM. So: as soon as a command line (or ``--config`` file) places
 roles the OpenRLHF way -- any ``--*_num_nodes``, ``--*_num_gpus_per_node``, ``--vllm_num_engines``,
 ``--vllm_tensor_parallel_size`` or ``--colocate_*`` -- every setting of :data:`OPENRLHF_DEFAULTS` that is not
-given takes OpenRLHF's default: ``--colocate_all_models``, ``--vllm_enable_sleep`` and ``--deepspeed_enable_sleep``
-off, ``--backend vllm``, 8 GPUs per role, OpenRLHF's batch sizes. OpenRLHF's 64-GPU "without hybrid engine" command
+given takes OpenRLHF's default: ``--colocate_all_models`` off, ``--backend vllm``, 8 GPUs per role, OpenRLHF's batch
+sizes. (``--vllm_enable_sleep`` / ``--deepspeed_enable_sleep`` not given means the residency planner decides, as
+always: given, they make those roles sleep; ``--no_...`` keeps them resident.) OpenRLHF's 64-GPU "without hybrid engine" command
 therefore gets dedicated GPUs per role, as it does there. (One difference stays: without ``--vllm_num_engines``
 OpenRLHF generates with the actor's own model; hybrid always has engines, one by default.)
 """
@@ -36,7 +37,7 @@ PLACEMENT_FLAGS = frozenset({
 #: Each applies only when its own flag is not given. Algorithm hyperparameters (lambd, value_clip, KL, ...) keep
 #: the subcommand's defaults: ``hybrid grpo`` chooses GRPO's, whatever placement flags come with it.
 OPENRLHF_DEFAULTS: dict[str, Any] = {
-    "colocate_all_models": False, "vllm_enable_sleep": False, "deepspeed_enable_sleep": False, "backend": "vllm",
+    "colocate_all_models": False, "backend": "vllm",
     "actor_num_gpus_per_node": 8, "critic_num_gpus_per_node": 8, "ref_num_gpus_per_node": 8,
     "reward_num_gpus_per_node": 8, "vllm_gpu_memory_utilization": 0.95,
     "rollout_batch_size": 1024, "micro_rollout_batch_size": 8, "train_batch_size": 128, "micro_train_batch_size": 4,

@@ -56,7 +56,9 @@ def connect(
     if temp_dir is not None:
         temp_dir = os.path.abspath(temp_dir)
         os.makedirs(temp_dir, exist_ok=True)
-    ray.init(num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
+    # address="local": always a new cluster of our own. Without it Ray joins any cluster already running on this
+    # machine (found through /tmp/ray), someone else's included.
+    ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
              log_to_driver=True, logging_level=logging.WARNING)
     return _info(started_here=True)
 

@@ -246,6 +246,7 @@ def response_token_scores(model: torch.nn.Module, sequences: torch.Tensor, atten
     """Log-probs (and entropy, raw log-probs) of the response tokens under ``model`` (a transformers causal LM
     or a DeepSpeed engine holding one), in float32, without full-vocabulary logits for the micro-batch."""
     inputs = model_inputs(sequences, attention_mask, response_len, packed=packed)
+    temperature = temperature if temperature > 0 else 1.0  # greedy sampling has no tempered distribution: score raw
     hf = install_token_scores(_unwrap(model))
     if hf._hybrid_chunked_ok is None:
         hf._hybrid_chunked_ok = _chunked_matches_full(model, hf, inputs, temperature)
@@ -273,7 +274,8 @@ def response_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention
     """Log-probabilities ``[B, R]`` of the response tokens (the last ``response_len`` columns) under ``model``.
 
     Logits are divided by the sampling temperature, so the ratio in the PPO loss compares the distribution the
-    samples were drawn from. Float32, computed in chunks (see the module docstring); 0 at padding.
+    samples were drawn from (temperature 0, greedy, is scored at 1). Float32, in chunks (see the module
+    docstring); 0 at padding.
     """
     scores = response_token_scores(model, sequences, attention_mask, response_len, temperature=temperature,
                                    entropy=return_entropy, packed=packed)

@@ -8,17 +8,18 @@ The rules follow OpenRLHF's launcher:
   first ones), and the engines must fill the actor's GPUs exactly: actor GPUs == engines x TP (the seeds' rule);
 * ``colocate_actor_ref``: the reference sits on the actor's GPUs; ``colocate_critic_reward``: the reward model sits
   on the critic's GPUs;
-* every role not colocated gets its own block of GPUs, in the order actor, rollout, critic, reference, reward;
-* ``vllm_enable_sleep``: the rollout sleeps; ``deepspeed_enable_sleep``: the trainers (actor, critic) sleep, those
-  of them that share GPUs with another role (a trainer alone on its GPUs has nobody to make room for).
+* every role not colocated gets its own block of GPUs, in the order actor, rollout, critic, reference, reward.
+
+OpenRLHF's ``vllm_enable_sleep`` / ``deepspeed_enable_sleep`` say what roles keep on their GPUs, not where they run:
+they are read by the residency planner (:mod:`hybrid_core.residency`), not here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from ..errors import PlacementError
-from .checks import LIGHT_ROLES, cluster_size, require_int, role_set
+from .checks import cluster_size, require_int
 
 if TYPE_CHECKING:
     from .spec import PlacementSpec
@@ -29,7 +30,7 @@ COUNT_FIELDS = (
     "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
     "ref_num_nodes", "ref_num_gpus_per_node", "reward_num_nodes", "reward_num_gpus_per_node",
     "vllm_num_engines", "vllm_tensor_parallel_size", "colocate_all_models", "colocate_actor_ref",
-    "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
+    "colocate_critic_reward",
 )
 
 # role -> (nodes flag, GPUs-per-node flag)
@@ -57,12 +58,9 @@ def spec_from_counts(
     colocate_all_models: bool = False,
     colocate_actor_ref: bool = False,
     colocate_critic_reward: bool = False,
-    vllm_enable_sleep: bool = False,
-    deepspeed_enable_sleep: bool = False,
     gpus_per_node: int | None = None,
     cluster_gpus: int | None = None,
     num_nodes: int | None = None,
-    heavy: Iterable[str] | None = None,
 ) -> PlacementSpec:
     """Translate OpenRLHF placement flags into a spec (roles: actor, rollout, critic, reference, reward).
 
@@ -85,8 +83,7 @@ def spec_from_counts(
                              f"Use --vllm_tensor_parallel_size <= {gpus_per_node}.")
     sizes["rollout"] = vllm_num_engines * tp
     for flag, value in (("colocate_all_models", colocate_all_models), ("colocate_actor_ref", colocate_actor_ref),
-                        ("colocate_critic_reward", colocate_critic_reward), ("vllm_enable_sleep", vllm_enable_sleep),
-                        ("deepspeed_enable_sleep", deepspeed_enable_sleep)):
+                        ("colocate_critic_reward", colocate_critic_reward)):
         if not isinstance(value, bool):
             raise PlacementError(flag, f"expected true or false, got {value!r}.", f"Set {flag} to True or False.")
     if sizes["actor"] == 0:
@@ -97,26 +94,15 @@ def spec_from_counts(
     from .spec import PlacementSpec  # spec.py imports this module for PlacementSpec.from_counts
 
     gpus = _lay_out(sizes, tp, vllm_num_engines, colocate_all_models, colocate_actor_ref, colocate_critic_reward)
-    sleep = _sleeping_roles(gpus, vllm_enable_sleep, deepspeed_enable_sleep)
-    if heavy is None:
-        heavy_set = frozenset(gpus) - LIGHT_ROLES
-    else:
-        heavy_set = frozenset(role_set(heavy, "heavy")) & frozenset(gpus)
     gpu_fields = {role: _COUNT_FLAGS[role][1] for role in _COUNT_FLAGS}
     gpu_fields["rollout"] = "vllm_num_engines"
     return PlacementSpec(
         gpus=gpus,
         tp={"rollout": tp} if "rollout" in gpus else {},
-        sleep=sleep,
-        heavy=heavy_set,
         cluster_gpus=cluster_gpus,
         gpus_per_node=gpus_per_node,
         gpu_fields=gpu_fields,
         tp_fields={"rollout": "vllm_tensor_parallel_size"},
-        sleep_fields={"rollout": "vllm_enable_sleep", "actor": "deepspeed_enable_sleep",
-                      "critic": "deepspeed_enable_sleep"},
-        unshare_fix="give them separate GPUs (drop --colocate_all_models / --colocate_actor_ref / "
-                    "--colocate_critic_reward)",
     )
 
 
@@ -191,33 +177,6 @@ def _lay_out(sizes: dict[str, int], tp: int, engines: int, colocate_all: bool, c
                              "reward_num_gpus_per_node = 0).", "Drop --colocate_critic_reward, or give the reward "
                              "model GPUs.")
     return gpus
-
-
-def _sleeping_roles(gpus: dict[str, tuple[int, ...]], vllm_sleep: bool, deepspeed_sleep: bool) -> frozenset[str]:
-    def shares(role: str) -> bool:
-        mine = set(gpus[role])
-        return any(mine & set(theirs) for other, theirs in gpus.items() if other != role)
-
-    sleep: set[str] = set()
-    if vllm_sleep:
-        if "rollout" not in gpus:
-            raise PlacementError("vllm_enable_sleep", "there are no engines to put to sleep (vllm_num_engines = 0).",
-                                 "Drop --vllm_enable_sleep, or set --vllm_num_engines.")
-        if not shares("rollout"):
-            raise PlacementError("vllm_enable_sleep", "the engines share no GPU with another role, so sleeping frees "
-                                 "memory for nobody and only costs a reload per step.",
-                                 "Add --colocate_all_models to put the engines on the actor's GPUs, or drop "
-                                 "--vllm_enable_sleep.")
-        sleep.add("rollout")
-    if deepspeed_sleep:
-        trainers = [role for role in _TRAINERS if role in gpus and shares(role)]
-        if not trainers:
-            raise PlacementError("deepspeed_enable_sleep", "neither the actor nor the critic shares a GPU with another "
-                                 "role, so sleeping frees memory for nobody.",
-                                 "Add --colocate_all_models (or --colocate_actor_ref), or drop "
-                                 "--deepspeed_enable_sleep.")
-        sleep.update(trainers)
-    return frozenset(sleep)
 
 
 def _engines_problem(actor_gpus: int, engines: int, tp: int) -> str:

@@ -30,7 +30,7 @@ class CriticWorker(RoleWorker):
             lr=cfg.critic_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
             num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload,
             warmup_steps=warmup_steps(cfg, total_steps)))  # the same warm-up as the actor (--lr_warmup_ratio)
-        if cfg.deepspeed_enable_sleep:
+        if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
         self.settle()
         return self.where()
