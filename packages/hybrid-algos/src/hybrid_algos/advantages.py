@@ -171,7 +171,7 @@ class AdvantageEstimator:
     @property
     def summary(self) -> str:
         """The first line of the estimator function's docstring (what ``--help`` shows)."""
-        return ((self.fn.__doc__ or "").strip().splitlines() or [self.name])[0].strip()
+        return ((self.fn.__doc__ or "").strip().splitlines() or [self.name])[0].strip().replace("``", "")
 
     @property
     def needs_critic(self) -> bool:

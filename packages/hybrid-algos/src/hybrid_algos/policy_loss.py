@@ -93,7 +93,7 @@ class PolicyLoss:
     @property
     def summary(self) -> str:
         """The first line of the loss function's docstring (what ``--help`` shows)."""
-        return ((self.fn.__doc__ or "").strip().splitlines() or [self.name])[0].strip()
+        return ((self.fn.__doc__ or "").strip().splitlines() or [self.name])[0].strip().replace("``", "")
 
 
 _REGISTRY: dict[str, PolicyLoss] = {}
