@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .config import PPOConfig, demo_config
-from .loop import train
 
 
 def train_ppo(config: PPOConfig | None = None, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    from . import train  # hybrid_algos.train.train: the one entry to the loop (the CLI comes through here too)
+
     return train(config or demo_config(PPOConfig), callbacks=callbacks)
