@@ -168,6 +168,21 @@ class AdvantageEstimator:
     requires: tuple[str, ...] = ()  # of "scores", "values", "groups"
     aliases: tuple[str, ...] = ()
 
+    @property
+    def summary(self) -> str:
+        """The first line of the estimator function's docstring (what ``--help`` shows)."""
+        return ((self.fn.__doc__ or "").strip().splitlines() or [self.name])[0].strip().replace("``", "")
+
+    @property
+    def needs_critic(self) -> bool:
+        """It reads critic values: a run with it trains a critic."""
+        return "values" in self.requires
+
+    @property
+    def needs_groups(self) -> bool:
+        """It compares the samples of one prompt: a run needs several samples per prompt."""
+        return "groups" in self.requires
+
     def __call__(self, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(inputs, AdvantageInputs):
             raise AlgoInputError("inputs", f"expected AdvantageInputs, got {type(inputs).__name__}.",

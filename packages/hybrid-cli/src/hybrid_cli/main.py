@@ -36,9 +36,12 @@ def build_parser() -> FlagParser:
                         "GPUs. Run `hybrid ppo` for the CPU demo, `hybrid ppo --help` for every flag.")
     parser.add_argument("--version", action="version", version=f"hybrid {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=FlagParser)
+    from hybrid_algos.train.config import registry_help
+
     for name, cls in CONFIGS.items():
         sub = commands.add_parser(name, help=_ABOUT.get(name, name), description=(cls.__doc__ or "").strip(),
-                                  usage=f"hybrid {name} [--config FILE.yaml] [--dry-run] [--FLAG VALUE ...]")
+                                  usage=f"hybrid {name} [--config FILE.yaml] [--dry-run] [--FLAG VALUE ...]",
+                                  epilog=registry_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_run_flags(sub)
         add_config_flags(sub, cls)
     from .compare import add_compare_flags
@@ -85,7 +88,9 @@ def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[s
         from hybrid_algos.train.config import DEMO_SETTINGS
 
         implied = {k: v for k, v in DEMO_SETTINGS.items() if k not in given}
-        critic = given.get("advantage_estimator", cls.advantage_estimator) == "gae"  # only GAE trains a critic
+        from hybrid_algos.train.config import estimator_needs_critic
+
+        critic = estimator_needs_critic(given.get("advantage_estimator", cls.advantage_estimator))
         shown = {k: v for k, v in implied.items() if critic or not k.startswith("critic_")}
         notes.append("no --pretrain: the built-in demo (a tiny model learns the copy task) with its settings: "
                      + ", ".join(f"{k}={v}" for k, v in shown.items()))
@@ -146,10 +151,10 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
     progress = ProgressDisplay()
     for note in notes:
         progress.console.print(f"[dim]note: {note}[/dim]")
-    from hybrid_algos.train import train  # imported late: the loop pulls in Ray, DeepSpeed and the engines
+    from hybrid_algos.train import RECIPES  # imported late: the loop pulls in Ray, DeepSpeed and the engines
 
-    try:
-        train(config, callbacks=[progress, metrics])
+    try:  # the recipe of the command (hybrid ppo -> train_ppo, ...): the same path as the Python API
+        RECIPES[config.algorithm](config, callbacks=[progress, metrics])
     finally:
         metrics.close()
         progress.close()

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 #: OpenRLHF names that mean one of our fields.
 ALIASES = {
     "load_checkpoint": "resume",
+    "max_tokens_per_gpu": "train_max_tokens_per_gpu",
 }
 
 #: Flags that place roles the OpenRLHF way (see the module docstring).
@@ -63,8 +64,6 @@ UNSUPPORTED = {
     "zpg": "ZeRO++ hierarchical partitioning",
     "ds_tensor_parallel_size": "DeepSpeed tensor parallelism (AutoTP)",
     "ring_attn_size": "ring attention (sequence parallelism)", "ring_head_stride": "ring attention (sequence parallelism)",
-    "use_dynamic_batch": "token-budget dynamic batching", "rollout_max_tokens_per_gpu": "token-budget dynamic batching",
-    "train_max_tokens_per_gpu": "token-budget dynamic batching",
     "pretrain_data": "the PTX (pre-training) loss", "pretrain_data_probs": "the PTX (pre-training) loss",
     "pretrain_split": "the PTX (pre-training) loss", "ptx_coef": "the PTX (pre-training) loss",
     "prompt_data_probs": "mixing several prompt datasets",
@@ -73,7 +72,6 @@ UNSUPPORTED = {
     "eval_n_samples_per_prompt": "evaluation during training",
     "input_template": "prompt templates; use --apply_chat_template",
     "tokenizer_chat_template": "overriding the tokenizer's chat template",
-    "dynamic_filtering": "dynamic sampling filters", "dynamic_filtering_reward_range": "dynamic sampling filters",
     "freezing_actor_steps": "critic warm-up with a frozen actor",
     "save_value_network": "saving the critic in Hugging Face format",
     "value_head_prefix": "custom value-head names", "head_prefix": "custom value-head names",
@@ -90,13 +88,9 @@ UNSUPPORTED = {
     "wandb_org": "W&B organisations", "wandb_group": "W&B groups", "use_ms": "ModelScope downloads",
     "local_rank": "the DeepSpeed launcher; hybrid starts its workers through Ray",
     "full_determinism": "full determinism mode", "perf": "OpenRLHF's performance statistics",
-    "policy_loss_type": "policy losses other than the PPO clip loss",
     "attn_implementation": "choosing the attention kernel; use --flash_attn",
     "vllm_generate_batch_size": "a separate generation batch size", "rollout_tasks_per_gpu": "Ray task reservations",
-    "enable_vllm_is_correction": "importance-sampling correction of engine log-probs",
-    "vllm_is_truncated_threshold": "importance-sampling correction of engine log-probs",
     "async_queue_size": "asynchronous rollout/training",
-    "overlong_buffer_len": "overlong-response penalties", "overlong_penalty_factor": "overlong-response penalties",
     "use_kl_estimator_k3": "the old switch; use --kl_estimator k3",
 }
 

@@ -17,8 +17,6 @@ from typing import Any
 from hybrid_core.errors import ConfigError
 from hybrid_engines.registry import backend_names
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 #: Built-in synthetic tasks (prompts + rule-based reward) used when no --prompt_data is given.
 TASKS = ("copy", "copy_first", "reverse", "add")
 
@@ -71,7 +69,10 @@ class RLConfig:
     bf16: bool = False
     adam_offload: bool = False
     gradient_checkpointing: bool = False
-    packing_samples: bool = False
+    packing_samples: bool = False  # trainers' forward passes concatenate samples without padding (one row, position ids)
+    use_dynamic_batch: bool = False  # micro-batches by token budget instead of a fixed number of samples
+    train_max_tokens_per_gpu: int | None = None  # token budget of a training micro-batch (--use_dynamic_batch; default 16384)
+    rollout_max_tokens_per_gpu: int | None = None  # token budget of a log-prob / value pass (default: the training budget)
     flash_attn: bool = False
     actor_learning_rate: float = 1e-6
     critic_learning_rate: float = 9e-6
@@ -122,8 +123,23 @@ class RLConfig:
     entropy_loss_coef: float = 0.0
     normalize_reward: bool = False
     reward_clip_range: tuple[float, float] = (-10.0, 10.0)
-    loss_agg_mode: str = "token-mean"
+    policy_loss_type: str = "ppo"  # ppo | gspo | cispo | dr_grpo | ... (the policy-loss registry; see --help)
+    loss_agg_mode: str | None = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm; None = the policy loss's own
     recompute_old_logprobs: bool = False  # always run the actor's old log-prob pass (else skipped when on-policy)
+
+    # ---- engine/trainer mismatch -----------------------------------------------------------------------------
+    enable_vllm_is_correction: bool = True  # weight the policy loss by trainer/engine importance ratios (any backend)
+    vllm_is_correction_type: str = "tis"  # tis | icepop | seq-tis | seq-mis | seq-mask-tis (see --help)
+    vllm_is_truncated_threshold: tuple[float, float] | None = None  # LOW HIGH bounds of the ratio; None = the type's own
+    use_icepop: bool = False  # OpenRLHF's older switch: the same as --vllm_is_correction_type icepop
+
+    # ---- DAPO ------------------------------------------------------------------------------------------------
+    dynamic_filtering: bool = False  # drop groups whose rewards are all equal; generate more prompts until the batch is full
+    dynamic_filtering_reward_range: tuple[float, float] | None = None  # also drop groups whose mean reward is outside (LOW, HIGH)
+    dynamic_filtering_max_rounds: int = 8  # extra generation rounds per step; then the batch is filled with dropped groups
+    overlong_buffer_len: int | None = None  # DAPO soft overlong penalty over the last N tokens before generate_max_len
+    overlong_penalty_factor: float = 1.0  # the penalty at generate_max_len
+    mask_truncated_completions: bool = False  # completions cut at generate_max_len are left out of the policy loss
 
     # ---- data ------------------------------------------------------------------------------------------------
     prompt_data: str | None = None  # JSONL / Parquet file or a datasets folder; None = the built-in task
@@ -161,7 +177,44 @@ class RLConfig:
 
     @property
     def uses_critic(self) -> bool:
-        return self.advantage_estimator == "gae"
+        """The advantage estimator reads critic values (its registry entry says so), so a critic is trained."""
+        return estimator_needs_critic(self.advantage_estimator)
+
+    @property
+    def policy_agg_mode(self) -> str:
+        """``loss_agg_mode``, or the policy loss's own default when it is not set."""
+        if self.loss_agg_mode is not None:
+            return self.loss_agg_mode
+        from hybrid_algos import get_policy_loss
+
+        return get_policy_loss(self.policy_loss_type).agg_mode
+
+    @property
+    def value_agg_mode(self) -> str:
+        return self.loss_agg_mode or "token-mean"
+
+    @property
+    def correction_bounds(self) -> tuple[float | None, float]:
+        """(low, high) of the rollout correction: the flags', or the correction type's own."""
+        if self.vllm_is_truncated_threshold is not None:
+            low, high = self.vllm_is_truncated_threshold
+            return float(low), float(high)
+        from hybrid_algos import get_rollout_correction
+
+        spec = get_rollout_correction(self.correction_type)
+        return spec.low, spec.high
+
+    @property
+    def correction_type(self) -> str:
+        return "icepop" if self.use_icepop else self.vllm_is_correction_type
+
+    @property
+    def train_token_budget(self) -> int:
+        return self.train_max_tokens_per_gpu or DEFAULT_MAX_TOKENS_PER_GPU
+
+    @property
+    def rollout_token_budget(self) -> int:
+        return self.rollout_max_tokens_per_gpu or self.train_token_budget
 
     @property
     def uses_reference(self) -> bool:
@@ -217,8 +270,14 @@ class RLConfig:
         """Check everything that can be checked without Ray or a GPU; return self so calls chain."""
         # the engine registry is the one list of backends
         _choice("backend", self.backend, backend_names(), "--backend hf runs anywhere; vllm/sglang need the extras.")
-        _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        from hybrid_algos import LOSS_AGG_MODES, list_policy_losses
+        from hybrid_algos.kl import KL_ESTIMATOR_ALIASES, KL_ESTIMATORS
+
+        if self.loss_agg_mode is not None:
+            _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _choice("kl_estimator", self.kl_estimator, (*KL_ESTIMATORS, *KL_ESTIMATOR_ALIASES))
+        _choice("policy_loss_type", self.policy_loss_type, tuple(list_policy_losses()),
+                "`hybrid grpo --help` lists each loss.")
         if self.prompt_data is None:
             _choice("task", self.task, TASKS, "Or give your own prompts with --prompt_data FILE --input_key KEY.")
         self._validate_estimator()
@@ -266,6 +325,8 @@ class RLConfig:
                               "model to put on the actor's GPUs.",
                               "Drop --colocate_actor_ref, or give --init_kl_coef > 0.")
         self._validate_clip()
+        self._validate_correction()
+        self._validate_dapo()
         self._validate_batches()
         self._validate_sleep()
         self._validate_files()
@@ -298,18 +359,80 @@ class RLConfig:
                               f"Choose one of: {', '.join(sorted(known))}.")
 
     def _validate_clip(self) -> None:
+        from hybrid_algos import get_policy_loss
+
+        loss = get_policy_loss(self.policy_loss_type)
         low, high = self.clip_range
-        if not (0 < low < 1 and high > 0):
+        # CISPO clips a weight, not the objective: clip_low = 1 (no lower bound) is its paper's setting.
+        low_ok = 0 < low <= 1 if loss.name == "cispo" else 0 < low < 1
+        if not (low_ok and high > 0):
             raise ConfigError("eps_clip_low_high" if self.eps_clip_low_high else "eps_clip",
                               f"clip range must satisfy 0 < low < 1 and high > 0, got ({low}, {high}).",
                               "E.g. --eps_clip 0.2, or --eps_clip_low_high 0.2 0.28.")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError("dual_clip", f"must be > 1 (it bounds the loss for negative advantages), got {self.dual_clip}.",
                               "E.g. --dual_clip 3, or leave it unset.")
+        if self.dual_clip is not None and "dual_clip" not in loss.uses:
+            raise ConfigError("dual_clip", f"the {loss.name} policy loss has no dual clip, so --dual_clip would be ignored.",
+                              f"Drop --dual_clip, or use --policy_loss_type ppo.")
         lo, hi = self.reward_clip_range
         if lo >= hi:
             raise ConfigError("reward_clip_range", f"low must be below high, got ({lo}, {hi}).",
                               "E.g. --reward_clip_range -10 10.")
+
+    def _validate_correction(self) -> None:
+        from hybrid_algos import list_rollout_corrections
+
+        _choice("vllm_is_correction_type", self.vllm_is_correction_type, tuple(list_rollout_corrections()),
+                "`hybrid grpo --help` lists each type.")
+        if self.use_icepop and self.vllm_is_correction_type not in ("tis", "icepop"):
+            raise ConfigError("use_icepop", f"--use_icepop asks for icepop but --vllm_is_correction_type is "
+                              f"{self.vllm_is_correction_type}.", "Keep one of them.")
+        given = [n for n, v in (("vllm_is_truncated_threshold", self.vllm_is_truncated_threshold),
+                                ("use_icepop", self.use_icepop),
+                                ("vllm_is_correction_type", self.vllm_is_correction_type != "tis")) if v]
+        if given and not self.enable_vllm_is_correction:
+            raise ConfigError(given[0], "the rollout correction is off (--no_enable_vllm_is_correction), so this "
+                              "setting would be ignored.", f"Drop --{given[0]}, or turn the correction on.")
+        if self.vllm_is_truncated_threshold is not None:
+            low, high = self.vllm_is_truncated_threshold
+            if not (0 <= low < high < math.inf):
+                raise ConfigError("vllm_is_truncated_threshold", f"need 0 <= LOW < HIGH, got ({low}, {high}).",
+                                  "E.g. --vllm_is_truncated_threshold 0.5 5.0 (OpenRLHF's), or 0 2 for plain TIS.")
+
+    def _validate_dapo(self) -> None:
+        if self.dynamic_filtering:
+            if self.n_samples_per_prompt < 2:
+                raise ConfigError("dynamic_filtering", "dynamic sampling drops groups whose samples all scored the "
+                                  "same, so it needs at least 2 samples per prompt.", "Use --n_samples_per_prompt 4 (or more).")
+            if self.reward_pretrain is not None:
+                raise ConfigError("dynamic_filtering", "dynamic sampling scores every extra round inside the rollout "
+                                  "turn; a reward model would need a GPU turn of its own per round.",
+                                  "Use a rule reward (--reward_fn module:function) with --dynamic_filtering.")
+            if self.dynamic_filtering_max_rounds < 0:
+                raise ConfigError("dynamic_filtering_max_rounds", f"must be >= 0, got {self.dynamic_filtering_max_rounds}.",
+                                  "E.g. --dynamic_filtering_max_rounds 8.")
+            lo_hi = self.dynamic_filtering_reward_range
+            if lo_hi is not None and not lo_hi[0] < lo_hi[1]:
+                raise ConfigError("dynamic_filtering_reward_range", f"low must be below high, got {tuple(lo_hi)}.",
+                                  "E.g. --dynamic_filtering_reward_range 0 1.")
+        elif self.dynamic_filtering_reward_range is not None:
+            raise ConfigError("dynamic_filtering_reward_range", "is set but --dynamic_filtering is off, so it would "
+                              "be ignored.", "Add --dynamic_filtering, or drop the range.")
+        if self.overlong_buffer_len is not None and not 1 <= self.overlong_buffer_len <= self.generate_max_len:
+            raise ConfigError("overlong_buffer_len", f"must be in [1, generate_max_len = {self.generate_max_len}], "
+                              f"got {self.overlong_buffer_len}.", "E.g. a quarter of --generate_max_len.")
+        if not 0 <= self.overlong_penalty_factor < math.inf:
+            raise ConfigError("overlong_penalty_factor", f"must be a finite number >= 0, got {self.overlong_penalty_factor}.",
+                              "E.g. --overlong_penalty_factor 1.0.")
+        for name in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _positive(name, value)
+            if not self.use_dynamic_batch:
+                raise ConfigError(name, "is set but --use_dynamic_batch is off, so it would be ignored.",
+                                  "Add --use_dynamic_batch, or drop it.")
 
     def _validate_batches(self) -> None:
         samples = self.samples_per_step
@@ -327,7 +450,7 @@ class RLConfig:
         if self.max_samples < self.rollout_batch_size:
             raise ConfigError("max_samples", f"max_samples = {self.max_samples} is smaller than one rollout batch "
                               f"(rollout_batch_size = {self.rollout_batch_size}).", "Raise --max_samples or lower --rollout_batch_size.")
-        if self.advantage_estimator in GROUP_ESTIMATORS and self.n_samples_per_prompt < 2:
+        if estimator_needs_groups(self.advantage_estimator) and self.n_samples_per_prompt < 2:
             raise ConfigError("n_samples_per_prompt",
                               f"{self.advantage_estimator} compares samples of the same prompt, so it needs at least 2 per prompt.",
                               "Use --n_samples_per_prompt 4 (or more).")
@@ -421,7 +544,62 @@ def demo_config(cls: type["RLConfig"], **overrides: Any) -> "RLConfig":
     return cls(**{**DEMO_SETTINGS, **overrides})
 
 
-GROUP_ESTIMATORS = ("group_norm", "grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce_plus_plus_baseline")
+#: Token budget of a micro-batch with --use_dynamic_batch when --train_max_tokens_per_gpu is not given.
+DEFAULT_MAX_TOKENS_PER_GPU = 16384
+
+
+def estimator_needs_critic(name: str) -> bool:
+    """Whether the advantage estimator ``name`` reads critic values (from its registry entry)."""
+    from hybrid_algos import get_advantage_estimator
+    from hybrid_algos.errors import AlgoInputError
+
+    try:
+        return get_advantage_estimator(name).needs_critic
+    except AlgoInputError:
+        return False  # unknown: validate() says so
+
+
+def estimator_needs_groups(name: str) -> bool:
+    """Whether the advantage estimator ``name`` compares the samples of a prompt (from its registry entry)."""
+    from hybrid_algos import get_advantage_estimator
+    from hybrid_algos.errors import AlgoInputError
+
+    try:
+        return get_advantage_estimator(name).needs_groups
+    except AlgoInputError:
+        return False
+
+
+def registry_help() -> str:
+    """Every policy loss, rollout correction and advantage estimator with one line from its registry entry."""
+    from hybrid_algos import (get_advantage_estimator, get_policy_loss, get_rollout_correction,
+                              list_advantage_estimators, list_policy_losses, list_rollout_corrections)
+
+    def block(title, names, entry):
+        seen, lines = set(), [title]
+        for name in names:
+            item = entry(name)
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            aliases = [a for a in getattr(item, "aliases", ()) if a != item.name]
+            label = item.name + (f" ({', '.join(aliases)})" if aliases else "")
+            lines.append(f"  {label:<30} {item.summary}" if len(label) <= 30 else f"  {label}\n  {'':<30} {item.summary}")
+        return lines
+
+    estimators = block("advantage estimators (--advantage_estimator):", list_advantage_estimators(False),
+                       get_advantage_estimator)
+    for i, name in enumerate(list_advantage_estimators(False), start=1):
+        entry = get_advantage_estimator(name)
+        needs = [w for w, on in (("critic", entry.needs_critic), ("groups", entry.needs_groups)) if on]
+        if needs:
+            estimators[i] += f" [needs {' and '.join(needs)}]"
+    losses = block("policy losses (--policy_loss_type):", list_policy_losses(False), get_policy_loss)
+    for i, name in enumerate(list_policy_losses(False), start=1):
+        losses[i] += f" [aggregation: {get_policy_loss(name).agg_mode}]"
+    corrections = block("rollout corrections (--vllm_is_correction_type):", list_rollout_corrections(),
+                        get_rollout_correction)
+    return "\n".join([*estimators, "", *losses, "", *corrections])
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-OPTIONAL_FIELDS = ("old_logprobs", "ref_logprobs", "values", "scores", "advantages", "returns", "token_rewards")
+OPTIONAL_FIELDS = ("old_logprobs", "ref_logprobs", "values", "scores", "advantages", "returns", "token_rewards",
+                   "sample_mask")
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Rollout:
     token_rewards: torch.Tensor | None = None  # [B, R] scores on the last token, KL penalty on every token
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
+    sample_mask: torch.Tensor | None = None  # [B] bool: False = left out of the policy loss (a truncated completion)
 
     @property
     def batch_size(self) -> int:
@@ -42,6 +44,13 @@ class Rollout:
     @property
     def response_lengths(self) -> torch.Tensor:
         return self.action_mask.sum(-1)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``action_mask`` without the samples ``sample_mask`` leaves out: the tokens the policy loss sees."""
+        if self.sample_mask is None:
+            return self.action_mask
+        return self.action_mask * self.sample_mask.to(self.action_mask.dtype)[:, None]
 
     @classmethod
     def from_generations(cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Sequence[int]]],
@@ -89,6 +98,16 @@ class Rollout:
 
     def micro_batches(self, size: int) -> list["Rollout"]:
         return [self.select(slice(i, i + size)).trimmed() for i in range(0, self.batch_size, size)]
+
+    def token_micro_batches(self, budget: int, *, packed: bool, device: torch.device | str = "cpu",
+                            sync: bool = True) -> tuple[list["Rollout"], list[torch.Tensor]]:
+        """Micro-batches of at most ``budget`` tokens each (see :mod:`.batching`), and each one's sample indices."""
+        from .batching import plan_micro_batches
+
+        bins = plan_micro_batches(self.attention_mask, self.response_len, budget=budget, packed=packed,
+                                  device=torch.device(device), sync=sync)
+        index = [torch.tensor(b, dtype=torch.long) for b in bins]
+        return [self.select(i).trimmed() for i in index], index
 
     def trimmed(self) -> "Rollout":
         """Drop prompt columns that are padding in every row and response columns past the longest response."""

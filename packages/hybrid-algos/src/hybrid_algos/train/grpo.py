@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .config import GRPOConfig, demo_config
-from .loop import train
 
 
 def train_grpo(config: GRPOConfig | None = None, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    from . import train  # hybrid_algos.train.train: the one entry to the loop (the CLI comes through here too)
+
     return train(config or demo_config(GRPOConfig), callbacks=callbacks)

@@ -306,7 +306,8 @@ class TrainingSession:
         self.ctx = StepContext(
             config=cfg, actor=self.actor, engines=self.engines, weight_sync=self.weight_sync, reward=self.reward,
             residency=self.owner, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
-            reward_model=self.reward_model, kl_controller=kl_controller, on_phases=self.timeline)
+            reward_model=self.reward_model, kl_controller=kl_controller, on_phases=self.timeline,
+            prompt_pool=prep.prompts)
         if cfg.resume:
             self._resume()
 

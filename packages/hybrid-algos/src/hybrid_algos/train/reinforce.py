@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .config import ReinforceConfig, demo_config
-from .loop import train
 
 
 def train_reinforce(config: ReinforceConfig | None = None, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    from . import train  # hybrid_algos.train.train: the one entry to the loop (the CLI comes through here too)
+
     return train(config or demo_config(ReinforceConfig), callbacks=callbacks)

@@ -26,6 +26,7 @@ import torch
 from hybrid_core.stats import PhaseTimer
 
 from .advantage_step import advantages_for
+from .dynamic_sampling import sample_rollout, shape_rewards
 from .experience import Rollout
 from .rewards import RewardScorer
 
@@ -46,6 +47,7 @@ class StepContext:
     reward_model: Any | None = None
     kl_controller: Any | None = None
     on_phases: Callable[[int, list], Any] | None = None  # gets (step, [(phase, start, end), ...]): timeline.py
+    prompt_pool: list | None = None  # every prompt: dynamic sampling (dynamic_sampling.py) draws extra ones here
 
     def enter(self, phase: str, timer: PhaseTimer) -> None:
         """Make the GPUs ready for ``phase`` (a phase of a role this run does not have is skipped)."""
@@ -70,7 +72,8 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
     # ---- rollout ---------------------------------------------------------------------------------------------------
     ctx.enter("generate", timer)
     with timer.phase("generate"):
-        outputs = ctx.engines.generate([p.prompt_ids for p in prompts], sampling)
+        sampled = sample_rollout(ctx, step, prompts, sampling)  # DAPO dynamic sampling: dynamic_sampling.py
+    prompts, outputs = sampled.prompts, sampled.outputs
     rollout = Rollout.from_generations(
         [p.prompt_ids for p in prompts], [[o.token_ids for o in outs] for outs in outputs], ctx.pad_id,
         logprobs=[[o.logprobs or [0.0] * len(o.token_ids) for o in outs] for outs in outputs])
@@ -78,14 +81,17 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
 
     # ---- rewards, reference, critic ------------------------------------------------------------------------------
     with timer.phase("reward"):
-        scores = ctx.reward.score(prompts, outputs) if ctx.reward_model is None else None
+        scores = sampled.scores
+        if scores is None and ctx.reward_model is None:
+            scores = ctx.reward.score(prompts, outputs)
     if ctx.reward_model is not None:
         rm = ctx.reward_model
         ctx.enter("reward", timer)
         with timer.phase("infer"):
             scores = torch.cat(rm.call_sharded("scores", rollout.split(rm.world_size)))
     raw_scores = scores
-    rollout = rollout.with_(scores=ctx.reward.normalize(scores))
+    scores, sample_mask, shaping = shape_rewards(cfg, outputs, scores, sampling.max_new_tokens)  # DAPO overlong
+    rollout = rollout.with_(scores=ctx.reward.normalize(scores), sample_mask=sample_mask)
     if ctx.reference is not None:
         ref = ctx.reference
         ctx.enter("reference", timer)
@@ -123,6 +129,8 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
     metrics = _metrics(step, rollout, adv_stats, actor_stats, critic_stats, timer, kl_coef)
     metrics["actor/old_logprobs_recomputed"] = float(recompute_old)
     metrics["reward"] = raw_scores.float().mean().item()
+    metrics.update(sampled.metrics)  # with dynamic sampling, "reward" is over every sample generated, not only kept
+    metrics.update(shaping)
     metrics["time/step"] = time.perf_counter() - t0
     if ctx.kl_controller is not None:
         ctx.kl_controller.update(metrics["kl_seq"], rollout.batch_size)

@@ -14,7 +14,7 @@ from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_critic, response_values
 from .base import RoleWorker
-from .policy import _pad_right, attn_implementation
+from .policy import attn_implementation, forward_micro_batches, train_micro_batches, warmup_steps
 
 
 class CriticWorker(RoleWorker):
@@ -28,7 +28,8 @@ class CriticWorker(RoleWorker):
             zero_stage=cfg.zero_stage, bf16=cfg.bf16, micro_batch=cfg.micro_train_batch_size,
             grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
             lr=cfg.critic_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
-            num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload))
+            num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload,
+            warmup_steps=warmup_steps(cfg, total_steps)))  # the same warm-up as the actor (--lr_warmup_ratio)
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
         self.settle()
@@ -36,30 +37,47 @@ class CriticWorker(RoleWorker):
 
     @torch.no_grad()
     def values(self, rollout: Rollout) -> torch.Tensor:
+        cfg = self.config
         self.engine.eval()
-        out = []
-        for mb in rollout.micro_batches(self.config.micro_rollout_batch_size):
-            mb = mb.to(self.device)
-            v = response_values(self.engine, mb.sequences, mb.attention_mask, mb.response_len)
-            out.append(_pad_right(v, rollout.response_len).cpu())
-        return torch.cat(out)
+        out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+        for mb, index in forward_micro_batches(rollout, cfg, self.device):
+            dev = mb.to(self.device)
+            v = response_values(self.engine, dev.sequences, dev.attention_mask, dev.response_len,
+                                packed=cfg.packing_samples)
+            out[index, : mb.response_len] = v.cpu()
+        return out
 
     def train(self, rollout: Rollout, step: int) -> dict[str, float]:
+        """Clipped value-loss epochs, one optimizer update per train_batch_size samples (micro-batches as the
+        actor's: fixed size, or by token budget with --use_dynamic_batch)."""
         cfg = self.config
         self.engine.train()
         stats: dict[str, list[float]] = defaultdict(list)
         gen = torch.Generator().manual_seed(cfg.seed * 100019 + step * 137 + self.rank)
+        per_update = cfg.train_batch_size // self.world_size
+        by_tokens = cfg.value_agg_mode == "token-mean"
         for _ in range(cfg.max_epochs):
             order = torch.randperm(rollout.batch_size, generator=gen)
-            for mb in rollout.select(order).micro_batches(cfg.micro_train_batch_size):
-                mb = mb.to(self.device)
-                values = response_values(self.engine, mb.sequences, mb.attention_mask, mb.response_len)
-                loss, info = clipped_value_loss(values, mb.values, mb.returns, mb.action_mask, clip=cfg.value_clip,
-                                                agg_mode=cfg.loss_agg_mode, norm_len=cfg.generate_max_len)
-                self.engine.backward(loss)
-                self.engine.step()
-                stats["critic/value_loss"].append(loss.item())
-                stats["critic/clip_frac"].append(float(info.get("clip_frac", 0.0)))
+            shuffled = rollout.select(order)
+            for start in range(0, shuffled.batch_size, per_update):
+                plan = train_micro_batches(shuffled.select(slice(start, start + per_update)), cfg, self.device,
+                                           mask_of=lambda r: r.action_mask, by_tokens=by_tokens)
+                for i, (mb, weight) in enumerate(plan):
+                    mb = mb.to(self.device)
+                    values = response_values(self.engine, mb.sequences, mb.attention_mask, mb.response_len,
+                                             packed=cfg.packing_samples)
+                    loss, info = clipped_value_loss(values, mb.values, mb.returns, mb.action_mask,
+                                                    clip=cfg.value_clip, agg_mode=cfg.value_agg_mode,
+                                                    norm_len=cfg.generate_max_len)
+                    if weight is None:
+                        self.engine.backward(loss)
+                    else:
+                        self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+                        self.engine.backward(loss * weight, scale_wrt_gas=False)
+                    self.engine.step()
+                    stats["critic/value_loss"].append(loss.item())
+                    stats["critic/clip_frac"].append(float(info.get("clip_frac", 0.0)))
+        stats["critic/lr"].append(self.engine.get_lr()[0])
         return {k: sum(v) / len(v) for k, v in stats.items()}
 
     def save_checkpoint(self, path: str, tag: str) -> None:

@@ -12,7 +12,7 @@ from hybrid_core.offload import StateOffloader
 from ..experience import Rollout
 from ..models import load_causal_lm, load_reward_model, response_logprobs, sequence_scores
 from .base import RoleWorker
-from .policy import _pad_right, attn_implementation
+from .policy import attn_implementation, forward_micro_batches
 
 
 def _frozen_dtype(cfg) -> torch.dtype:
@@ -29,13 +29,13 @@ class ReferenceWorker(RoleWorker):
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        out = []
-        for mb in rollout.micro_batches(self.config.micro_rollout_batch_size):
-            mb = mb.to(self.device)
-            lp = response_logprobs(self.model, mb.sequences, mb.attention_mask, mb.response_len,
-                                   temperature=self.config.temperature)
-            out.append(_pad_right(lp, rollout.response_len).cpu())
-        return torch.cat(out)
+        out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+        for mb, index in forward_micro_batches(rollout, self.config, self.device):  # by tokens with --use_dynamic_batch
+            dev = mb.to(self.device)
+            lp = response_logprobs(self.model, dev.sequences, dev.attention_mask, dev.response_len,
+                                   temperature=self.config.temperature, packed=self.config.packing_samples)
+            out[index, : mb.response_len] = lp.cpu()
+        return out
 
 
 class RewardModelWorker(RoleWorker):

@@ -10,11 +10,14 @@ import torch
 from hybrid_core.offload import DeepSpeedOffloader
 from hybrid_engines.weight_sync import TrainerWeightSource
 
-from ... import aggregate_loss, kl_estimate, ppo_policy_loss
+from ... import aggregate_loss, compute_policy_loss, kl_estimate, rollout_correction
 from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
-from ..models import load_causal_lm, response_logprobs
+from ..models import load_causal_lm, response_token_scores
 from .base import RoleWorker
+
+#: With --save_hf_ckpt, each checkpoint's actor folder holds the policy in Hugging Face format here.
+HF_CHECKPOINT_DIR = "huggingface"
 
 
 class PolicyWorker(TrainerWeightSource, RoleWorker):
@@ -26,14 +29,16 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         model = load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation(cfg),
                                gradient_checkpointing=cfg.gradient_checkpointing)
-        updates_per_step = cfg.samples_per_step // cfg.train_batch_size * cfg.max_epochs
+        self.model_path = model_path
         self.engine = make_engine(model, deepspeed_config(
             zero_stage=cfg.zero_stage, bf16=cfg.bf16, micro_batch=cfg.micro_train_batch_size,
             grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
             lr=cfg.actor_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
-            num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload, warmup_steps=int(cfg.lr_warmup_ratio * total_steps * updates_per_step)))
+            num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload,
+            warmup_steps=warmup_steps(cfg, total_steps)))
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
+        self._raw_old: dict[bytes, torch.Tensor] = {}
         self.settle()
         return {"params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
                 **self.where()}
@@ -41,23 +46,38 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        """Log-probs of the responses under the current policy (the 'old' policy of this step's PPO ratio)."""
+        """Log-probs of the responses under the current policy (the 'old' policy of this step's PPO ratio).
+
+        When the rollout correction needs the log-probs at temperature 1 (the engines report raw log-probs) and the
+        sampling temperature is not 1, those are kept on this worker for ``train`` (by sample content).
+        """
+        cfg = self.config
         self.engine.eval()
-        out = []
-        for mb in rollout.micro_batches(self.config.micro_rollout_batch_size):
-            mb = mb.to(self.device)
-            lp = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.response_len,
-                                   temperature=self.config.temperature)
-            out.append(_pad_right(lp, rollout.response_len).cpu())
-        return torch.cat(out)
+        need_raw = self._needs_raw_logprobs()
+        self._raw_old = {}
+        out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+        for mb, index in forward_micro_batches(rollout, cfg, self.device):
+            dev = mb.to(self.device)
+            scores = response_token_scores(self.engine, dev.sequences, dev.attention_mask, dev.response_len,
+                                           temperature=cfg.temperature, raw=need_raw, packed=cfg.packing_samples)
+            out[index, : mb.response_len] = scores.logprobs.cpu()
+            if need_raw:
+                for row, key in enumerate(sample_keys(mb)):
+                    self._raw_old[key] = scores.raw_logprobs[row].cpu()
+        return out
 
     # ---- update ----------------------------------------------------------------------------------------------------
     def train(self, rollout: Rollout, step: int, kl_coef: float) -> dict[str, float]:
-        """PPO epochs over this rank's shard, in micro-batches; DeepSpeed accumulates gradients across them.
+        """Policy-loss epochs over this rank's shard, one optimizer update per ``train_batch_size`` samples.
+
+        An update's samples go through in micro-batches of ``micro_train_batch_size`` samples, or of at most
+        ``train_max_tokens_per_gpu`` tokens (``--use_dynamic_batch``; each micro-batch's loss is then weighted by its
+        share of the update's tokens or sequences, so the update's loss is the one over all of its samples).
 
         Without ``old_logprobs`` (a single update: see ``RLConfig.needs_old_logprobs``) each micro-batch's own
         detached log-probs are the old ones; with a reference, the k1 KL sums of the step's metrics ("_kl_*") are
-        then taken from them too.
+        then taken from them too. With the engine's log-probs in the rollout, the engine/trainer mismatch is
+        measured ("mismatch/*") and, with ``--enable_vllm_is_correction``, corrected (:mod:`hybrid_algos.mismatch`).
         """
         cfg = self.config
         if rollout.old_logprobs is None and not cfg.single_update:
@@ -65,41 +85,90 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                              "train_batch_size = samples per step); after the first, the weights have moved")
         self.engine.train()
         low, high = cfg.clip_range
+        agg_mode = cfg.policy_agg_mode
+        has_engine_logprobs = engine_logprobs_given(rollout)
+        if cfg.enable_vllm_is_correction and not has_engine_logprobs and bool(rollout.action_mask.any()):
+            raise ValueError("--enable_vllm_is_correction needs the engine's log-probs of the sampled tokens, but the "
+                             "rollout has none (the engine returned no logprobs); turn it off with "
+                             "--no_enable_vllm_is_correction")
+        need_raw = self._needs_raw_logprobs()
         stats: dict[str, list[float]] = defaultdict(list)
         kl_sums: dict[str, float] = {}
+        mismatch = MismatchStats()
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + step * 131 + self.rank)
-        for _ in range(cfg.max_epochs):
+        per_update = cfg.train_batch_size // self.world_size
+        for epoch in range(cfg.max_epochs):
             order = torch.randperm(rollout.batch_size, generator=gen)
-            for mb in rollout.select(order).micro_batches(cfg.micro_train_batch_size):
-                mb = mb.to(self.device)
-                need_entropy = cfg.entropy_loss_coef > 0
-                res = response_logprobs(self.engine, mb.sequences, mb.attention_mask, mb.response_len,
-                                        temperature=cfg.temperature, return_entropy=need_entropy)
-                logp, entropy = res if need_entropy else (res, None)
-                old = mb.old_logprobs
-                if old is None:  # the weights have not moved yet this step: these are the old log-probs
-                    old = logp.detach()
-                    if mb.ref_logprobs is not None:
-                        _add_k1_sums(kl_sums, old, mb.ref_logprobs, mb.action_mask)
-                loss, info = ppo_policy_loss(logp, old, mb.advantages, mb.action_mask, clip_low=low,
-                                             clip_high=high, dual_clip=cfg.dual_clip, agg_mode=cfg.loss_agg_mode,
-                                             norm_len=cfg.generate_max_len)
-                stats["actor/pg_loss"].append(loss.item())
-                stats["actor/clip_frac"].append(float(info["clip_frac"]))
-                stats["actor/approx_kl"].append(float(info["approx_kl"]))
-                if cfg.use_kl_loss and mb.ref_logprobs is not None:
-                    kl = kl_estimate(logp, mb.ref_logprobs, cfg.kl_estimator, mask=mb.action_mask)
-                    kl_loss = aggregate_loss(kl, mb.action_mask, cfg.loss_agg_mode, norm_len=cfg.generate_max_len)
-                    loss = loss + kl_coef * kl_loss
-                    stats["actor/kl_loss"].append(kl_loss.item())
-                if entropy is not None:
-                    ent = aggregate_loss(entropy, mb.action_mask, cfg.loss_agg_mode, norm_len=cfg.generate_max_len)
-                    loss = loss - cfg.entropy_loss_coef * ent
-                    stats["actor/entropy"].append(ent.item())
-                self.engine.backward(loss)
-                self.engine.step()
+            shuffled = rollout.select(order)
+            for start in range(0, shuffled.batch_size, per_update):
+                update = shuffled.select(slice(start, start + per_update))
+                plan = train_micro_batches(update, cfg, self.device)
+                for i, (mb, weight) in enumerate(plan):
+                    mb = mb.to(self.device)
+                    mask = mb.loss_mask
+                    need_entropy = cfg.entropy_loss_coef > 0
+                    raw_now = need_raw and mb.old_logprobs is None
+                    scores = response_token_scores(self.engine, mb.sequences, mb.attention_mask, mb.response_len,
+                                                   temperature=cfg.temperature, entropy=need_entropy, raw=raw_now,
+                                                   packed=cfg.packing_samples)
+                    logp = scores.logprobs
+                    old = mb.old_logprobs
+                    if old is None:  # the weights have not moved yet this step: these are the old log-probs
+                        old = logp.detach()
+                        if mb.ref_logprobs is not None:
+                            _add_k1_sums(kl_sums, old, mb.ref_logprobs, mb.action_mask)
+                    is_weights = None
+                    if has_engine_logprobs:
+                        trainer = old if not need_raw else (scores.raw_logprobs.detach() if raw_now
+                                                            else self._cached_raw_old(mb))
+                        low_is, high_is = cfg.correction_bounds
+                        corr = rollout_correction(trainer, mb.engine_logprobs, mask, cfg.correction_type,
+                                                  low=low_is, high=high_is)
+                        if epoch == 0:
+                            mismatch.add(corr.stats)
+                        if cfg.enable_vllm_is_correction:
+                            is_weights = corr.weights
+                    loss, info = compute_policy_loss(cfg.policy_loss_type, logp, old, mb.advantages, mask,
+                                                     clip_low=low, clip_high=high, dual_clip=cfg.dual_clip,
+                                                     agg_mode=agg_mode, norm_len=cfg.generate_max_len,
+                                                     is_weights=is_weights)
+                    stats["actor/pg_loss"].append(loss.item())
+                    stats["actor/clip_frac"].append(float(info["clip_frac"]) if "clip_frac" in info else 0.0)
+                    stats["actor/approx_kl"].append(float(info["approx_kl"]))
+                    if cfg.use_kl_loss and mb.ref_logprobs is not None:
+                        kl = kl_estimate(logp, mb.ref_logprobs, cfg.kl_estimator, mask=mask)
+                        kl_loss = aggregate_loss(kl, mask, agg_mode, norm_len=cfg.generate_max_len)
+                        loss = loss + kl_coef * kl_loss
+                        stats["actor/kl_loss"].append(kl_loss.item())
+                    if scores.entropy is not None:
+                        ent = aggregate_loss(scores.entropy, mask, agg_mode, norm_len=cfg.generate_max_len)
+                        loss = loss - cfg.entropy_loss_coef * ent
+                        stats["actor/entropy"].append(ent.item())
+                    if weight is None:  # fixed micro-batches: DeepSpeed averages them over its accumulation steps
+                        self.engine.backward(loss)
+                    else:  # token-budget micro-batches: this one's share of the update, and the boundary is ours
+                        self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+                        self.engine.backward(loss * weight, scale_wrt_gas=False)
+                    self.engine.step()
+                stats["actor/micro_batches"].append(float(len(plan)))
         stats["actor/lr"].append(self.engine.get_lr()[0])
-        return {**{k: sum(v) / len(v) for k, v in stats.items()}, **kl_sums}
+        return {**{k: sum(v) / len(v) for k, v in stats.items()}, **mismatch.result(self.device), **kl_sums}
+
+    def _needs_raw_logprobs(self) -> bool:
+        """The engines report log-probs at temperature 1; the trainer's are tempered unless the temperature is 1."""
+        return self.config.temperature not in (0.0, 1.0)
+
+    def _cached_raw_old(self, mb: Rollout) -> torch.Tensor:
+        """The temperature-1 old log-probs the log-prob pass kept for ``mb``'s samples, ``[B, R]``."""
+        width = mb.response_len
+        rows = []
+        for key in sample_keys(mb.to("cpu")):
+            raw = self._raw_old.get(key)
+            if raw is None:
+                raise RuntimeError("actor: no temperature-1 log-probs kept for a training sample; the log-prob pass "
+                                   "must run on the same samples before train")
+            rows.append(torch.nn.functional.pad(raw, (0, width - raw.numel())) if raw.numel() < width else raw[:width])
+        return torch.stack(rows).to(self.device)
 
     # ---- weights out -----------------------------------------------------------------------------------------------
     def named_weights(self, gather_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,7 +208,13 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, tag: str) -> None:
+        """DeepSpeed's state under ``path``; with ``--save_hf_ckpt`` also the policy in Hugging Face format under
+        ``path/huggingface`` (loadable by transformers / vLLM without DeepSpeed)."""
         self.engine.save_checkpoint(path, tag=tag, save_latest=False)
+        if self.config.save_hf_ckpt:
+            import os
+
+            self.save_pretrained(os.path.join(path, HF_CHECKPOINT_DIR), self.model_path)
 
     def load_checkpoint(self, path: str, tag: str) -> None:
         load_path, _ = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
@@ -164,8 +239,98 @@ def attn_implementation(cfg) -> str | None:
     if not cfg.flash_attn:
         return None
     import importlib.util
+    import logging
 
-    return "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    if importlib.util.find_spec("flash_attn"):
+        return "flash_attention_2"
+    logging.getLogger(__name__).warning("--flash_attn: the flash-attn package is not installed; the trainers use "
+                                        "PyTorch SDPA (which has its own flash kernel) instead")
+    return "sdpa"
+
+
+def warmup_steps(cfg, total_steps: int) -> int:
+    """Optimizer updates of linear learning-rate warm-up (``--lr_warmup_ratio`` of all updates of the run)."""
+    updates_per_step = cfg.samples_per_step // cfg.train_batch_size * cfg.max_epochs
+    return int(cfg.lr_warmup_ratio * total_steps * updates_per_step)
+
+
+def forward_micro_batches(rollout: Rollout, cfg, device) -> list[tuple[Rollout, torch.Tensor]]:
+    """Micro-batches of a no-gradient pass (log-probs, values) and the sample indices of each: by token budget with
+    ``--use_dynamic_batch`` (count agreed across the ranks of a DeepSpeed role), else of micro_rollout_batch_size."""
+    if cfg.use_dynamic_batch:
+        mbs, index = rollout.token_micro_batches(cfg.rollout_token_budget, packed=cfg.packing_samples, device=device)
+        return list(zip(mbs, index))
+    size = cfg.micro_rollout_batch_size
+    return [(mb, torch.arange(i, min(i + size, rollout.batch_size)))
+            for i, mb in zip(range(0, rollout.batch_size, size), rollout.micro_batches(size))]
+
+
+def train_micro_batches(update: Rollout, cfg, device, mask_of=lambda r: r.loss_mask,
+                        by_tokens: bool | None = None) -> list[tuple[Rollout, float | None]]:
+    """The micro-batches of one optimizer update, each with its loss weight (None: DeepSpeed's fixed averaging).
+
+    With ``--use_dynamic_batch`` the weight is the micro-batch's share of the update's loss tokens (token-mean
+    aggregation) or of its sequences with at least one loss token (the per-sequence modes), so that the weighted
+    sum of the micro-batch losses is the loss over the whole update."""
+    if not cfg.use_dynamic_batch:
+        return [(mb, None) for mb in update.micro_batches(cfg.micro_train_batch_size)]
+    mbs, _ = update.token_micro_batches(cfg.train_token_budget, packed=cfg.packing_samples, device=device)
+    by_tokens = cfg.policy_agg_mode == "token-mean" if by_tokens is None else by_tokens
+
+    def size(r: Rollout) -> float:
+        m = mask_of(r).bool()
+        return float(m.sum()) if by_tokens else float(m.any(-1).sum())
+
+    total = size(update)
+    return [(mb, size(mb) / total if total else 0.0) for mb in mbs]
+
+
+def engine_logprobs_given(rollout: Rollout) -> bool:
+    """Whether the engine reported log-probs (an engine without them leaves zeros)."""
+    e = rollout.engine_logprobs
+    return e is not None and bool((e * rollout.action_mask).abs().sum() > 0)
+
+
+def sample_keys(rollout: Rollout) -> list[bytes]:
+    """One key per sample from its real tokens: equal samples share a key, and so their log-probs."""
+    valid = rollout.attention_mask.bool()
+    return [rollout.sequences[i][valid[i]].numpy().tobytes() for i in range(rollout.batch_size)]
+
+
+class MismatchStats:
+    """The rollout-correction statistics of a step: token-weighted means, min / max, over micro-batches and ranks."""
+
+    MEANS = ("ratio_mean", "weight_mean", "clipped_frac", "masked_frac", "kl", "k3_kl")
+
+    def __init__(self) -> None:
+        self.sums = {k: 0.0 for k in self.MEANS}
+        self.tokens = 0.0
+        self.low, self.high = float("inf"), float("-inf")
+
+    def add(self, stats: dict[str, torch.Tensor]) -> None:
+        n = float(stats["tokens"])
+        if n == 0:
+            return
+        for k in self.MEANS:
+            self.sums[k] += float(stats[k]) * n
+        self.tokens += n
+        self.low = min(self.low, float(stats["ratio_min"]))
+        self.high = max(self.high, float(stats["ratio_max"]))
+
+    def result(self, device) -> dict[str, float]:
+        import torch.distributed as dist
+
+        sums = torch.tensor([*(self.sums[k] for k in self.MEANS), self.tokens], dtype=torch.float64, device=device)
+        extremes = torch.tensor([-self.low, self.high], dtype=torch.float64, device=device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        tokens = float(sums[-1])
+        if tokens == 0:
+            return {}
+        out = {f"mismatch/{k}": float(v) / tokens for k, v in zip(self.MEANS, sums[:-1].tolist())}
+        out["mismatch/ratio_min"], out["mismatch/ratio_max"] = -float(extremes[0]), float(extremes[1])
+        return out
 
 
 def _add_k1_sums(sums: dict[str, float], logp: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> None:

@@ -1,0 +1,113 @@
+"""The rollout phase's DAPO pieces (Yu et al. 2025, arXiv:2503.14476), called from :mod:`.step`.
+
+:func:`sample_rollout` generates the step's completions. With ``--dynamic_filtering`` it scores each round with
+the rule reward, drops the groups whose (shaped) rewards are all equal -- they have zero advantage, so they would
+only dilute the batch -- and generates for more prompts until ``rollout_batch_size`` groups are kept, for at most
+``--dynamic_filtering_max_rounds`` extra rounds (the engines stay awake: it all happens in the rollout turn). If
+the cap is reached first, dropped groups fill the batch (they still cost nothing to the policy gradient), and the
+step's metrics say how many. The step's ``reward`` is then the mean over every sample generated (how good the
+policy is), ``reward/batch`` the one of the batch trained on. Extra prompts are drawn from the whole prompt set with a seed of (seed, step, round),
+so a resumed run draws the same ones.
+
+:func:`shape_rewards` applies DAPO's soft overlong penalty (``--overlong_buffer_len``) and marks the completions cut
+at the length limit, which ``--mask_truncated_completions`` leaves out of the policy loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .. import informative_groups, overlong_penalty
+
+
+@dataclass
+class Sampled:
+    """The step's prompts and completions (``outputs[i]`` = the samples of ``prompts[i]``), and the raw scores
+    when dynamic sampling already computed them (else None: the step scores them)."""
+
+    prompts: list
+    outputs: list
+    scores: torch.Tensor | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -> Sampled:
+    """Generate the step's rollout (inside the rollout turn), with DAPO's dynamic sampling when configured."""
+    cfg = ctx.config
+    prompts = list(prompts)
+    if not cfg.dynamic_filtering:
+        return Sampled(prompts, ctx.engines.generate([p.prompt_ids for p in prompts], sampling))
+
+    target, n = len(prompts), cfg.n_samples_per_prompt
+    kept: list[tuple[Any, Any, torch.Tensor]] = []
+    dropped: list[tuple[Any, Any, torch.Tensor]] = []
+    generated, rounds, reward_s = 0, 0, 0.0
+    batch = prompts
+    while True:
+        params = sampling if rounds == 0 else dataclasses.replace(sampling, seed=_round_seed(sampling.seed, rounds))
+        outputs = ctx.engines.generate([p.prompt_ids for p in batch], params)
+        generated += len(batch)
+        t0 = time.perf_counter()
+        raw = ctx.reward.score(batch, outputs)
+        reward_s += time.perf_counter() - t0
+        shaped, _, _ = shape_rewards(cfg, outputs, raw, sampling.max_new_tokens)
+        keep = informative_groups(shaped, n_samples_per_prompt=n, reward_range=cfg.dynamic_filtering_reward_range)
+        for g, (prompt, outs) in enumerate(zip(batch, outputs)):
+            (kept if bool(keep[g * n]) else dropped).append((prompt, outs, raw[g * n : (g + 1) * n]))
+        if len(kept) >= target or rounds >= cfg.dynamic_filtering_max_rounds:
+            break
+        rounds += 1
+        deficit = target - len(kept)
+        pass_rate = max(len(kept) / generated, 1 / 8)  # ask for what the pass rate so far says is needed
+        batch = extra_prompts(ctx, cfg, step, rounds, min(math.ceil(deficit / pass_rate), 4 * target), prompts)
+
+    filled = max(0, target - len(kept))
+    chosen = kept[:target] + dropped[:filled]
+    scores = torch.cat([c[2] for c in chosen])
+    everything = torch.cat([g[2] for g in kept + dropped])
+    metrics = {"reward": everything.float().mean().item(), "reward/batch": scores.float().mean().item(),
+               "dynamic_sampling/rounds": float(rounds + 1), "dynamic_sampling/generated_prompts": float(generated),
+               "dynamic_sampling/generated_samples": float(generated * n),
+               "dynamic_sampling/pass_rate": len(kept) / generated, "dynamic_sampling/filled_groups": float(filled),
+               "dynamic_sampling/reward_s": reward_s}
+    return Sampled([c[0] for c in chosen], [c[1] for c in chosen], scores, metrics)
+
+
+def _round_seed(seed: int | None, round_: int) -> int | None:
+    return None if seed is None else seed + 7919 * round_
+
+
+def extra_prompts(ctx: Any, cfg: Any, step: int, round_: int, count: int, fallback: Sequence[Any]) -> list:
+    """``count`` prompts for an extra round: drawn from the whole prompt set (``ctx.prompt_pool``) under a seed of
+    (seed, step, round); the step's own prompts when no pool is given."""
+    pool = list(getattr(ctx, "prompt_pool", None) or fallback)
+    rng = random.Random(f"{cfg.seed}:{step}:{round_}")
+    if count <= len(pool):
+        return [pool[i] for i in rng.sample(range(len(pool)), count)]
+    return [pool[rng.randrange(len(pool))] for _ in range(count)]
+
+
+def shape_rewards(cfg: Any, outputs: Sequence[Sequence[Any]], scores: torch.Tensor,
+                  max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """``(scores with the overlong penalty, sample_mask or None, metrics)`` for prompt-major ``outputs``.
+
+    The penalty's length limit is the step's real one (``max_new_tokens``: built-in tasks stop earlier than
+    ``--generate_max_len``), its buffer at most that limit."""
+    flat = [o for outs in outputs for o in outs]
+    truncated = torch.tensor([o.finish_reason == "length" for o in flat], dtype=torch.bool)
+    metrics = {"rollout/truncated_frac": truncated.float().mean().item() if len(flat) else 0.0}
+    if cfg.overlong_buffer_len is not None:
+        lengths = torch.tensor([len(o.token_ids) for o in flat])
+        penalty = overlong_penalty(lengths, max_new_tokens, min(cfg.overlong_buffer_len, max_new_tokens),
+                                   cfg.overlong_penalty_factor)
+        scores = scores + penalty.to(scores.dtype)
+        metrics["reward/overlong_penalty"] = penalty.mean().item()
+    sample_mask = ~truncated if cfg.mask_truncated_completions else None
+    return scores, sample_mask, metrics
