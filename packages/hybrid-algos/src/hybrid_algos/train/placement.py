@@ -2,7 +2,8 @@
 
 Roles the algorithm does not use get no GPUs: no critic unless the estimator is GAE, no reference without a KL
 term (``init_kl_coef`` 0, with or without ``use_kl_loss``), no reward model with a rule-based reward. The CLI's
-``--dry-run`` prints exactly this plan.
+``--dry-run`` prints exactly this plan. ``vllm_num_engines`` 0 puts one engine on each actor GPU (OpenRLHF: generate
+with the actor); ``ref_reward_offload`` lets the reference and reward models sleep between their turns.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def build_plan(cfg: RLConfig) -> PlacementPlan:
             sleep.add("rollout")
         if cfg.deepspeed_enable_sleep:
             sleep |= {"actor", "critic"}
+        if getattr(cfg, "ref_reward_offload", False):
+            sleep |= {"reference", "reward"}
         # Only a role that shares a GPU has anyone to make room for.
         gpus = {role: set(parse_gpu_range(rng, f"placement.{role}")) for role, rng in roles.items()}
         shared = {r for r in roles if any(gpus[r] & gpus[o] for o in roles if o != r)}
@@ -31,10 +34,12 @@ def build_plan(cfg: RLConfig) -> PlacementPlan:
         ref_num_nodes=cfg.ref_num_nodes, ref_num_gpus_per_node=cfg.ref_num_gpus_per_node if cfg.uses_reference else 0,
         reward_num_nodes=cfg.reward_num_nodes,
         reward_num_gpus_per_node=cfg.reward_num_gpus_per_node if cfg.reward_pretrain else 0,
-        vllm_num_engines=cfg.vllm_num_engines, vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        vllm_num_engines=cfg.vllm_num_engines or cfg.actor_world_size,
+        vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size if cfg.vllm_num_engines else 1,
         colocate_all_models=cfg.colocate_all_models, colocate_actor_ref=cfg.colocate_actor_ref,
         colocate_critic_reward=cfg.colocate_critic_reward, vllm_enable_sleep=cfg.vllm_enable_sleep,
         deepspeed_enable_sleep=cfg.deepspeed_enable_sleep, gpus_per_node=cfg.gpus_per_node,
+        engines_on_actor=cfg.vllm_num_engines == 0, frozen_sleep=getattr(cfg, "ref_reward_offload", False),
     ).plan()
 
 
