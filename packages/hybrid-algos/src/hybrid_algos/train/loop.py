@@ -218,6 +218,7 @@ class TrainingSession:
         self.setup_seconds = clock.seconds
         set_worker_env({DIR_ENV: self.log_dir})  # every worker's stacks land in the run's log folder
         self.placed = place(plan, timeout_s=timeout)
+        _write_json(os.path.join(self.log_dir, "placement.json"), self.placed.layout())  # which node got what
         clock.lap("placement group")
         self.turnstile = Turnstile.create(f"hybrid-turnstile-{uuid.uuid4().hex[:8]}", timeout_s=timeout)
 
@@ -488,6 +489,14 @@ class TrainingSession:
                 log.debug("turnstile kill failed", exc_info=True)
         if self.placed is not None:
             self.placed.remove()
+
+
+def _write_json(path: str, data: Any) -> None:
+    import json
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
 
 
 def _sync_backend(cfg: RLConfig) -> str:
