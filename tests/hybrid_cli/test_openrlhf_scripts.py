@@ -280,3 +280,17 @@ def test_every_flag_of_every_script_is_known_to_the_table():
         for word in read_args(os.path.join(SCRIPTS, name)):
             if word.startswith("--"):
                 assert word[2:] in flags or word[2:] in FIELDS, (name, word)
+
+
+def test_the_slurm_script_s_two_nodes(script_argv, capsys):
+    """OpenRLHF's slurm script runs on 2 nodes of 8 GPUs (#SBATCH -N 2): with the node size the plan lays the 16
+    GPUs out on the two nodes, each TP-2 engine inside one."""
+    argv = [*script_argv("dotted/train_ppo_ray_slurm.args"), "--gpus_per_node", "8"]
+    status, out, err = _dry_run(argv, capsys)
+    assert status == 0, err
+    assert "placement: 16 GPUs on 2 nodes (8 GPUs per node)" in out and "node 1 (GPUs 8-15)" in out
+    config, _, _ = load_config("ppo", argv)
+    plan = build_plan(config)
+    for worker in plan.roles["rollout"].workers:
+        assert len({plan.node_of(g) for g in worker.gpus}) == 1
+    assert {plan.node_of(g) for g in plan.roles["rollout"].gpus} == {0, 1}  # the engines span both nodes

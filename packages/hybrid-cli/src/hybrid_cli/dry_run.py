@@ -122,9 +122,15 @@ def describe_prompts(config: Any) -> str:
 def describe_reward(config: Any) -> str:
     """Where rewards come from; a run with its own prompts needs a reward model or a reward function."""
     if config.reward_fn is not None:
+        from hybrid_algos.train.remote_rewards import HttpReward, RewardFile
         from hybrid_algos.train.rewards import load_reward_fn
 
-        load_reward_fn(config.reward_fn)  # imports the user's module now: a typo fails here, not after Ray starts
+        fn = load_reward_fn(config.reward_fn)  # imports the user's module now: a typo fails here, not after Ray starts
+        if isinstance(fn, HttpReward):
+            return (f"reward: HTTP reward server{'s' if len(fn.urls) > 1 else ''} {', '.join(fn.urls)} (OpenRLHF's "
+                    f"protocol; {fn.timeout_s:g} s timeout, {fn.tries} tries; not contacted by --dry-run)")
+        if isinstance(fn, RewardFile):
+            return f"reward: reward_func(queries, prompts, labels) in {fn.path} (OpenRLHF's shape)"
         return f"reward: function {config.reward_fn}"
     if config.reward_pretrain is not None:
         return f"reward: model {config.reward_pretrain}"

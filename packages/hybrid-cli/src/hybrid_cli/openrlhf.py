@@ -102,7 +102,8 @@ HELP = {
     "critic_num_nodes": "critic nodes (PPO with gae)", "critic_num_gpus_per_node": "critic GPUs per node",
     "ref_num_nodes": "reference model nodes", "ref_num_gpus_per_node": "reference model GPUs per node",
     "reward_num_nodes": "reward model nodes", "reward_num_gpus_per_node": "reward model GPUs per node",
-    "vllm_num_engines": "inference engines (any --backend)", "vllm_tensor_parallel_size": "GPUs per engine (tensor parallel)",
+    "vllm_num_engines": "inference engines (any --backend); 0: a built-in engine on each actor GPU, as OpenRLHF "
+                        "generates with the actor", "vllm_tensor_parallel_size": "GPUs per engine (tensor parallel)",
     "colocate_all_models": "hybrid engine: engines, actor, reference, reward and critic share the same GPUs",
     "colocate_actor_ref": "actor and reference model share GPUs",
     "colocate_critic_reward": "critic and reward model share GPUs",
@@ -137,4 +138,10 @@ HELP = {
     "ray_log_max_mb": "rotate each Ray log file at this size",
     "num_gpus": "GPUs a new local Ray declares (fake GPUs on a CPU machine)",
     "backend": "inference engine: hf (built-in), vllm, sglang",
+    "reward_fn": "rule reward: module:function or file.py:function (hybrid's signature); OpenRLHF's reward (alias "
+                 "--remote_rm_url): a file.py defining reward_func(queries, prompts, labels), or http(s) reward "
+                 "server URL(s)",
+    "prompt_data_probs": "sampling weights of the --prompt_data datasets (comma-separated), as OpenRLHF mixes them",
+    "ref_reward_offload": "reference and reward models sleep between their turns (needs them to share GPUs)",
+    "gpus_per_node": "GPUs per node: plan nodes, engines within a node (default: a multi-node role's GPUs per node)",
 }

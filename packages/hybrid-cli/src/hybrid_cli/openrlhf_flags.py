@@ -623,13 +623,10 @@ def rule_for(name: str) -> Rule:
 
 @functools.lru_cache(maxsize=None)
 def _spellings() -> dict[str, tuple[str, ...]]:
-    """Every spelling of each concept: a dotted name and its flat names, both ways."""
-    groups: dict[str, set[str]] = {}
-    for flag in openrlhf_flags().values():
-        names = {flag.name, *flag.flat, *flag.successors}
-        for n in names:
-            groups.setdefault(n, set()).update(names)
-    return {n: tuple(sorted(g)) for n, g in groups.items()}
+    """Each name's other spellings: a dotted name's flat names, a flat name's dotted successors (not their siblings:
+    --critic.adam.betas is not a spelling of --actor.adam.betas, though both were --adam_betas)."""
+    return {flag.name: tuple(sorted({flag.name, *flag.flat, *flag.successors}))
+            for flag in openrlhf_flags().values()}
 
 
 def spellings(name: str) -> tuple[str, ...]:
@@ -644,7 +641,9 @@ def check_table(config_fields: Iterable[str] = ()) -> list[str]:
     problems = []
     for name in set(config_fields) & set(flags):
         rule = rule_for(name)
-        if not (rule.kind in ("same", "pending") and rule.field == name) and name not in OWN_MEANING_OK:
+        # a conversion onto the same setting only adds checks (several reward models, flash_reinforce) that the
+        # flat spelling, older than them, never needed
+        if not (rule.kind in ("same", "pending", "convert") and rule.field == name) and name not in OWN_MEANING_OK:
             problems.append(f"--{name} is a hybrid setting but its OpenRLHF rule is {rule.kind} {rule.field}")
     problems += [f"--{n} (OpenRLHF {openrlhf_release()}) has no rule" for n, f in flags.items()
                  if f.dotted and n not in DOTTED_RULES]
