@@ -41,7 +41,7 @@ LOCAL_RUN = textwrap.dedent("""
     listening = []
     for conn in psutil.net_connections(kind="inet"):
         if conn.status == psutil.CONN_LISTEN and conn.pid in pids:
-            listening.append([conn.laddr.ip, conn.laddr.port, psutil.Process(conn.pid).name()])
+            listening.append([conn.laddr.ip, conn.laddr.port, psutil.Process(conn.pid).name(), conn.pid])
     print(json.dumps({"gcs": info.address, "node_ip": info.node_ip, "listening": listening,
                       "auth": os.environ.get("RAY_AUTH_MODE"), "token": os.environ.get("RAY_AUTH_TOKEN"),
                       "actor_pid": ray.get(worker.pid.remote(), timeout=60)}), flush=True)
@@ -83,17 +83,23 @@ def test_a_local_run_listens_on_loopback_only_and_requires_its_token(tmp_path):
         assert line, run.stderr.read()[-3000:]
         report = json.loads(line)
         # every Ray server of the run, actor included, on the loopback interface
-        names = {name for _, _, name in report["listening"]}
+        names = {name for _, _, name, _ in report["listening"]}
         assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::Worker") for n in names), names
-        for ip, port, name in report["listening"]:
+        for ip, port, name, _ in report["listening"]:
             assert ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1"), (ip, port, name)
         assert report["node_ip"] == "127.0.0.1" and report["gcs"].startswith("127.0.0.1:")
         # token authentication on, with a token of the run's own
         assert report["auth"] == "token" and len(report["token"]) >= 32
 
-        # nothing answers on the machine's network address
+        # nothing of the run answers on the machine's network address (ports another process on this machine
+        # serves there, such as another Ray's fixed agent port, cannot tell us anything)
+        ours = {pid for *_, pid in report["listening"]}
+        taken = {c.laddr.port for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid not in ours}
         for ip in _network_ips():
-            for _, port, name in report["listening"]:
+            for _, port, name, _ in report["listening"]:
+                if port in taken:
+                    continue
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
                     probe.settimeout(2)
                     assert probe.connect_ex((ip, port)) != 0, f"{name} answers on {ip}:{port}"

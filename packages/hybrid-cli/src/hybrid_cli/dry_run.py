@@ -28,8 +28,10 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[
             console: Console | None = None) -> int:
     """Validate ``config`` (already ``validate()``-d) all the way, print plan and budget; 0 when it fits."""
     console = console or Console(width=None if _is_terminal() else 132)
+    from rich.markup import escape
+
     for note in notes:
-        console.print(f"note: {note}")
+        console.print(f"[yellow]note:[/yellow] {escape(note)}")
     plan = build_plan(config)
     console.print(f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
                   f"advantage estimator {config.advantage_estimator}")

@@ -197,8 +197,10 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
 
     metrics = MetricsLogger.for_config(config)  # fails here (before Ray) when W&B is asked for and missing
     progress = ProgressDisplay()
-    for note in notes:
-        progress.console.print(f"[dim]note: {note}[/dim]")
+    from rich.markup import escape
+
+    for note in notes:  # not dim: a note says what was chosen for the user (defaults taken, flags translated)
+        progress.console.print(f"[yellow]note:[/yellow] {escape(note)}")
     from hybrid_algos.train import train  # imported late: the loop pulls in Ray, DeepSpeed and the engines
 
     try:
