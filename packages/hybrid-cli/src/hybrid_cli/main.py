@@ -90,7 +90,9 @@ def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[s
     implied = openrlhf_defaults(given, dotted_used=dotted)
     if implied:
         notes.insert(0, "this is an OpenRLHF command line, so the settings it does not give take OpenRLHF's defaults "
-                     "(as train_ppo_ray would): " + ", ".join(f"{k}={v}" for k, v in implied.items()))
+                     "(as train_ppo_ray would): " + ", ".join(f"{k}={v}" for k, v in implied.items())
+                     + f". Kept from `hybrid {args.command}`: the algorithm's hyperparameters and the learning-rate "
+                     "schedule (linear warm-up, then constant; OpenRLHF's default decays it by cosine to 10%).")
     elif "pretrain" not in given and "prompt_data" not in given:
         from hybrid_algos.train.config import DEMO_SETTINGS
 
