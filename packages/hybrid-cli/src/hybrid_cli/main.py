@@ -67,10 +67,26 @@ def load_config(command: str, argv: Sequence[str]) -> tuple[Any, argparse.Namesp
 def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[str], argv: Sequence[str] = ()
                  ) -> tuple[Any, argparse.Namespace, list[str]]:
     from hybrid_algos.train.config import CONFIGS
+    from hybrid_algos.train.data import resolve_local_paths
 
     cls = CONFIGS[args.command]
     check_leftovers(leftovers, _subparser(parser, args.command),
                     {n for n, s in field_specs(cls).items() if s.kind == "bool"})
+    given, dotted, notes = _given_settings(args, cls, argv)
+    implied, more = _defaults(cls, args.command, given, dotted)
+    notes += more
+    values = merge_layers(implied, given)
+    for step in (lambda v: without_engines(merge_layers(_field_defaults(cls), v)), resolve_local_paths):
+        changes, more = step(values)
+        values.update(changes)
+        notes += more
+    config = cls(**values)
+    return config.validate(), args, notes
+
+
+def _given_settings(args: argparse.Namespace, cls: type, argv: Sequence[str]) -> tuple[dict[str, Any], bool, list[str]]:
+    """The settings given (config file, then flags; OpenRLHF's flags translated), whether any was spelled the dotted
+    OpenRLHF way, and the notes of the translations."""
     notes: list[str] = []
     file_fields: dict[str, Any] = {}
     file_openrlhf: dict[str, Any] = {}
@@ -85,43 +101,39 @@ def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[s
         notes += more
     flag_values = given_config_values(args, cls)
     given, more = translate_openrlhf(given_openrlhf(args, cls), merge_layers(file_fields, flag_values), cls)
-    notes += more
     dotted = any("." in name for name in file_openrlhf) or _dotted_openrlhf_flag_used(argv)
+    return given, dotted, notes + more
+
+
+def _defaults(cls: type, command: str, given: dict[str, Any], dotted: bool) -> tuple[dict[str, Any], list[str]]:
+    """What is not given: OpenRLHF's defaults for an OpenRLHF command line, the demo's without a model of one's own
+    (see hybrid_cli.openrlhf for why), and a note saying which."""
     implied = openrlhf_defaults(given, dotted_used=dotted)
     if implied:
-        notes.insert(0, "this is an OpenRLHF command line, so the settings it does not give take OpenRLHF's defaults "
-                     "(as train_ppo_ray would): " + ", ".join(f"{k}={v}" for k, v in implied.items())
-                     + f". Kept from `hybrid {args.command}`: the algorithm's hyperparameters and the learning-rate "
-                     "schedule (linear warm-up, then constant; OpenRLHF's default decays it by cosine to 10%).")
-    elif "pretrain" not in given and "prompt_data" not in given:
+        return implied, ["this is an OpenRLHF command line, so the settings it does not give take OpenRLHF's defaults "
+                         "(as train_ppo_ray would): " + ", ".join(f"{k}={v}" for k, v in implied.items())
+                         + f". Kept from `hybrid {command}`: the algorithm's hyperparameters and the learning-rate "
+                         "schedule (linear warm-up, then constant; OpenRLHF's default decays it by cosine to 10%)."]
+    notes = []
+    if "pretrain" not in given and "prompt_data" not in given:
         from hybrid_algos.train.config import DEMO_SETTINGS
+
+        from .openrlhf import PLACEMENT_FLAGS
 
         implied = {k: v for k, v in DEMO_SETTINGS.items() if k not in given}
         critic = given.get("advantage_estimator", cls.advantage_estimator) == "gae"  # only GAE trains a critic
         shown = {k: v for k, v in implied.items() if critic or not k.startswith("critic_")}
         notes.append("no --pretrain: the built-in demo (a tiny model learns the copy task) with its settings: "
                      + ", ".join(f"{k}={v}" for k, v in shown.items()))
-        from .openrlhf import PLACEMENT_FLAGS
-
         if PLACEMENT_FLAGS & set(given):
             notes.append("OpenRLHF placement flags on the demo: every other setting keeps hybrid's default "
                          "(colocated, sleeping, the built-in engine); OpenRLHF's defaults apply to OpenRLHF command "
                          "lines (with --pretrain or dotted flags).")
             implied.update(_demo_fits_the_actor(cls, implied, given))
-    values = merge_layers(implied, given)
-    if not implied.get("backend") and given.get("colocate_all_models") is False:
+    if given.get("colocate_all_models") is False:
         # hybrid's sleep defaults exist for colocation: with it turned off, nobody shares a GPU to sleep for
-        values.update({k: False for k in ("vllm_enable_sleep", "deepspeed_enable_sleep") if k not in given})
-    changes, more = without_engines(merge_layers(_field_defaults(cls), values))
-    values.update(changes)
-    notes += more
-    from hybrid_algos.train.data import resolve_local_paths
-
-    resolved, more = resolve_local_paths(values)
-    values.update(resolved)
-    notes += more
-    config = cls(**values)
-    return config.validate(), args, notes
+        implied.update({k: False for k in ("vllm_enable_sleep", "deepspeed_enable_sleep") if k not in given})
+    return implied, notes
 
 
 def _demo_fits_the_actor(cls: type, implied: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
