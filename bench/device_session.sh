@@ -8,6 +8,11 @@
 #   bash bench/device_session.sh b         # issue 8 split; issue 5 engine check; issue 9 wake guard
 #   TP=1 bash bench/device_session.sh c    # issue 10, the seed's 8-GPU command scaled to 2 GPUs
 #   bash bench/device_session.sh d         # issue 9 wake guard alone (re-run after a fix)
+#   bash .carry-sglang/pNN/_assemble.sh .carry-sglang/pNN  (p00.., last with --install)   # SGLang 0.5.16: bench/sglang_stage.py
+#   bash bench/device_session.sh sg1       # issue 19: SGLang engine rows + vLLM vs SGLang (bench/sglang_gpu.py)
+#   bash bench/device_session.sh sg2       # issue 19: GRPO colocated on the e2e workload, vLLM then SGLang, same call
+#   bash bench/device_session.sh sg3       # issue 19: the built-in demo learning with --backend sglang
+#   bash bench/device_session.sh sg4       # issue 19 on nvidia-h200-x2: split placement over SGLang's NCCL group
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src
@@ -63,6 +68,32 @@ d)
   CUDA_VISIBLE_DEVICES=0 OUT=$LOGS timeout 420 $PY bench/wake_guard_gpu.py > $LOGS/wake_guard.log 2>&1
   echo "wake guard rc=$?"; tail -14 $LOGS/wake_guard.log; grep -m3 "cannot wake" $LOGS/wake_guard_run.log | cut -c1-1500
   pack d
+  ;;
+sg1)
+  # SGLang's own pins (transformers 5.12.1) first, only for the SGLang processes; vLLM runs on /tmp/site alone.
+  PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout 540 $PY bench/sglang_gpu.py > $LOGS/sglang_gpu.log 2>&1
+  echo "sglang_gpu rc=$?"; grep -A16 "^sglang_gpu" $LOGS/sglang_gpu.log; grep -m5 '"errors"\|!!' $LOGS/sglang_gpu.log
+  pack sg1
+  ;;
+sg2)
+  OUT=$LOGS timeout 270 $PY bench/e2e_gpu.py --algo grpo --steps 10 --warmup 2 > $LOGS/e2e_vllm.log 2>&1
+  echo "vllm grpo rc=$?"; tail -12 $LOGS/e2e_vllm.log
+  PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout $(left 585) $PY bench/e2e_gpu.py --algo grpo --steps 10 \
+    --warmup 2 --backend sglang --tag sglang > $LOGS/e2e_sglang.log 2>&1
+  echo "sglang grpo rc=$?"; tail -12 $LOGS/e2e_sglang.log
+  pack sg2
+  ;;
+sg3)
+  PYTHONPATH=/tmp/site-sglang:$PYTHONPATH timeout 585 $PY -m hybrid_cli grpo --backend sglang \
+    --vllm_gpu_memory_utilization 0.3 --save_path /tmp/demo_sglang > $LOGS/demo_sglang.log 2>&1; echo "demo rc=$?"
+  cp /tmp/demo_sglang/metrics.jsonl $LOGS/demo_metrics.jsonl 2>/dev/null; tail -4 $LOGS/demo_sglang.log
+  pack sg3
+  ;;
+sg4)
+  s=$(date +%s); PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout 420 $PY bench/e2e_gpu.py --algo grpo --split \
+    --steps 10 --warmup 2 --backend sglang --tag sglang > $LOGS/e2e_split_sglang.log 2>&1
+  echo "sglang split rc=$? wall=$(( $(date +%s) - s )) s"; tail -12 $LOGS/e2e_split_sglang.log
+  pack sg4
   ;;
 c)
   for i in $(seq 60); do grep -q done /tmp/logs/stage_bg.log 2>/dev/null && break; sleep 5; done

@@ -1,12 +1,20 @@
-"""The workload shared by our GPU end-to-end runs and the TRL peer (../shared/peers/trl_grpo.py).
+"""The workloads shared by our GPU end-to-end runs and the peers (TRL, ../shared/peers/trl_grpo.py).
 
-A random model of the peer's Qwen2 shape (24 layers, hidden 896, 14 heads / 2 KV heads, intermediate 4864,
-vocab 1024, tied embeddings; ~359M parameters) built from a config as a Llama: transformers 5 loads a saved
-``qwen2`` folder's tokenizer as Qwen2Tokenizer, which replaces the word-level pre-tokenizer with its byte-level one
-and encodes these prompts to nothing. Both our runs and the TRL run load this same folder, a word-level tokenizer over ``t0 .. t1020``, 256 prompts of 32 random tokens, and the
-rule reward "fraction of completion tokens equal to the prompt's first token". Nothing is downloaded.
+Random models of Qwen2 shapes built from a config as a Llama (transformers 5 loads a saved ``qwen2`` folder's
+tokenizer as Qwen2Tokenizer, which replaces the word-level pre-tokenizer with its byte-level one and encodes these
+prompts to nothing), a word-level tokenizer over ``t0 .. t1020``, random prompts, and the rule reward "fraction of
+completion tokens equal to the prompt's first token". Both our runs and the peers load the same folder. Nothing is
+downloaded.
 
-    python bench/peer_workload.py /tmp/peer     # writes /tmp/peer/model and /tmp/peer/prompts.jsonl
+* ``357m`` -- the TRL peer's shape: 24 layers, hidden 896, 14 heads / 2 KV heads, intermediate 4864, tied embeddings;
+  prompts of 32 tokens (8 prompts x 8 samples, <= 128 new tokens per step in the runs).
+* ``1.5b`` -- Qwen2-1.5B's body: 28 layers, hidden 1536, 12 heads / 2 KV heads, intermediate 8960 (1.3B parameters
+  with this small vocabulary); prompts of 256 tokens (32 prompts x 8 samples, <= 1024 new tokens).
+* ``7b`` -- Qwen2-7B's body: 28 layers, hidden 3584, 28 heads / 4 KV heads, intermediate 18944 (6.5B parameters);
+  prompts of 256 tokens.
+
+    python bench/peer_workload.py /tmp/peer              # the 357m workload: /tmp/peer/model, /tmp/peer/prompts.jsonl
+    python bench/peer_workload.py /tmp/peer15 1.5b       # the realistic-scale one
 """
 
 from __future__ import annotations
@@ -17,9 +25,16 @@ import random
 import sys
 
 VOCAB = 1024
+#: size -> (layers, hidden, heads, kv heads, intermediate, prompt tokens, tied embeddings)
+SHAPES = {
+    "357m": (24, 896, 14, 2, 4864, 32, True),
+    "1.5b": (28, 1536, 12, 2, 8960, 256, False),
+    "7b": (28, 3584, 28, 4, 18944, 256, False),
+}
 
 
-def build(root: str, *, layers: int = 24, hidden: int = 896, seed: int = 0) -> tuple[str, str]:
+def build(root: str, *, size: str = "357m", layers: int | None = None, hidden: int | None = None,
+          seed: int = 0, prompts: int = 256) -> tuple[str, str]:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -31,18 +46,32 @@ def build(root: str, *, layers: int = 24, hidden: int = 896, seed: int = 0) -> t
         backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 54 // 10, num_hidden_layers=layers,
-                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=1024,
-                          pad_token_id=VOCAB - 2, eos_token_id=VOCAB - 1, bos_token_id=None, tie_word_embeddings=True,
+        n_layers, width, heads, kv_heads, inter, prompt_len, tied = SHAPES[size]
+        if hidden is not None:  # a small variant of the shape (CPU checks of the scripts)
+            width, inter, heads, kv_heads = hidden, hidden * 54 // 10, 14 if hidden % 14 == 0 else 4, 2
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=inter,
+                          num_hidden_layers=layers or n_layers, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, max_position_embeddings=4096 if size != "357m" else 1024,
+                          pad_token_id=VOCAB - 2, eos_token_id=VOCAB - 1, bos_token_id=None, tie_word_embeddings=tied,
                           rope_theta=1_000_000.0, rms_norm_eps=1e-6)
         torch.manual_seed(seed)
-        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(model_dir)
+        # Built on the CPU, in bf16: a GPU build in the background would take memory from the runs beside it
+        # (vLLM's start-up profiling refuses to start when other processes' GPU memory changes under it).
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = LlamaForCausalLM(cfg)
+        finally:
+            torch.set_default_dtype(previous)
+        model.save_pretrained(model_dir)
+        del model
         tok.save_pretrained(model_dir)
     if not os.path.exists(data):
         rng = random.Random(seed)
+        prompt_len = SHAPES[size][5]
         with open(data, "w") as f:
-            for _ in range(256):
-                f.write(json.dumps({"prompt": " ".join(f"t{rng.randrange(VOCAB - 3)}" for _ in range(32))}) + "\n")
+            for _ in range(prompts):
+                f.write(json.dumps({"prompt": " ".join(f"t{rng.randrange(VOCAB - 3)}" for _ in range(prompt_len))}) + "\n")
     return model_dir, data
 
 
@@ -57,4 +86,4 @@ def copy_first(prompts, completions, **_):
 
 
 if __name__ == "__main__":
-    print(*build(sys.argv[1] if len(sys.argv) > 1 else "/tmp/peer"))
+    print(*build(sys.argv[1] if len(sys.argv) > 1 else "/tmp/peer", size=sys.argv[2] if len(sys.argv) > 2 else "357m"))

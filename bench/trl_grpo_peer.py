@@ -1,55 +1,100 @@
-"""Peer anchor (issue 8): TRL's GRPOTrainer on the very model folder and workload `bench/e2e_gpu.py` trains.
+"""Peer anchor: TRL's GRPOTrainer on the very model folder and workload `bench/e2e_gpu.py` trains.
 
     python bench/peer_workload.py /tmp/peer                   # the model + prompts (also built by e2e_gpu.py)
     python bench/trl_grpo_peer.py /tmp/peer/model             # TRL with plain transformers generate
     python bench/trl_grpo_peer.py /tmp/peer/model vllm        # TRL's vLLM colocate mode (sleep on)
+    python bench/trl_grpo_peer.py /tmp/peer15/model vllm --prompts 32 --max_new 1024 --micro 8 --ckpt --steps 3
 
-Needs `pip install trl` (not a dependency of hybrid). Prints one `RESULT {json}` line with the seconds per step.
+One optimizer step = one generation round of ``--prompts`` x ``--generations`` completions (TRL's
+``generation_batch_size``), trained in micro-batches of ``--micro`` with gradient accumulation. Needs `pip install
+trl` (not a dependency of hybrid). Prints one `RESULT {json}` line with the seconds per step; an out-of-memory
+failure prints `RESULT {"error": ...}` (the 7B workload is expected to need settings TRL does not make by itself).
 """
-import json, os, time
-os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
-import torch
-from datasets import Dataset
+import argparse
+import json
+import os
+import random
 import sys
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-from tokenizers import Tokenizer, models, pre_tokenizers
-import trl
-from trl import GRPOConfig, GRPOTrainer
+import time
+
+os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_DISABLED="true")
+
+ap = argparse.ArgumentParser()
+ap.add_argument("model_dir", nargs="?", default="/tmp/peer/model")
+ap.add_argument("mode", nargs="?", default="plain", choices=["plain", "vllm"])
+ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+ap.add_argument("--generations", type=int, default=8)
+ap.add_argument("--max_new", type=int, default=128)
+ap.add_argument("--micro", type=int, default=64, help="completions per micro-batch (per_device_train_batch_size)")
+ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing")
+ap.add_argument("--steps", type=int, default=6)
+ap.add_argument("--gpu_util", type=float, default=0.3)
+args = ap.parse_args()
+
+import torch  # noqa: E402
+import trl  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 V = 1024
-vocab = {f"t{i}": i for i in range(V - 3)}; vocab.update({"<unk>": V - 3, "<pad>": V - 2, "</s>": V - 1})
-tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>")); tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+vocab = {f"t{i}": i for i in range(V - 3)}
+vocab.update({"<unk>": V - 3, "<pad>": V - 2, "</s>": V - 1})
+tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
 tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
-# Same-session comparison: the very model folder `hybrid grpo` trains (bench/peer_workload.py; the peer's shape).
-MODEL_DIR = sys.argv[1] if len(sys.argv) > 1 else "/tmp/peer/model"
-USE_VLLM = len(sys.argv) > 2 and sys.argv[2] == "vllm"
-model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.bfloat16)
-nparams = sum(p.numel() for p in model.parameters())
-import random
+prompts_file = os.path.join(os.path.dirname(args.model_dir), "prompts.jsonl")
+prompts = [json.loads(line)["prompt"] for line in open(prompts_file)]
 random.seed(0)
-prompts = [" ".join(f"t{random.randrange(V - 3)}" for _ in range(32)) for _ in range(256)]
 ds = Dataset.from_dict({"prompt": prompts})
 
-def reward_copy_first(completions, prompts, **kw):  # rule-based: fraction of completion tokens equal to the prompt's first token
+
+def reward_copy_first(completions, prompts, **kw):  # the rule of bench/peer_workload.py
     out = []
     for c, p in zip(completions, prompts):
-        first = p.split()[0]; toks = c.split()
+        first = p.split()[0]
+        toks = c.split()
         out.append(sum(t == first for t in toks) / max(1, len(toks)))
     return out
 
-class Clock(TrainerCallback):
-    def __init__(self): self.t = []
-    def on_step_end(self, args, state, control, **kw): torch.cuda.synchronize(); self.t.append(time.perf_counter())
 
+class Clock(TrainerCallback):
+    def __init__(self):
+        self.t = []
+
+    def on_step_end(self, args, state, control, **kw):
+        torch.cuda.synchronize()
+        self.t.append(time.perf_counter())
+
+
+per_step = args.prompts * args.generations
 clock = Clock()
-args = GRPOConfig(output_dir="/tmp/trl-out", per_device_train_batch_size=64, num_generations=8, max_completion_length=128,
-                  learning_rate=1e-6, bf16=True, logging_steps=1, max_steps=6, report_to="none", save_strategy="no",
-                  use_vllm=USE_VLLM, temperature=1.0, gradient_accumulation_steps=1,
-                  **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3, "vllm_enable_sleep_mode": True} if USE_VLLM else {}))
-trainer = GRPOTrainer(model=model, reward_funcs=reward_copy_first, args=args, train_dataset=ds, processing_class=tok, callbacks=[clock])
-t0 = time.perf_counter(); trainer.train(); total = time.perf_counter() - t0
-steps = [b - a for a, b in zip(clock.t, clock.t[1:])]
-res = {"trl": trl.__version__, "use_vllm": USE_VLLM, "model_dir": MODEL_DIR, "params_M": round(nparams / 1e6), "completions_per_step": 64, "max_completion_length": 128,
-       "step_s": [round(s, 2) for s in steps], "median_step_s_after_first": round(sorted(steps)[len(steps) // 2], 2) if steps else None,
-       "total_s": round(total, 1), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
-print("RESULT", json.dumps(res), flush=True)
+result = {"trl": trl.__version__, "mode": args.mode, "model_dir": args.model_dir, "completions_per_step": per_step,
+          "max_completion_length": args.max_new}
+try:
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16)
+    result["params_M"] = round(sum(p.numel() for p in model.parameters()) / 1e6)
+    config = GRPOConfig(
+        output_dir="/tmp/trl-out", per_device_train_batch_size=args.micro, gradient_accumulation_steps=per_step // args.micro,
+        num_generations=args.generations, max_completion_length=args.max_new, learning_rate=1e-6, bf16=True,
+        logging_steps=1, max_steps=args.steps, report_to="none", save_strategy="no", temperature=1.0,
+        gradient_checkpointing=args.ckpt, use_vllm=args.mode == "vllm",
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_util, "vllm_enable_sleep_mode": True}
+           if args.mode == "vllm" else {}))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_copy_first, args=config, train_dataset=ds,
+                          processing_class=tok, callbacks=[clock])
+    t0 = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - t0
+    steps = [b - a for a, b in zip(clock.t, clock.t[1:])]
+    result.update(step_s=[round(s, 3) for s in steps], total_s=round(total, 1),
+                  median_step_s_after_first=round(sorted(steps)[len(steps) // 2], 3) if steps else None,
+                  peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                  tokens_per_step=None)
+except torch.OutOfMemoryError as e:  # noqa: BLE001 - the report is the point
+    result["error"] = f"CUDA out of memory: {str(e).splitlines()[0][:300]}"
+except Exception as e:  # noqa: BLE001
+    result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+print("RESULT", json.dumps(result), flush=True)
+sys.exit(0 if "error" not in result else 3)

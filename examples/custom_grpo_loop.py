@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""A GRPO loop written by hand from hybrid's building blocks: hybrid-core placement, turnstile, offload and weight
-sync, a hybrid-engines engine and the hybrid-algos math, with no training framework in between.
+"""A GRPO loop written by hand from hybrid's building blocks: hybrid-core placement, residency (planner + owner,
+with its turnstile), offload and weight sync, a hybrid-engines engine and the hybrid-algos math, with no training
+framework in between.
 
-One GPU is shared by a trainer (plain torch + AdamW, in a Ray actor) and an inference engine. They take turns on it;
-each sleeps (moves its memory off the GPU) while the other works, and after every update the trainer streams its new
-weights into the engine in flat shared buckets (CUDA IPC on a GPU, shared memory on CPU).
+One GPU is shared by a trainer (plain torch + AdamW, in a Ray actor) and an inference engine. A residency plan, made
+from the sizes the two roles report, says what each keeps on the GPU in each phase (``--residency all-sleep``: each
+moves its memory off while the other works; ``auto``: only what does not fit moves); one owner carries the plan out,
+so the loop below only names the phases. After every update the trainer streams its new weights into the engine in
+flat shared buckets (CUDA IPC on a GPU, shared memory on CPU).
 
     python examples/custom_grpo_loop.py --steps 20                  # CPU: the built-in engine, one declared GPU
     python examples/custom_grpo_loop.py --steps 20 --backend vllm   # GPU: pip install "hybrid-engines[vllm]"
@@ -32,6 +35,7 @@ from hybrid_core.errors import ConfigError
 from hybrid_core.offload import StateOffloader
 from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.remote import get_with_timeout
+from hybrid_core.residency import GpuShare, ResidencyOwner, RoleSize, plan_residency
 from hybrid_core.runtime_env import worker_runtime_env
 from hybrid_core.turnstile import Turnstile
 from hybrid_core.weight_sync import IpcBucketSender
@@ -57,10 +61,13 @@ class Trainer:
         self.offloader = StateOffloader(torch.nn.ModuleList([self.policy, self.ref]), self.opt)
         self.sender = IpcBucketSender(bucket_bytes=64 << 20, device=self.device)
 
-    def sleep(self):
+    def state_bytes(self) -> int:
+        return self.offloader.device_bytes()
+
+    def offload(self, states):  # policy, reference and AdamW state leave together: one piece for the plan
         return self.offloader.sleep()
 
-    def wake(self):
+    def reload(self, states):
         return self.offloader.wake()
 
     @staticmethod
@@ -93,6 +100,21 @@ class Trainer:
                                 wait=lambda ref: get_with_timeout(ref, TIMEOUT_S, "engine: update_weights_from_ipc"))
 
 
+class TrainerHandle:
+    """What the residency owner needs to move the trainer: its GPUs, and calls it starts without waiting."""
+
+    role = "actor"
+
+    def __init__(self, actor, gpus):
+        self.actor, self.gpus = actor, gpus
+
+    def move_off(self, states, moves):
+        return [("trainer: offload", self.actor.offload.remote(list(states)))]
+
+    def move_on(self, states):
+        return [("trainer: reload", self.actor.reload.remote(list(states)))]
+
+
 def to_batch(task: SyntheticTask, prompts, outputs, max_new: int):
     """Prompt-major rows ``[prompt | response | pad]``, the response mask, engine log-probs and rewards."""
     seqs, mask, logprobs, scores = [], [], [], []
@@ -122,6 +144,8 @@ def main(argv=None) -> list[float]:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--engine-dtype", default="float32", help="float32: engine and trainer agree to ~1e-6")
+    p.add_argument("--residency", default="all-sleep", choices=["all-sleep", "auto"])
+    p.add_argument("--gpu-gib", type=float, default=80.0, help="the GPU memory the residency plan may use")
     args = p.parse_args(argv)
     try:
         engine_class(args.backend)  # a missing backend library fails here, naming the extra, before Ray starts
@@ -133,42 +157,53 @@ def main(argv=None) -> list[float]:
     model_path = save_tiny_model(os.path.join(tempfile.mkdtemp(prefix="grpo-"), "tiny"), seed=args.seed)
     connect(num_gpus=None if torch.cuda.is_available() else 1)  # on CPU, declare one (fake) GPU to Ray
 
-    plan = PlacementSpec.from_ranges({"actor": "0", "rollout": "0"}, sleep={"actor", "rollout"}).plan()
+    plan = PlacementSpec.from_ranges({"actor": "0", "rollout": "0"}).plan()
     print(plan.render())
     gpus = list(plan.roles["actor"].gpus)
     placed = place(plan, timeout_s=60)
     turnstile = Turnstile.create(f"grpo-{os.getpid()}", timeout_s=TIMEOUT_S)
-    engines = launch_engines(placed, "rollout", backend=args.backend, timeout_s=TIMEOUT_S, env_vars=QUIET,
-                             engine_kwargs=engine_kwargs(args.backend, model_path, args.seed, args.engine_dtype))
     trainer_options = {**placed.actor_options("actor", 0), "runtime_env": worker_runtime_env(QUIET)}
     trainer = ray.remote(Trainer).options(**trainer_options).remote(
         model_path, lr=args.lr, kl_coef=1e-3, epochs=2, minibatch=32, seed=args.seed)
     call = lambda ref, what: get_with_timeout(ref, TIMEOUT_S, what)  # noqa: E731
-    call(trainer.sleep.remote(), "trainer: first sleep")  # the engine's turn comes first
+    # The residency plan, from what the trainer holds (policy + reference + AdamW state, one piece) and the engine.
+    trainer_bytes = call(trainer.state_bytes.remote(), "trainer: state_bytes")
+    engine_bytes = trainer_bytes // 4  # the policy alone, without the reference and the optimizer state
+    layout = {0: (GpuShare(RoleSize("actor", "trainer", {"params": trainer_bytes, "grads": 0, "optimizer": 0})),
+                  GpuShare(RoleSize("rollout", "engine", {"weights": engine_bytes, "kv_cache": 0})))}
+    residency = plan_residency(layout, args.gpu_gib * 2**30, mode=args.residency, engine_sleep_level=2)
+    print(residency.render())
+    owner = ResidencyOwner(residency, {"actor": TrainerHandle(trainer, gpus)}, turnstile=turnstile,
+                           timeout_s=TIMEOUT_S)
+    owner.tag = 0
+    owner.to_phase_state("generate")  # the engine's phase comes first: the trainer leaves before it starts
+    engines = launch_engines(placed, "rollout", backend=args.backend, timeout_s=TIMEOUT_S, env_vars=QUIET,
+                             engine_kwargs=engine_kwargs(args.backend, model_path, args.seed, args.engine_dtype))
+    owner.add_role("rollout", engines)
     rewards = []
     try:
         for step in range(args.steps):
             prompts = task.prompts(args.prompts, seed=args.seed * 100_000 + step)
             params = SamplingParams(temperature=1.0, max_new_tokens=task.answer_len + 1, n=args.samples,
                                     stop_token_ids=(EOS,), seed=step)
-            with turnstile.turn("rollout", gpus):
-                engines.wake_up(["kv_cache"])  # its weights came back (fresh) in the trainer's turn
-                outputs = engines.generate([q.prompt_ids for q in prompts], params)
-                engines.sleep(2)  # level 2: drop the weights too; the trainer sends new ones anyway
+            owner.tag = step
+            owner.enter("generate")  # the engine's KV cache (and its weights, after a level-2 sleep) come back
+            outputs = engines.generate([q.prompt_ids for q in prompts], params)
             seqs, mask, engine_lp, scores = to_batch(task, prompts, outputs, params.max_new_tokens)
             advantages, _ = compute_advantages("grpo", AdvantageInputs(mask, scores, n_samples_per_prompt=args.samples))
-            with turnstile.turn("actor", gpus):
-                woke = call(trainer.wake.remote(), "trainer: wake")
-                stats = call(trainer.train.remote(seqs, mask, advantages, engine_lp, len(prompts[0].prompt_ids)),
-                             "trainer: train")
-                engines.wake_up(["weights"])  # the one moment both share the GPU: weights only, no KV cache
-                synced = call(trainer.push_weights.remote(engines.actors[0]), "trainer: push_weights")
-                slept = call(trainer.sleep.remote(), "trainer: sleep")
+            owner.enter("actor_train")  # the engine sleeps (its weights dropped: the sync refills them), the trainer wakes
+            stats = call(trainer.train.remote(seqs, mask, advantages, engine_lp, len(prompts[0].prompt_ids)),
+                         "trainer: train")
+            owner.enter("sync")  # the one moment both share the GPU: the engine's weights only, no KV cache
+            synced = call(trainer.push_weights.remote(engines.actors[0]), "trainer: push_weights")
             rewards.append(scores.mean().item())
+            moved = {(e["role"], e["direction"]): e["bytes"] for e in owner.log if e.get("tag") == step
+                     and e["event"] == "move"}
             print(f"step {step:3d} | reward {rewards[-1]:.3f} | pg_loss {stats['pg_loss']:+.4f} | kl {stats['kl']:.2e}"
-                  f" | engine/trainer logprob gap {stats['gap']:.1e} | trainer sleep {slept.bytes / 1e6:.1f} MB"
-                  f" wake {woke.bytes / 1e6:.1f} MB | sync {synced.bytes / 1e6:.1f} MB {synced.seconds * 1e3:.0f} ms",
-                  flush=True)
+                  f" | engine/trainer logprob gap {stats['gap']:.1e} | trainer sleep "
+                  f"{moved.get(('actor', 'off'), 0) / 1e6:.1f} MB wake {moved.get(('actor', 'on'), 0) / 1e6:.1f} MB"
+                  f" | sync {synced.bytes / 1e6:.1f} MB {synced.seconds * 1e3:.0f} ms", flush=True)
+        owner.finish()
     finally:
         engines.shutdown()
         ray.kill(trainer)

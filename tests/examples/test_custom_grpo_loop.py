@@ -43,14 +43,16 @@ def test_custom_loop_learns_and_engine_holds_the_trainers_weights(tmp_path: Path
     assert max(gaps) < 1e-3, f"engine and trainer disagree after a weight sync: gaps {gaps}"
     for _, _, _, slept, woke, synced in steps:
         assert float(slept) > 0 and float(woke) > 0 and float(synced) > 0
-    assert "actor*" in result.stdout and "rollout*" in result.stdout  # the plan table: both roles sleep
+    assert "residency (all-sleep): actor: params offload" in result.stdout  # the plan: both roles move
+    assert "rollout: weights discard, kv_cache release" in result.stdout
 
 
 def test_example_is_short_and_built_from_the_public_blocks() -> None:
     source = EXAMPLE.read_text()
-    assert len(source.splitlines()) < 200
+    assert len(source.splitlines()) < 225
     for block in ("PlacementSpec.from_ranges", "place(", "Turnstile.create", "StateOffloader(", "IpcBucketSender(",
-                  "launch_engines(", "compute_advantages(\"grpo\"", "ppo_policy_loss(", "kl_estimate("):
+                  "plan_residency(", "ResidencyOwner(", "owner.enter(", "launch_engines(",
+                  "compute_advantages(\"grpo\"", "ppo_policy_loss(", "kl_estimate("):
         assert block in source, f"the example no longer uses {block}"
 
 

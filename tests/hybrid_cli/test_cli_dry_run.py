@@ -3,7 +3,7 @@
 import pytest
 
 from hybrid_algos.train.config import DEMO_SETTINGS
-from hybrid_cli.dry_run import DEFAULT_GPU_GIB, detect_gpu_gib
+from hybrid_algos.train.placement import DEFAULT_GPU_GIB, gpu_memory
 from hybrid_cli.main import main
 
 
@@ -21,7 +21,7 @@ def test_demo_dry_run(tmp_path, capsys):
     assert "ppo: 1 GPU(s), backend hf" in out and "actor" in out and "rollout" in out
     demo = DEMO_SETTINGS["rollout_batch_size"] * DEMO_SETTINGS["max_steps"]  # one prompt per rollout slot
     assert f"prompts: {demo} prompts from built-in task 'copy'" in out
-    assert "GPU memory per phase" in out and "actor_train" in out and "fits:" in out
+    assert "residency (auto): actor: everything resident" in out and "actor_train" in out and "fits:" in out
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
@@ -71,7 +71,23 @@ def test_missing_input_key_fails_before_anything_starts(prompts_jsonl, capsys, t
 def test_gpu_memory_default_without_a_gpu():
     import torch
 
+    from hybrid_algos.train.config import PPOConfig
+
+    given, source = gpu_memory(PPOConfig(gpu_memory_gb=24))
+    assert given == 24 * 2**30 and source == "--gpu_memory_gb"
+    found, source = gpu_memory(PPOConfig())
     if not torch.cuda.is_available():
-        assert detect_gpu_gib() == DEFAULT_GPU_GIB
+        assert found == DEFAULT_GPU_GIB * 2**30 and "set --gpu_memory_gb" in source
     else:
-        assert detect_gpu_gib() > 1
+        assert found > 2**30
+
+
+def test_dry_run_shows_what_moves_when_the_gpu_is_small(capsys):
+    """The demo on a pretend 2 GiB GPU with 0.5 GiB contexts: the plan moves what it must and prints each phase."""
+    assert main(["grpo", "--dry-run", "--gpu_memory_gb", "1.8"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory: 1.8 GiB per GPU (--gpu_memory_gb)" in out
+    assert "residency (auto):" in out and "generate" in out and "peak" in out and "fits:" in out
+    assert main(["grpo", "--dry-run", "--gpu_memory_gb", "0.5"]) == 2  # three 0.5 GiB contexts cannot fit
+    err = capsys.readouterr().err
+    assert "residency: GPU 0, phase" in err and "usable of 0.5 GiB" in err and "Fix:" in err

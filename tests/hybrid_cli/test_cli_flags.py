@@ -56,26 +56,26 @@ def test_algorithm_defaults_and_aliases():
 
 def test_demo_defaults_vs_openrlhf_defaults(tiny_model_dir):
     demo = config_of()
-    assert demo.colocate_all_models and demo.vllm_enable_sleep and demo.backend == "hf"
+    assert demo.colocate_all_models and demo.vllm_enable_sleep is None and demo.backend == "hf"  # residency decides
     # an OpenRLHF command line (its own model + OpenRLHF placement): OpenRLHF's defaults for what it does not give
     openrlhf = ["--pretrain", tiny_model_dir, "--reward_pretrain", tiny_model_dir, "--actor_num_gpus_per_node", "2",
                 "--vllm_num_engines", "2", "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2",
                 "--reward_num_gpus_per_node", "2"]
     config, _, notes = load_config("ppo", openrlhf)
-    assert not config.colocate_all_models and not config.vllm_enable_sleep and not config.deepspeed_enable_sleep
+    assert not config.colocate_all_models and config.vllm_enable_sleep is None and config.deepspeed_enable_sleep is None
     assert config.backend == "vllm" and config.train_batch_size == 128 and config.vllm_gpu_memory_utilization == 0.95
     assert config.micro_train_batch_size == 1 and config.bf16  # 0.11.2's parser defaults, read from the data file
     assert "OpenRLHF's defaults" in notes[0] and "backend=vllm" in notes[0]
     # the same flags on the demo (no --pretrain) keep hybrid's defaults, and say so
     config, _, notes = load_config("ppo", ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2",
                                            "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2"])
-    assert config.colocate_all_models and config.vllm_enable_sleep and config.backend == "hf"
+    assert config.colocate_all_models and config.backend == "hf"
     assert config.micro_train_batch_size == 16  # the demo's step, split over the 2 actor GPUs asked for
     assert config.train_batch_size == 32 and config.actor_num_gpus_per_node == 2  # the demo's, plus the flags given
     assert any("keeps hybrid's default" in n for n in notes)
-    # turning colocation off on the demo turns hybrid's sleep defaults off with it (nobody to sleep for)
+    # turning colocation off on the demo: a valid split run (who sleeps is the residency plan's, nobody shares)
     config = config_of("--no_colocate_all_models")
-    assert not config.colocate_all_models and not config.vllm_enable_sleep and not config.deepspeed_enable_sleep
+    assert not config.colocate_all_models and config.vllm_enable_sleep is None
     # a dotted flag alone marks an OpenRLHF command line
     config, _, notes = load_config("ppo", ["--actor.model_name_or_path", tiny_model_dir, "--reward_pretrain",
                                            tiny_model_dir, "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1",

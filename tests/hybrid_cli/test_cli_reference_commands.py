@@ -66,16 +66,17 @@ def test_reference_command_parses_means_the_same_and_dry_runs(name, reference_ar
         assert getattr(config, flag) == expected, (flag, raw)
     if "--colocate_all_models" not in argv:  # OpenRLHF's defaults: off unless flagged
         assert not config.colocate_all_models and any("OpenRLHF" in n for n in notes)
-    for switch in ("vllm_enable_sleep", "deepspeed_enable_sleep"):
-        assert getattr(config, switch) == (f"--{switch}" in argv)
+    for switch in ("vllm_enable_sleep", "deepspeed_enable_sleep"):  # not given: the residency plan decides
+        assert getattr(config, switch) == (True if f"--{switch}" in argv else None)
     assert config.backend == (dict(flag_values(argv)).get("backend") or "vllm")
 
-    assert main(["ppo", *argv, "--dry-run", "--gpu_memory_gb", "80"]) == 0
-    out = capsys.readouterr().out
+    status = main(["ppo", *argv, "--dry-run", "--gpu_memory_gb", "80"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
     plan = build_plan(config)
     assert f"ppo: {plan.num_gpus} GPU(s)" in out
     assert plan.render().splitlines()[0] in out  # the plan table is printed
-    assert "GPU memory per phase" in out and "fits:" in out
+    assert "residency (auto)" in out and "actor_train" in out and "fits:" in out
     assert not ray.is_initialized()  # a dry run never starts Ray
     expected = GPU_COUNTS.get(name, 3 if name.startswith("004_") else None)
     assert expected is not None and plan.num_gpus == expected
@@ -86,9 +87,19 @@ def test_colocation_in_the_reference_commands(reference_argv):
     plan = build_plan(config)
     assert set(plan.roles) == {"actor", "rollout", "reference", "reward"}  # reinforce: no critic
     assert all(plan.roles[r].gpus == tuple(range(8)) for r in plan.roles)
-    assert plan.roles["actor"].sleeps and plan.roles["rollout"].sleeps
+    residency = residency_of(config, plan)
+    assert residency.sleeps("actor") and residency.sleeps("rollout")  # --vllm_enable_sleep --deepspeed_enable_sleep
     config, _, _ = load_config("ppo", reference_argv("004_test_job_3gpu.args"))
     plan = build_plan(config)
     assert plan.roles["reference"].gpus == plan.roles["actor"].gpus
     assert plan.roles["reward"].gpus == plan.roles["critic"].gpus != plan.roles["actor"].gpus
-    assert not any(r.sleeps for r in plan.roles.values())
+    assert not any(residency_of(config, plan).sleeps(r) for r in plan.roles)  # no sleep flags; everything fits
+
+
+def residency_of(config, plan):
+    from hybrid_algos.train.placement import build_residency
+    from hybrid_core.residency import GiB
+
+    residency, _ = build_residency(config, plan, config.pretrain, prompt_len=config.prompt_max_len,
+                                   generate_len=config.generate_max_len, gpu_bytes=80 * GiB)
+    return residency

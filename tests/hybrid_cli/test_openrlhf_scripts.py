@@ -120,9 +120,7 @@ CASES = {
         refused={"ring_attn_size": "ring attention", "ring_head_stride": "ring attention"}, loads_checkpoint=True),
     "flat/train_ppo_llama_ray_tensor_parallelism.args": Case(
         8, "everything colocated on the actor's 8 GPUs",
-        refused={"ds_tensor_parallel_size": "tensor parallelism of the trainers"},
-        xfail_without_refused="--colocate_all_models --vllm_enable_sleep without --deepspeed_enable_sleep: the "
-                              "residency planner (lead) makes this a plan"),
+        refused={"ds_tensor_parallel_size": "tensor parallelism of the trainers"}),
     "flat/train_ppo_llama_ray_with_dynamic_sampling.args": Case(
         8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)",
         refused={"custom_experience_filter": "filtering experiences with your own Python",
@@ -224,7 +222,8 @@ def test_colocated_script_puts_every_role_on_the_actor_s_gpus(script_argv):
     assert set(plan.roles) == {"actor", "rollout", "critic", "reference", "reward"}
     assert all(role.gpus == tuple(range(8)) for role in plan.roles.values())
     assert plan.roles["rollout"].tp == 2 and plan.roles["rollout"].world_size == 4
-    assert plan.roles["rollout"].sleeps and plan.roles["actor"].sleeps
+    residency = _residency(config, plan)
+    assert residency.sleeps("rollout") and residency.sleeps("actor")  # --vllm_enable_sleep --deepspeed_enable_sleep
     assert config.backend == "vllm" and config.bf16 and config.zero_stage == 3
 
 
@@ -246,9 +245,8 @@ def test_no_engines_generates_on_the_actor_s_gpus_and_says_so(script_argv):
     plan = build_plan(config)
     assert config.vllm_num_engines == 0 and config.backend == "hf"
     assert plan.roles["rollout"].gpus == plan.roles["actor"].gpus == (0, 1, 2, 3)
-    assert plan.roles["rollout"].sleeps  # the engines give the actor its GPUs back while it trains
-    assert not plan.roles["actor"].sleeps  # OpenRLHF's default: no DeepSpeed sleep
     assert plan.roles["critic"].gpus == (4, 5) and plan.roles["reference"].gpus == (6,)
+    _residency(config, plan).check()  # the engine and the actor take turns on those GPUs as the planner decides
     assert any("--vllm_num_engines 0" in n and "built-in" in n for n in notes)
     # three datasets mixed 0.4/0.5/0.1, OpenRLHF's way
     assert config.prompt_data.count(",") == 2 and config.prompt_data_probs == "0.4,0.5,0.1"
@@ -269,9 +267,17 @@ def test_ref_reward_offload_lets_the_frozen_models_sleep(script_argv):
     config, _, _ = load_config("ppo", script_argv("flat/train_ppo_llama3_ray_colocate.args"))
     plan = build_plan(config)
     assert config.ref_reward_offload
-    assert plan.roles["reference"].sleeps and plan.roles["reward"].sleeps
+    residency = _residency(config, plan)
+    assert residency.sleeps("reference") and residency.sleeps("reward")
     assert plan.roles["reference"].gpus == plan.roles["actor"].gpus
     assert plan.roles["reward"].gpus == plan.roles["critic"].gpus
+
+
+def _residency(config, plan):
+    from hybrid_algos.train.placement import build_residency
+
+    residency, _ = build_residency(config, plan, config.pretrain, prompt_len=64, generate_len=64, gpu_bytes=80 * 2**30)
+    return residency
 
 
 def test_every_flag_of_every_script_is_known_to_the_table():

@@ -197,7 +197,7 @@ def test_random_concurrent_schedule_keeps_one_role_per_gpu():
 # ---- the Ray actor --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -272,8 +272,7 @@ def overlaps(intervals):
 @pytest.fixture(scope="module")
 def placed_workers(cluster):
     """Six role workers on three shared fake GPUs: actor on 0-2, a TP-2 engine on 0-1, critic on 1-2."""
-    plan = PlacementSpec.from_ranges({"actor": "0-2", "rollout": "0-1", "critic": "1-2"}, tp={"rollout": 2},
-                                     sleep={"actor", "rollout", "critic"}).plan()
+    plan = PlacementSpec.from_ranges({"actor": "0-2", "rollout": "0-1", "critic": "1-2"}, tp={"rollout": 2}).plan()
     placed = place(plan, timeout_s=TIMEOUT)
     turnstile = Turnstile.create("test-turnstile-schedule", timeout_s=TIMEOUT)
     Monitor, RoleWorker = make_classes()

@@ -33,14 +33,14 @@ def ids(outputs):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def placed(cluster):
-    spec = PlacementSpec.from_ranges({"actor": "0-1", "rollout": "0-1"}, sleep={"actor", "rollout"})
+    spec = PlacementSpec.from_ranges({"actor": "0-1", "rollout": "0-1"})
     with place(spec.plan(), timeout_s=60) as p:
         yield p
 
@@ -128,8 +128,7 @@ def test_a_late_engine_call_raises_a_timeout_naming_the_engine(engines):
 
 
 def test_tensor_parallel_engines_get_their_bundles_and_split_the_fraction(cluster):
-    spec = PlacementSpec.from_ranges({"actor": "0-1", "rollout": "0-1"}, tp={"rollout": 2},
-                                     sleep={"actor", "rollout"})
+    spec = PlacementSpec.from_ranges({"actor": "0-1", "rollout": "0-1"}, tp={"rollout": 2})
     with place(spec.plan(), timeout_s=60) as tp_placed:
         options, extra = engine_placement(tp_placed, "rollout", 0, accepts={"model", "gpus_per_worker"})
         slot = tp_placed.worker("rollout", 0)

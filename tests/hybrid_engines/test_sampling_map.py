@@ -44,7 +44,8 @@ def test_values_land_in_the_engines_own_names():
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=7, min_new_tokens=2, stop_token_ids=(3, 4))
     v = vllm_sampling_kwargs(p, seed=9, stop_at_eos=True)
     assert v == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 7, "min_tokens": 2,
-                 "stop_token_ids": [3, 4], "ignore_eos": False, "seed": 9, "logprobs": 0, "detokenize": False}
+                 "stop_token_ids": [3, 4], "ignore_eos": False, "seed": 9, "logprobs": 0, "detokenize": False,
+                 "flat_logprobs": True}
     s = sglang_sampling_params(p, seed=9, stop_at_eos=True)
     assert s == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_new_tokens": 7, "min_new_tokens": 2,
                  "stop_token_ids": [3, 4], "ignore_eos": False, "sampling_seed": 9}
@@ -112,6 +113,18 @@ def test_logprobs_of_the_sampled_tokens_are_picked_from_vllm_steps():
     with pytest.raises(ValueError):
         sampled_logprobs([4], steps)
 
+
+def test_sampled_logprobs_from_flat_lists():
+    """vLLM's FlatLogprobs (flat_logprobs=True): per position a [start, end) range of flat lists; with logprobs=0 the
+    sampled token comes first (a rank-1 alternative may follow when the sampled token was not the top one)."""
+
+    class Flat(list):  # what vLLM's FlatLogprobs offers: a sequence of positions, plus the flat lists
+        def __init__(self, starts, ids, values):
+            super().__init__(range(len(starts)))
+            self.start_indices, self.token_ids, self.logprobs = starts, ids, values
+
+    flat = Flat([0, 2], [4, 9, 2], [-0.5, -0.1, -2.0])
+    assert sampled_logprobs([4, 2], flat) == [-0.5, -2.0]
 
 def test_finish_reasons():
     assert finish_reason("stop", engine="vllm") == "stop"

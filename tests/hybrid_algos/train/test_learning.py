@@ -21,7 +21,9 @@ SETTINGS = dict(task="copy", task_length=1, max_steps=48, rollout_batch_size=16,
                 actor_learning_rate=2e-3, critic_learning_rate=2e-3, seed=1, call_timeout_s=300,
                 # KL against the reference as a loss term for all three: as a reward term it is whitened together
                 # with the scores, and once every sample is right it is all that is left to whiten.
-                use_kl_loss=True, kl_estimator="k3", init_kl_coef=0.001)
+                use_kl_loss=True, kl_estimator="k3", init_kl_coef=0.001,
+                # every role moves between its phases (on a CPU the planner would keep everything resident)
+                residency="all-sleep")
 
 
 @pytest.mark.slow
@@ -41,8 +43,8 @@ def test_algorithm_learns_the_copy_task(algo: str, tmp_path) -> None:
     assert elapsed < 180, f"{algo} took {elapsed:.0f} s"
 
     # Colocated with sleep: every role on the one GPU, and every step moved state off and back on.
-    plan = summary["plan"]
-    assert plan.num_gpus == 1 and plan.roles["actor"].sleeps and plan.roles["rollout"].sleeps
+    plan, residency = summary["plan"], summary["residency"]
+    assert plan.num_gpus == 1 and residency.sleeps("actor") and residency.sleeps("rollout")
     assert ("critic" in plan.roles) == (algo == "ppo")
     for m in summary["history"]:
         assert m["bytes/sleep"] > 0 and m["bytes/wake"] > 0 and m["time/generate"] > 0 and m["time/train"] > 0

@@ -11,16 +11,14 @@ def openrlhf_8gpu(**overrides):
     flags = dict(actor_num_nodes=1, actor_num_gpus_per_node=8, ref_num_nodes=1, ref_num_gpus_per_node=8,
                  reward_num_nodes=1, reward_num_gpus_per_node=8, critic_num_nodes=0, critic_num_gpus_per_node=0,
                  vllm_num_engines=8, vllm_tensor_parallel_size=1, colocate_all_models=True,
-                 colocate_actor_ref=False, colocate_critic_reward=False, vllm_enable_sleep=True,
-                 deepspeed_enable_sleep=True, gpus_per_node=8)
+                 colocate_actor_ref=False, colocate_critic_reward=False, gpus_per_node=8)
     flags.update(overrides)
     return PlacementSpec.from_counts(**flags)
 
 
 def openrlhf_70b(**overrides):
     """The '70B model on 48 GPUs' hybrid-engine command of the Hybrid Engine guide (reference 000)."""
-    flags = dict(colocate_all_models=True, vllm_enable_sleep=True, deepspeed_enable_sleep=True,
-                 vllm_num_engines=4, vllm_tensor_parallel_size=4, actor_num_nodes=1, actor_num_gpus_per_node=16,
+    flags = dict(colocate_all_models=True, vllm_num_engines=4, vllm_tensor_parallel_size=4, actor_num_nodes=1, actor_num_gpus_per_node=16,
                  critic_num_nodes=1, critic_num_gpus_per_node=16, reward_num_nodes=1, reward_num_gpus_per_node=8,
                  ref_num_nodes=1, ref_num_gpus_per_node=8)
     flags.update(overrides)
@@ -41,7 +39,6 @@ def test_openrlhf_8gpu_example_puts_every_model_on_the_same_8_gpus():
     for name, role in plan.roles.items():
         assert [w.gpus for w in role.workers] == [(g,) for g in range(8)], name
         assert all(w.num_gpus == 0.25 for w in role.workers)
-    assert {n for n, r in plan.roles.items() if r.sleeps} == {"actor", "rollout"}  # the two sleep flags
     assert plan.roles["rollout"].tp == 1
 
 
@@ -55,7 +52,6 @@ def test_openrlhf_70b_flags_need_16_gpus_not_48():
                              "reference": tuple(range(8)), "reward": tuple(range(8))}
     assert [w.gpus for w in plan.roles["rollout"].workers] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11),
                                                                 (12, 13, 14, 15)]
-    assert {n for n, r in plan.roles.items() if r.sleeps} == {"actor", "rollout", "critic"}
     # five roles share GPUs 0-7, three share 8-15; fractions fill each GPU without exceeding it
     assert plan.worker_on_gpu("actor", 0).num_gpus == 0.2
     assert plan.worker_on_gpu("actor", 8).num_gpus == 0.3333
@@ -68,7 +64,7 @@ def test_guide_48_gpu_total_is_engines_sharing_the_actor_and_everything_else_sep
     do, and then the plan count agrees with the guide."""
     plan = PlacementSpec.from_ranges(
         {"actor": "0-15", "rollout": "0-15", "critic": "16-31", "reward": "32-39", "reference": "40-47"},
-        tp={"rollout": 4}, sleep={"actor", "rollout"}, gpus_per_node=8, num_nodes=6).plan()
+        tp={"rollout": 4}, gpus_per_node=8, num_nodes=6).plan()
     assert plan.num_gpus == 48
     assert [plan.roles_on_gpu(g) for g in (0, 15, 16, 32, 47)] == [["actor", "rollout"], ["actor", "rollout"],
                                                                    ["critic"], ["reward"], ["reference"]]
@@ -78,7 +74,7 @@ def test_guide_64_gpu_count_without_hybrid_engine():
     """Without colocation every role gets its own GPUs. The 48-GPU command's counts then need 16+16+16+8+8 = 64;
     the guide's own 'without hybrid engine' command (reward and reference 16 each) needs 80, not the 64 it states:
     its sum leaves out the reference model's 16 GPUs."""
-    no_hybrid = dict(colocate_all_models=False, vllm_enable_sleep=False, deepspeed_enable_sleep=False)
+    no_hybrid = dict(colocate_all_models=False)
     assert openrlhf_70b(**no_hybrid).plan().num_gpus == 64
     plan = openrlhf_70b(reward_num_gpus_per_node=16, ref_num_gpus_per_node=16, **no_hybrid).plan()
     assert plan.num_gpus == 80
@@ -95,24 +91,17 @@ def test_colocate_actor_ref_and_critic_reward_pair_the_models():
                                      colocate_critic_reward=True).plan()
     assert gpu_map(plan) == {"actor": (0,), "rollout": (1,), "critic": (2,), "reference": (0,), "reward": (2,)}
     assert plan.worker_on_gpu("actor", 0).num_gpus == plan.worker_on_gpu("reference", 0).num_gpus == 0.5
-    assert not any(r.sleeps for r in plan.roles.values())  # actor+ref and critic+reward: one heavy role each
-
-
-def test_deepspeed_sleep_applies_only_to_trainers_that_share_a_gpu():
-    plan = PlacementSpec.from_counts(actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, ref_num_gpus_per_node=2,
-                                     colocate_actor_ref=True, deepspeed_enable_sleep=True).plan()
-    assert plan.roles["actor"].sleeps and not plan.roles["critic"].sleeps  # the critic has its GPUs to itself
+    assert plan.shared_gpus("critic") == (2,) and plan.shared_gpus("rollout") == ()
 
 
 def test_roles_with_zero_gpus_are_absent_and_no_engines_means_no_rollout():
-    plan = openrlhf_8gpu(ref_num_nodes=0, reward_num_gpus_per_node=0, vllm_num_engines=0,
-                         vllm_enable_sleep=False, deepspeed_enable_sleep=False).plan()
+    plan = openrlhf_8gpu(ref_num_nodes=0, reward_num_gpus_per_node=0, vllm_num_engines=0).plan()
     assert list(plan.roles) == ["actor"]
     assert plan.num_gpus == 8
 
 
 def test_count_fields_are_the_from_counts_flags():
-    flags = {name: (True if name.startswith(("colocate", "vllm_enable", "deepspeed")) else 1) for name in COUNT_FIELDS}
+    flags = {name: (True if name.startswith("colocate") else 1) for name in COUNT_FIELDS}
     flags.update(vllm_num_engines=1, critic_num_gpus_per_node=0)  # 1 actor GPU holds 1 engine; no critic
     assert PlacementSpec.from_counts(**flags).plan().num_gpus == 1
 
@@ -132,24 +121,15 @@ def e(field, *fragments):
     (dict(vllm_tensor_parallel_size=0), e("vllm_tensor_parallel_size", "at least 1")),
     (dict(vllm_num_engines=-2), e("vllm_num_engines", "at least 0")),
     (dict(vllm_tensor_parallel_size=16, vllm_num_engines=1), e("vllm_tensor_parallel_size", "node of 8 GPUs")),
-    (dict(colocate_all_models=False, deepspeed_enable_sleep=False),
-     e("vllm_enable_sleep", "share no GPU", "--colocate_all_models")),
-    (dict(colocate_all_models=False, vllm_enable_sleep=False, colocate_actor_ref=False),
-     e("deepspeed_enable_sleep", "neither the actor nor the critic shares a GPU")),
-    (dict(critic_num_nodes=1, critic_num_gpus_per_node=8, deepspeed_enable_sleep=False),
-     e("deepspeed_enable_sleep", "actor and critic share GPUs 0-7 and none of them sleeps")),
-    (dict(vllm_enable_sleep=False, deepspeed_enable_sleep=False),
-     e("deepspeed_enable_sleep / vllm_enable_sleep", "actor and rollout share GPUs 0-7")),
     (dict(critic_num_nodes=1, critic_num_gpus_per_node=16, gpus_per_node=16),
      e("critic_num_gpus_per_node", "asks for 16 GPUs and the actor has 8")),
-    (dict(colocate_all_models=False, colocate_critic_reward=True, vllm_enable_sleep=False,
-          deepspeed_enable_sleep=False), e("colocate_critic_reward", "no critic")),
-    (dict(colocate_all_models=False, colocate_actor_ref=True, ref_num_gpus_per_node=0, vllm_enable_sleep=False),
+    (dict(colocate_all_models=False, colocate_critic_reward=True), e("colocate_critic_reward", "no critic")),
+    (dict(colocate_all_models=False, colocate_actor_ref=True, ref_num_gpus_per_node=0),
      e("colocate_actor_ref", "no reference model")),
     (dict(colocate_all_models="yes"), e("colocate_all_models", "expected true or false")),
     (dict(cluster_gpus=4, gpus_per_node=None), e("actor_num_gpus_per_node", "outside the cluster's 4 GPUs",
                                                    "the plan needs 8 GPUs")),
-    (dict(colocate_all_models=False, vllm_enable_sleep=False, deepspeed_enable_sleep=False, cluster_gpus=16),
+    (dict(colocate_all_models=False, cluster_gpus=16),
      e("ref_num_gpus_per_node", "reference would use GPUs 16-23", "outside the cluster's 16 GPUs",
        "needs 32 GPUs (actor 0-7, rollout 8-15, reference 16-23, reward 24-31)")),
     (dict(num_nodes=2, cluster_gpus=8), e("cluster_gpus", "num_nodes x gpus_per_node = 2 x 8 = 16")),

@@ -1,6 +1,5 @@
-"""Placement meanings OpenRLHF command lines need: no engines (generate on the actor's GPUs), frozen models that
-sleep (--ref_reward_offload), and nodes (roles on several nodes imply the node size; a placed plan's nodes must lie
-within real nodes)."""
+"""Placement meanings OpenRLHF command lines need: no engines (generate on the actor's GPUs), and nodes (roles on
+several nodes imply the node size; a placed plan's nodes must lie within real nodes)."""
 
 import pytest
 
@@ -8,7 +7,7 @@ from hybrid_core.errors import PlacementError
 from hybrid_core.placement import PlacementSpec
 from hybrid_core.placement.ray_groups import GpuDevice, _check_plan_nodes
 
-SLEEP = dict(vllm_enable_sleep=True, deepspeed_enable_sleep=True)
+SLEEP: dict = {}  # who sleeps is the residency plan's, not the placement's
 
 
 def test_engines_on_the_actor_s_gpus_leave_the_other_roles_where_they_were():
@@ -18,7 +17,6 @@ def test_engines_on_the_actor_s_gpus_leave_the_other_roles_where_they_were():
     assert plan.roles["rollout"].gpus == plan.roles["actor"].gpus == (0, 1, 2, 3)
     assert plan.roles["critic"].gpus == (4, 5) and plan.roles["reference"].gpus == (6,)
     assert plan.roles["reward"].gpus == (7,)
-    assert plan.roles["rollout"].sleeps and not plan.roles["actor"].sleeps  # the engines make room for training
     with pytest.raises(PlacementError, match="one per actor GPU"):
         PlacementSpec.from_counts(actor_num_gpus_per_node=4, vllm_num_engines=2, engines_on_actor=True).plan()
 
@@ -27,17 +25,6 @@ def test_engines_on_the_actor_with_colocated_reference():
     plan = PlacementSpec.from_counts(actor_num_gpus_per_node=2, ref_num_gpus_per_node=2, vllm_num_engines=2,
                                      colocate_actor_ref=True, engines_on_actor=True).plan()
     assert plan.num_gpus == 2 and plan.roles["reference"].gpus == plan.roles["rollout"].gpus == (0, 1)
-
-
-def test_frozen_models_sleep_only_where_they_share_gpus():
-    plan = PlacementSpec.from_counts(actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, ref_num_gpus_per_node=2,
-                                     reward_num_gpus_per_node=2, vllm_num_engines=1, vllm_tensor_parallel_size=2,
-                                     colocate_actor_ref=True, colocate_critic_reward=True, frozen_sleep=True).plan()
-    assert plan.roles["reference"].sleeps and plan.roles["reward"].sleeps
-    with pytest.raises(PlacementError, match="has GPUs of its own") as e:
-        PlacementSpec.from_counts(actor_num_gpus_per_node=1, ref_num_gpus_per_node=1, vllm_num_engines=1,
-                                  frozen_sleep=True).plan()
-    assert e.value.field == "ref_reward_offload" and "--colocate_actor_ref" in e.value.fix
 
 
 def test_multi_node_roles_imply_the_node_size():

@@ -19,7 +19,7 @@ TIMEOUT = 60
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, num_gpus=CLUSTER_GPUS, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=CLUSTER_GPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -62,8 +62,7 @@ def test_workers_land_on_their_planned_gpus_whatever_the_creation_order(cluster)
 
     blocker = Blocker.remote()
     blocked = get_with_timeout(blocker.gpu.remote(), TIMEOUT, "blocker")
-    plan = PlacementSpec.from_ranges({"actor": "0-3", "rollout": "0-3", "reference": "0-1"}, tp={"rollout": 2},
-                                     sleep={"actor", "rollout"}).plan()
+    plan = PlacementSpec.from_ranges({"actor": "0-3", "rollout": "0-3", "reference": "0-1"}, tp={"rollout": 2}).plan()
     placed = place(plan, timeout_s=TIMEOUT)
     try:
         ids = [placed.device(g).gpu_id for g in range(plan.num_gpus)]
@@ -106,7 +105,7 @@ def test_workers_land_on_their_planned_gpus_whatever_the_creation_order(cluster)
 def test_the_guides_48_gpu_layout_places_on_48_gpus(cluster):
     plan = PlacementSpec.from_ranges(
         {"actor": "0-15", "rollout": "0-15", "critic": "16-31", "reward": "32-39", "reference": "40-47"},
-        tp={"rollout": 4}, sleep={"actor", "rollout"}, gpus_per_node=8, num_nodes=6).plan()
+        tp={"rollout": 4}, gpus_per_node=8, num_nodes=6).plan()
     with place(plan, timeout_s=TIMEOUT) as placed:
         assert free_gpus() == 0
         devices = [placed.device(g) for g in range(48)]

@@ -20,27 +20,25 @@ def table_rows(text):
 
 def test_table_shows_every_gpu_role_rank_and_fraction():
     plan = PlacementSpec.from_counts(actor_num_gpus_per_node=8, ref_num_gpus_per_node=8, reward_num_gpus_per_node=8,
-                                     vllm_num_engines=8, colocate_all_models=True, vllm_enable_sleep=True,
-                                     deepspeed_enable_sleep=True, gpus_per_node=8).plan()
+                                     vllm_num_engines=8, colocate_all_models=True, gpus_per_node=8).plan()
     text = plan.render()
     labels, rows = table_rows(text)
-    assert labels == ["actor*", "rollout*", "reference", "reward"]  # * marks the roles that sleep
+    assert labels == ["actor", "rollout", "reference", "reward"]
     assert sorted(rows) == list(range(8))
     for gpu, cells in rows.items():
         assert set(cells.values()) == {f"#{gpu} 0.25"}
     assert text.startswith("placement: 8 GPUs on 1 node (8 GPUs per node)")
     summary = {line.split()[0]: line for line in text.splitlines()[-4:]}
-    assert "sleeps (takes turns on GPUs 0-7)" in summary["actor"]
-    assert "light, resident (shares GPUs 0-7)" in summary["reference"]
+    assert summary["actor"].split()[-2:] == ["GPUs", "0-7"]  # the GPUs it shares with other roles
 
 
 def test_table_shows_engines_across_their_gpus_empty_cells_and_nodes():
     plan = PlacementSpec.from_ranges({"actor": "0-7", "rollout": "0-7", "reference": "0-3"}, tp={"rollout": 4},
-                                     sleep={"actor", "rollout"}, gpus_per_node=4).plan()
+                                     gpus_per_node=4).plan()
     text = plan.render()
     _, rows = table_rows(text)
     for gpu in range(8):
-        assert rows[gpu]["rollout*"] == f"#{gpu // 4} {0.3333 if gpu < 4 else 0.5}"
+        assert rows[gpu]["rollout"] == f"#{gpu // 4} {0.3333 if gpu < 4 else 0.5}"
         assert rows[gpu]["reference"] == ("-" if gpu >= 4 else f"#{gpu} 0.3333")
     assert "node 1 (GPUs 4-7)" in text
     rollout_line = next(line for line in text.splitlines() if line.startswith("rollout "))
@@ -48,7 +46,7 @@ def test_table_shows_engines_across_their_gpus_empty_cells_and_nodes():
 
 
 def test_table_is_plain_ascii_and_compact():
-    plan = PlacementSpec.from_ranges({"actor": "0-47", "rollout": "0-47"}, tp={"rollout": 4}, sleep={"rollout"},
+    plan = PlacementSpec.from_ranges({"actor": "0-47", "rollout": "0-47"}, tp={"rollout": 4},
                                      gpus_per_node=8).plan()
     text = plan.render()
     assert text.isascii()

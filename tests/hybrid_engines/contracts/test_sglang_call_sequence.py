@@ -1,9 +1,10 @@
-"""The order and arguments of the SGLang adapter's calls into ``sglang.Engine`` (0.5.23's calling protocol).
+"""The order and arguments of the SGLang adapter's calls into ``sglang.Engine`` (0.5.16's and 0.5.23's protocol).
 
 SGLang cannot run here, so ``RecordingEngine`` stands in for ``sglang.Engine`` (through a fake ``sglang`` module):
-it records calls and answers as 0.5.23 does (``(success, message)`` tuples, ``None`` from the memory calls, a
-``.success`` object from ``flush_cache``, dicts from ``generate``). Only this file uses it; the names themselves are
-checked against the real package by ``test_sglang_contract.py``.
+it records calls and answers as SGLang does (``(success, message)`` tuples, ``None`` from the memory calls, a
+``.success`` object from ``flush_cache``, dicts from ``generate``); ``Engine0516`` lacks the weight-update session
+methods, as 0.5.16 does. Only this file uses them; the names themselves are checked against the real package by
+``test_sglang_contract.py``, and the serialized IPC buckets are read by SGLang's own code there.
 """
 
 from __future__ import annotations
@@ -65,23 +66,39 @@ class RecordingEngine:
     def update_weights_from_distributed(self, **kw):
         return self._record("update_weights_from_distributed", **kw)
 
-    def update_weights_from_tensor(self, named_tensors, flush_cache):
-        self.tensors = [(n, t.clone()) for n, t in named_tensors]
-        return self._record("update_weights_from_tensor", flush_cache=flush_cache)
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.payloads = list(named_tensors)
+        return self._record("update_weights_from_tensor", load_format=load_format, flush_cache=flush_cache)
 
     def shutdown(self):
         self.calls.append(("shutdown", {}))
 
 
-@pytest.fixture
-def make(monkeypatch):
+class Engine0516(RecordingEngine):
+    """0.5.16: no weight-update sessions (updates run without begin/end)."""
+
+    def __getattribute__(self, name):
+        if name in ("begin_weight_update", "end_weight_update"):
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+@pytest.fixture(params=["0.5.23", "0.5.16"])
+def make(request, monkeypatch):
     fake = types.ModuleType("sglang")
-    fake.Engine = RecordingEngine
+    fake.Engine = RecordingEngine if request.param == "0.5.23" else Engine0516
     monkeypatch.setitem(sys.modules, "sglang", fake)
     monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
     from hybrid_engines.sglang_engine import SGLangEngine
 
-    return lambda **kw: SGLangEngine("/nonexistent/model", **kw)
+    factory = lambda **kw: SGLangEngine("/nonexistent/model", **kw)  # noqa: E731
+    factory.sessions = request.param == "0.5.23"
+    return factory
+
+
+def with_sessions(make, names):
+    """The calls ``names`` as the fake version makes them (0.5.16: no begin/end)."""
+    return names if make.sessions else [n for n in names if n not in ("begin_weight_update", "end_weight_update")]
 
 
 def names(engine):
@@ -118,9 +135,10 @@ def test_generate_sends_one_row_per_completion_and_reads_logprobs(make):
 
 def test_seeds_need_deterministic_inference(make):
     with pytest.raises(ConfigError) as err:
-        make().generate([[1]], SamplingParams(seed=1))
+        make(deterministic=False).generate([[1]], SamplingParams(seed=1))
     assert err.value.field == "seed"
-    e = make(deterministic=True)
+    assert make(deterministic=False).engine.kwargs["enable_deterministic_inference"] is False
+    e = make()  # the default: the loop's seeded sampling works
     assert e.engine.kwargs["enable_deterministic_inference"] is True
     e.generate([[1]], SamplingParams(seed=1, n=2))
     seeds = [sp["sampling_seed"] for sp in e.engine.calls[-1][1]["sampling_params"]]
@@ -152,9 +170,9 @@ def test_level_two_requires_a_weight_update_inside_a_session(make):
         e.generate([[1]], SamplingParams())
     del e.engine.calls[:]
     e.update_weights(metas, bucket_bytes=1 << 20)
-    assert names(e) == ["begin_weight_update", "update_weights_from_distributed", "update_weights_from_distributed",
-                        "end_weight_update", "flush_cache"]
-    first = e.engine.calls[1][1]
+    assert names(e) == with_sessions(make, ["begin_weight_update", "update_weights_from_distributed",
+                                            "update_weights_from_distributed", "end_weight_update", "flush_cache"])
+    first = next(kw for name, kw in e.engine.calls if name == "update_weights_from_distributed")
     assert first == {"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[3]], "group_name": "g", "flush_cache": False,
                      "load_format": "flattened_bucket"}
     e.generate([[1]], SamplingParams())
@@ -166,17 +184,83 @@ def test_a_failed_sglang_call_raises_and_still_closes_the_session(make):
     e.engine.fail = {"update_weights_from_distributed"}
     with pytest.raises(RoleFailure, match="said no"):
         e.update_weights([TensorMeta("a", "float32", (2,))], bucket_bytes=1 << 20)
-    assert names(e)[-1] == "end_weight_update"  # no flush: nothing new was loaded
+    assert names(e)[-1] == with_sessions(make, ["update_weights_from_distributed", "end_weight_update"])[-1]
+    assert "flush_cache" not in names(e)  # nothing new was loaded
 
 
-def test_ipc_bucket_goes_to_update_weights_from_tensor(make):
+def _read_payload(data: bytes):
+    """What SGLang's scheduler gets from one serialized bucket (here with the plain unpickler; the contract test
+    reads it with SGLang's own allow-listing one)."""
+    import pickle
+
+    obj = pickle.loads(data)
+    flat = obj["flattened_tensor"]
+    return {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in obj["metadata"]}
+
+
+def test_ipc_sync_is_one_session_of_serialized_flattened_buckets(make):
+    from hybrid_engines.sglang_transport import SGLangIpcPayload, SGLangTransport
+
     e = make()
-    weights = [("a", torch.arange(6.0)), ("b", torch.ones(2, 2))]
-    sender = IpcBucketSender(4096, device="cpu")
-    sender.send(weights, deliver=lambda b: e.update_weights_from_ipc(b), wait=lambda _: None)
+    g = torch.Generator().manual_seed(0)
+    weights = [("a", torch.randn(6, generator=g)), ("b", torch.randn(40, 40, generator=g).to(torch.bfloat16)),
+               ("c", torch.randn(30, 30, generator=g))]
+    transport = SGLangTransport()
+    got, deliveries = {}, []
+
+    def deliver(bucket):
+        payload = transport.encode_ipc([bucket])  # in the trainer process: SGLang's form, one payload per TP rank
+        assert isinstance(payload, SGLangIpcPayload) and len(payload.data) == 1
+        deliveries.append(payload)
+        e.update_weights_from_ipc(payload)
+        got.update({n: t.clone() for n, t in _read_payload(e.engine.payloads[0]).items()})
+        if not payload.last:  # mid-sync the engine refuses to generate
+            with pytest.raises(EngineStateError, match="in progress"):
+                e.generate([[1]], SamplingParams())
+
+    sender = IpcBucketSender(4096, device="cpu")  # a + b (3264 B with alignment) fit, c (3600 B) opens bucket 2
+    sender.send(weights, deliver=deliver, wait=lambda _: None)
     sender.close()
-    assert [n for n, _ in e.engine.tensors] == ["a", "b"] and torch.equal(e.engine.tensors[0][1], weights[0][1])
-    assert names(e) == ["begin_weight_update", "update_weights_from_tensor", "end_weight_update", "flush_cache"]
+    assert [p.names for p in deliveries] == [("a", "b"), ("c",)] and deliveries[-1].last
+    for name, tensor in weights:
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
+    loads = [kw for n, kw in e.engine.calls if n == "update_weights_from_tensor"]
+    assert loads == [{"load_format": "flattened_bucket", "flush_cache": False}] * 2
+    assert names(e) == with_sessions(make, ["begin_weight_update", *["update_weights_from_tensor"] * 2,
+                                            "end_weight_update", "flush_cache"])
+    e.generate([[1]], SamplingParams())
+
+
+def test_a_hybrid_core_ipc_bucket_is_encoded_by_the_engine_too(make):
+    e = make()
+    sender = IpcBucketSender(4096, device="cpu")
+    weights = [("a", torch.arange(6.0)), ("b", torch.ones(2, 2))]
+    got = {}
+
+    def deliver(bucket):  # the scheduler maps the trainer's buffer during the call, as SGLang's does
+        e.update_weights_from_ipc(bucket)
+        got.update({n: t.clone() for n, t in _read_payload(e.engine.payloads[0]).items()})
+
+    sender.send(weights, deliver=deliver, wait=lambda _: None)
+    sender.close()
+    assert all(torch.equal(got[n], t) for n, t in weights)
+
+
+def test_a_failed_ipc_load_closes_the_session_and_keeps_the_weights_unsynced(make):
+    from hybrid_engines.sglang_transport import SGLangTransport
+
+    e = make()
+    e.sleep(2)
+    e.wake_up()
+    e.engine.fail = {"update_weights_from_tensor"}
+    sender = IpcBucketSender(4096, device="cpu")
+    with pytest.raises(RoleFailure, match="said no"):
+        sender.send([("a", torch.ones(3))], deliver=lambda b: e.update_weights_from_ipc(
+            SGLangTransport().encode_ipc([b])), wait=lambda _: None)
+    sender.close()
+    assert "flush_cache" not in names(e)[-2:]
+    with pytest.raises(EngineStateError, match="discarded"):
+        e.generate([[1]], SamplingParams())
 
 
 def test_refusals(make):
@@ -186,6 +270,10 @@ def test_refusals(make):
     with pytest.raises(ConfigError) as err:
         make(tensor_parallel_size=2).update_weights_from_ipc(None)
     assert err.value.field == "tensor_parallel_size"
+    from hybrid_engines.sglang_engine import SGLangEngine
+
+    assert SGLangEngine.placement_refusal(tp=2, shares_gpus=False) and SGLangEngine.placement_refusal(
+        tp=1, shares_gpus=True) is None
     with pytest.raises(ConfigError) as err:
         make(stop_at_eos=False).generate([[1]], SamplingParams(stop_token_ids=(3,)))
     assert err.value.field == "stop_token_ids"

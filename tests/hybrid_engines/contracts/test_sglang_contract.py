@@ -1,9 +1,11 @@
-"""Every SGLang name the adapter uses exists in the installed SGLang (written against 0.5.23).
+"""Every SGLang name the adapter uses exists in the installed SGLang (0.5.16 and 0.5.23 are the tested versions).
 
 Driven by the adapter's own constants (``SGLANG_SERVER_ARGS``, ``SGLANG_ENGINE_METHODS``, ``SGLANG_SAMPLING_FIELDS``,
-``SGLANG_TAGS``). SGLang installs on CPU but cannot start an engine: run with ``hatch run sglang-contract:test``.
-The weight-sync wire format is checked for real: our trainer side against SGLang's own receive code (its
-``FlattenedTensorBucket`` and ``init_custom_process_group``, in another process, over gloo).
+``SGLANG_TAGS``). SGLang installs on CPU but cannot start an engine: run with ``hatch run sglang-contract:test``
+(0.5.23) and ``hatch run sglang-contract:test-0516`` (0.5.16's wheel over the same env). The weight-sync wire formats
+are checked for real: the trainer's ``SGLangTransport`` against SGLang's own receive code (``init_custom_process_group``
+and ``FlattenedTensorBucket`` in another process over gloo; ``MultiprocessingSerializer`` with its allow-listing
+unpickler and the model runner's flattened-bucket loader for the IPC payloads).
 """
 
 from __future__ import annotations
@@ -33,15 +35,30 @@ def _source(module: str) -> str:
     return Path(importlib.util.find_spec(module).origin).read_text()
 
 
-def test_version_is_the_one_the_adapter_was_read_against():
+def test_version_is_one_the_adapter_was_read_against():
     print(f"checked against sglang {sglang.__version__}")
-    assert sglang.__version__
+    assert sglang.__version__ in adapter.TESTED_VERSIONS
+
+
+def _has_sessions() -> bool:
+    from sglang.srt.entrypoints.engine import Engine
+
+    return all(callable(getattr(Engine, m, None)) for m in adapter.SGLANG_SESSION_METHODS)
+
+
+def test_weight_update_sessions_exist_from_0_5_23_on():
+    assert _has_sessions() == (sglang.__version__ != "0.5.16")
 
 
 def test_server_args_has_every_field_the_adapter_sets():
-    from sglang.srt.arg_groups.arg_utils import record_fields
+    import dataclasses
+
     from sglang.srt.server_args import ServerArgs
 
+    try:  # 0.5.23: ServerArgs is a record assembled from field groups
+        from sglang.srt.arg_groups.arg_utils import record_fields
+    except ImportError:  # 0.5.16: a plain dataclass
+        record_fields = dataclasses.fields
     fields = {f.name for f in record_fields(ServerArgs)}
     missing = sorted(set(adapter.SGLANG_SERVER_ARGS.values()) - fields)
     assert not missing, f"ServerArgs has no {missing}"
@@ -84,10 +101,16 @@ def test_behaviours_the_adapter_relies_on_are_in_the_source():
     sampler = _source("sglang.srt.layers.sampler")
     assert 'get_bool_env_var("SGLANG_RETURN_ORIGINAL_LOGPROB")' in sampler  # raw logprobs switch
     scheduler = _source("sglang.srt.managers.scheduler_components.weight_updater")
-    assert '"update_weights_from_distributed must run between "' in scheduler  # the session
-    assert '"begin_weight_update() and end_weight_update()"' in scheduler
+    if _has_sessions():  # 0.5.23: updates outside a session are refused, which is why the adapter opens one
+        assert '"update_weights_from_distributed must run between "' in scheduler
+        assert '"begin_weight_update() and end_weight_update()"' in scheduler
     runner = _source("sglang.srt.model_executor.model_runner_components.weight_updater")
-    assert 'load_format == "flattened_bucket"' in runner and "FlattenedTensorBucket.empty" in runner
+    assert 'load_format == "flattened_bucket"' in runner
+    assert "FlattenedTensorBucket.empty" in runner or "FlattenedTensorBucket(named_tensors=named_tensors)" in runner
+    assert "def _update_weights_from_flattened_bucket" in runner  # the IPC payload's loader
+    tp_worker = _source("sglang.srt.managers.tp_worker")
+    assert "monkey_patch_torch_reductions()" in tp_worker  # device UUIDs in CUDA handles are understood
+    assert "_device_from_maybe_uuid" in _source("sglang.srt.utils.patch_torch")
     batch = _source("sglang.srt.managers.schedule_batch")
     assert "if self.sampling_params.ignore_eos:\n            return False" in batch  # why stop_at_eos=False is refused
     info = _source("sglang.srt.sampling.sampling_batch_info")
@@ -109,36 +132,102 @@ def _tensors():
             ("d", torch.randn(64, 64, generator=g).half()), ("e", torch.randn(2, 2, generator=g))]
 
 
-def test_flattened_buckets_split_where_sglang_would_refuse_and_rebuild_exactly():
+def _receive_bucket(metas):
+    """The engine's receive buffer for one bucket, as the installed SGLang makes it (0.5.23: ``empty``; 0.5.16: a
+    bucket of empty tensors)."""
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
+    names, dtypes, shapes = [m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas]
+    if hasattr(FlattenedTensorBucket, "empty"):
+        return FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+    return FlattenedTensorBucket(named_tensors=[(n, torch.empty(s, dtype=getattr(torch, d)))
+                                                for n, d, s in zip(names, dtypes, shapes)])
+
+
+def test_flattened_buckets_split_where_sglang_would_refuse_and_rebuild_exactly():
     named = _tensors()
     metas = [TensorMeta.of(n, t) for n, t in named]
-    with pytest.raises(ValueError, match="Unaligned"):  # one bucket for all: SGLang refuses it
-        FlattenedTensorBucket.empty([m.name for m in metas], [m.dtype for m in metas], [m.shape for m in metas], "cpu")
+    with pytest.raises((ValueError, RuntimeError)):  # one bucket for all: SGLang refuses (0.5.23) or cannot view it
+        _receive_bucket(metas).reconstruct_tensors()
     by_name = dict(named)
     plan = adapter.sglang_bucket_plan(metas, bucket_bytes=4096)
     assert [[m.name for m in b] for b in plan] == [["a"], ["b", "c"], ["d"], ["e"]]
     for bucket in plan:
-        received = FlattenedTensorBucket.empty([m.name for m in bucket], [m.dtype for m in bucket],
-                                               [list(m.shape) for m in bucket], "cpu")
+        received = _receive_bucket(bucket)
         received.get_flattened_tensor().copy_(adapter.flatten_bucket([by_name[m.name] for m in bucket]))
         for name, tensor in received.reconstruct_tensors():
             assert tensor.dtype == by_name[name].dtype and torch.equal(tensor, by_name[name])
 
 
+def test_ipc_payloads_pass_sglangs_unpickler_and_load_through_its_flattened_bucket_loader():
+    """CPU buckets (shared memory) in the form the trainer's SGLangTransport makes them, read as a scheduler does:
+    ``MultiprocessingSerializer.deserialize`` (allow-listing unpickler) then the runner's flattened-bucket loader."""
+    from types import SimpleNamespace
+
+    from hybrid_core.weight_sync import IpcBucketSender
+    from hybrid_engines.sglang_transport import SGLangTransport
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    loaded = {}
+    model = SimpleNamespace(load_weights=lambda pairs: loaded.update({n: t.clone() for n, t in pairs}))
+    runner = SimpleNamespace(get_model=lambda: model)
+    transport, named = SGLangTransport(), _tensors()
+
+    def deliver(bucket):
+        payload = transport.encode_ipc([bucket])
+        for data in payload.data:
+            obj = MultiprocessingSerializer.deserialize(data)
+            ok, message = WeightUpdater._update_weights_from_flattened_bucket(runner, obj)
+            assert ok, message
+
+    sender = IpcBucketSender(4096, device="cpu")
+    sender.send(iter(named), deliver=deliver, wait=lambda _: None)
+    sender.close()
+    for name, tensor in named:
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor)
+
+
+def test_cuda_ipc_payload_names_only_what_sglangs_unpickler_allows():
+    """A CUDA bucket's payload (made here from a stand-in handle; no GPU) unpickles under SGLang's allow-list into
+    ``rebuild_cuda_tensor`` with the GPU's UUID as the device, which SGLang's patched rebuild maps to its index."""
+    from hybrid_core.weight_sync import IpcBucket, IpcHandle
+    from hybrid_engines.sglang_transport import serialize_bucket
+    from sglang.srt.utils.common import SafeUnpickler
+
+    seen = []
+
+    class Probe(SafeUnpickler):
+        def find_class(self, module, name):
+            found = super().find_class(module, name)  # raises for anything SGLang would block
+            seen.append(f"{module}.{name}")
+            # torch's rebuild_cuda_tensor, or SGLang's patched one if this process was patched: both are allowed
+            return (lambda *args: ("rebuilt", args)) if "rebuild_cuda_tensor" in name else found
+
+    import io
+
+    args = (torch.Tensor, (64,), (1,), 0, torch.UntypedStorage, torch.uint8, 3, b"handle", 64, 0, False, b"rc", 0,
+            b"event", True)
+    meta = TensorMeta("w", "bfloat16", (4, 8))
+    bucket = IpcBucket(0, IpcHandle("cuda", args, 64, "GPU-1234"), ((meta, 0),), last=True)
+    obj = Probe(io.BytesIO(serialize_bucket(bucket))).load()
+    kind, rebuilt = obj["flattened_tensor"]
+    assert kind == "rebuilt" and rebuilt[6] == "GPU-1234" and rebuilt[7] == b"handle"
+    (m,) = obj["metadata"]
+    assert (m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) == ("w", (4, 8), torch.bfloat16, 0, 64, 64)
+    assert any("rebuild_cuda_tensor" in s for s in seen)
+
+
 def _sglang_side(port: int, metas, bucket_bytes: int, conn) -> None:
-    """Rank 1, exactly as SGLang 0.5.23 joins (init_custom_process_group) and receives (flattened_bucket)."""
+    """Rank 1, exactly as SGLang joins (init_custom_process_group) and receives (flattened_bucket)."""
     try:
         from sglang.srt.utils.common import init_custom_process_group
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
         pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
                                        group_name="hybrid-test")
         got = {}
         for bucket in adapter.sglang_bucket_plan(metas, bucket_bytes):
-            received = FlattenedTensorBucket.empty([m.name for m in bucket], [m.dtype for m in bucket],
-                                                   [list(m.shape) for m in bucket], "cpu")
+            received = _receive_bucket(bucket)
             torch.distributed.broadcast(received.get_flattened_tensor(), src=0, group=pg)
             got.update({n: t.clone() for n, t in received.reconstruct_tensors()})
         conn.send(("ok", got))

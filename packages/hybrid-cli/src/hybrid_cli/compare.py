@@ -81,8 +81,10 @@ def agreement(tokens_a: Sequence[Sequence[int]], tokens_b: Sequence[Sequence[int
 # ---- the command ---------------------------------------------------------------------------------------------------
 def add_compare_flags(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument
-    p("--backend_a", required=True, choices=("hf", "vllm", "sglang"), help="first engine backend")
-    p("--backend_b", required=True, choices=("hf", "vllm", "sglang"), help="second engine backend")
+    from hybrid_engines.registry import backend_names
+
+    p("--backend_a", required=True, choices=backend_names(), help="first engine backend")
+    p("--backend_b", required=True, choices=backend_names(), help="second engine backend")
     p("--pretrain", help="model folder (default: the tiny built-in demo model)")
     p("--pretrain_b", help="engine B's model folder (default: --pretrain), e.g. to check a weight sync")
     p("--prompt_data", help="JSONL/JSON/Parquet file or datasets folder (default: the built-in task's prompts)")

@@ -34,7 +34,7 @@ from . import openrlhf_flags as orl
 from .openrlhf import HELP
 
 #: Flags of the training commands that are not config fields.
-CLI_ONLY = ("config", "dry_run", "gpu_memory_gb")
+CLI_ONLY = ("config", "dry_run")
 
 
 @dataclass(frozen=True)

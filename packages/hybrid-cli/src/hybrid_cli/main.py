@@ -52,9 +52,8 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("command")
     group.add_argument("--config", metavar="FILE.yaml", help="settings file (same names as the flags; flags win)")
     group.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
-                       help="validate, print the placement plan and the GPU-memory budget, and exit (no Ray, no GPU)")
-    group.add_argument("--gpu_memory_gb", type=float, metavar="GIB",
-                       help="GPU memory (GiB) for the --dry-run budget (default: the local GPU's, else 80)")
+                       help="validate, print the placement plan and the residency plan (what stays on each GPU in "
+                       "each phase, predicted peaks), and exit (no Ray, no GPU)")
 
 
 def load_config(command: str, argv: Sequence[str]) -> tuple[Any, argparse.Namespace, list[str]]:
@@ -130,9 +129,6 @@ def _defaults(cls: type, command: str, given: dict[str, Any], dotted: bool) -> t
                          "(colocated, sleeping, the built-in engine); OpenRLHF's defaults apply to OpenRLHF command "
                          "lines (with --pretrain or dotted flags).")
             implied.update(_demo_fits_the_actor(cls, implied, given))
-    if given.get("colocate_all_models") is False:
-        # hybrid's sleep defaults exist for colocation: with it turned off, nobody shares a GPU to sleep for
-        implied.update({k: False for k in ("vllm_enable_sleep", "deepspeed_enable_sleep") if k not in given})
     return implied, notes
 
 
@@ -200,7 +196,7 @@ def _run(argv: list[str]) -> int:
     if args.dry_run:
         from .dry_run import dry_run
 
-        return dry_run(config, gpu_memory_gb=args.gpu_memory_gb, notes=notes)
+        return dry_run(config, notes=notes)
     return train_command(config, notes=notes)
 
 

@@ -1,10 +1,10 @@
 """What an OpenRLHF command line means, so that one pasted after ``hybrid ppo`` runs unchanged.
 
 Which flags exist and what each means is the table in :mod:`hybrid_cli.openrlhf_flags`; this module holds what is
-*not* given: the defaults. hybrid's own default is the hybrid engine (every model and the engines colocated, each
-sleeping while another works, the built-in ``hf`` engine, the CPU demo's sizes). OpenRLHF's ``train_ppo_ray``
-defaults are the opposite (nothing colocated or sleeping, 8 GPUs per role, rollout batch 1024, bf16, no engines:
-generate with the actor's own model).
+*not* given: the defaults. hybrid's own default is the hybrid engine (every model and the engines colocated, the
+residency planner deciding who sleeps, the built-in ``hf`` engine, the CPU demo's sizes). OpenRLHF's
+``train_ppo_ray`` defaults are the opposite (nothing colocated, 8 GPUs per role, rollout batch 1024, bf16, no
+engines: generate with the actor's own model).
 
 **Which defaults a command line gets -- what a user would expect.** Someone who pastes an OpenRLHF script expects
 OpenRLHF's run: its 64-GPU "without hybrid engine" command must not silently become colocated. Someone who adds
@@ -17,7 +17,9 @@ every default taken. The demo (no ``--pretrain``) with a placement flag keeps hy
 
 The defaults are read from the same data file as the flags (OpenRLHF 0.11.2's parser), only for where roles run,
 the engines, the batch shape and precision; algorithm hyperparameters keep the subcommand's defaults (``hybrid grpo``
-means GRPO's, whatever placement flags come with it).
+means GRPO's, whatever placement flags come with it). ``--vllm_enable_sleep`` / ``--deepspeed_enable_sleep`` are
+not defaulted: not given, the residency planner decides what each role keeps on its GPUs, as always (given, those
+roles sleep; ``--no_...`` keeps them resident).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ PLACEMENT_FLAGS = frozenset({
 
 #: Our settings that take OpenRLHF's default in an OpenRLHF command line (the values come from the data file).
 DEFAULTED_FIELDS = (
-    "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward", "vllm_enable_sleep",
-    "deepspeed_enable_sleep", "actor_num_gpus_per_node", "critic_num_gpus_per_node", "ref_num_gpus_per_node",
+    "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward",
+    "actor_num_gpus_per_node", "critic_num_gpus_per_node", "ref_num_gpus_per_node",
     "reward_num_gpus_per_node", "vllm_num_engines", "vllm_gpu_memory_utilization", "rollout_batch_size",
     "micro_rollout_batch_size", "train_batch_size", "micro_train_batch_size", "max_samples", "bf16", "flash_attn",
     "input_key",
@@ -80,13 +82,13 @@ def openrlhf_defaults(given: Mapping[str, Any], *, dotted_used: bool = False) ->
 
 def without_engines(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``--vllm_num_engines 0``: OpenRLHF generates with the actor's own model; hybrid puts a built-in (transformers)
-    engine on each actor GPU, sleeping while the actor trains. A tensor-parallel size is then unused (as in
-    OpenRLHF)."""
+    engine on each actor GPU, taking turns with the actor there (the residency plan). A tensor-parallel size is then
+    unused (as in OpenRLHF)."""
     if values.get("vllm_num_engines", 1) != 0:
         return {}, []
     changes: dict[str, Any] = {}
     notes = ["--vllm_num_engines 0: OpenRLHF generates with the actor's own model; here the built-in transformers "
-             "engine runs on each actor GPU and sleeps while the actor trains (no vLLM)."]
+             "engine runs on each actor GPU, taking turns with the actor (no vLLM)."]
     if values.get("vllm_tensor_parallel_size", 1) > 1:
         changes["vllm_tensor_parallel_size"] = 1
         notes.append(f"--vllm_tensor_parallel_size {values['vllm_tensor_parallel_size']} is unused without engines "

@@ -53,7 +53,10 @@ class ProgressDisplay:
         self.start_step = int(info.get("start_step") or 0)
         plan = info.get("plan")
         if plan is not None and hasattr(plan, "render"):
-            self.console.print(plan.render())
+            self.console.print(plan.render(), markup=False)
+        residency = info.get("residency")
+        if residency is not None:
+            self.console.print(residency.render(), markup=False)
         if info.get("run_dir"):
             self.console.print(f"run folder: {info['run_dir']}")
         if self.live:

@@ -83,8 +83,10 @@ def connect(
     if temp_dir is not None:
         temp_dir = os.path.abspath(temp_dir)
         os.makedirs(temp_dir, exist_ok=True)
+    # address="local": always a new cluster of our own. Without it Ray joins any cluster already running on this
+    # machine (found through /tmp/ray), someone else's included.
     with loopback_only():
-        ray.init(num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
+        ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
                  log_to_driver=True, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
     info = _info(started_here=True)
     if not is_loopback(info.node_ip):

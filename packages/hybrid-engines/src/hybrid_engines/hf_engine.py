@@ -50,6 +50,20 @@ class HFEngine:
     ``seed`` seeds the weights of a config-built model and the seeds of calls whose ``params.seed`` is ``None``.
     """
 
+    NEEDS_GPU = False  # runs on CPU too
+    CHEAP_SEEDED_SAMPLING = True  # a seed per sample costs nothing here (one noise draw per row, batched)
+
+    @classmethod
+    def placement_refusal(cls, *, tp: int, shares_gpus: bool) -> str | None:
+        return f"the built-in engine runs on one GPU, and these engines have TP {tp}" if tp > 1 else None
+
+    @classmethod
+    def weight_transport(cls):
+        """The trainer's side of this engine's weight sync: hybrid-core's own format."""
+        from .weight_transport import WeightTransport
+
+        return WeightTransport()
+
     def __init__(
         self,
         model: Any,
@@ -139,6 +153,15 @@ class HFEngine:
         self._kv_awake = False
         _empty_device_cache(self.device)
         return TransferStats(stats.bytes, time.perf_counter() - start, f"sleep{level}")
+
+    def release_kv_cache(self) -> TransferStats:
+        """Free the KV cache, keep the weights. This engine builds its cache per ``generate`` call, so only the
+        allocator's cached blocks are given back."""
+        self._require_open("release_kv_cache")
+        start = time.perf_counter()
+        self._kv_awake = False
+        _empty_device_cache(self.device)
+        return TransferStats(0, time.perf_counter() - start, "release kv")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats:
         """Bring back "weights" and/or "kv_cache" (both when ``tags`` is None)."""

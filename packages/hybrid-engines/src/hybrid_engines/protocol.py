@@ -75,6 +75,7 @@ class InferenceEngine(Protocol):
     ``generate`` returns, per prompt, ``params.n`` completions. ``sleep(level=1)`` offloads weights to host memory
     and frees the KV cache; ``level=2`` discards weights too, so weights must be re-synced (``update_weights``)
     before the next ``generate``. ``wake_up(tags)`` brings back "weights" and/or "kv_cache" (all when ``None``).
+    ``release_kv_cache()`` frees the KV cache alone.
     """
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[GenerationOutput]]: ...
@@ -82,6 +83,11 @@ class InferenceEngine(Protocol):
     def sleep(self, level: int = 1) -> TransferStats: ...
 
     def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats: ...
+
+    def release_kv_cache(self) -> TransferStats:
+        """Free the KV cache only, keeping the weights on the GPU; ``wake_up(["kv_cache"])`` brings it back (empty).
+        What the residency planner asks for when the weights may stay but the cache's memory is needed."""
+        ...
 
     def init_weight_update_group(
         self,

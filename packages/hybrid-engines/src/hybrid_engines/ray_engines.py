@@ -115,6 +115,9 @@ class EngineActor:
     def wake_up(self, tags=None):
         return self.engine.wake_up(tags)
 
+    def release_kv_cache(self):
+        return self.engine.release_kv_cache()
+
     def init_weight_update_group(self, master_address, master_port, rank_offset, world_size, *,
                                  group_name="hybrid-weight-sync", backend="nccl", timeout_s=600.0):
         return self.engine.init_weight_update_group(master_address, master_port, rank_offset, world_size,
@@ -138,8 +141,10 @@ class EngineGroup:
     per-call override) and a late or failed engine raises ``RemoteTimeout`` / ``RoleFailure`` naming the role, the
     engine rank and the method."""
 
-    def __init__(self, role: str, backend: str, actors: list, tp_sizes: list[int], timeout_s: float):
+    def __init__(self, role: str, backend: str, actors: list, tp_sizes: list[int], timeout_s: float,
+                 gpus: Sequence[int] = ()):
         self.role, self.backend, self.actors, self.tp_sizes, self.timeout_s = role, backend, actors, tp_sizes, timeout_s
+        self._gpus = sorted(gpus)
 
     @property
     def num_engines(self) -> int:
@@ -198,6 +203,26 @@ class EngineGroup:
 
     def reset_prefix_cache(self, *, timeout_s: float | None = None) -> None:
         self.call("reset_prefix_cache", timeout_s=timeout_s)
+
+    def release_kv_cache(self, *, timeout_s: float | None = None) -> list:
+        return self.call("release_kv_cache", timeout_s=timeout_s)
+
+    # ---- residency: the owner (hybrid_core.residency) starts these and waits for them itself -------------------------
+    @property
+    def gpus(self) -> list[int]:
+        return list(self._gpus)
+
+    def move_off(self, states: Sequence[str], moves: Mapping[str, str]) -> list[tuple[str, Any]]:
+        """Weights leaving take the KV cache with them: sleep level 1 (``offload``) or 2 (``discard``); the KV cache
+        alone is released with the weights kept."""
+        if "weights" in states:
+            level = 1 if moves.get("weights") == "offload" else 2
+            return [(self._name(r, f"sleep({level})"), a.sleep.remote(level)) for r, a in enumerate(self.actors)]
+        return [(self._name(r, "release_kv_cache"), a.release_kv_cache.remote()) for r, a in enumerate(self.actors)]
+
+    def move_on(self, states: Sequence[str]) -> list[tuple[str, Any]]:
+        return [(self._name(r, f"wake_up({list(states)})"), a.wake_up.remote(list(states)))
+                for r, a in enumerate(self.actors)]
 
     def init_weight_update_group(self, master_address: str, master_port: int, *, backend: str = "nccl",
                                  timeout_s: float | None = None, group_name: str = "hybrid-weight-sync") -> list:
@@ -270,9 +295,11 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
     cls = engine_class(backend)  # a missing backend fails here, before any actor starts
     tp = plan.roles[role].tp
     kwargs = dict(engine_kwargs or {})
-    if tp > 1 and backend == "hf":
-        raise ConfigError(f"{role}.tp", f"the built-in engine runs on one GPU, but {role} engines have TP {tp}.",
-                          "Use tensor-parallel size 1 with backend 'hf', or backend 'vllm'/'sglang'.")
+    refusal = getattr(cls, "placement_refusal", None)
+    problem = refusal(tp=tp, shares_gpus=bool(plan.shared_gpus(role))) if refusal else None
+    if problem:
+        raise ConfigError(f"{role}.tp", f"{backend} engines cannot take this placement: {problem}.",
+                          "Use tensor-parallel size 1, or backend 'vllm'.")
     given_tp = kwargs.get("tensor_parallel_size")
     if given_tp is not None and given_tp != tp:
         raise ConfigError("tensor_parallel_size", f"engine kwargs ask for {given_tp}, the plan gives {role} {tp}.",
@@ -288,7 +315,7 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
             options, placement_kwargs = engine_placement(placed, role, rank, accepts)
             actors.append(remote_cls.options(**options, runtime_env=env, max_restarts=0).remote(
                 backend, {**kwargs, **placement_kwargs}, tp_size=tp, role=role, rank=rank))
-        group = EngineGroup(role, backend, actors, [tp] * len(actors), timeout_s)
+        group = EngineGroup(role, backend, actors, [tp] * len(actors), timeout_s, gpus=plan.roles[role].gpus)
         group.wait([a.ready.remote() for a in actors], "start")
     except BaseException:
         for a in actors:

@@ -38,7 +38,7 @@ VLLM_MAX_TEMPERATURE = 2.0
 #: Every ``vllm.SamplingParams`` field :func:`vllm_sampling_kwargs` sets (the contract test checks each exists).
 VLLM_SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "seed",
-    "logprobs", "detokenize",
+    "logprobs", "detokenize", "flat_logprobs",
 )
 
 #: Every SGLang sampling-parameter key :func:`sglang_sampling_params` sets (fields of
@@ -119,6 +119,9 @@ def vllm_sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_at_eo
         # is an engine setting (LLM(logprobs_mode="raw_logprobs")), not a request field.
         "logprobs": 0 if params.logprobs else None,
         "detokenize": False,  # ids in, ids out: no detokenizer work (no stop strings are used)
+        # one flat list per request instead of a {token: Logprob} dict per token: far fewer objects to build and to
+        # garbage-collect while the engine streams outputs (vLLM 0.26 ``FlatLogprobs``)
+        "flat_logprobs": True,
     }
 
 
@@ -147,9 +150,15 @@ def sglang_sampling_params(params: SamplingParams, *, seed: int | None, stop_at_
 
 
 def sampled_logprobs(token_ids: Sequence[int], step_logprobs: Sequence[Any]) -> list[float]:
-    """The logprob of each sampled token from vLLM's per-step ``{token_id: Logprob}`` maps (or FlatLogprobs steps)."""
+    """The logprob of each sampled token from vLLM's per-step ``{token_id: Logprob}`` maps, or from its
+    ``FlatLogprobs`` (flat lists; with ``logprobs=0`` the sampled token is the first entry of every position)."""
     if len(step_logprobs) != len(token_ids):
         raise ValueError(f"vLLM returned {len(step_logprobs)} logprob steps for {len(token_ids)} tokens.")
+    starts = getattr(step_logprobs, "start_indices", None)
+    if starts is not None:
+        ids, values = step_logprobs.token_ids, step_logprobs.logprobs
+        if all(ids[s] == t for s, t in zip(starts, token_ids)):
+            return [float(values[s]) for s in starts]
     return [float(step[tok].logprob) for tok, step in zip(token_ids, step_logprobs)]
 
 

@@ -1,44 +1,46 @@
-"""SGLang adapter: :class:`~hybrid_engines.protocol.InferenceEngine` on ``sglang.Engine`` (written against 0.5.23).
+"""SGLang adapter: :class:`~hybrid_engines.protocol.InferenceEngine` on ``sglang.Engine`` (SGLang 0.5.16 and 0.5.23).
 
-Every SGLang name used here was read in the 0.5.23 wheel; where a server argument is defined is noted next to it
-(``srt/arg_groups/fields/<file>.py``). Not run on a GPU in this project (0.5.23 pins torch 2.14, which the lent
-machine does not have); ``tests/hybrid_engines/contracts`` checks the names against the installed package.
+Every SGLang name used here was read in the 0.5.16 and 0.5.23 wheels; where a server argument is defined is noted
+next to it (0.5.23's ``srt/arg_groups/fields/<file>.py``; 0.5.16 has them all in ``srt/server_args.py``).
+``tests/hybrid_engines/contracts`` checks the names against the installed package.
 
-Facts of 0.5.23 this adapter is built on (each one differs from what the seed project assumed):
+Facts this adapter is built on (each one differs from what the seed project assumed):
 
 * Engine methods report failure as ``(False, message)`` instead of raising: every result is checked here.
-* ``update_weights_from_distributed`` / ``update_weights_from_tensor`` only run inside a weight-update session
-  (``begin_weight_update()`` ... ``end_weight_update()``, ``managers/scheduler_components/weight_updater.py``).
+* From 0.5.23 on, ``update_weights_from_distributed`` / ``update_weights_from_tensor`` only run inside a
+  weight-update session (``begin_weight_update()`` ... ``end_weight_update()``,
+  ``managers/scheduler_components/weight_updater.py``); 0.5.16 has no sessions. The adapter opens one per sync when
+  the engine has them.
 * Logprobs are temperature-scaled unless ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``layers/sampler.py``, read when the
   scheduler process imports it); it is set here, before the engine starts, so logprobs are the raw model's.
 * ``sampling_seed`` is ignored unless the engine runs with ``enable_deterministic_inference`` (``sampling/
-  sampling_batch_info.py``): a seeded request to an engine built without ``deterministic=True`` is refused.
-* Sleep frees the tags "weights", "kv_cache" and "cuda_graph" (``srt/constants.py``); with
-  ``enable_weights_cpu_backup`` the weights come back on resume, without it they are garbage until re-synced.
-  That is a server setting, so level 1 needs ``weights_cpu_backup=True``; level 2 always asks for a re-sync.
+  sampling_batch_info.py``). The protocol's seeded sampling is reproducible (the training loop seeds every step), so
+  ``deterministic=True`` is the default here (batch-invariant kernels: slower); with ``deterministic=False`` seeded
+  requests are refused.
+* Sleep frees the tags "weights", "kv_cache" and "cuda_graph" (``srt/constants.py``), each paused and resumed on
+  its own by torch_memory_saver (``region(tag)`` / ``pause(tag)`` / ``resume(tag)`` in both versions), so weights
+  come back before the KV cache. With ``enable_weights_cpu_backup`` the weights come back on resume (buffers such
+  as rotary caches are stashed and restored by SGLang itself); without it they are garbage until re-synced. That is
+  a server setting, so level 1 needs ``weights_cpu_backup=True``; level 2 always asks for a re-sync.
 
-Weight sync (broadcast path): SGLang has its own group and wire format, not hybrid-core's. The trainer's rank 0
-joins with :func:`sglang_trainer_group` (same rendezvous as SGLang's ``utils/common.py::
-init_custom_process_group``) and calls :func:`send_to_sglang` with the same ``bucket_bytes`` while the engine runs
-``update_weights(metas, bucket_bytes=...)``: both cut the stream with :func:`sglang_bucket_plan` and each bucket is
-one broadcast of its tensors' bytes back to back, SGLang's ``load_format="flattened_bucket"``
-(``weight_sync/tensor_bucket.py::FlattenedTensorBucket``). Colocated path: ``update_weights_from_ipc`` maps
-hybrid-core's IPC bucket in this process and hands the tensors to ``update_weights_from_tensor`` (SGLang passes them
-on to its scheduler by CUDA IPC again); TP = 1 only.
+Weight sync: SGLang has its own group and wire formats, not hybrid-core's; the trainer's side of them is
+:class:`~hybrid_engines.sglang_transport.SGLangTransport` (``SGLangEngine.weight_transport()``). Broadcast:
+``update_weights(metas, bucket_bytes=...)`` receives the trainer's :func:`send_to_sglang` in flattened buckets cut by
+:func:`sglang_bucket_plan`. Colocated: ``update_weights_from_ipc`` forwards the trainer's serialized buckets
+(``SGLangIpcPayload``) to ``update_weights_from_tensor(load_format="flattened_bucket")``, which maps the trainer's
+CUDA memory in SGLang's scheduler; TP = 1 only.
 
 Placement: TP = 1 and TP > 1 without a placement group use ``sglang.Engine`` on the GPUs this process sees
 (``base_gpu_id`` onwards). TP > 1 with ``placement_group``/``bundle_indices`` uses SGLang's ``RayEngine``, whose
-scheduler actors each take a whole GPU: refused (clear error) when ``gpus_per_worker`` < 1, i.e. GPUs shared.
+scheduler actors each take a whole GPU: refused (clear error) when ``gpus_per_worker`` < 1, i.e. GPUs shared, and
+refused by the training loop's plan check (:meth:`SGLangEngine.placement_refusal`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 from typing import Any, Iterable, Sequence
-
-import torch
 
 from hybrid_core.errors import ConfigError, RoleFailure
 from hybrid_core.stats import TransferStats
@@ -46,6 +48,10 @@ from hybrid_core.stats import TransferStats
 from .hf_engine import EngineStateError
 from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
 from .sampling_map import check_prompts, expand_rows, finish_reason, sglang_sampling_params
+from .sglang_transport import (  # noqa: F401  (the trainer's side, re-exported for custom loops)
+    FLATTENED, SGLangIpcPayload, SGLangTransport, flatten_bucket, send_to_sglang, sglang_bucket_plan,
+    sglang_trainer_group,
+)
 
 #: Our argument -> ``sglang.Engine`` / ``ServerArgs`` field (the contract test checks each field exists).
 SGLANG_SERVER_ARGS = {
@@ -69,20 +75,42 @@ SGLANG_ENGINE_METHODS = {
     "resume_memory_occupation": ("tags",),
     "init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
                                   "backend"),
-    "begin_weight_update": (),
-    "end_weight_update": (),
     "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
-    "update_weights_from_tensor": ("named_tensors", "flush_cache"),
+    "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
     "flush_cache": (),
     "shutdown": (),
 }
+#: Weight-update session methods: 0.5.23 requires them around every weight update; 0.5.16 has none.
+SGLANG_SESSION_METHODS = ("begin_weight_update", "end_weight_update")
 #: Our wake tags -> SGLang memory tags (srt/constants.py); CUDA graphs belong to the decode path: with the KV cache.
 SGLANG_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
-FLATTENED = "flattened_bucket"
+#: The SGLang versions this adapter was checked against (contract tests on CPU; 0.5.16 also run on a GPU).
+TESTED_VERSIONS = ("0.5.16", "0.5.23")
 
 
 class SGLangEngine:
     """The SGLang backend (same constructor spirit as :class:`~hybrid_engines.vllm_engine.VLLMEngine`)."""
+
+    #: SGLang serves from CUDA devices only (the built-in engine also runs on CPU)
+    NEEDS_GPU = True
+    #: takes gpu_memory_utilization x its GPU at start-up for weights + KV cache (the dry run's memory model)
+    MEMORY_POOL = True
+    #: SGLang samples seeded requests one by one (a per-request generator each decode step); unseeded, in one batch
+    CHEAP_SEEDED_SAMPLING = False
+
+    @classmethod
+    def weight_transport(cls) -> SGLangTransport:
+        """The trainer's side of this engine's weight sync (SGLang's own group and formats)."""
+        return SGLangTransport()
+
+    @classmethod
+    def placement_refusal(cls, *, tp: int, shares_gpus: bool) -> str | None:
+        """Why the training loop cannot place these engines (None: it can)."""
+        if tp > 1:
+            return ("SGLang runs TP > 1 through its RayEngine, whose scheduler actors each take a whole GPU "
+                    "(num_gpus=1, srt/ray/engine.py), while hybrid's engine actor holds part of the first GPU of its "
+                    "bundles" + (" and the trainer shares them" if shares_gpus else ""))
+        return None
 
     def __init__(
         self,
@@ -98,7 +126,7 @@ class SGLangEngine:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         stop_at_eos: bool = True,
-        deterministic: bool = False,
+        deterministic: bool = True,
         base_gpu_id: int = 0,
         placement_group: Any = None,
         bundle_indices: Sequence[int] | None = None,
@@ -130,6 +158,7 @@ class SGLangEngine:
         self._asleep: set[str] = set()  # our tags currently released
         self._needs_sync = False  # weights garbage until a weight update (sleep level 2 / no CPU backup)
         self._group_name: str | None = None
+        self._ipc_session: _UpdateSession | None = None
         self._closed = False
 
     # ---- generation --------------------------------------------------------------------------------------------
@@ -141,7 +170,8 @@ class SGLangEngine:
         rows = expand_rows(prompts, params)
         if not self.deterministic and any(r.seed is not None for r in rows):
             raise ConfigError("seed", "SGLang ignores per-request seeds unless the engine runs deterministic "
-                              "inference.", "Build SGLangEngine(deterministic=True), or sample with seed=None.")
+                              "inference, and this engine was built with deterministic=False.",
+                              "Build SGLangEngine(deterministic=True) (the default), or sample with seed=None.")
         sampling = [sglang_sampling_params(params, seed=r.seed, stop_at_eos=self.stop_at_eos) for r in rows]
         outs = self.engine.generate(input_ids=[prompts[r.prompt] for r in rows], sampling_params=sampling,
                                     return_logprob=params.logprobs)
@@ -179,6 +209,19 @@ class SGLangEngine:
         if level == 2 or not self.weights_cpu_backup:
             self._needs_sync = self._needs_sync or "weights" in awake
         return TransferStats(0, time.perf_counter() - start, f"sglang sleep{level}")
+
+    def release_kv_cache(self) -> TransferStats:
+        """Free the KV cache (and the decode CUDA graphs that belong to it), keep the weights."""
+        self._require_open("release_kv_cache")
+        if not self.enable_sleep_mode:
+            raise ConfigError("enable_sleep_mode", "releasing the KV cache needs the engine built with "
+                              "enable_sleep_mode=True.")
+        start = time.perf_counter()
+        if "kv_cache" not in self._asleep:
+            self._check(self.engine.release_memory_occupation(tags=_sglang_tags(["kv_cache"])),
+                        "release_memory_occupation")
+            self._asleep.add("kv_cache")
+        return TransferStats(0, time.perf_counter() - start, "sglang release kv")
 
     def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats:
         self._require_open("wake_up")
@@ -224,20 +267,40 @@ class SGLangEngine:
         return TransferStats(sum(m.nbytes for m in metas), time.perf_counter() - start, "sglang weight sync")
 
     def update_weights_from_ipc(self, bucket: Any) -> TransferStats:
-        """Load one hybrid-core IPC bucket of a trainer on this engine's GPU (TP = 1)."""
-        from hybrid_core.weight_sync import load_ipc_bucket
-
+        """Load one delivery of a colocated trainer (TP = 1): an :class:`SGLangIpcPayload` (made by
+        ``SGLangTransport`` in the trainer process), or a hybrid-core ``IpcBucket`` (encoded here; its handle still
+        names the trainer's memory, which SGLang's scheduler maps). The first delivery of a sync opens a weight-update
+        session, the last closes it and flushes the cache; until then the engine counts as mid-update."""
         if self.tp != 1:
             raise ConfigError("tensor_parallel_size", "the SGLang IPC path supports TP = 1 only.",
                               "Use update_weights (broadcast) for TP > 1.")
         self._require_weights_on_device("update_weights_from_ipc")
-
-        def load(pairs):
-            with self._session():
-                self._check(self.engine.update_weights_from_tensor(named_tensors=pairs, flush_cache=False),
+        payload = bucket if isinstance(bucket, SGLangIpcPayload) else SGLangIpcPayload.of(
+            list(bucket) if isinstance(bucket, (list, tuple)) else [bucket])
+        if payload.data and len(payload.data) != self.tp:
+            raise ConfigError("bucket", f"got {len(payload.data)} serialized bucket(s) for an engine of TP {self.tp}.",
+                              "Send one per TP rank (SGLangTransport.encode_ipc).")
+        start = time.perf_counter()
+        if payload.index == 0 or self._ipc_session is None:
+            self._close_ipc_session(ok=False)  # a sync that never finished: its session is dropped
+            self._ipc_session = self._session()
+            self._ipc_session.__enter__()
+        try:
+            if payload.data:
+                self._check(self.engine.update_weights_from_tensor(named_tensors=list(payload.data),
+                                                                   load_format=FLATTENED, flush_cache=False),
                             "update_weights_from_tensor")
+        except BaseException:
+            self._close_ipc_session(ok=False)
+            raise
+        if payload.last:
+            self._close_ipc_session(ok=True)
+        return TransferStats(payload.nbytes, time.perf_counter() - start, "sglang weight sync ipc")
 
-        return load_ipc_bucket(bucket, load)
+    def _close_ipc_session(self, *, ok: bool) -> None:
+        session, self._ipc_session = self._ipc_session, None
+        if session is not None:
+            session.__exit__(None if ok else RuntimeError, None, None)
 
     def reset_prefix_cache(self) -> None:
         self._require_open("reset_prefix_cache")
@@ -273,22 +336,28 @@ class SGLangEngine:
         self._require_weights_on_device(what)
         if "kv_cache" in self._asleep:
             raise EngineStateError(f"{what}: the KV cache is asleep. Call wake_up(['kv_cache']) (or wake_up()) first.")
+        if self._ipc_session is not None:
+            raise EngineStateError(f"{what}: a weight update by IPC is in progress (its last bucket has not arrived).")
         if self._needs_sync:
             raise EngineStateError(f"{what}: the weights were discarded by sleep. Re-sync them (update_weights / "
                                    "update_weights_from_ipc) before generating.")
 
 
 class _UpdateSession:
-    """begin_weight_update ... end_weight_update, then one cache flush (the loads pass flush_cache=False)."""
+    """One weight update: ``begin_weight_update`` ... ``end_weight_update`` where the engine has them (0.5.23), then
+    one cache flush (the loads pass flush_cache=False). A failed update leaves the weights counted as not synced."""
 
     def __init__(self, engine: SGLangEngine):
         self.e = engine
+        self.sessions = all(callable(getattr(engine.engine, m, None)) for m in SGLANG_SESSION_METHODS)
 
     def __enter__(self) -> None:
-        self.e._check(self.e.engine.begin_weight_update(), "begin_weight_update")
+        if self.sessions:
+            self.e._check(self.e.engine.begin_weight_update(), "begin_weight_update")
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.e._check(self.e.engine.end_weight_update(), "end_weight_update")
+        if self.sessions:
+            self.e._check(self.e.engine.end_weight_update(), "end_weight_update")
         if exc_type is None:
             self.e._needs_sync = False
             self.e.reset_prefix_cache()
@@ -328,76 +397,3 @@ def _require_raw_logprobs() -> None:
                           "logprobs, but the protocol promises the raw model's.", "Unset it or set it to 1.")
 
 
-# ---- the trainer's side of SGLang's weight sync ------------------------------------------------------------------
-class _BucketCutter:
-    """Where SGLang flattened buckets end: at most ``bucket_bytes`` each (a larger tensor travels alone). SGLang packs
-    bytes back to back and refuses a tensor whose offset is not a multiple of its element size
-    (``FlattenedTensorBucket.empty``), so such a tensor opens a new bucket."""
-
-    def __init__(self, bucket_bytes: int):
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ConfigError("bucket_bytes", f"must be a positive int, got {bucket_bytes!r}.")
-        self.bucket_bytes, self.used = bucket_bytes, None
-
-    def opens_bucket(self, meta: Any) -> bool:
-        size = meta.nbytes
-        new = self.used is None or self.used + size > self.bucket_bytes or self.used % meta.torch_dtype.itemsize
-        self.used = (0 if new else self.used) + size
-        return bool(new)
-
-
-def sglang_bucket_plan(metas: Iterable[Any], bucket_bytes: int) -> list[list[Any]]:
-    """The ``TensorMeta`` lists of the buckets, in order (engine and :func:`send_to_sglang` cut alike)."""
-    cutter, buckets = _BucketCutter(bucket_bytes), []
-    for meta in metas:
-        if cutter.opens_bucket(meta):
-            buckets.append([])
-        buckets[-1].append(meta)
-    return buckets
-
-
-def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The bytes of ``tensors`` back to back: what SGLang's ``FlattenedTensorBucket`` receives and splits."""
-    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-
-
-def sglang_trainer_group(master_address: str, master_port: int, world_size: int, *, group_name: str,
-                         backend: str = "nccl", timeout_s: float = 600.0) -> Any:
-    """Rank 0 (the trainer) of the group SGLang's ``init_weights_update_group`` joins: the same TCP rendezvous,
-    ``PrefixStore(group_name)`` and process-group construction as SGLang 0.5.23's ``init_custom_process_group``."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    pg, _ = _new_process_group_helper(size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(size)}
-    return pg
-
-
-def send_to_sglang(group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> TransferStats:
-    """Broadcast ``named_tensors`` from rank 0, one flattened bucket at a time (streamed: a lazy iterator, e.g. ZeRO-3
-    gathers, holds at most one bucket of tensors). Run it while the engine's ``update_weights(metas,
-    bucket_bytes=bucket_bytes)`` runs with the metas of exactly these tensors, in this order."""
-    from hybrid_core.weight_sync import TensorMeta
-
-    cutter, current = _BucketCutter(bucket_bytes), []
-    start, nbytes, cuda = time.perf_counter(), 0, False
-
-    def flush() -> int:
-        flat = flatten_bucket(current)
-        torch.distributed.broadcast(flat, src=0, group=group)
-        return flat.numel()
-
-    for name, tensor in named_tensors:
-        if cutter.opens_bucket(TensorMeta.of(name, tensor)) and current:
-            nbytes += flush()
-            current = []
-        current.append(tensor)
-        cuda = cuda or tensor.is_cuda
-    if current:
-        nbytes += flush()
-    if cuda:
-        torch.cuda.synchronize()
-    return TransferStats(nbytes, time.perf_counter() - start, "sglang weight sync send")

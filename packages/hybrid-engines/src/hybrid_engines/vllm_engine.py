@@ -74,6 +74,19 @@ class VLLMEngine:
     with TP = 1 the call runs in this process and the weight-sync group's own ``timeout_s`` bounds the transfer).
     """
 
+    NEEDS_GPU = True
+    #: takes gpu_memory_utilization x its GPU at start-up for weights + KV cache (the dry run's memory model)
+    MEMORY_POOL = True
+    #: vLLM samples seeded requests one by one (a per-request generator each decode step); unseeded, in one batch
+    CHEAP_SEEDED_SAMPLING = False
+
+    @classmethod
+    def weight_transport(cls):
+        """The trainer's side of this engine's weight sync: hybrid-core's format (:mod:`.vllm_worker` receives it)."""
+        from .weight_transport import WeightTransport
+
+        return WeightTransport()
+
     def __init__(
         self,
         model: str,
@@ -120,6 +133,7 @@ class VLLMEngine:
         self.rpc_timeout_s = rpc_timeout_s
         self._weights = "awake"  # "awake" | "offloaded" (sleep 1) | "discarded" (sleep 2)
         self._kv_awake = True
+        self._kv_released = False  # the KV cache was freed alone (release_kv_cache), not by vLLM's sleep
         self._missing: tuple[int, list[str]] = (0, [])  # parameters still to load after a level-2 sleep
         self._group = False
         self._closed = False
@@ -162,6 +176,8 @@ class VLLMEngine:
         if self._weights != "awake" and not self._kv_awake:
             return TransferStats(0, 0.0, f"vllm sleep{level}")  # already fully asleep; a deeper level frees no more
         if not self._kv_awake or self._weights != "awake":
+            # vLLM's sleep unmaps every allocation, so what was freed alone must be mapped again first (the
+            # residency planner never asks for this order: weights leave together with the KV cache).
             self.wake_up()
         free_before = self._free_bytes()
         start = time.perf_counter()
@@ -174,6 +190,21 @@ class VLLMEngine:
             self._weights = "discarded"
         return TransferStats(max(self._free_bytes() - free_before, 0), seconds, f"vllm sleep{level}")
 
+    def release_kv_cache(self) -> TransferStats:
+        """Free the KV cache and keep the weights on the GPU (vLLM's ``sleep`` can only free both); the prefix cache
+        is reset first, since the cached blocks' contents go with it. ``wake_up(["kv_cache"])`` maps it back."""
+        self._require_open("release_kv_cache")
+        if not self.enable_sleep_mode:
+            raise ConfigError("enable_sleep_mode", "releasing the KV cache needs the engine built with "
+                              "enable_sleep_mode=True (vLLM's sleep-mode allocator).")
+        if not self._kv_awake:
+            return TransferStats(0, 0.0, "vllm release kv")
+        start = time.perf_counter()
+        self.reset_prefix_cache()
+        freed = sum(self._rpc("hybrid_release_kv_cache"))
+        self._kv_awake, self._kv_released = False, True
+        return TransferStats(freed, time.perf_counter() - start, "vllm release kv")
+
     def wake_up(self, tags: Sequence[str] | None = None) -> TransferStats:
         """Bring back "weights" and/or "kv_cache" (both when ``tags`` is None); ``bytes``: device memory re-taken."""
         self._require_open("wake_up")
@@ -184,7 +215,12 @@ class VLLMEngine:
             return TransferStats(0, 0.0, "vllm wake")
         free_before = self._free_bytes()
         start = time.perf_counter()
-        self.llm.wake_up(tags=[VLLM_WAKE_TAGS[t] for t in asleep])
+        if "kv_cache" in asleep and self._kv_released:  # freed by release_kv_cache: vLLM does not know it sleeps
+            self._rpc("hybrid_reacquire_kv_cache")
+            self._kv_awake, self._kv_released = True, False
+            asleep.remove("kv_cache")
+        if asleep:
+            self.llm.wake_up(tags=[VLLM_WAKE_TAGS[t] for t in asleep])
         seconds = time.perf_counter() - start
         if "weights" in asleep:
             if self._weights == "discarded":

@@ -19,8 +19,11 @@ import torch
 #: Method names the adapter calls through ``collective_rpc`` (the contract test checks none exists on vLLM's Worker).
 RPC_METHODS = (
     "hybrid_device_info", "hybrid_free_bytes", "hybrid_init_weight_group", "hybrid_close_weight_group",
-    "hybrid_receive_weights", "hybrid_load_ipc", "hybrid_expect_full_reload",
+    "hybrid_receive_weights", "hybrid_load_ipc", "hybrid_expect_full_reload", "hybrid_release_kv_cache",
+    "hybrid_reacquire_kv_cache",
 )
+#: The sleep-mode allocator's tag of the KV cache (vLLM 0.26 ``v1/worker/gpu_worker.py`` allocates it under it).
+KV_TAG = "kv_cache"
 
 
 class HybridWorkerExtension:
@@ -118,6 +121,74 @@ class HybridWorkerExtension:
         with _on(dev):
             stats = load_ipc_bucket(mine[0], lambda pairs: loaded.update(model.load_weights(pairs) or ()))
         return self._hybrid_result(stats.bytes, stats.seconds, loaded)
+
+    # ---- the KV cache alone (residency) --------------------------------------------------------------------------
+    def hybrid_release_kv_cache(self) -> int:
+        """Unmap the KV cache tensors' physical memory and keep everything else: vLLM's own ``sleep`` always takes
+        the weights too, and it also drops the small bookkeeping buffers allocated under the same "kv_cache" tag
+        (attention metadata, block tables), which are not refilled before they are read again.
+
+        Only the allocations that back the KV cache tensors themselves are released. The sleep-mode allocator keeps
+        each allocation's virtual address, so the CUDA graphs captured over the cache stay valid once
+        :meth:`hybrid_reacquire_kv_cache` maps memory back. Returns the bytes released."""
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+        torch.cuda.synchronize(self._hybrid_device())
+        pools = CuMemAllocator.get_instance().pointer_to_data
+        ptrs = self._hybrid_kv_pointers()
+        freed = 0
+        for ptr in ptrs:
+            data = pools.get(ptr)
+            if data is None:
+                raise RuntimeError(f"vLLM worker rank {self.rank}: a KV cache tensor is not in the sleep-mode pool "
+                                   "(built without enable_sleep_mode?): it cannot be released")
+            if not data.is_asleep:
+                unmap_and_release(data.handle)
+                data.is_asleep = True
+                freed += int(data.handle[1])
+        self._hybrid_kv_released = ptrs
+        torch.cuda.empty_cache()
+        return freed
+
+    def hybrid_reacquire_kv_cache(self) -> int:
+        """Map memory back under the released KV cache tensors and zero them, as vLLM allocated them (the prefix
+        cache was reset: nothing in them is read before it is written again)."""
+        from vllm.device_allocator.cumem import CuMemAllocator, create_and_map
+
+        pools = CuMemAllocator.get_instance().pointer_to_data
+        taken = 0
+        for ptr in getattr(self, "_hybrid_kv_released", ()):
+            data = pools[ptr]
+            if data.is_asleep:
+                create_and_map(data.handle)
+                data.is_asleep = False
+                taken += int(data.handle[1])
+        self._hybrid_kv_released = ()
+        for tensor in self._hybrid_kv_tensors():
+            tensor.zero_()
+        post = getattr(self.model_runner, "post_kv_cache_wake_up", None)
+        if post is not None:  # what vLLM's own wake-up of the KV cache does next (FP8 KV scales)
+            post()
+        torch.cuda.synchronize(self._hybrid_device())
+        return taken
+
+    def _hybrid_kv_tensors(self) -> list:
+        """The model runner's KV cache tensors (per layer; several may view one allocation)."""
+        found, stack = [], [getattr(self.model_runner, "kv_caches", [])]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple)):
+                stack.extend(item)
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+        if not found:
+            raise RuntimeError(f"vLLM worker rank {self.rank}: no KV cache tensors found on the model runner")
+        return found
+
+    def _hybrid_kv_pointers(self) -> list[int]:
+        return sorted({t.untyped_storage().data_ptr() for t in self._hybrid_kv_tensors()})
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     def _hybrid_device(self) -> torch.device:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_core.errors import ConfigError
+from hybrid_engines.registry import backend_names
 
-BACKENDS = ("hf", "vllm", "sglang")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 #: Built-in synthetic tasks (prompts + rule-based reward) used when no --prompt_data is given.
@@ -50,23 +50,24 @@ class RLConfig:
     colocate_all_models: bool = True
     colocate_actor_ref: bool = False
     colocate_critic_reward: bool = False
-    ref_reward_offload: bool = False  # reference and reward models sleep (weights in host memory) between their turns
+    ref_reward_offload: bool = False  # reference and reward models sleep between their turns (the residency plan)
     placement: dict[str, str] | None = None  # e.g. {"actor": "0-7", "rollout": "4-7"}; overrides the counts
     gpus_per_node: int | None = None  # cluster size check; None = what Ray reports
 
     # ---- inference engine ------------------------------------------------------------------------------------
     backend: str = "hf"  # hf (built-in transformers engine) | vllm | sglang
     vllm_gpu_memory_utilization: float = 0.5
-    vllm_enable_sleep: bool = True
+    vllm_enable_sleep: bool | None = None  # engines sleep between generations; None = the residency plan decides
     vllm_sync_backend: str = "nccl"
     enforce_eager: bool = False
     enable_prefix_caching: bool = False
+    seeded_sampling: bool | None = None  # a seed per sample (batch-independent; resumes draw the same); None = where cheap (hf)
     weight_sync_bucket_mb: int = 512
     weight_sync: str = "auto"  # auto (CUDA IPC when engines share the actor's GPUs, else broadcast) | ipc | broadcast
-    engine_sleep_level: int = 1  # 1: weights to host memory; 2: weights discarded (re-synced from the actor)
+    engine_sleep_level: int | None = None  # when engine weights leave: 1 to host memory, 2 discarded (re-synced); None = planner
 
     # ---- trainer (DeepSpeed) ---------------------------------------------------------------------------------
-    deepspeed_enable_sleep: bool = True
+    deepspeed_enable_sleep: bool | None = None  # trainers sleep between their phases; None = the residency plan decides
     zero_stage: int = 2
     bf16: bool = False
     adam_offload: bool = False
@@ -79,6 +80,14 @@ class RLConfig:
     l2: float = 0.0  # weight decay
     adam_betas: tuple[float, float] = (0.9, 0.95)
     max_norm: float = 1.0
+
+    # ---- residency (what stays on each GPU; hybrid_core.residency) -------------------------------------------
+    residency: str = "auto"  # auto: planned from the memory budget | all-sleep: every shared role moves | manual: only the sleep flags
+    residency_pins: dict[str, str] | None = None  # fix single decisions, e.g. actor.optimizer=offload rollout.kv_cache=release
+    gpu_memory_gb: float | None = None  # GPU memory the plan may use per GPU; None = the GPU's own (80 without a GPU)
+    gpu_memory_usable: float = 0.92  # fraction of it a phase may fill (the rest absorbs fragmentation, workspaces)
+    gpu_context_gb: float = 0.5  # what each process holds on its GPU whatever it keeps (CUDA context, workspaces)
+    residency_overlap: bool = True  # start moves early where the memory allows (off: every move waits for its phase)
 
     # ---- batch shape -----------------------------------------------------------------------------------------
     rollout_batch_size: int = 16  # prompts per step
@@ -209,7 +218,8 @@ class RLConfig:
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> "RLConfig":
         """Check everything that can be checked without Ray or a GPU; return self so calls chain."""
-        _choice("backend", self.backend, BACKENDS, "--backend hf runs anywhere; vllm/sglang need the extras.")
+        # the engine registry is the one list of backends
+        _choice("backend", self.backend, backend_names(), "--backend hf runs anywhere; vllm/sglang need the extras.")
         _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.prompt_data is None:
@@ -237,11 +247,15 @@ class RLConfig:
         if self.deepspeed_enable_sleep and self.zero_stage == 0:
             raise ConfigError("deepspeed_enable_sleep", "DeepSpeed can only offload/reload its states with ZeRO 1-3.",
                               "Use --zero_stage 1, 2 or 3, or drop --deepspeed_enable_sleep.")
+        if self.residency == "all-sleep" and self.zero_stage == 0:
+            raise ConfigError("residency", "all-sleep moves the trainers' states, which DeepSpeed can only do with "
+                              "ZeRO 1-3.", "Use --zero_stage 1, 2 or 3, or --residency auto.")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ConfigError("vllm_gpu_memory_utilization", f"must be in (0, 1], got {self.vllm_gpu_memory_utilization}.",
                               "It is a fraction of the GPU, e.g. --vllm_gpu_memory_utilization 0.5.")
         _choice("weight_sync", self.weight_sync, ("auto", "ipc", "broadcast"))
-        if self.engine_sleep_level not in (1, 2):
+        self._validate_residency()
+        if self.engine_sleep_level not in (None, 1, 2):
             raise ConfigError("engine_sleep_level", f"must be 1 or 2, got {self.engine_sleep_level}.",
                               "1 keeps the weights in host memory, 2 discards them; use --engine_sleep_level 1.")
         if self.vllm_sync_backend not in ("nccl", "gloo"):
@@ -337,6 +351,49 @@ class RLConfig:
         if self.deepspeed_enable_sleep and not (colocated or self.colocate_actor_ref or self.colocate_critic_reward):
             raise ConfigError("deepspeed_enable_sleep", "trainer sleep only helps when models share GPUs.",
                               "Add --colocate_all_models, or drop --deepspeed_enable_sleep.")
+
+    def _validate_residency(self) -> None:
+        from hybrid_core.residency import MODES, STATE_MOVES
+
+        _choice("residency", self.residency, MODES, "auto plans from the memory budget; all-sleep moves every "
+                "shared role between its phases; manual follows --vllm_enable_sleep / --deepspeed_enable_sleep.")
+        for key, move in (self.residency_pins or {}).items():
+            role, _, state = str(key).partition(".")
+            if not role or state not in STATE_MOVES or move not in STATE_MOVES[state]:
+                raise ConfigError("residency_pins", f"{key}={move} is not ROLE.STATE=MOVE with a known state and move.",
+                                  "E.g. --residency_pins actor.optimizer=offload rollout.kv_cache=release (states: "
+                                  + "; ".join(f"{s}: {'/'.join(m)}" for s, m in STATE_MOVES.items()) + ").")
+        if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
+            raise ConfigError("gpu_memory_gb", f"must be > 0, got {self.gpu_memory_gb}.", "E.g. --gpu_memory_gb 80.")
+        if not 0 <= self.gpu_context_gb < 64:
+            raise ConfigError("gpu_context_gb", f"must be in [0, 64), got {self.gpu_context_gb}.",
+                              "E.g. --gpu_context_gb 0.5 (CUDA context and library workspaces of one process).")
+        if not 0 < self.gpu_memory_usable <= 1:
+            raise ConfigError("gpu_memory_usable", f"must be in (0, 1], got {self.gpu_memory_usable}.",
+                              "E.g. --gpu_memory_usable 0.92.")
+
+    def residency_settings(self) -> dict[str, Any]:
+        """What the sleep flags say to the residency planner: roles asked to sleep, states pinned (``flag_pins``
+        name every role a flag speaks for, present in the run or not; ``pins`` are the user's own)."""
+        sleep_roles, flag_pins, pins = set(), {}, {}
+        for flag, roles in (("vllm_enable_sleep", ("rollout",)), ("deepspeed_enable_sleep", ("actor", "critic"))):
+            value = getattr(self, flag)
+            if value:
+                sleep_roles.update(roles)
+            elif value is False:  # --no_<flag>: those roles keep everything on the GPU
+                for role in roles:
+                    states = ("weights", "kv_cache") if role == "rollout" else ("params", "grads", "optimizer")
+                    flag_pins.update({(role, s): "resident" for s in states})
+        if self.ref_reward_offload:  # OpenRLHF's --ref_reward_offload: the frozen models leave between their turns
+            sleep_roles.update(("reference", "reward"))
+        if self.engine_sleep_level is not None and ("rollout", "weights") not in flag_pins:
+            # a level given with the planner on: when the engines' weights must leave, they leave this way
+            flag_pins[("rollout", "weights")] = ("resident", "offload" if self.engine_sleep_level == 1 else "discard")
+        for key, move in (self.residency_pins or {}).items():
+            role, _, state = str(key).partition(".")
+            pins[(role, state)] = move
+        return {"mode": self.residency, "sleep_roles": sleep_roles, "pins": pins, "flag_pins": flag_pins,
+                "engine_sleep_level": self.engine_sleep_level or 1}
 
     def _validate_files(self) -> None:
         for name in ("pretrain", "reward_pretrain", "critic_pretrain"):

@@ -6,8 +6,6 @@ share is here and in :mod:`.step`.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import logging
 import os
 import random
@@ -15,14 +13,14 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from hybrid_core.errors import HybridError
 
 from .checkpoint import CheckpointManager
 from .config import RLConfig
-from .placement import build_plan
-from .step import StepContext, release_quietly, run_step
+from .placement import build_plan, build_residency
+from .step import StepContext, run_step
 from .timeline import TimelineWriter
 from .weight_sync import choose_mode as choose_sync_mode
 
@@ -44,6 +42,7 @@ class Prepared:
     run_dir: str
     max_model_len: int = 0  # the longest sequence a rollout can make: the engine's context size
     sync_mode: str = "broadcast"  # weight_sync.choose_mode's answer for this plan
+    residency: Any = None  # hybrid_core.residency.ResidencyPlan: what each role keeps on its GPUs in each phase
 
 
 def prepare(config: RLConfig) -> Prepared:
@@ -56,6 +55,7 @@ def prepare(config: RLConfig) -> Prepared:
     from .tiny import save_tiny_model
 
     from hybrid_core.errors import ConfigError
+    from hybrid_engines.registry import library_missing
 
     config.validate()
     plan = build_plan(config)
@@ -63,9 +63,9 @@ def prepare(config: RLConfig) -> Prepared:
     if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
         raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
                           f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.")
-    if config.backend != "hf" and importlib.util.find_spec(config.backend) is None:
-        raise ConfigError("backend", f"--backend {config.backend} needs the {config.backend} package, which is not "
-                          "installed.", f"pip install 'hybrid-engines[{config.backend}]', or use --backend hf.")
+    missing = library_missing(config.backend)  # the engine registry knows each backend's package
+    if missing:
+        raise ConfigError("backend", f"--backend {config.backend}: {missing}.", "Install it, or use --backend hf.")
     run_dir = os.path.abspath(config.save_path)
     os.makedirs(run_dir, exist_ok=True)
     task = task_from_config(config) if config.prompt_data is None else None
@@ -88,8 +88,7 @@ def prepare(config: RLConfig) -> Prepared:
 
         raise ConfigError("reward_pretrain", "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
                           "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.")
-    # Built-in tasks have short answers: generating up to 1024 tokens would only waste time.
-    max_new_tokens = min(config.generate_max_len, task.answer_len + 1) if task else config.generate_max_len
+    longest_prompt, max_new_tokens = rollout_lengths(config, prompts)
     steps_per_episode = len(prompts) // config.rollout_batch_size
     if steps_per_episode == 0:
         from hybrid_core.errors import ConfigError
@@ -98,7 +97,6 @@ def prepare(config: RLConfig) -> Prepared:
                           f"({config.rollout_batch_size}).", "Lower --rollout_batch_size or give more prompts.")
     # Size the engine's context to what rollouts can reach, not to the flags' ceiling: a small model's position
     # table is often shorter than prompt_max_len + generate_max_len, and vLLM refuses a longer max_model_len.
-    longest_prompt = min(config.prompt_max_len, max(len(p.prompt_ids) for p in prompts))
     max_model_len = longest_prompt + max_new_tokens
     positions = _max_positions(model_path)
     if positions is not None and max_model_len > positions:
@@ -110,8 +108,23 @@ def prepare(config: RLConfig) -> Prepared:
     total = steps_per_episode * config.num_episodes
     if config.max_steps is not None:
         total = min(total, config.max_steps)
+    # What stays on each GPU, from the memory budget; a plan that cannot fit fails here, before Ray starts.
+    residency, config = build_residency(config, plan, model_path, prompt_len=longest_prompt,
+                                        generate_len=max_new_tokens)
+    residency.check()
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync_mode)
+                    max_model_len, sync_mode, residency)
+
+
+def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]:
+    """(longest prompt, most new tokens) a rollout of this run can have: what engines and the memory budget size."""
+    from .tasks import task_from_config
+
+    task = task_from_config(config) if config.prompt_data is None else None
+    # Built-in tasks have short answers: generating up to 1024 tokens would only waste time.
+    max_new_tokens = min(config.generate_max_len, task.answer_len + 1) if task else config.generate_max_len
+    longest_prompt = min(config.prompt_max_len, max((len(p.prompt_ids) for p in prompts), default=1))
+    return longest_prompt, max_new_tokens
 
 
 def _max_positions(model_path: str) -> int | None:
@@ -144,8 +157,9 @@ def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     try:
         session = TrainingSession(prep)
         session.start()
-        _emit(callbacks, "on_start", {"plan": prep.plan, "total_steps": prep.total_steps, "run_dir": prep.run_dir,
-                                      "config": config, "start_step": session.start_step})
+        _emit(callbacks, "on_start", {"plan": prep.plan, "residency": prep.residency, "total_steps": prep.total_steps,
+                                      "run_dir": prep.run_dir, "config": prep.config,
+                                      "start_step": session.start_step})
         summary = session.run(callbacks)
         _emit(callbacks, "on_end", summary)
         return summary
@@ -190,13 +204,15 @@ class TrainingSession:
         self.engines = None
         self.timeline = None
         self.engine_where: list[dict] = []  # pid and node of each engine, for stack dumps when a step fails
-        self.memory = None
+        self.owner = None
         self.start_step = 0
         self.history: list[dict[str, float]] = []
 
     # ---- set-up ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
         from hybrid_core.placement import place
+        from hybrid_core.residency import ResidencyOwner, WakeGuard
+        from hybrid_core.roles import RoleGroup
         from hybrid_core.runtime_env import set_worker_env
         from hybrid_core.stacks import DIR_ENV
         from hybrid_core.turnstile import Turnstile
@@ -205,8 +221,6 @@ class TrainingSession:
         from hybrid_algos.kl import make_kl_controller
 
         from .rewards import RewardScorer
-        from .memory_guard import WakeGuard
-        from .roles import RoleGroup
         from .weight_sync import WeightSync
         from .workers.critic import CriticWorker
         from .workers.frozen import ReferenceWorker, RewardModelWorker
@@ -218,21 +232,25 @@ class TrainingSession:
         self.setup_seconds = clock.seconds
         set_worker_env({DIR_ENV: self.log_dir})  # every worker's stacks land in the run's log folder
         self.placed = place(plan, timeout_s=timeout)
+        os.makedirs(self.log_dir, exist_ok=True)
         _write_json(os.path.join(self.log_dir, "placement.json"), self.placed.layout())  # which node got what
         clock.lap("placement group")
         self.turnstile = Turnstile.create(f"hybrid-turnstile-{uuid.uuid4().hex[:8]}", timeout_s=timeout)
 
-        self.actor = RoleGroup("actor", PolicyWorker, self.placed, cfg, self.log_dir, timeout_s=timeout)
+        def role(name: str, cls: type):
+            return RoleGroup(name, cls, self.placed, cfg, self.log_dir, timeout_s=timeout)
+
+        self.actor = role("actor", PolicyWorker)
         self.groups.append(self.actor)
         self.critic = self.reference = self.reward_model = None
         if "critic" in plan.roles:
-            self.critic = RoleGroup("critic", CriticWorker, self.placed, cfg, self.log_dir, timeout_s=timeout)
+            self.critic = role("critic", CriticWorker)
             self.groups.append(self.critic)
         if "reference" in plan.roles:
-            self.reference = RoleGroup("reference", ReferenceWorker, self.placed, cfg, self.log_dir, timeout_s=timeout)
+            self.reference = role("reference", ReferenceWorker)
             self.groups.append(self.reference)
         if "reward" in plan.roles:
-            self.reward_model = RoleGroup("reward", RewardModelWorker, self.placed, cfg, self.log_dir, timeout_s=timeout)
+            self.reward_model = role("reward", RewardModelWorker)
             self.groups.append(self.reward_model)
 
         # Models load concurrently; DeepSpeed roles rendezvous on their rank 0's node.
@@ -252,22 +270,26 @@ class TrainingSession:
         clock.lap("role actors started")
         self._call_all(pending)
         clock.lap("role models loaded")
-        # Each trainer role gives its GPU back before the engines start (they size their KV cache from free memory).
-        self.memory = WakeGuard(plan, self.groups, timeout_s=timeout)
-        sleepers = [g for g in self.groups if g.sleeps]
-        slept = self._call_all([(g, "sleep", ()) for g in sleepers])
-        for g in sleepers:
-            self.memory.after_sleep(g.role, slept[: g.world_size])
-            slept = slept[g.world_size:]
 
-        engine_kwargs = self._engine_kwargs()
-        self.engines = launch_engines(self.placed, role="rollout", backend=cfg.backend, engine_kwargs=engine_kwargs,
-                                      timeout_s=timeout)
+        # The residency owner moves every state from here on. The roles first take the residency the engines start
+        # in (generate's): the engines size their KV cache from the memory they find free.
+        residency = prep.residency
+        self._call_all([(g, "set_residency", (residency.move(g.role, "cache") == "release",)) for g in self.groups])
+        probes = {}
+        for group in self.groups:
+            for rank, worker in enumerate(group.workers):
+                for gpu in plan.roles[group.role].workers[rank].gpus:
+                    probes.setdefault(gpu, (f"{group.role} rank {rank}", worker))
+        self.owner = ResidencyOwner(residency, {g.role: g for g in self.groups}, turnstile=self.turnstile,
+                                    timeout_s=timeout, overlap=cfg.residency_overlap)
+        self.owner.guard = WakeGuard(probes, self.owner.holders, timeout_s=timeout)
+        self.owner.to_phase_state("generate")
+        _write_json(os.path.join(prep.run_dir, "residency.json"), residency.to_dict())  # what each phase may use
+
+        self.engines = launch_engines(self.placed, role="rollout", backend=cfg.backend,
+                                      engine_kwargs=self._engine_kwargs(), timeout_s=timeout)
         self.engine_where = self.engines.call("where")
-        rollout = plan.roles["rollout"]
-        engine_sleeps = rollout.sleeps
-        if engine_sleeps:
-            self.memory.after_sleep("rollout", self.engines.sleep(1))
+        self.owner.add_role("rollout", self.engines)
         clock.lap("engines started")
 
         self.weight_sync = WeightSync(prep.sync_mode, self.actor, self.engines, plan,
@@ -285,11 +307,8 @@ class TrainingSession:
             if cfg.uses_reference else None
         self.ctx = StepContext(
             config=cfg, actor=self.actor, engines=self.engines, weight_sync=self.weight_sync, reward=self.reward,
-            turnstile=self.turnstile, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
-            reward_model=self.reward_model, kl_controller=kl_controller,
-            engine_gpus=sorted({g for w in rollout.workers for g in w.gpus}), engine_sleeps=engine_sleeps,
-            engine_weights_awake=not engine_sleeps, memory=self.memory,
-            on_phases=self.timeline)
+            residency=self.owner, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
+            reward_model=self.reward_model, kl_controller=kl_controller, on_phases=self.timeline)
         if cfg.resume:
             self._resume()
 
@@ -303,7 +322,9 @@ class TrainingSession:
                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
                           enable_prefix_caching=cfg.enable_prefix_caching, dtype="bfloat16" if cfg.bf16 else "auto",
                           max_model_len=self.prep.max_model_len,
-                          enable_sleep_mode=self.prep.plan.roles["rollout"].sleeps)
+                          # sleep mode (vLLM's own allocator) whenever the engines share a GPU: the residency plan
+                          # may free their KV cache or weights, and a refined plan may start to
+                          enable_sleep_mode=bool(self.prep.plan.shared_gpus("rollout")))
         return kwargs
 
     def _call_all(self, calls) -> list:
@@ -324,11 +345,17 @@ class TrainingSession:
     def sampling(self, step: int):
         from hybrid_engines.protocol import SamplingParams
 
+        from hybrid_engines.registry import engine_spec
+
         cfg = self.config
         eos = self.prep.tokenizer.eos_token_id
+        seeded = cfg.seeded_sampling
+        if seeded is None:  # vLLM / SGLang sample seeded requests one by one; they are seeded once from --seed
+            seeded = bool(getattr(engine_spec(cfg.backend), "CHEAP_SEEDED_SAMPLING", False))
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=self.prep.max_new_tokens, n=cfg.n_samples_per_prompt,
-                              stop_token_ids=(eos,) if eos is not None else (), seed=cfg.seed * 1_000_003 + step)
+                              stop_token_ids=(eos,) if eos is not None else (),
+                              seed=cfg.seed * 1_000_003 + step if seeded else None)
 
     def prompts_for(self, step: int) -> list:
         """Step ``step``'s prompts: episode-seeded shuffles of the prompt set, so a resumed run sees the same order."""
@@ -343,18 +370,58 @@ class TrainingSession:
         cfg = self.config
         step = self.start_step
         for step in range(self.start_step, self.prep.total_steps):
+            self.owner.tag = step
             metrics, _ = self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
                                                                            self.sampling(step)))
+            if step == self.start_step:
+                metrics.update(self.guarded("refining the residency plan", self.refine_residency))
             self.history.append(metrics)
             if (step + 1) % cfg.logging_steps == 0 or step + 1 == self.prep.total_steps:
                 _emit(callbacks, "on_step", metrics)
             if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
+                self.owner.tag = f"checkpoint {step + 1}"
                 self.guarded(f"the checkpoint after step {step + 1}", lambda: self.save_checkpoint(step + 1))
+        self.owner.tag = "final"
         final = self.guarded("saving the final model", self.save_final_model)
         return {"steps": self.prep.total_steps, "start_step": self.start_step, "history": self.history,
                 "setup_seconds": self.setup_seconds,
                 "final_model": final, "checkpoint_dir": self.ckpt.root, "run_dir": self.prep.run_dir,
-                "plan": self.prep.plan}
+                "plan": self.prep.plan, "residency": self.prep.residency, "residency_log": self.owner.log}
+
+    def refine_residency(self) -> dict[str, float]:
+        """After the first step, what each GPU really holds against what the plan counts. The difference (CUDA
+        contexts, library buffers, fragmentation, another process) becomes the plan's measured overhead, held in
+        every phase, and the plan is made again with it: a plan that no longer fits changes now, before a later
+        phase would run out of memory. Nothing to measure without CUDA (the guard is off)."""
+        from .placement import replan
+
+        owner, guard = self.owner, self.owner.guard
+        plan = owner.plan
+        if guard is None or not guard.enabled:
+            return {}
+        owner.settle()
+        phase = owner.phase or plan.phases[-1].name
+        overhead = {}
+        for gpu in plan.layout:
+            reading = guard.read(gpu)
+            if reading is None:
+                return {}
+            # what the plan says is held now: everything of the phase just run, but the working memory of roles that
+            # trim their allocator cache after it (the others keep it reserved)
+            trimmed = {(s.role, item) for s in plan.layout[gpu] if plan.move(s.role, "cache") != "resident"
+                       for item in s.size.working.get(phase, {})}
+            held = sum(v for key, v in plan.breakdown(gpu, phase).items() if key not in trimmed)
+            overhead[gpu] = max(reading.total - reading.free - held, 0.0)
+        refined = replan(self.config, plan.layout, plan.gpu_bytes, overhead=overhead)
+        changed = refined.moves != plan.moves
+        refined.notes = plan.notes + [f"refined after the first step: measured {max(overhead.values()) / 2**30:.2f} "
+                                      "GiB per GPU beyond the model" + ("; the moves changed" if changed else "")]
+        if changed:
+            log.warning("residency plan changed after the first step (%.2f GiB beyond the model):\n%s",
+                        max(overhead.values()) / 2**30, refined.render())
+        owner.plan = self.prep.residency = refined
+        _write_json(os.path.join(self.prep.run_dir, "residency.json"), refined.to_dict())
+        return {"residency/overhead_gib": max(overhead.values()) / 2**30, "residency/replanned": float(changed)}
 
     # ---- failures --------------------------------------------------------------------------------------------------
     def guarded(self, label: str, fn):
@@ -403,31 +470,10 @@ class TrainingSession:
         def save_roles(folder: str) -> None:
             for group in (self.actor, self.critic):
                 if group is not None:
-                    with self.awake(group):
-                        group.call("save_checkpoint", os.path.join(folder, group.role), "state")
+                    self.owner.to_phase_state(_train_phase(group.role))  # DeepSpeed saves from the GPU
+                    group.call("save_checkpoint", os.path.join(folder, group.role), "state")
 
         return self.ckpt.save(next_step, save_roles, self.driver_state(next_step))
-
-    @contextlib.contextmanager
-    def awake(self, group) -> Iterator[None]:
-        """DeepSpeed saves and loads from device memory: a sleeping role takes its turn and wakes for it."""
-        if not group.sleeps:
-            yield
-            return
-        self.turnstile.acquire(group.role, group.gpus, timeout_s=self.config.call_timeout_s)
-        try:
-            before = self.memory.before_wake(group.role) if self.memory is not None else None
-            group.call("wake")
-            if self.memory is not None:
-                self.memory.after_wake(group.role, "all", before)
-            yield
-            slept = group.call("sleep")
-            if self.memory is not None:
-                self.memory.after_sleep(group.role, slept)
-        except BaseException:
-            release_quietly(self.turnstile, group.role, group.gpus)
-            raise
-        self.turnstile.release(group.role, group.gpus)
 
     def _resume(self) -> None:
         self.ckpt.sweep_incomplete()
@@ -440,30 +486,25 @@ class TrainingSession:
         state = self.ckpt.load_driver_state(path)
         for group in (self.actor, self.critic):
             if group is not None:
-                with self.awake(group):
-                    group.call("load_checkpoint", os.path.join(path, group.role), "state")
+                self.owner.to_phase_state(_train_phase(group.role))  # DeepSpeed loads into the GPU
+                group.call("load_checkpoint", os.path.join(path, group.role), "state")
         if self.ctx.kl_controller is not None and state["kl"] is not None:
             self.ctx.kl_controller.load_state_dict(state["kl"])
         self.reward.load_state_dict(state["reward_norm"])
         self.history = list(state["history"])
         self.start_step = int(state["next_step"])
-        # The engines still hold the pretrained weights: give them the restored actor's. They are then left as a
-        # step leaves them (fresh weights on the GPU, KV cache asleep), so the next step runs as it would have.
-        with self.awake(self.actor):
-            self.weight_sync.sync(wake_engines=self.ctx.engine_sleeps)
-        if self.ctx.engine_sleeps and self.critic is not None and self.critic.sleeps:
-            self.memory.after_sleep("rollout", self.engines.sleep(1))  # a step's critic turn needs the GPU too
-        elif self.ctx.engine_sleeps:
-            self.ctx.engine_weights_awake = True
-            self.memory.mark_awake("rollout")
+        # The engines still hold the pretrained weights: give them the restored actor's. The first step's phases
+        # then move everything where the plan wants it, as after any sync.
+        self.owner.to_phase_state("sync")
+        self.weight_sync.sync(wake_engines=False)
         log.info("resumed from %s at step %d", path, self.start_step)
 
     def save_final_model(self) -> str:
         """The trained policy in Hugging Face format, written atomically to ``<save_path>/final``."""
         final = os.path.join(self.prep.run_dir, "final")
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        with self.awake(self.actor):
-            self.actor.call("save_pretrained", tmp, self.prep.model_path)
+        self.owner.to_phase_state("actor_train")
+        self.actor.call("save_pretrained", tmp, self.prep.model_path)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -473,8 +514,16 @@ class TrainingSession:
     def close(self) -> None:
         import ray
 
+        if getattr(self, "owner", None) is not None:
+            self.owner.release_turn_quietly()
+
         if self.timeline is not None:
             self.timeline.close()
+        if getattr(self, "weight_sync", None) is not None:
+            try:
+                self.weight_sync.close()
+            except Exception:  # tearing down after an error: report the error, not the clean-up
+                log.debug("weight-sync close failed", exc_info=True)
         if self.engines is not None:
             try:
                 self.engines.shutdown(timeout_s=min(60.0, self.config.call_timeout_s))  # then killed regardless
@@ -494,9 +543,14 @@ class TrainingSession:
 def _write_json(path: str, data: Any) -> None:
     import json
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _train_phase(role: str) -> str:
+    return "actor_train" if role == "actor" else "critic_train"
 
 
 def _sync_backend(cfg: RLConfig) -> str:

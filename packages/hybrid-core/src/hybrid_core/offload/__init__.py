@@ -6,7 +6,7 @@
 
 from .deepspeed_offload import DeepSpeedOffloader
 from .host_buffers import HostBuffer, can_pin_memory
-from .protocol import Sleepable
+from .protocol import Sleepable, StateMover
 from .torch_offload import AsleepError, StateOffloader
 
-__all__ = ["AsleepError", "DeepSpeedOffloader", "HostBuffer", "Sleepable", "StateOffloader", "can_pin_memory"]
+__all__ = ["AsleepError", "DeepSpeedOffloader", "HostBuffer", "Sleepable", "StateMover", "StateOffloader", "can_pin_memory"]

@@ -1,4 +1,6 @@
-"""DeepSpeed's own ``offload_states`` / ``reload_states`` (ZeRO-1/2/3) behind the :class:`Sleepable` interface.
+"""DeepSpeed's own ``offload_states`` / ``reload_states`` (ZeRO-1/2/3) behind the :class:`Sleepable` interface,
+and state by state (``offload(["optimizer"])``) for the residency planner: parameters, gradients and the optimizer
+(fp32 master weights + Adam moments) can leave the GPU separately.
 
 DeepSpeed only moves the states of its own optimizer (the one declared in the DeepSpeed config, FusedAdam on GPU),
 so an engine built with a client optimizer is refused up front. The byte count is that of the device tensors
@@ -20,6 +22,17 @@ from .host_buffers import resolve_pin_memory
 # ZeRO optimizer attributes holding the device state that offload_states moves (stage 3, then stages 1/2).
 _STATE_ATTRS = ("fp32_partitioned_groups_flat", "lp_param_buffer", "grad_partitions_flat_buffer",
                 "single_partition_of_fp32_groups", "bit16_groups_flat", "averaged_gradients")
+#: Our state names -> DeepSpeed's OffloadStateTypeEnum values, and the attributes holding each (for byte counts).
+STATE_TYPES = {
+    "params": ("lp_params",),
+    "grads": ("lp_grads", "contiguous_grad_buffer"),
+    "optimizer": ("optim_states", "hp_params"),
+}
+_ATTRS_OF = {
+    "params": ("lp_param_buffer", "bit16_groups_flat"),
+    "grads": ("grad_partitions_flat_buffer", "averaged_gradients"),
+    "optimizer": ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"),
+}
 
 
 class DeepSpeedOffloader:
@@ -43,6 +56,7 @@ class DeepSpeedOffloader:
         self.include = list(include) if include is not None else None
         self._asleep = False
         self._bytes = 0
+        self._away: dict[str, int] = {}  # state -> bytes moved by offload()
 
     @property
     def asleep(self) -> bool:
@@ -73,11 +87,49 @@ class DeepSpeedOffloader:
         self.engine.reload_states(non_blocking=False)
         _sync(self.engine)
         self._asleep = False
+        self._away = {}
         return TransferStats(self._bytes, time.perf_counter() - start, "deepspeed wake")
 
+    # ---- state by state (residency) --------------------------------------------------------------------------------
+    def offload(self, states) -> TransferStats:
+        """Move ``states`` (any of "params", "grads", "optimizer") to host memory; the others stay on the GPU."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
-def _state_bytes(zero_optimizer: Any) -> int:
-    """Bytes of the distinct storages DeepSpeed's offload moves (so aliases are counted once)."""
+        unknown = [s for s in states if s not in STATE_TYPES]
+        if unknown:
+            raise ConfigError("states", f"DeepSpeed roles hold {', '.join(STATE_TYPES)}, not {unknown}.")
+        todo = [s for s in states if s not in self._away]
+        if not todo:
+            return TransferStats(0, 0.0, "deepspeed offload")
+        include = [OffloadStateTypeEnum(t) for s in todo for t in STATE_TYPES[s]]
+        moved = {s: _state_bytes(self.engine.optimizer, only=s) for s in todo}
+        _sync(self.engine)
+        start = time.perf_counter()
+        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory,
+                                   non_blocking=False)
+        _sync(self.engine)
+        self._away.update(moved)
+        self._asleep = True
+        return TransferStats(sum(moved.values()), time.perf_counter() - start, "deepspeed offload " + "+".join(todo))
+
+    def reload(self, states=None) -> TransferStats:
+        """Bring back what :meth:`offload` moved (DeepSpeed reloads every offloaded state at once)."""
+        if not self._away:
+            return TransferStats(0, 0.0, "deepspeed reload")
+        start = time.perf_counter()
+        self.engine.reload_states(non_blocking=False)
+        _sync(self.engine)
+        moved, self._away, self._asleep = sum(self._away.values()), {}, False
+        return TransferStats(moved, time.perf_counter() - start, "deepspeed reload")
+
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        return tuple(self._away)
+
+
+def _state_bytes(zero_optimizer: Any, only: str | None = None) -> int:
+    """Bytes of the distinct storages DeepSpeed's offload moves (so aliases are counted once); ``only``: those of
+    one state ("params", "grads" or "optimizer")."""
     tensors: list[torch.Tensor] = []
 
     def collect(value: Any) -> None:
@@ -90,11 +142,13 @@ def _state_bytes(zero_optimizer: Any) -> int:
             for v in value:
                 collect(v)
 
-    for name in _STATE_ATTRS:  # ZeRO-3's contiguous gradient bucket is dropped, not copied: not counted
+    names = _ATTRS_OF[only] if only else _STATE_ATTRS
+    for name in names:  # ZeRO-3's contiguous gradient bucket is dropped, not copied: not counted
         collect(getattr(zero_optimizer, name, None))
-    inner = getattr(zero_optimizer, "optimizer", None)
-    for state in getattr(inner, "state", {}).values():
-        collect({k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
+    if only in (None, "optimizer"):
+        inner = getattr(zero_optimizer, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            collect({k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0})
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel() > 0}
     return sum(storages.values())
 

@@ -14,3 +14,13 @@ class Sleepable(Protocol):
     def sleep(self) -> TransferStats: ...
 
     def wake(self) -> TransferStats: ...
+
+
+@runtime_checkable
+class StateMover(Protocol):
+    """A role's states, moved by name for the residency owner (:mod:`hybrid_core.residency`): ``offload(["optimizer"])``
+    moves those states to host memory, ``reload()`` brings back everything offloaded."""
+
+    def offload(self, states) -> TransferStats: ...
+
+    def reload(self, states=None) -> TransferStats: ...

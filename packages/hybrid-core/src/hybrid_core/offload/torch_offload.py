@@ -171,6 +171,14 @@ class StateOffloader:
         self._asleep = False
         return TransferStats(moved, time.perf_counter() - start, "wake")
 
+    # ---- the residency owner's names: a plain torch role moves as one piece ----------------------------------------
+    def offload(self, states=("params",)) -> TransferStats:
+        """Everything this offloader manages leaves together (``states`` names it, e.g. a frozen model's "params")."""
+        return self.sleep()
+
+    def reload(self, states=None) -> TransferStats:
+        return self.wake()
+
     def close(self) -> None:
         """Remove the guards and release the host buffers (wake first if the state is still needed)."""
         for h in self._hooks:

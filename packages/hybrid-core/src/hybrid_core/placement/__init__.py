@@ -1,7 +1,7 @@
 """Where each role runs: a placement spec (RLinf ranges or OpenRLHF counts) -> a validated plan -> a Ray
 placement group with one bundle per GPU.
 
-    spec = PlacementSpec.from_ranges({"actor": "0-7", "rollout": "0-7"}, sleep={"actor", "rollout"})
+    spec = PlacementSpec.from_ranges({"actor": "0-7", "rollout": "0-7"})
     plan = spec.plan()          # validated without Ray; PlacementError names the field and the fix
     print(plan.render())        # GPU x role table
     placed = place(plan)        # one placement group, PACK, one {"GPU": 1, "CPU": c} bundle per GPU
@@ -12,9 +12,9 @@ from .counts import COUNT_FIELDS
 from .plan import PlacementPlan, RolePlacement, WorkerSlot
 from .ranges import format_gpus, parse_gpu_range
 from .ray_groups import PlacedPlan, place
-from .spec import LIGHT_ROLES, PlacementSpec
+from .spec import PlacementSpec
 
 __all__ = [
-    "COUNT_FIELDS", "LIGHT_ROLES", "PlacedPlan", "PlacementPlan", "PlacementSpec", "RolePlacement", "WorkerSlot",
+    "COUNT_FIELDS", "PlacedPlan", "PlacementPlan", "PlacementSpec", "RolePlacement", "WorkerSlot",
     "format_gpus", "parse_gpu_range", "place",
 ]

@@ -6,10 +6,6 @@ from typing import Iterable
 
 from ..errors import PlacementError
 
-#: Roles that are frozen inference-only models: cheap enough to stay resident beside a trainer or an engine.
-#: Every other role (actor, critic, rollout, env, any custom name) counts as memory-heavy unless told otherwise.
-LIGHT_ROLES = frozenset({"reference", "reward"})
-
 
 def cluster_size(cluster_gpus: int | None, gpus_per_node: int | None, num_nodes: int | None) -> int | None:
     """The cluster's GPU count from whichever of the three settings are given; checks they agree."""

@@ -9,22 +9,21 @@ The rules follow OpenRLHF's launcher:
 * ``colocate_actor_ref``: the reference sits on the actor's GPUs; ``colocate_critic_reward``: the reward model sits
   on the critic's GPUs;
 * every role not colocated gets its own block of GPUs, in the order actor, rollout, critic, reference, reward;
-* ``vllm_enable_sleep``: the rollout sleeps; ``deepspeed_enable_sleep``: the trainers (actor, critic) sleep, those
-  of them that share GPUs with another role (a trainer alone on its GPUs has nobody to make room for);
 * ``engines_on_actor`` (hybrid's meaning of OpenRLHF's ``--vllm_num_engines 0``, "generate with the actor"): the
-  engines sit on the actor's GPUs without colocating anything else, and they always sleep while the actor trains;
-* ``frozen_sleep`` (OpenRLHF's ``--ref_reward_offload``): the reference and reward models sleep between their turns;
-  they must share GPUs with another role, since sleeping on GPUs of their own frees memory for nobody;
+  engines sit on the actor's GPUs, one per GPU, without colocating anything else;
 * nodes: without ``gpus_per_node``, a role placed on several nodes (``<role>_num_nodes`` > 1) says how large a node
   is (its GPUs per node), as OpenRLHF assumes; tensor-parallel engines then stay within a node.
+
+OpenRLHF's ``vllm_enable_sleep`` / ``deepspeed_enable_sleep`` say what roles keep on their GPUs, not where they run:
+they are read by the residency planner (:mod:`hybrid_core.residency`), not here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from ..errors import PlacementError
-from .checks import LIGHT_ROLES, cluster_size, require_int, role_set
+from .checks import cluster_size, require_int
 
 if TYPE_CHECKING:
     from .spec import PlacementSpec
@@ -35,7 +34,7 @@ COUNT_FIELDS = (
     "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
     "ref_num_nodes", "ref_num_gpus_per_node", "reward_num_nodes", "reward_num_gpus_per_node",
     "vllm_num_engines", "vllm_tensor_parallel_size", "colocate_all_models", "colocate_actor_ref",
-    "colocate_critic_reward", "vllm_enable_sleep", "deepspeed_enable_sleep",
+    "colocate_critic_reward",
 )
 
 # role -> (nodes flag, GPUs-per-node flag)
@@ -63,14 +62,10 @@ def spec_from_counts(
     colocate_all_models: bool = False,
     colocate_actor_ref: bool = False,
     colocate_critic_reward: bool = False,
-    vllm_enable_sleep: bool = False,
-    deepspeed_enable_sleep: bool = False,
     gpus_per_node: int | None = None,
     cluster_gpus: int | None = None,
     num_nodes: int | None = None,
-    heavy: Iterable[str] | None = None,
     engines_on_actor: bool = False,
-    frozen_sleep: bool = False,
 ) -> PlacementSpec:
     """Translate OpenRLHF placement flags into a spec (roles: actor, rollout, critic, reference, reward).
 
@@ -97,9 +92,7 @@ def spec_from_counts(
                              f"Use --vllm_tensor_parallel_size <= {gpus_per_node}.")
     sizes["rollout"] = vllm_num_engines * tp
     for flag, value in (("colocate_all_models", colocate_all_models), ("colocate_actor_ref", colocate_actor_ref),
-                        ("colocate_critic_reward", colocate_critic_reward), ("vllm_enable_sleep", vllm_enable_sleep),
-                        ("deepspeed_enable_sleep", deepspeed_enable_sleep), ("engines_on_actor", engines_on_actor),
-                        ("frozen_sleep", frozen_sleep)):
+                        ("colocate_critic_reward", colocate_critic_reward), ("engines_on_actor", engines_on_actor)):
         if not isinstance(value, bool):
             raise PlacementError(flag, f"expected true or false, got {value!r}.", f"Set {flag} to True or False.")
     if sizes["actor"] == 0:
@@ -111,29 +104,15 @@ def spec_from_counts(
 
     gpus = _lay_out(sizes, tp, vllm_num_engines, colocate_all_models or engines_on_actor, colocate_actor_ref,
                     colocate_critic_reward, engines_only=engines_on_actor and not colocate_all_models)
-    sleep = _sleeping_roles(gpus, vllm_enable_sleep or engines_on_actor, deepspeed_enable_sleep)
-    if frozen_sleep:
-        sleep |= _sleeping_frozen(gpus)
-    if heavy is None:
-        heavy_set = frozenset(gpus) - LIGHT_ROLES
-    else:
-        heavy_set = frozenset(role_set(heavy, "heavy")) & frozenset(gpus)
     gpu_fields = {role: _COUNT_FLAGS[role][1] for role in _COUNT_FLAGS}
     gpu_fields["rollout"] = "vllm_num_engines"
     return PlacementSpec(
         gpus=gpus,
         tp={"rollout": tp} if "rollout" in gpus else {},
-        sleep=sleep,
-        heavy=heavy_set,
         cluster_gpus=cluster_gpus,
         gpus_per_node=gpus_per_node,
         gpu_fields=gpu_fields,
         tp_fields={"rollout": "vllm_tensor_parallel_size"},
-        sleep_fields={"rollout": "vllm_enable_sleep", "actor": "deepspeed_enable_sleep",
-                      "critic": "deepspeed_enable_sleep", "reference": "ref_reward_offload",
-                      "reward": "ref_reward_offload"},
-        unshare_fix="give them separate GPUs (drop --colocate_all_models / --colocate_actor_ref / "
-                    "--colocate_critic_reward)",
     )
 
 
@@ -153,18 +132,6 @@ def _node_size_from_roles(*roles: tuple[int, int]) -> int | None:
     sizes = [per_node for nodes, per_node in roles
              if isinstance(nodes, int) and isinstance(per_node, int) and nodes > 1 and per_node > 0]
     return max(sizes) if sizes else None
-
-
-def _sleeping_frozen(gpus: dict[str, tuple[int, ...]]) -> frozenset[str]:
-    frozen = [r for r in ("reference", "reward") if r in gpus]
-    alone = [r for r in frozen if not any(set(gpus[r]) & set(g) for o, g in gpus.items() if o != r)]
-    if alone:
-        raise PlacementError("ref_reward_offload", f"the {' and '.join(alone)} model has GPUs of its own, so letting it "
-                             "sleep frees memory for nobody (OpenRLHF's --ref_reward_offload streams a ZeRO-3 model "
-                             "from host memory so that a model larger than its GPUs fits, which hybrid does not do).",
-                             "Share its GPUs (--colocate_actor_ref / --colocate_critic_reward / --colocate_all_models), "
-                             "or drop --ref_reward_offload.")
-    return frozenset(frozen)
 
 
 def _lay_out(sizes: dict[str, int], tp: int, engines: int, colocate_all: bool, colocate_actor_ref: bool,
@@ -237,33 +204,6 @@ def _lay_out(sizes: dict[str, int], tp: int, engines: int, colocate_all: bool, c
                              "reward_num_gpus_per_node = 0).", "Drop --colocate_critic_reward, or give the reward "
                              "model GPUs.")
     return gpus
-
-
-def _sleeping_roles(gpus: dict[str, tuple[int, ...]], vllm_sleep: bool, deepspeed_sleep: bool) -> frozenset[str]:
-    def shares(role: str) -> bool:
-        mine = set(gpus[role])
-        return any(mine & set(theirs) for other, theirs in gpus.items() if other != role)
-
-    sleep: set[str] = set()
-    if vllm_sleep:
-        if "rollout" not in gpus:
-            raise PlacementError("vllm_enable_sleep", "there are no engines to put to sleep (vllm_num_engines = 0).",
-                                 "Drop --vllm_enable_sleep, or set --vllm_num_engines.")
-        if not shares("rollout"):
-            raise PlacementError("vllm_enable_sleep", "the engines share no GPU with another role, so sleeping frees "
-                                 "memory for nobody and only costs a reload per step.",
-                                 "Add --colocate_all_models to put the engines on the actor's GPUs, or drop "
-                                 "--vllm_enable_sleep.")
-        sleep.add("rollout")
-    if deepspeed_sleep:
-        trainers = [role for role in _TRAINERS if role in gpus and shares(role)]
-        if not trainers:
-            raise PlacementError("deepspeed_enable_sleep", "neither the actor nor the critic shares a GPU with another "
-                                 "role, so sleeping frees memory for nobody.",
-                                 "Add --colocate_all_models (or --colocate_actor_ref), or drop "
-                                 "--deepspeed_enable_sleep.")
-        sleep.update(trainers)
-    return frozenset(sleep)
 
 
 def _engines_problem(actor_gpus: int, engines: int, tp: int) -> str:

@@ -1,10 +1,11 @@
-"""The validated layout: for each role its workers, each worker's GPU(s) and GPU fraction, and who sleeps.
+"""The validated layout: for each role its workers, and each worker's GPU(s) and GPU fraction.
 
 One Ray bundle per GPU (see :mod:`.ray_groups`), so a worker is pinned to a GPU by its bundle index and the
 fraction it asks for only has to let the roles sharing that GPU fit in its bundle: the fractions on every GPU sum
 to at most 1. (OpenRLHF's 0.75/0.25 trick was needed because its ranks were not pinned to bundles: with 0.5 Ray
 packed two ranks of one role onto the same GPU. Pinning makes the split irrelevant, so it is simply equal.)
-Fractions are Ray bookkeeping, not memory limits: memory is shared by taking turns (:mod:`hybrid_core.turnstile`).
+Fractions are Ray bookkeeping, not memory limits: what each role keeps on a shared GPU in each phase is decided by
+the residency plan (:mod:`hybrid_core.residency`).
 """
 
 from __future__ import annotations
@@ -35,14 +36,11 @@ class WorkerSlot:
 
 @dataclass(frozen=True)
 class RolePlacement:
-    """Where one role runs. ``tp`` is GPUs per worker; ``sleeps``: it offloads while other roles use its GPUs;
-    ``heavy``: it holds large memory (see :class:`~hybrid_core.placement.spec.PlacementSpec`)."""
+    """Where one role runs. ``tp`` is GPUs per worker."""
 
     role: str
     workers: list[WorkerSlot]
-    sleeps: bool
     tp: int = 1
-    heavy: bool = True
 
     @property
     def gpus(self) -> tuple[int, ...]:
@@ -74,7 +72,7 @@ class PlacementPlan:
         return next((w for w in self.roles[role].workers if gpu in w.gpus), None)
 
     def shared_gpus(self, role: str) -> tuple[int, ...]:
-        """The role's GPUs that another role also uses (those it must take turns on when it sleeps)."""
+        """The role's GPUs that another role also uses."""
         return tuple(g for g in self.roles[role].gpus if len(self.roles_on_gpu(g)) > 1)
 
     def node_of(self, gpu: int) -> int:
@@ -93,7 +91,7 @@ class PlacementPlan:
             "num_gpus": self.num_gpus,
             "gpus_per_node": self.gpus_per_node,
             "roles": {
-                name: {"tp": r.tp, "sleeps": r.sleeps, "heavy": r.heavy,
+                name: {"tp": r.tp,
                        "workers": [{"rank": w.rank, "gpus": list(w.gpus), "num_gpus": w.num_gpus} for w in r.workers]}
                 for name, r in self.roles.items()
             },
@@ -116,15 +114,12 @@ def build_plan(spec: PlacementSpec) -> PlacementPlan:
     for role, gpus in spec.gpus.items():
         for g in gpus:
             residents[g].append(role)
-    _check_sleep(spec, residents)
-    _check_heavy_residents(spec, residents)
 
     roles: dict[str, RolePlacement] = {}
     for role, role_chunks in chunks.items():
         workers = [WorkerSlot(rank, chunk, min(_fraction(len(residents[g])) for g in chunk))
                    for rank, chunk in enumerate(role_chunks)]
-        roles[role] = RolePlacement(role=role, workers=workers, sleeps=role in spec.sleep, tp=spec.tp_of(role),
-                                    heavy=role in spec.heavy)
+        roles[role] = RolePlacement(role=role, workers=workers, tp=spec.tp_of(role))
     return PlacementPlan(num_gpus=num_gpus, roles=roles, gpus_per_node=spec.gpus_per_node)
 
 
@@ -182,34 +177,3 @@ def _engine_chunks(spec: PlacementSpec, role: str) -> list[tuple[int, ...]]:
                                  f"boundary (nodes of {spec.gpus_per_node} GPUs).",
                                  f"Start {role}'s GPUs ({spec.gpu_field(role)}) at a multiple of {tp} within a node.")
     return chunks
-
-
-def _check_sleep(spec: PlacementSpec, residents: dict[int, list[str]]) -> None:
-    for role in sorted(spec.sleep):
-        if role not in spec.gpus:
-            raise PlacementError(spec.sleep_field(role), f"{role!r} has no GPUs, so it cannot sleep.",
-                                 f"Let only roles with GPUs sleep ({', '.join(spec.gpus)}).")
-        if all(len(residents[g]) == 1 for g in spec.gpus[role]):
-            raise PlacementError(spec.sleep_field(role), f"{role} sleeps but shares no GPU with another role, so "
-                                 "sleeping frees memory for nobody and only costs a reload per step.",
-                                 f"Do not let {role} sleep, or give it GPUs another role also uses.")
-
-
-def _check_heavy_residents(spec: PlacementSpec, residents: dict[int, list[str]]) -> None:
-    """On a shared GPU at most one memory-heavy role may stay resident; the others must sleep (take turns)."""
-    clashes: dict[tuple[str, ...], list[int]] = {}
-    for gpu, roles in residents.items():
-        awake = tuple(r for r in roles if r in spec.heavy and r not in spec.sleep)
-        if len(awake) > 1:
-            clashes.setdefault(awake, []).append(gpu)
-    if not clashes:
-        return
-    roles, gpus = next(iter(clashes.items()))
-    names = " and ".join(roles)
-    sleep_fields = " / ".join(dict.fromkeys(spec.sleep_field(r) for r in roles))
-    raise PlacementError(
-        sleep_fields,
-        f"{names} share {describe_gpus(gpus)} and none of them sleeps, so they would hold their memory "
-        "(weights, optimizer state, KV cache) at the same time.",
-        f"Let all but one of them sleep ({sleep_fields}), or {spec.unshare_fix}. If they really fit in memory "
-        "together, leave all but one of them out of `heavy`.")

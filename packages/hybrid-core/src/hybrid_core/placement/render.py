@@ -4,12 +4,13 @@ Example (OpenRLHF's 8-GPU hybrid engine)::
 
     placement: 8 GPUs on 1 node (8 GPUs per node)
 
-    GPU | actor*  | rollout* | reference | reward
+    GPU | actor   | rollout  | reference | reward
     ----+---------+----------+-----------+--------
       0 | #0 0.25 | #0 0.25  | #0 0.25   | #0 0.25
     ...
     cell: worker rank and the fraction of the GPU it asks Ray for (bookkeeping, not a memory limit)
-    *: sleeps - offloads to host memory between its phases; on a shared GPU the sleeping roles take turns, ...
+
+What each role keeps on its GPUs phase by phase is the residency plan's table (:mod:`hybrid_core.residency`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from .ranges import describe_gpus, format_gpus
 if TYPE_CHECKING:
     from .plan import PlacementPlan, RolePlacement
 
-SLEEP_MARK = "*"
 EMPTY_CELL = "-"
 
 
@@ -30,8 +30,6 @@ def render_plan(plan: PlacementPlan) -> str:
     lines = [_title(plan), ""]
     lines += _gpu_table(plan)
     lines.append("cell: worker rank and the fraction of the GPU it asks Ray for (bookkeeping, not a memory limit)")
-    lines.append(f"{SLEEP_MARK}: sleeps - offloads to host memory between its phases; on a shared GPU the sleeping "
-                 "roles take turns, one awake at a time")
     lines.append("")
     lines += _role_summary(plan)
     return "\n".join(lines)
@@ -47,7 +45,7 @@ def _title(plan: PlacementPlan) -> str:
 
 
 def _gpu_table(plan: PlacementPlan) -> list[str]:
-    headers = ["GPU"] + [name + (SLEEP_MARK if role.sleeps else "") for name, role in plan.roles.items()]
+    headers = ["GPU"] + list(plan.roles)
     rows: list[list[str]] = []
     for gpu in range(plan.num_gpus):
         row = [str(gpu)]
@@ -72,20 +70,16 @@ def _gpu_table(plan: PlacementPlan) -> list[str]:
 
 
 def _role_summary(plan: PlacementPlan) -> list[str]:
-    headers = ["role", "workers", "tp", "GPUs", "fraction", "memory"]
+    headers = ["role", "workers", "tp", "GPUs", "fraction", "shares"]
     rows = [[name, str(role.world_size), str(role.tp), format_gpus(role.gpus), _fraction_span(role),
-             _memory(plan, name, role)] for name, role in plan.roles.items()]
+             _sharing(plan, name)] for name, role in plan.roles.items()]
     widths = [max(len(r[i]) for r in [headers] + rows) for i in range(len(headers))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers] + rows]
 
 
-def _memory(plan: PlacementPlan, name: str, role: RolePlacement) -> str:
-    weight = "heavy" if role.heavy else "light"
-    if role.sleeps:
-        return f"{weight}, sleeps (takes turns on {describe_gpus(plan.shared_gpus(name))})"
+def _sharing(plan: PlacementPlan, name: str) -> str:
     shared = plan.shared_gpus(name)
-    return f"{weight}, resident" + (f" (shares {describe_gpus(shared)})" if shared else "")
-
+    return describe_gpus(shared) if shared else "-"
 
 
 def _fraction_span(role: RolePlacement) -> str:

@@ -1,6 +1,7 @@
 """What every role worker (a Ray actor holding one model replica or shard) shares.
 
-Workers are created by :mod:`hybrid_algos.train.roles` on the bundles the placement plan assigns. Each one can dump
+Workers are created by :class:`hybrid_core.roles.RoleGroup` on the bundles the placement plan assigns, and moved
+on and off their GPU by the residency owner (:mod:`hybrid_core.residency`) through ``offload`` / ``reload``. Each one can dump
 the Python stacks of all its threads into the run's log folder on request — answered on a separate control thread,
 so a worker stuck in a collective still reports where it is.
 """
@@ -35,8 +36,8 @@ class RoleWorker:
         os.makedirs(log_dir, exist_ok=True)
         self._stack_file = open(os.path.join(log_dir, f"stacks-{role}-{rank}.txt"), "a")
         faulthandler.enable(self._stack_file)  # a hard crash leaves its stack in the run's log folder
-        self.offloader = None  # set by subclasses: a hybrid_core Sleepable
-        self.asleep = False
+        self.offloader = None  # set by subclasses: a hybrid_core StateMover (offload(states) / reload())
+        self.trim_cache = False  # the residency plan releases this role's allocator cache after each phase
         torch.manual_seed(config.seed + rank)
 
     # ---- identity / rendezvous -------------------------------------------------------------------------------------
@@ -65,20 +66,32 @@ class RoleWorker:
         gc.collect()
         gc.freeze()
 
-    # ---- sleep / wake ----------------------------------------------------------------------------------------------
-    def sleep(self) -> dict:
-        if self.offloader is None or self.asleep:
-            return TransferStats(0, 0.0, f"{self.role} sleep").as_dict()
-        stats = self.offloader.sleep()
-        self.asleep = True
+    # ---- residency -------------------------------------------------------------------------------------------------
+    def set_residency(self, trim_cache: bool) -> None:
+        """What the residency plan asks of this role besides moves: trim its allocator cache after each phase."""
+        self.trim_cache = trim_cache
+
+    def offload(self, states: list[str]) -> dict:
+        """Move ``states`` (e.g. ["optimizer"], or a frozen model's ["params"]) to host memory."""
+        if self.offloader is None:
+            raise RuntimeError(f"{self.role} has no offloader: it cannot move {states} off its GPU")
+        stats = self.offloader.offload(states)
+        self._release_cache()
         return stats.as_dict()
 
-    def wake(self) -> dict:
-        if self.offloader is None or not self.asleep:
-            return TransferStats(0, 0.0, f"{self.role} wake").as_dict()
-        stats = self.offloader.wake()
-        self.asleep = False
-        return stats.as_dict()
+    def reload(self, states: list[str] | None = None) -> dict:
+        if self.offloader is None:
+            return TransferStats(0, 0.0, f"{self.role} reload").as_dict()
+        return self.offloader.reload(states).as_dict()
+
+    def end_phase(self) -> None:
+        """Called at the end of every phase method: trim the allocator cache when the plan says so."""
+        if self.trim_cache:
+            self._release_cache()
+
+    def _release_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def gpu_memory(self) -> dict[str, Any] | None:
         """Free/total bytes of this worker's GPU and its process list (for the wake check); None on CPU."""

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hybrid_core.offload import DeepSpeedOffloader
-from hybrid_core.stats import TransferStats
+from hybrid_engines.weight_sync import TrainerWeightSource
 
 from ... import aggregate_loss, kl_estimate, ppo_policy_loss
 from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
@@ -17,8 +17,8 @@ from ..models import load_causal_lm, response_logprobs
 from .base import RoleWorker
 
 
-class PolicyWorker(RoleWorker):
-    """One data-parallel rank of the actor."""
+class PolicyWorker(TrainerWeightSource, RoleWorker):
+    """One data-parallel rank of the actor (its weight-sync side: ``TrainerWeightSource``, the engines' transport)."""
 
     def setup(self, model_path: str, master_addr: str, master_port: int, total_steps: int) -> dict[str, Any]:
         cfg = self.config
@@ -32,9 +32,8 @@ class PolicyWorker(RoleWorker):
             grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
             lr=cfg.actor_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
             num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload, warmup_steps=int(cfg.lr_warmup_ratio * total_steps * updates_per_step)))
-        if cfg.deepspeed_enable_sleep:
+        if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
-        self._sync = None
         self.settle()
         return {"params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
                 **self.where()}
@@ -137,50 +136,6 @@ class PolicyWorker(RoleWorker):
             shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
             metas.append(TensorMeta(name, str(p.dtype).removeprefix("torch."), shape))
         return metas
-
-    def init_sync_group(self, master_addr: str, master_port: int, world_size: int, backend: str) -> None:
-        """Rank 0 joins the weight-sync group as its sender (rank 0 of that group)."""
-        from hybrid_core.weight_sync import create_sync_group
-
-        if self.rank == 0:
-            self._sync = create_sync_group(master_addr, master_port, 0, world_size, backend=backend,
-                                           timeout_s=self.config.call_timeout_s, device=self.device)
-
-    def send_weights(self, bucket_bytes: int) -> dict:
-        """Broadcast the weights to every engine worker (rank 0 sends; other ranks only help gather ZeRO-3 shards)."""
-        from hybrid_core.weight_sync import WeightSender
-
-        weights = self.named_weights()
-        if self.rank != 0:
-            for _ in weights:
-                pass
-            return TransferStats(0, 0.0, "sync").as_dict()
-        return WeightSender(self._sync, bucket_bytes=bucket_bytes).send(weights).as_dict()
-
-    def send_weights_ipc(self, engine: Any, bucket_bytes: int, timeout_s: float, peers: list[int] | None = None) -> dict:
-        """Colocated: hand CUDA-IPC (or shared-memory on CPU) buckets to the engine on this rank's GPU.
-
-        ``peers``: the actor ranks whose GPUs one tensor-parallel engine spans (this rank among them); they hand
-        each bucket over together and the first of them calls the engine (``engine_group_callbacks``)."""
-        from hybrid_core.remote import get_with_timeout
-        from hybrid_core.weight_sync import IpcBucketSender, engine_group_callbacks
-
-        sender = IpcBucketSender(bucket_bytes=bucket_bytes, device=self.device)
-        what = f"rollout engine on actor rank {self.rank}'s GPU: update_weights_from_ipc"
-
-        def submit(bucket):
-            return engine.update_weights_from_ipc.remote(bucket)
-
-        def wait(ref):
-            get_with_timeout(ref, timeout_s, what)
-
-        deliver = submit
-        if peers is not None and len(peers) > 1:
-            deliver, wait = engine_group_callbacks(peers, submit, wait)
-        try:
-            return sender.send(self.named_weights(), deliver=deliver, wait=wait).as_dict()
-        finally:
-            sender.close()  # the buckets' memory goes back before the actor sleeps
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, tag: str) -> None:

@@ -3,6 +3,10 @@
 Every call goes through :func:`hybrid_core.remote.get_all_with_timeout`, so a late or dead worker ends the step with
 an error naming the role, the method (phase) and the rank — after the stacks of the role's workers are dumped into
 the run's log folder.
+
+A role group is also what the residency owner (:mod:`hybrid_core.residency`) moves: its workers implement
+``offload(states)`` and ``reload(states)`` (each returns the bytes it moved), and :meth:`RoleGroup.move_off` /
+:meth:`RoleGroup.move_on` start those calls on every rank without waiting.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import inspect
 import logging
 from typing import Any, Sequence
 
-from hybrid_core.errors import RemoteTimeout, RoleFailure
-from hybrid_core.faults import maybe_inject
-from hybrid_core.remote import get_all_with_timeout
-from hybrid_core.runtime_env import worker_runtime_env
+from .errors import RemoteTimeout, RoleFailure
+from .faults import maybe_inject
+from .remote import get_all_with_timeout
+from .runtime_env import worker_runtime_env
 
 log = logging.getLogger(__name__)
 
@@ -42,29 +46,40 @@ def remote_class(worker_cls: type):
     return ray.remote(concurrency_groups={"control": 1})(cls)
 
 
+#: Calls that are not phases of work: no allocator trim after them.
+_NOT_PHASES = ("offload", "reload", "set_residency", "end_phase", "where", "free_port", "setup")
+
+
 def _phase(name: str, fn):
     @functools.wraps(fn)
     def call(self, *args: Any, **kwargs: Any) -> Any:
         maybe_inject(self.role, name, self.rank)
-        return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            end = getattr(self, "end_phase", None)
+            if end is not None and name not in _NOT_PHASES:
+                end()  # e.g. release the allocator cache when the residency plan needs the room
 
     return call
 
 
 class RoleGroup:
-    """The workers of one role. ``call`` sends the same arguments to every rank; ``call_sharded`` one shard each."""
+    """The workers of one role. ``call`` sends the same arguments to every rank; ``call_sharded`` one shard each.
 
-    def __init__(self, role: str, worker_cls: type, placed, config, log_dir: str, *, timeout_s: float):
+    Worker ``rank`` is built as ``worker_cls(role, rank, world_size, *args)`` on the bundle the placed plan gives it.
+    """
+
+    def __init__(self, role: str, worker_cls: type, placed, *args: Any, timeout_s: float):
         self.role = role
         self.timeout_s = timeout_s
         placement = placed.plan.roles[role]
         self.world_size = len(placement.workers)
-        self.sleeps = placement.sleeps
         self.gpus = sorted({g for w in placement.workers for g in w.gpus})
         actor_cls = remote_class(worker_cls)
         self.workers = [
             actor_cls.options(**placed.actor_options(role, rank), runtime_env=worker_runtime_env(),
-                              name=None, max_restarts=0).remote(role, rank, self.world_size, config, log_dir)
+                              name=None, max_restarts=0).remote(role, rank, self.world_size, *args)
             for rank in range(self.world_size)
         ]
 
@@ -80,6 +95,15 @@ class RoleGroup:
         refs = [(f"{self.role} rank {r}: {method}", getattr(w, method).remote(shard, *args, **kwargs))
                 for r, (w, shard) in enumerate(zip(self.workers, shards))]
         return self._wait(refs, timeout_s)
+
+    # ---- residency (started here, waited for by the owner) ---------------------------------------------------------
+    def move_off(self, states: Sequence[str], moves: Any = None) -> list[tuple[str, Any]]:
+        return [(f"{self.role} rank {r}: offload {'+'.join(states)}", w.offload.remote(list(states)))
+                for r, w in enumerate(self.workers)]
+
+    def move_on(self, states: Sequence[str]) -> list[tuple[str, Any]]:
+        return [(f"{self.role} rank {r}: reload {'+'.join(states)}", w.reload.remote(list(states)))
+                for r, w in enumerate(self.workers)]
 
     def _wait(self, named_refs, timeout_s: float | None) -> list[Any]:
         try:

@@ -1,0 +1,244 @@
+"""A residency plan: for every phase of a step and every GPU, which state of which role is on the GPU.
+
+It is built from one decision per (role, state) -- a move from :data:`~.steps.MOVES` -- and the memory model's
+sizes, and it can say everything the loop and the user need: what is resident in each phase, the predicted peak
+of each GPU in each phase against its capacity, how many bytes move per step, and the table ``--dry-run`` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import PlacementError
+from .memory import GiB, RoleSize
+from .steps import Phase, absent_runs, needed_in
+
+#: Moves that take a state off the GPU between the phases that need it.
+MOVING = ("offload", "discard", "release")
+
+
+def tracked(state: str) -> bool:
+    """States followed even when the model gives them no bytes: an engine's KV cache goes wherever its weights go
+    (the built-in engine builds its cache per call, so it has no standing bytes, but it still sleeps and wakes)."""
+    return state == "kv_cache"
+
+
+@dataclass(frozen=True)
+class GpuShare:
+    """The workers of one role on one GPU, with the bytes one of them holds."""
+
+    size: RoleSize
+    workers: int = 1
+
+    @property
+    def role(self) -> str:
+        return self.size.role
+
+
+@dataclass
+class ResidencyPlan:
+    """What stays on each GPU in each phase. Build with :func:`~.planner.plan_residency` or :meth:`manual`."""
+
+    mode: str
+    phases: tuple[Phase, ...]
+    moves: dict[tuple[str, str], str]  # (role, state) -> move
+    layout: dict[int, tuple[GpuShare, ...]]  # plan GPU -> the roles on it
+    gpu_bytes: float
+    capacity: float  # bytes of estimates a phase may use on one GPU (gpu_bytes less the safety margin)
+    notes: list[str] = field(default_factory=list)
+    measured: dict[tuple[int, str], float] = field(default_factory=dict)  # (gpu, phase) -> bytes seen at run time
+    #: gpu -> bytes a run measured beyond what the model counts (contexts, library buffers, fragmentation); added to
+    #: every phase of that GPU (see hybrid_algos.train.loop's refinement after the first step)
+    overhead: dict[int, float] = field(default_factory=dict)
+
+    # ---- what is where ---------------------------------------------------------------------------------------------
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.role for shares in self.layout.values() for s in shares))
+
+    def move(self, role: str, state: str) -> str:
+        return self.moves.get((role, state), "resident")
+
+    def present(self, role: str, state: str, phase: str) -> bool:
+        """Whether ``state`` of ``role`` is on its GPUs during ``phase``."""
+        move = self.move(role, state)
+        if move == "host":
+            return False
+        if state == "cache":  # working memory inside the role's own phases; reserved after them unless trimmed
+            return move == "resident" and not self._works_in(role, phase)
+        return move == "resident" or phase in needed_in(self.phases, role, state)
+
+    def resident_states(self, role: str, phase: str) -> tuple[str, ...]:
+        return tuple(s for (r, s) in self._states(role) if self.present(r, s, phase))
+
+    def absent_states(self, role: str, phase: str) -> tuple[str, ...]:
+        return tuple(s for (r, s) in self._states(role) if not self.present(r, s, phase)
+                     and self.move(r, s) != "host")
+
+    def sleeps(self, role: str) -> bool:
+        """Whether the role moves any state during a step (it then takes turns on its GPUs)."""
+        return any(self.move(r, s) in MOVING for r, s in self._states(role) if s != "cache")
+
+    def engine_sleep_level(self, role: str = "rollout") -> int | None:
+        """The engine's sleep level after generating: 1 (weights to host), 2 (weights discarded), None (stays)."""
+        return {"offload": 1, "discard": 2}.get(self.move(role, "weights"))
+
+    # ---- memory ----------------------------------------------------------------------------------------------------
+    def breakdown(self, gpu: int, phase: str) -> dict[tuple[str, str], float]:
+        """(role, item) -> bytes on ``gpu`` in ``phase``: resident states, the working role's working memory,
+        and every worker's CUDA context."""
+        items: dict[tuple[str, str], float] = {}
+        for share in self.layout[gpu]:
+            size, n = share.size, share.workers
+            for state, nbytes in size.states.items():
+                if nbytes and self.present(size.role, state, phase):
+                    items[(size.role, state)] = items.get((size.role, state), 0.0) + nbytes * n
+            working = size.working.get(phase, {}) if self._works_in(size.role, phase) else {}
+            for item, nbytes in working.items():
+                if nbytes:
+                    items[(size.role, item)] = items.get((size.role, item), 0.0) + nbytes * n
+            if working and self.move(size.role, "cache") == "resident":
+                # the allocator still holds the role's largest working set from its earlier phase (its cache)
+                floor = size.states.get("cache", 0.0) - sum(working.values())
+                if floor > 0:
+                    items[(size.role, "cache")] = items.get((size.role, "cache"), 0.0) + floor * n
+            items[(size.role, "context")] = items.get((size.role, "context"), 0.0) + size.context * n
+        if self.overhead.get(gpu):
+            items[("measured", "overhead")] = self.overhead[gpu]
+        return items
+
+    def peak(self, gpu: int, phase: str) -> float:
+        """Predicted bytes on ``gpu`` at the height of ``phase``."""
+        return sum(self.breakdown(gpu, phase).values())
+
+    @property
+    def usable(self) -> float:
+        return self.capacity / self.gpu_bytes if self.gpu_bytes else 1.0
+
+    def load(self, gpu: int, phase: str, extra: float = 0.0) -> float:
+        """The peak as the capacity sees it: estimates at face value, exact pools (an engine's pre-allocated
+        fraction of the GPU) scaled by the usable fraction, since the safety margin is for estimates only.
+        ``extra``: estimated bytes to add (a state brought back early)."""
+        exact = self._exact_bytes(gpu, phase)
+        return self.peak(gpu, phase) - exact + exact * self.usable + extra
+
+    def fits_phase(self, gpu: int, phase: str, extra: float = 0.0) -> bool:
+        return self.load(gpu, phase, extra) <= self.capacity + 1.0
+
+    def worst(self) -> tuple[int, str, float]:
+        """(gpu, phase, bytes) of the fullest GPU in its fullest phase (fullest against its capacity)."""
+        return max(((g, p.name, self.peak(g, p.name)) for g in self.layout for p in self.phases),
+                   key=lambda t: self.load(t[0], t[1]), default=(0, "", 0.0))
+
+    def fits(self) -> bool:
+        return all(self.fits_phase(g, p.name) for g in self.layout for p in self.phases)
+
+    def check(self) -> None:
+        """Raise a :class:`PlacementError` naming the GPU, the phase and the numbers when the plan does not fit."""
+        gpu, phase, total = self.worst()
+        if self.fits_phase(gpu, phase):
+            return
+        items = self.breakdown(gpu, phase)
+        parts = ", ".join(f"{role} {item} {v / GiB:.1f}" for (role, item), v in
+                          sorted(items.items(), key=lambda kv: -kv[1]) if v >= 0.05 * GiB)
+        raise PlacementError(
+            "residency", f"GPU {gpu}, phase {phase}: {total / GiB:.1f} GiB needed > {self.capacity / GiB:.1f} GiB "
+            f"usable of {self.gpu_bytes / GiB:.1f} GiB ({parts} GiB).", _fix_for(self, items))
+
+    def _exact_bytes(self, gpu: int, phase: str) -> float:
+        return sum(share.size.states[s] * share.workers for share in self.layout[gpu] for s in share.size.exact
+                   if self.present(share.role, s, phase))
+
+    def bytes_moved(self, gpu: int) -> float:
+        """Bytes that cross PCIe on ``gpu`` per step (offloads and reloads; discards and releases move none)."""
+        total = 0.0
+        for share in self.layout[gpu]:
+            for state, nbytes in share.size.states.items():
+                if self.move(share.role, state) == "offload":
+                    present = frozenset(p.name for p in self.phases if self.present(share.role, state, p.name))
+                    total += 2 * nbytes * share.workers * absent_runs(self.phases, present)
+        return total
+
+    def move_count(self) -> int:
+        return sum(1 for m in self.moves.values() if m in MOVING)
+
+    # ---- showing it ----------------------------------------------------------------------------------------------
+    def describe_moves(self) -> list[str]:
+        """One line per role: what leaves the GPU and how (or that everything stays)."""
+        lines = []
+        for role in self.roles:
+            moving = [f"{s} {m}" for (r, s), m in self.moves.items() if r == role and m != "resident"]
+            lines.append(f"{role}: " + (", ".join(moving) if moving else "everything resident"))
+        return lines
+
+    def render(self) -> str:
+        """Per phase and per group of identical GPUs: what is resident, the predicted peak vs the capacity."""
+        groups: dict[tuple, list[int]] = {}
+        for gpu, shares in self.layout.items():
+            groups.setdefault(tuple((s.role, s.workers) for s in shares), []).append(gpu)
+        lines = [f"residency ({self.mode}): " + "; ".join(self.describe_moves())]
+        for key, gpus in groups.items():
+            gpu = gpus[0]
+            lines.append(f"GPU {_span(gpus)} ({', '.join(r for r, _ in key)}), {self.gpu_bytes / GiB:.1f} GiB each, "
+                         f"usable {self.capacity / GiB:.1f}; moved per step {self.bytes_moved(gpu) / GiB:.2f} GiB")
+            for phase in self.phases:
+                resident = []
+                for share in self.layout[gpu]:
+                    held = [s for s in self.resident_states(share.role, phase.name) if share.size.states.get(s)]
+                    if held:
+                        resident.append(f"{share.role}[{','.join(held)}]")
+                peak = self.peak(gpu, phase.name)
+                flag = "ok" if self.fits_phase(gpu, phase.name) else "OVER"
+                seen = self.measured.get((gpu, phase.name))
+                seen_text = f", measured {seen / GiB:.2f}" if seen else ""
+                lines.append(f"  {phase.name:<13} peak {peak / GiB:7.2f} GiB {flag:<4}{seen_text}  "
+                             f"resident: {' '.join(resident) or '-'}")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "gpu_bytes": self.gpu_bytes, "capacity": self.capacity,
+            "moves": {f"{r}.{s}": m for (r, s), m in self.moves.items()},
+            "peaks": {str(g): {p.name: self.peak(g, p.name) for p in self.phases} for g in self.layout},
+            "overhead": {str(g): v for g, v in self.overhead.items()},
+            "bytes_moved_per_step": {str(g): self.bytes_moved(g) for g in self.layout},
+            "notes": list(self.notes),
+        }
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _states(self, role: str) -> list[tuple[str, str]]:
+        for shares in self.layout.values():
+            for share in shares:
+                if share.role == role:
+                    return [(role, s) for s, nbytes in share.size.states.items() if nbytes or tracked(s)]
+        return []
+
+    def _works_in(self, role: str, phase: str) -> bool:
+        return any(p.name == phase and role in p.needs for p in self.phases)
+
+
+def _fix_for(plan: ResidencyPlan, items: Mapping[tuple[str, str], float]) -> str:
+    role, item = max(items, key=lambda k: items[k])
+    if plan.mode == "auto":
+        return {
+            "optimizer": f"Use more GPUs for the {role} or --zero_stage 3 across several GPUs (moving the optimizer "
+                         "state off the GPU between phases was not enough).",
+            "activations": "Use --gradient_checkpointing or a smaller micro batch size.",
+            "logits": "Use a smaller micro batch size (logits are micro batch x length x vocabulary).",
+            "kv_cache": "Lower --vllm_gpu_memory_utilization (the engine's pool).",
+            "weights": "Use a larger --vllm_tensor_parallel_size, or more GPUs.",
+        }.get(item, f"Give the roles more GPUs, or smaller models / batches ({role} {item} is the largest item).")
+    return {
+        "optimizer": f"Use --residency auto (the planner moves what does not fit), --adam_offload, or more GPUs for "
+                     f"the {role}.",
+        "kv_cache": "Lower --vllm_gpu_memory_utilization, or let the engines sleep (--vllm_enable_sleep).",
+        "weights": "Let colocated roles sleep (--deepspeed_enable_sleep / --vllm_enable_sleep), or --residency auto.",
+    }.get(item, "Use --residency auto, give the roles more GPUs, or let colocated roles sleep.")
+
+
+def _span(gpus: list[int]) -> str:
+    from ..placement.ranges import format_gpus
+
+    return format_gpus(gpus)

@@ -1,0 +1,116 @@
+"""Which weight-sync path a placement gets, and whose wire format: CUDA IPC whenever the engines sit on the trainer's
+GPUs (any TP size the engine's transport serves), broadcast for engines on GPUs of their own; the sender is always
+the engine's own transport; never an NCCL group with two ranks on one GPU; whatever the loop cannot run is refused
+before Ray starts."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from hybrid_core.errors import ConfigError
+from hybrid_core.placement import PlacementSpec
+from hybrid_engines import registry
+from hybrid_engines.sglang_transport import SGLangTransport
+from hybrid_engines.weight_sync import WeightSync, choose_sync_mode, describe_sync
+from hybrid_engines.weight_transport import WeightTransport
+
+
+def settings(backend="vllm", weight_sync="auto", vllm_sync_backend="nccl"):
+    return SimpleNamespace(backend=backend, weight_sync=weight_sync, vllm_sync_backend=vllm_sync_backend)
+
+
+def colocated(gpus="0-1", tp=1):
+    return PlacementSpec.from_ranges({"actor": gpus, "reference": gpus, "rollout": gpus}, tp={"rollout": tp}).plan()
+
+
+def split(tp=1):
+    rollout = "1" if tp == 1 else "1-2"
+    return PlacementSpec.from_ranges({"actor": "0", "rollout": rollout}, tp={"rollout": tp}).plan()
+
+
+def test_colocated_tp2_engine_goes_by_ipc_with_both_actor_ranks_together():
+    plan = colocated(tp=2)
+    assert choose_sync_mode(settings(), plan) == "ipc"
+    sync = WeightSync("ipc", actor=None, engines=None, plan=plan, bucket_bytes=1 << 20, backend="nccl", timeout_s=5)
+    assert sync.engine_for_rank == [0, 0] and sync.peers == [[0, 1], [0, 1]]
+
+
+def test_colocated_tp1_engines_go_by_ipc_one_rank_each():
+    plan = colocated()
+    sync = WeightSync(choose_sync_mode(settings("hf"), plan), None, None, plan, bucket_bytes=1 << 20, backend="gloo",
+                      timeout_s=5)
+    assert sync.mode == "ipc" and sync.engine_for_rank == [0, 1] and sync.peers == [[0], [1]]
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm", "sglang"])
+def test_engines_on_their_own_gpus_go_by_broadcast_in_their_engines_format(backend):
+    assert choose_sync_mode(settings(backend), split()) == "broadcast"
+    line = describe_sync(settings(backend), split())
+    assert line.startswith("broadcast") and ("SGLang's weight-update group" in line) == (backend == "sglang")
+
+
+def test_each_engine_class_names_its_own_transport():
+    assert type(registry.engine_spec("sglang").weight_transport()) is SGLangTransport
+    for backend in ("hf", "vllm"):
+        assert type(registry.engine_spec(backend).weight_transport()) is WeightTransport
+    assert "update_weights_from_tensor" in describe_sync(settings("sglang"), colocated())
+
+
+def test_the_driver_takes_the_engines_transport_unless_given_one():
+    plan = split()
+    engines = SimpleNamespace(backend="sglang")
+    assert isinstance(WeightSync("broadcast", None, engines, plan, bucket_bytes=1 << 20, backend="gloo",
+                                 timeout_s=5).transport, SGLangTransport)
+    mine = WeightTransport()
+    assert WeightSync("broadcast", None, engines, plan, bucket_bytes=1 << 20, backend="gloo", timeout_s=5,
+                      transport=mine).transport is mine
+
+
+def test_broadcast_forced_onto_colocated_engines_over_nccl_is_refused():
+    for backend in ("vllm", "sglang"):
+        with pytest.raises(ConfigError) as e:
+            choose_sync_mode(settings(backend, "broadcast"), colocated())
+        assert e.value.field == "weight_sync" and "two ranks on one GPU" in str(e.value)
+    assert choose_sync_mode(settings("vllm", "broadcast", "gloo"), colocated()) == "broadcast"
+
+
+def test_ipc_forced_onto_split_engines_is_refused():
+    with pytest.raises(ConfigError, match="one actor rank and one engine worker on each"):
+        choose_sync_mode(settings(weight_sync="ipc"), split())
+
+
+def test_what_sglang_cannot_run_is_refused_before_ray():
+    # SGLang's TP > 1 engines are its RayEngine: a whole GPU per scheduler, which hybrid's engine actor shares.
+    for plan in (colocated(tp=2), split(tp=2)):
+        with pytest.raises(ConfigError) as e:
+            choose_sync_mode(settings("sglang"), plan)
+        assert e.value.field == "backend" and "RayEngine" in str(e.value)
+    # its IPC path takes one payload per TP rank: nothing to refuse at TP 1
+    assert choose_sync_mode(settings("sglang"), colocated()) == "ipc"
+    assert SGLangTransport().refusal("ipc", tp=2) and SGLangTransport().refusal("broadcast", tp=2) is None
+    with pytest.raises(ConfigError, match="one GPU"):
+        choose_sync_mode(settings("hf"), colocated(tp=2))
+
+
+def test_unknown_backend_and_mode_are_named():
+    with pytest.raises(ConfigError) as e:
+        choose_sync_mode(settings("pigeon"), split())
+    assert e.value.field == "backend" and "sglang" in e.value.fix
+    with pytest.raises(ConfigError) as e:
+        choose_sync_mode(settings(weight_sync="carrier"), split())
+    assert e.value.field == "weight_sync"
+
+
+def test_one_registry_line_adds_a_backend_everywhere(monkeypatch):
+    """An engine added to the registry is a --backend choice and gets its own transport's sync path."""
+    from hybrid_algos.train.config import GRPOConfig
+
+    monkeypatch.setitem(registry.BACKENDS, "hf2", registry.Backend("hybrid_engines.hf_engine", "HFEngine"))
+    assert "hf2" in registry.backend_names()
+    cfg = GRPOConfig(backend="hf2").validate()
+    assert choose_sync_mode(cfg, colocated("0")) == "ipc"
+    with pytest.raises(ConfigError):
+        GRPOConfig(backend="hf3").validate()
+    monkeypatch.delitem(registry.BACKENDS, "hf2")
+    with pytest.raises(ConfigError):
+        GRPOConfig(backend="hf2").validate()
