@@ -144,6 +144,6 @@ HELP = {
                  "--remote_rm_url): a file.py defining reward_func(queries, prompts, labels), or http(s) reward "
                  "server URL(s)",
     "prompt_data_probs": "sampling weights of the --prompt_data datasets (comma-separated), as OpenRLHF mixes them",
-    "ref_reward_offload": "reference and reward models sleep between their turns (needs them to share GPUs)",
+    "ref_reward_offload": "the residency plan lets the reference and reward models sleep between their turns",
     "gpus_per_node": "GPUs per node: plan nodes, engines within a node (default: a multi-node role's GPUs per node)",
 }
