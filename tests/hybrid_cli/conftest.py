@@ -69,3 +69,34 @@ def _reference_argv(name, *, policy, reward, prompts, out_dir):
     local = {"--pretrain": policy, "--reward_pretrain": reward, "--prompt_data": prompts,
              "--save_path": str(out_dir / "final"), "--ckpt_path": str(out_dir / "ckpt")}
     return [local.get(argv[i - 1], word) if i else word for i, word in enumerate(argv)]
+
+
+# ---- OpenRLHF's launch scripts (tests/hybrid_cli/data/openrlhf_scripts) ----------------------------------------------
+@pytest.fixture(scope="session")
+def script_prompts(tmp_path_factory):
+    """Prompt records carrying every field the scripts name (OpenRLHF's default input key 'input' too), three files
+    for the scripts that mix datasets, and an OpenRLHF-shaped reward file."""
+    from openrlhf_scripts import OPENRLHF_REWARD_FILE
+
+    folder = tmp_path_factory.mktemp("script-data")
+    paths = []
+    for n in range(3):
+        path = folder / f"prompts{n}.jsonl"
+        with open(path, "w") as f:
+            for i in range(1024):
+                text = f"s{i % 8} s{(i // 8 + n) % 8}"
+                f.write(json.dumps({"context_messages": [{"role": "user", "content": text}], "prompt": text,
+                                    "input": text, "label": text.split()[0]}) + "\n")
+        paths.append(str(path))
+    reward = folder / "reward_func.py"
+    reward.write_text(OPENRLHF_REWARD_FILE)
+    return {"data": paths, "reward": str(reward)}
+
+
+@pytest.fixture
+def script_argv(tiny_model_dir, tiny_reward_dir, script_prompts, tmp_path):
+    """``script_argv("flat/train_ppo_llama_ray.args")``: an OpenRLHF script's flags with local stand-ins."""
+    from openrlhf_scripts import openrlhf_script_argv
+
+    return lambda name: openrlhf_script_argv(name, policy=tiny_model_dir, reward=tiny_reward_dir,
+                                             prompts=script_prompts, out_dir=tmp_path)

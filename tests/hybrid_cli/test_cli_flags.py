@@ -5,7 +5,7 @@ import pytest
 from hybrid_algos.train.config import GRPOConfig, PPOConfig, RLConfig
 from hybrid_cli.flags import field_specs
 from hybrid_cli.main import load_config, main
-from hybrid_cli.openrlhf import UNSUPPORTED
+from hybrid_cli import openrlhf_flags as orl
 from hybrid_core.errors import ConfigError
 
 
@@ -54,26 +54,50 @@ def test_algorithm_defaults_and_aliases():
     assert c.resume is True
 
 
-def test_demo_defaults_vs_openrlhf_defaults():
+def test_demo_defaults_vs_openrlhf_defaults(tiny_model_dir):
     demo = config_of()
-    assert demo.colocate_all_models and demo.vllm_enable_sleep and demo.backend == "hf"
+    assert demo.colocate_all_models and demo.vllm_enable_sleep is None and demo.backend == "hf"  # residency decides
+    # an OpenRLHF command line (its own model + OpenRLHF placement): OpenRLHF's defaults for what it does not give
+    openrlhf = ["--pretrain", tiny_model_dir, "--reward_pretrain", tiny_model_dir, "--actor_num_gpus_per_node", "2",
+                "--vllm_num_engines", "2", "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2",
+                "--reward_num_gpus_per_node", "2"]
+    config, _, notes = load_config("ppo", openrlhf)
+    assert not config.colocate_all_models and config.vllm_enable_sleep is None and config.deepspeed_enable_sleep is None
+    assert config.backend == "vllm" and config.train_batch_size == 128 and config.vllm_gpu_memory_utilization == 0.95
+    assert config.micro_train_batch_size == 1 and config.bf16  # 0.11.2's parser defaults, read from the data file
+    assert "OpenRLHF's defaults" in notes[0] and "backend=vllm" in notes[0]
+    # the same flags on the demo (no --pretrain) keep hybrid's defaults, and say so
     config, _, notes = load_config("ppo", ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2",
                                            "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2"])
-    assert not config.colocate_all_models and not config.vllm_enable_sleep and not config.deepspeed_enable_sleep
-    assert config.backend == "vllm" and config.train_batch_size == 128 and config.vllm_gpu_memory_utilization == 0.95
-    assert "OpenRLHF" in notes[0] and "backend=vllm" in notes[0]
+    assert config.colocate_all_models and config.backend == "hf"
+    assert config.micro_train_batch_size == 16  # the demo's step, split over the 2 actor GPUs asked for
+    assert config.train_batch_size == 32 and config.actor_num_gpus_per_node == 2  # the demo's, plus the flags given
+    assert any("keeps hybrid's default" in n for n in notes)
+    # turning colocation off on the demo: a valid split run (who sleeps is the residency plan's, nobody shares)
+    config = config_of("--no_colocate_all_models")
+    assert not config.colocate_all_models and config.vllm_enable_sleep is None
+    # a dotted flag alone marks an OpenRLHF command line
+    config, _, notes = load_config("ppo", ["--actor.model_name_or_path", tiny_model_dir, "--reward_pretrain",
+                                           tiny_model_dir, "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1",
+                                           "--critic.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
+                                           "--reward.num_gpus_per_node", "1", "--rollout.batch_size", "8",
+                                           "--train.batch_size", "8"])
+    assert not config.colocate_all_models and config.backend == "vllm" and config.rollout_batch_size == 8
     # explicit flags still win over OpenRLHF's defaults
-    config = config_of("--colocate_all_models", "--actor_num_gpus_per_node", "1", "--backend", "hf",
-                       "--ref_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1", "--rollout_batch_size", "8",
-                       "--train_batch_size", "8")
+    config = config_of("--pretrain", tiny_model_dir, "--colocate_all_models", "--actor_num_gpus_per_node", "1",
+                       "--backend", "hf", "--ref_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1",
+                       "--rollout_batch_size", "8", "--train_batch_size", "8", "--reward_pretrain", tiny_model_dir)
     assert config.colocate_all_models and config.backend == "hf" and config.rollout_batch_size == 8
 
 
 @pytest.mark.parametrize("argv, field, text", [
-    (["--lora_rank", "64"], "lora_rank", "OpenRLHF flag that hybrid does not support yet (LoRA)"),
-    (["--remote_rm_url", "http://x"], "remote_rm_url", "does not support yet"),
-    (["--ref_reward_offload"], "ref_reward_offload", "does not support yet"),
+    (["--lora_rank", "64"], "lora_rank", "--lora_rank is OpenRLHF-only: LoRA adapters"),
+    (["--ds.lora.rank", "64"], "ds.lora.rank", "--ds.lora.rank is OpenRLHF-only: LoRA adapters"),
+    (["--train.async_enable"], "train.async_enable", "OpenRLHF-only: asynchronous training"),
+    (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", "OpenRLHF-only: ring attention"),
     (["--actor_learning_rte", "1e-6"], "actor_learning_rte", "Did you mean --actor_learning_rate?"),
+    (["--train.colocate_al"], "train.colocate_al", "Did you mean --train.colocate_all?"),
+    (["--colocate_all_model"], "colocate_all_model", "Did you mean --colocate_all_models?"),
     (["--zzz"], "zzz", "unknown flag --zzz"),
     (["--pre", "x"], "pre", "unknown flag"),  # no abbreviations
     (["--zero_stage", "three"], "zero_stage", "invalid"),
@@ -95,10 +119,23 @@ def test_unknown_flag_exit_status_and_message(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
-def test_every_unsupported_flag_is_reported_as_such():
-    for name in UNSUPPORTED:
-        e = error_of(f"--{name}")
-        assert e.field == name and "does not support yet" in str(e), name
+def test_every_refused_openrlhf_flag_is_reported_as_such():
+    refused = [n for n in orl.openrlhf_flags() if orl.rule_for(n).kind == "refuse"]
+    assert len(refused) > 20
+    for name in refused:
+        flag = orl.openrlhf_flags()[name]
+        value = [] if flag.arity in (0, "*") else ["1"] * (2 if flag.arity == 2 else 1)
+        e = error_of(f"--{name}", *value)
+        assert e.field == name and "OpenRLHF-only" in str(e) and e.fix, name
+
+
+def test_a_suggestion_never_turns_a_switch_around():
+    e = error_of("--train.colocate_allx")
+    assert "--train.colocate_all" in str(e) and "no_colocate" not in str(e)
+    e = error_of("--colocate_all_modelz")
+    assert "Did you mean --colocate_all_models?" in str(e)
+    assert "no_" not in error_of("--vllm_enable_slep").fix
+    assert "--no_vllm_enable_sleep" in error_of("--no_vllm_enable_slep").fix  # a no_ name may get a no_ switch
 
 
 def test_validation_errors_reach_the_user(capsys):
@@ -133,7 +170,7 @@ def test_yaml_then_flags_override(tmp_path):
 
 @pytest.mark.parametrize("text, field, fragment", [
     ("actor_learnig_rate: 1e-6\n", "actor_learnig_rate", "Did you mean actor_learning_rate?"),
-    ("lora_rank: 8\n", "lora_rank", "does not support yet"),
+    ("lora_rank: 8\n", "lora_rank", "OpenRLHF-only: LoRA"),
     ("zero_stage: three\n", "zero_stage", "invalid value 'three'"),
     ("bf16: maybe\n", "bf16", "invalid value"),
     ("dry_run: true\n", "dry_run", "command-line option"),

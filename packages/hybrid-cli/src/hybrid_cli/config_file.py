@@ -9,8 +9,10 @@
     eps_clip_low_high: [0.2, 0.28]
     placement: {actor: "0-7", rollout: "0-7"}
 
-Unknown keys are errors that name the key and the closest valid name; values are checked against the field's
-type (YAML 1.1 reads ``5e-7`` as text, so numbers written that way are converted, not rejected).
+OpenRLHF's flag names work as keys too, in either spelling (``vllm.num_engines: 4`` or ``vllm_num_engines: 4``),
+with the same meaning as on the command line (:mod:`hybrid_cli.openrlhf_flags`). Unknown keys are errors that name
+the key and the closest valid name; values are checked against the field's type (YAML 1.1 reads ``5e-7`` as text,
+so numbers written that way are converted, not rejected).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ import yaml
 from hybrid_core.errors import ConfigError
 
 from .flags import CLI_ONLY, convert, field_specs, known_names, resolve_alias, unknown_flag_error
+from .openrlhf_flags import openrlhf_flags
 
 
-def load_config_file(path: str, cls: type) -> dict[str, Any]:
-    """The config fields set in ``path`` (a YAML mapping), converted to their types."""
+def load_config_file(path: str, cls: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config fields set in ``path`` (a YAML mapping), converted to their types, and the OpenRLHF keys that are
+    not plainly one of them (name -> raw value, for :func:`hybrid_cli.flags.translate_openrlhf`)."""
     if not os.path.isfile(path):
         raise ConfigError("config", f"no file at {path!r}.", "Give the path of a YAML file.")
     try:
@@ -41,14 +45,18 @@ def load_config_file(path: str, cls: type) -> dict[str, Any]:
                           f"not a {type(data).__name__}.", "Write one `name: value` per line.")
     specs = field_specs(cls)
     out: dict[str, Any] = {}
+    openrlhf: dict[str, Any] = {}
     for raw_key, value in data.items():
-        key = resolve_alias(str(raw_key).replace("-", "_"))
+        key = resolve_alias(str(raw_key).replace("-", "_"), cls)
         if key in CLI_ONLY:
             raise ConfigError(key, f"{key!r} in {path!r} is a command-line option, not a setting.",
                               f"Pass --{key} on the command line.")
         spec = specs.get(key)
+        if spec is None and key in openrlhf_flags():
+            openrlhf[key] = value
+            continue
         if spec is None:
             raise unknown_flag_error(key, [n for n in known_names(cls) if n not in CLI_ONLY], what="key",
                                      where=f" in {path!r}")
         out[key] = convert(spec, value, source=f"in {path!r}")
-    return out
+    return out, openrlhf

@@ -22,10 +22,11 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[
     """Validate ``config`` (already ``validate()``-d) all the way, print both plans; 0 when it fits."""
     from hybrid_algos.train.loop import rollout_lengths
     from hybrid_algos.train.placement import build_residency, gpu_memory
+    from rich.markup import escape
 
     console = console or Console(width=None if _is_terminal() else 132, highlight=False)
-    for note in notes:
-        console.print(f"note: {note}", markup=False)
+    for note in notes:  # yellow: a note says what was chosen for the user (defaults taken, flags translated)
+        console.print("[yellow]note:[/yellow] " + escape(note))
     plan = build_plan(config)
     console.print(f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
                   f"advantage estimator {config.advantage_estimator}")
@@ -95,9 +96,15 @@ def load_prompts(config: Any, console: Console | None = None) -> list:
 def describe_reward(config: Any) -> str:
     """Where rewards come from; a run with its own prompts needs a reward model or a reward function."""
     if config.reward_fn is not None:
+        from hybrid_algos.train.remote_rewards import HttpReward, RewardFile
         from hybrid_algos.train.rewards import load_reward_fn
 
-        load_reward_fn(config.reward_fn)  # imports the user's module now: a typo fails here, not after Ray starts
+        fn = load_reward_fn(config.reward_fn)  # imports the user's module now: a typo fails here, not after Ray starts
+        if isinstance(fn, HttpReward):
+            return (f"reward: HTTP reward server{'s' if len(fn.urls) > 1 else ''} {', '.join(fn.urls)} (OpenRLHF's "
+                    f"protocol; {fn.timeout_s:g} s timeout, {fn.tries} tries; not contacted by --dry-run)")
+        if isinstance(fn, RewardFile):
+            return f"reward: reward_func(queries, prompts, labels) in {fn.path} (OpenRLHF's shape)"
         return f"reward: function {config.reward_fn}"
     if config.reward_pretrain is not None:
         return f"reward: model {config.reward_pretrain}"

@@ -3,9 +3,12 @@
 * Every :class:`~hybrid_algos.train.config.RLConfig` field ``x`` is a flag ``--x``; switches (bool fields) are
   ``--x`` / ``--no_x``; pairs take two numbers (``--eps_clip_low_high 0.2 0.28``); mappings take ``KEY=VALUE`` words
   (``--placement actor=0-7 rollout=4-7``) or one JSON object.
-* A flag we do not know is an error naming it: an OpenRLHF flag we do not support yet says so (see
-  :data:`hybrid_cli.openrlhf.UNSUPPORTED`), anything else gets the closest flag. Nothing is silently ignored, and
-  abbreviations are off (``--pre`` is not ``--pretrain``).
+* Every flag of OpenRLHF's ``train_ppo_ray`` is accepted in both spellings (``--vllm.num_engines`` and
+  ``--vllm_num_engines``) from one table (:mod:`hybrid_cli.openrlhf_flags`): a flag that means one of our settings is
+  another name of it; the others are parsed with OpenRLHF's own arity into ``openrlhf:<name>`` and translated (or
+  refused, naming what to use instead) after parsing.
+* A flag nobody knows is an error naming it and the closest flag. Nothing is silently ignored, and abbreviations are
+  off (``--pre`` is not ``--pretrain``).
 * Only the flags actually given end up in the result, so ``defaults <- --config FILE <- flags`` is a dict merge.
 """
 
@@ -27,7 +30,8 @@ import yaml
 
 from hybrid_core.errors import ConfigError
 
-from .openrlhf import ALIASES, HELP, UNSUPPORTED
+from . import openrlhf_flags as orl
+from .openrlhf import HELP
 
 #: Flags of the training commands that are not config fields.
 CLI_ONLY = ("config", "dry_run")
@@ -182,16 +186,43 @@ class FlagParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:  # argparse calls this for every parse error
-        m = re.search(r"argument (?:--)?([\w-]+)(?:/[^:]*)?:", message)
+        m = re.search(r"argument (?:--)?([\w.-]+)(?:/[^:]*)?:", message)
         field = m.group(1).replace("-", "_") if m else self.prog
         raise ConfigError(field, message.rstrip(".") + ".", f"See `{self.prog} --help`.")
 
 
+#: Where the OpenRLHF flags that are not one of our settings land in the namespace (``openrlhf:<name>``).
+OPENRLHF_DEST = "openrlhf:"
+
+
+def _arity(spec: FlagSpec) -> Any:
+    return {"bool": 0, "pair": 2, "mapping": "+"}.get(spec.kind, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def aliases(cls: type) -> dict[str, str]:
+    """OpenRLHF names (either spelling) that are plainly one of our fields, taking the same kind of value."""
+    specs = field_specs(cls)
+    out = {}
+    for name, flag in orl.openrlhf_flags().items():
+        if name in specs:
+            continue
+        rule = orl.rule_for(name)
+        if rule.kind == "same" and rule.field in specs and flag.action != "store_false" \
+                and flag.arity == _arity(specs[rule.field]):
+            out[name] = rule.field
+    return out
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per field of ``cls`` (grouped by the config's sections); only given flags reach the namespace."""
+    """One flag per field of ``cls`` (grouped by the config's sections); only given flags reach the namespace.
+
+    Then every OpenRLHF flag: as another name of the field it means, or (hidden from ``--help``) parsed with
+    OpenRLHF's arity into ``openrlhf:<name>`` for :func:`given_openrlhf` / :func:`hybrid_cli.openrlhf_flags.translate`.
+    """
     groups: dict[str, Any] = {}
     aliases_of: dict[str, list[str]] = {}
-    for alias, target in ALIASES.items():
+    for alias, target in aliases(cls).items():
         aliases_of.setdefault(target, []).append(alias)
     for spec in field_specs(cls).values():
         group = groups.get(spec.section)
@@ -200,7 +231,13 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         names = [f"--{spec.name}", *(f"--{a}" for a in aliases_of.get(spec.name, ()))]
         shown = "" if (spec.kind == "bool" and not spec.default) or spec.default is None else f" (default: {spec.default})"
         common = dict(dest=spec.name, default=argparse.SUPPRESS, help=(spec.help + shown).strip())
-        if spec.kind == "bool":
+        if spec.kind == "bool" and spec.name in orl.openrlhf_flags() and orl.openrlhf_flags()[spec.name].arity == 1:
+            # OpenRLHF spells a setting of its own like this switch (--use_tensorboard DIR): a value that is not
+            # true/false is OpenRLHF's, translated after parsing (see given_openrlhf).
+            group.add_argument(*names, nargs="?", const=True, metavar="true/false", **common)
+            group.add_argument(f"--no_{spec.name}", action="store_false", dest=spec.name, default=argparse.SUPPRESS,
+                               help=f"turn --{spec.name} off" if spec.default else argparse.SUPPRESS)
+        elif spec.kind == "bool":
             group.add_argument(*names, action="store_true", **common)
             # --no_x is listed where x defaults to on; it exists for every switch (to undo a --config file).
             group.add_argument(f"--no_{spec.name}", action="store_false", dest=spec.name, default=argparse.SUPPRESS,
@@ -211,6 +248,17 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             group.add_argument(*names, nargs="+", metavar="KEY=VALUE", **common)
         else:
             group.add_argument(*names, type=_arg_type(spec, spec.kind), metavar=spec.kind.upper(), **common)
+    taken = {s for action in parser._actions for s in action.option_strings}
+    for name, flag in orl.openrlhf_flags().items():
+        if f"--{name}" in taken:
+            continue
+        hidden = dict(dest=OPENRLHF_DEST + name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        if flag.is_switch:
+            parser.add_argument(f"--{name}", action="store_const", const=True, **hidden)
+        elif flag.arity == 1:
+            parser.add_argument(f"--{name}", **hidden)
+        else:
+            parser.add_argument(f"--{name}", nargs=flag.arity, **hidden)
 
 
 def _arg_type(spec: FlagSpec, kind: str):
@@ -234,14 +282,44 @@ def given_config_values(namespace: argparse.Namespace, cls: type) -> dict[str, A
         spec = specs.get(name)
         if spec is None:
             continue
+        if spec.kind == "bool" and isinstance(value, str):
+            try:
+                value = _to_bool(value)
+            except ValueError:
+                continue  # OpenRLHF's spelling of another setting: see given_openrlhf
         out[name] = convert(spec, value) if spec.kind in ("pair", "mapping") else value
     return out
+
+
+def given_openrlhf(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
+    """The OpenRLHF flags given that are not plainly one of our settings: name -> raw value (text, words, True)."""
+    out = {name[len(OPENRLHF_DEST):]: value for name, value in vars(namespace).items()
+           if name.startswith(OPENRLHF_DEST)}
+    specs = field_specs(cls)
+    for name, value in vars(namespace).items():  # a switch of ours given a value OpenRLHF's way (see add_config_flags)
+        if name in specs and specs[name].kind == "bool" and isinstance(value, str):
+            try:
+                _to_bool(value)
+            except ValueError:
+                out[name] = value
+    return out
+
+
+def translate_openrlhf(given: Mapping[str, Any], fields: Mapping[str, Any], cls: type
+                       ) -> tuple[dict[str, Any], list[str]]:
+    """``fields`` with the settings (and notes) of the OpenRLHF flags in ``given`` that are not plainly one of our
+    settings: ``fields`` (ours) win, except where OpenRLHF's meaning overrides them (see orl.translate)."""
+    if not given:
+        return dict(fields), []
+    values, notes, overrides = orl.translate(given, fields, field_specs(cls), lambda spec, raw: convert(spec, raw))
+    return {**values, **fields, **overrides}, notes
 
 
 # ---- unknown flags ------------------------------------------------------------------------------------------------
 def check_leftovers(leftovers: Sequence[str], parser: argparse.ArgumentParser, known_switches: set[str]) -> None:
     """Raise a ConfigError for the first thing the parser did not take, naming it and what to do instead."""
-    known = sorted(s for action in parser._actions for s in action.option_strings if s.startswith("--"))
+    known = sorted(s for action in parser._actions for s in action.option_strings
+                   if s.startswith("--") and _suggestable(s[2:]))
     for word in leftovers:
         if word.startswith("--"):
             flag = word.split("=", 1)[0]
@@ -255,16 +333,30 @@ def check_leftovers(leftovers: Sequence[str], parser: argparse.ArgumentParser, k
 
 
 def unknown_flag_error(name: str, known: Sequence[str], *, what: str = "flag", where: str = "") -> ConfigError:
-    """The error for an unknown flag (or config-file key): an unsupported OpenRLHF flag, or the closest known name."""
-    field = name.replace("-", "_")
+    """The error for an unknown flag (or config-file key), with the closest known name.
+
+    A suggestion never turns the request around: ``--train.colocate_al`` may become ``--train.colocate_all``, but
+    never ``--no_colocate_all_models`` (only a name that itself starts with ``no_`` is matched against the
+    ``--no_x`` switches)."""
+    field = name.replace("-", "_") if "." not in name else name
     dash = "--" if what == "flag" else ""
-    if field in UNSUPPORTED:
-        return ConfigError(field, f"{dash}{field}{where} is an OpenRLHF {what} that hybrid does not support yet "
-                           f"({UNSUPPORTED[field]}).", f"Remove {dash}{field}; `hybrid ppo --help` lists what is supported.")
     plain = [k.lstrip("-") for k in known]
+    if not field.startswith("no_"):
+        plain = [k for k in plain if not k.startswith("no_") and ".no_" not in k]
     close = difflib.get_close_matches(field, plain, n=1, cutoff=0.6)
+    if not close and "." in field:  # a dotted name from another OpenRLHF release: match its last part
+        tail = field.rsplit(".", 1)[1]
+        close = difflib.get_close_matches(tail, [k for k in plain if "." not in k], n=1, cutoff=0.75)
     fix = f"Did you mean {dash}{close[0]}?" if close else "`hybrid ppo --help` lists the valid names."
-    return ConfigError(field, f"unknown {what} {dash}{field}{where}.", fix)
+    release = orl.openrlhf_release()
+    extra = (f" (not a flag of OpenRLHF {release}'s train_ppo_ray either)" if "." in field and what == "flag" else "")
+    return ConfigError(field, f"unknown {what} {dash}{field}{where}{extra}.", fix)
+
+
+def _suggestable(name: str) -> bool:
+    """A name worth suggesting: ours, or an OpenRLHF name that is not refused outright."""
+    flags = orl.openrlhf_flags()
+    return name not in flags or orl.rule_for(name).kind != "refuse"
 
 
 def _is_number(word: str) -> bool:
@@ -276,12 +368,17 @@ def _is_number(word: str) -> bool:
 
 
 def known_names(cls: type) -> list[str]:
-    """Every flag name a config file or command line may use (fields, aliases, CLI-only flags)."""
-    return sorted({*field_specs(cls), *ALIASES, *CLI_ONLY})
+    """Every flag name a config file or command line may use (fields, OpenRLHF names, CLI-only flags)."""
+    return sorted({*field_specs(cls), *orl.openrlhf_flags(), *CLI_ONLY})
 
 
-def resolve_alias(name: str) -> str:
-    return ALIASES.get(name, name)
+def resolve_alias(name: str, cls: type | None = None) -> str:
+    """Our field for an OpenRLHF name that plainly means it (else the name itself)."""
+    if cls is None:
+        from hybrid_algos.train.config import RLConfig
+
+        cls = RLConfig
+    return aliases(cls).get(name, name)
 
 
 def merge_layers(*layers: Mapping[str, Any]) -> dict[str, Any]:

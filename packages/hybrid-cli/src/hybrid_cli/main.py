@@ -15,8 +15,9 @@ from typing import Any, Sequence
 from hybrid_core.errors import ConfigError, HybridError
 
 from . import __version__
-from .flags import FlagParser, add_config_flags, check_leftovers, field_specs, given_config_values, merge_layers
-from .openrlhf import openrlhf_defaults
+from .flags import (FlagParser, add_config_flags, check_leftovers, field_specs, given_config_values, given_openrlhf,
+                    merge_layers, translate_openrlhf)
+from .openrlhf import openrlhf_defaults, without_engines
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -62,30 +63,64 @@ def load_config(command: str, argv: Sequence[str]) -> tuple[Any, argparse.Namesp
     """The validated config of ``hybrid <command> <argv>``, the parsed namespace, and notes on what was inferred."""
     parser = build_parser()
     args, leftovers = parser.parse_known_args([command, *argv])
-    return _config_from(parser, args, leftovers)
+    return _config_from(parser, args, leftovers, argv)
 
 
-def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[str]
+def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[str], argv: Sequence[str] = ()
                  ) -> tuple[Any, argparse.Namespace, list[str]]:
     from hybrid_algos.train.config import CONFIGS
+    from hybrid_algos.train.data import resolve_local_paths
 
     cls = CONFIGS[args.command]
     check_leftovers(leftovers, _subparser(parser, args.command),
                     {n for n, s in field_specs(cls).items() if s.kind == "bool"})
-    file_values: dict[str, Any] = {}
+    given, dotted, notes = _given_settings(args, cls, argv)
+    implied, more = _defaults(cls, args.command, given, dotted)
+    notes += more
+    values = merge_layers(implied, given)
+    for step in (lambda v: without_engines(merge_layers(_field_defaults(cls), v)), resolve_local_paths):
+        changes, more = step(values)
+        values.update(changes)
+        notes += more
+    config = cls(**values)
+    return config.validate(), args, notes
+
+
+def _given_settings(args: argparse.Namespace, cls: type, argv: Sequence[str]) -> tuple[dict[str, Any], bool, list[str]]:
+    """The settings given (config file, then flags; OpenRLHF's flags translated), whether any was spelled the dotted
+    OpenRLHF way, and the notes of the translations."""
+    notes: list[str] = []
+    file_fields: dict[str, Any] = {}
+    file_openrlhf: dict[str, Any] = {}
     if args.config:
         from .config_file import load_config_file
 
-        file_values = load_config_file(args.config, cls)
+        file_values, file_openrlhf = load_config_file(args.config, cls)
+        try:
+            file_fields, more = translate_openrlhf(file_openrlhf, file_values, cls)
+        except ConfigError as e:
+            raise ConfigError(e.field, f"{e.problem.rstrip('.')} (key in {args.config!r}).", e.fix) from None
+        notes += more
     flag_values = given_config_values(args, cls)
-    given = merge_layers(file_values, flag_values)
-    implied = openrlhf_defaults(given)
-    notes = []
+    given, more = translate_openrlhf(given_openrlhf(args, cls), merge_layers(file_fields, flag_values), cls)
+    dotted = any("." in name for name in file_openrlhf) or _dotted_openrlhf_flag_used(argv)
+    return given, dotted, notes + more
+
+
+def _defaults(cls: type, command: str, given: dict[str, Any], dotted: bool) -> tuple[dict[str, Any], list[str]]:
+    """What is not given: OpenRLHF's defaults for an OpenRLHF command line, the demo's without a model of one's own
+    (see hybrid_cli.openrlhf for why), and a note saying which."""
+    implied = openrlhf_defaults(given, dotted_used=dotted)
     if implied:
-        notes.append("OpenRLHF-style placement given, so OpenRLHF's defaults apply to what was not: "
-                     + ", ".join(f"{k}={v}" for k, v in implied.items()))
-    elif "pretrain" not in given and "prompt_data" not in given:
+        return implied, ["this is an OpenRLHF command line, so the settings it does not give take OpenRLHF's defaults "
+                         "(as train_ppo_ray would): " + ", ".join(f"{k}={v}" for k, v in implied.items())
+                         + f". Kept from `hybrid {command}`: the algorithm's hyperparameters and the learning-rate "
+                         "schedule (linear warm-up, then constant; OpenRLHF's default decays it by cosine to 10%)."]
+    notes = []
+    if "pretrain" not in given and "prompt_data" not in given:
         from hybrid_algos.train.config import DEMO_SETTINGS
+
+        from .openrlhf import PLACEMENT_FLAGS
 
         implied = {k: v for k, v in DEMO_SETTINGS.items() if k not in given}
         from hybrid_algos.train.config import estimator_needs_critic
@@ -94,8 +129,36 @@ def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[s
         shown = {k: v for k, v in implied.items() if critic or not k.startswith("critic_")}
         notes.append("no --pretrain: the built-in demo (a tiny model learns the copy task) with its settings: "
                      + ", ".join(f"{k}={v}" for k, v in shown.items()))
-    config = cls(**merge_layers(implied, given))
-    return config.validate(), args, notes
+        if PLACEMENT_FLAGS & set(given):
+            notes.append("OpenRLHF placement flags on the demo: every other setting keeps hybrid's default "
+                         "(colocated, sleeping, the built-in engine); OpenRLHF's defaults apply to OpenRLHF command "
+                         "lines (with --pretrain or dotted flags).")
+            implied.update(_demo_fits_the_actor(cls, implied, given))
+    return implied, notes
+
+
+def _demo_fits_the_actor(cls: type, implied: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The demo's per-GPU micro-batch split over more actor GPUs when the user asks for them (same step size)."""
+    if "micro_train_batch_size" in given:
+        return {}
+    merged = {**_field_defaults(cls), **implied, **given}
+    world = merged["actor_num_nodes"] * merged["actor_num_gpus_per_node"]
+    train, micro = merged["train_batch_size"], merged["micro_train_batch_size"]
+    if world > 0 and train % (micro * world) and train % world == 0:
+        return {"micro_train_batch_size": train // world}
+    return {}
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    return {name: spec.default for name, spec in field_specs(cls).items()}
+
+
+def _dotted_openrlhf_flag_used(argv: Sequence[str]) -> bool:
+    """A flag in OpenRLHF's dotted spelling (``--vllm.num_engines``): a command line of OpenRLHF >= 0.10.2."""
+    from .openrlhf_flags import openrlhf_flags
+
+    flags = openrlhf_flags()
+    return any(w.startswith("--") and "." in w and w[2:].split("=", 1)[0] in flags for w in argv)
 
 
 def _subparser(parser: FlagParser, command: str) -> argparse.ArgumentParser:
@@ -134,7 +197,7 @@ def _run(argv: list[str]) -> int:
         from .compare import run_compare
 
         return run_compare(args)
-    config, args, notes = _config_from(parser, args, leftovers)
+    config, args, notes = _config_from(parser, args, leftovers, argv)
     if args.dry_run:
         from .dry_run import dry_run
 
@@ -149,8 +212,10 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
 
     metrics = MetricsLogger.for_config(config)  # fails here (before Ray) when W&B is asked for and missing
     progress = ProgressDisplay()
-    for note in notes:
-        progress.console.print(f"[dim]note: {note}[/dim]")
+    from rich.markup import escape
+
+    for note in notes:  # not dim: a note says what was chosen for the user (defaults taken, flags translated)
+        progress.console.print(f"[yellow]note:[/yellow] {escape(note)}")
     from hybrid_algos.train import RECIPES  # imported late: the loop pulls in Ray, DeepSpeed and the engines
 
     try:  # the recipe of the command (hybrid ppo -> train_ppo, ...): the same path as the Python API

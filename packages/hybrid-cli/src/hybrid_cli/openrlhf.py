@@ -1,29 +1,32 @@
 """What an OpenRLHF command line means, so that one pasted after ``hybrid ppo`` runs unchanged.
 
-Three things live here: the help text of the OpenRLHF flags, the OpenRLHF flags we know but do not support yet
-(an error says so instead of ignoring them), and OpenRLHF's placement defaults.
+Which flags exist and what each means is the table in :mod:`hybrid_cli.openrlhf_flags`; this module holds what is
+*not* given: the defaults. hybrid's own default is the hybrid engine (every model and the engines colocated, the
+residency planner deciding who sleeps, the built-in ``hf`` engine, the CPU demo's sizes). OpenRLHF's
+``train_ppo_ray`` defaults are the opposite (nothing colocated, 8 GPUs per role, rollout batch 1024, bf16, no
+engines: generate with the actor's own model).
 
-**Placement defaults.** hybrid's own default is the hybrid engine: every model and the engines colocated, engines
-and trainers sleeping while another role works, the built-in ``hf`` engine. In OpenRLHF each of those is *off*
-unless its flag is given, and the engines are vLLM. So: as soon as a command line (or ``--config`` file) places
-roles the OpenRLHF way -- any ``--*_num_nodes``, ``--*_num_gpus_per_node``, ``--vllm_num_engines``,
-``--vllm_tensor_parallel_size`` or ``--colocate_*`` -- every setting of :data:`OPENRLHF_DEFAULTS` that is not
-given takes OpenRLHF's default: ``--colocate_all_models`` off, ``--backend vllm``, 8 GPUs per role, OpenRLHF's batch
-sizes. (``--vllm_enable_sleep`` / ``--deepspeed_enable_sleep`` not given means the residency planner decides, as
-always: given, they make those roles sleep; ``--no_...`` keeps them resident.) OpenRLHF's 64-GPU "without hybrid engine" command
-therefore gets dedicated GPUs per role, as it does there. (One difference stays: without ``--vllm_num_engines``
-OpenRLHF generates with the actor's own model; hybrid always has engines, one by default.)
+**Which defaults a command line gets -- what a user would expect.** Someone who pastes an OpenRLHF script expects
+OpenRLHF's run: its 64-GPU "without hybrid engine" command must not silently become colocated. Someone who adds
+``--vllm_num_engines 2`` to the demo expects the demo with two engines, not a switch to vLLM, 8 GPUs per role and
+batches of 1024. So OpenRLHF's defaults (:func:`openrlhf_defaults`) apply to a command line that *is* an OpenRLHF
+one: it uses OpenRLHF's dotted spelling (``--vllm.num_engines``: only OpenRLHF >= 0.10.2 scripts do), or it names its
+own model (``--pretrain``) *and* places roles the OpenRLHF way (:data:`PLACEMENT_FLAGS`). Either way a note lists
+every default taken. The demo (no ``--pretrain``) with a placement flag keeps hybrid's defaults, and a note says so.
+``--placement`` (RLinf-style ranges) is hybrid's own way and never takes OpenRLHF's defaults.
+
+The defaults are read from the same data file as the flags (OpenRLHF 0.11.2's parser), only for where roles run,
+the engines, the batch shape and precision; algorithm hyperparameters keep the subcommand's defaults (``hybrid grpo``
+means GRPO's, whatever placement flags come with it). ``--vllm_enable_sleep`` / ``--deepspeed_enable_sleep`` are
+not defaulted: not given, the residency planner decides what each role keeps on its GPUs, as always (given, those
+roles sleep; ``--no_...`` keeps them resident).
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-#: OpenRLHF names that mean one of our fields.
-ALIASES = {
-    "load_checkpoint": "resume",
-    "max_tokens_per_gpu": "train_max_tokens_per_gpu",
-}
+from . import openrlhf_flags as orl
 
 #: Flags that place roles the OpenRLHF way (see the module docstring).
 PLACEMENT_FLAGS = frozenset({
@@ -33,66 +36,65 @@ PLACEMENT_FLAGS = frozenset({
     "colocate_critic_reward",
 })
 
-#: OpenRLHF's defaults (train_ppo_ray) where they differ from hybrid's, for where roles run and the batch shape.
-#: Each applies only when its own flag is not given. Algorithm hyperparameters (lambd, value_clip, KL, ...) keep
-#: the subcommand's defaults: ``hybrid grpo`` chooses GRPO's, whatever placement flags come with it.
-OPENRLHF_DEFAULTS: dict[str, Any] = {
-    "colocate_all_models": False, "backend": "vllm",
-    "actor_num_gpus_per_node": 8, "critic_num_gpus_per_node": 8, "ref_num_gpus_per_node": 8,
-    "reward_num_gpus_per_node": 8, "vllm_gpu_memory_utilization": 0.95,
-    "rollout_batch_size": 1024, "micro_rollout_batch_size": 8, "train_batch_size": 128, "micro_train_batch_size": 4,
-    "max_samples": 100_000_000,
-}
+#: Our settings that take OpenRLHF's default in an OpenRLHF command line (the values come from the data file).
+DEFAULTED_FIELDS = (
+    "colocate_all_models", "colocate_actor_ref", "colocate_critic_reward",
+    "actor_num_gpus_per_node", "critic_num_gpus_per_node", "ref_num_gpus_per_node",
+    "reward_num_gpus_per_node", "vllm_num_engines", "vllm_gpu_memory_utilization", "rollout_batch_size",
+    "micro_rollout_batch_size", "train_batch_size", "micro_train_batch_size", "max_samples", "bf16", "flash_attn",
+    "input_key",
+)
 
 
-def openrlhf_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
-    """OpenRLHF's defaults for the settings not in ``given``, when ``given`` places roles the OpenRLHF way."""
-    if "placement" in given or not PLACEMENT_FLAGS & set(given):
+def openrlhf_default_values() -> dict[str, Any]:
+    """OpenRLHF's defaults for :data:`DEFAULTED_FIELDS`, from its parser (the data file)."""
+    out: dict[str, Any] = {}
+    for flag in orl.openrlhf_flags().values():
+        if not flag.dotted:
+            continue
+        rule = orl.rule_for(flag.name)
+        if rule.kind == "same" and rule.field in DEFAULTED_FIELDS:
+            out[rule.field] = bool(flag.default) if flag.is_switch else flag.default
+        elif rule.kind == "convert" and rule.field in DEFAULTED_FIELDS and flag.default is not None:
+            ctx = orl.Context({}, {}, frozenset(DEFAULTED_FIELDS))
+            out.update({k: v for k, v in rule.fn(flag.default, ctx, flag.name).items() if k in DEFAULTED_FIELDS})
+    if out.get("vllm_num_engines") is None:  # OpenRLHF: no --vllm_num_engines = generate with the actor's model
+        out["vllm_num_engines"] = 0
+    return out
+
+
+def is_openrlhf_command(given: Mapping[str, Any], dotted_used: bool) -> bool:
+    if "placement" in given:
+        return False
+    return dotted_used or ("pretrain" in given and bool(PLACEMENT_FLAGS & set(given)))
+
+
+def openrlhf_defaults(given: Mapping[str, Any], *, dotted_used: bool = False) -> dict[str, Any]:
+    """OpenRLHF's defaults for the settings not in ``given``, when ``given`` is an OpenRLHF command line."""
+    if not is_openrlhf_command(given, dotted_used):
         return {}
-    return {k: v for k, v in OPENRLHF_DEFAULTS.items() if k not in given}
+    implied = {k: v for k, v in openrlhf_default_values().items() if k not in given}
+    if "backend" not in given:  # OpenRLHF's engines are vLLM; without engines it generates with transformers
+        engines = given.get("vllm_num_engines", implied.get("vllm_num_engines"))
+        implied["backend"] = "vllm" if engines else "hf"
+    return implied
 
 
-#: OpenRLHF flags that hybrid knows but does not support yet, with why / what to use instead.
-UNSUPPORTED = {
-    "remote_rm_url": "remote reward servers; use --reward_fn module:function for a rule reward",
-    "agent_func_path": "multi-turn agent rollouts",
-    "async_train": "asynchronous rollout/training; hybrid runs the colocated synchronous loop",
-    "vllm_sync_with_ray": "weight sync over Ray's object store; hybrid uses --vllm_sync_backend",
-    "ref_reward_offload": "ZeRO-3 parameter offload of the reference/reward models; they sleep when colocated",
-    "lora_rank": "LoRA", "lora_alpha": "LoRA", "lora_dropout": "LoRA", "target_modules": "LoRA",
-    "load_in_4bit": "4-bit quantised training",
-    "zpg": "ZeRO++ hierarchical partitioning",
-    "ds_tensor_parallel_size": "DeepSpeed tensor parallelism (AutoTP)",
-    "ring_attn_size": "ring attention (sequence parallelism)", "ring_head_stride": "ring attention (sequence parallelism)",
-    "pretrain_data": "the PTX (pre-training) loss", "pretrain_data_probs": "the PTX (pre-training) loss",
-    "pretrain_split": "the PTX (pre-training) loss", "ptx_coef": "the PTX (pre-training) loss",
-    "prompt_data_probs": "mixing several prompt datasets",
-    "eval_dataset": "evaluation during training", "eval_split": "evaluation during training",
-    "eval_steps": "evaluation during training", "eval_temperature": "evaluation during training",
-    "eval_n_samples_per_prompt": "evaluation during training",
-    "input_template": "prompt templates; use --apply_chat_template",
-    "tokenizer_chat_template": "overriding the tokenizer's chat template",
-    "freezing_actor_steps": "critic warm-up with a frozen actor",
-    "save_value_network": "saving the critic in Hugging Face format",
-    "value_head_prefix": "custom value-head names", "head_prefix": "custom value-head names",
-    "no_advantage_std_norm": "turning off advantage std-normalisation",
-    "aux_loss_coef": "MoE auxiliary loss",
-    "enable_ema": "EMA of the actor", "ema_beta": "EMA of the actor",
-    "use_liger_kernel": "Liger kernels", "deepcompile": "DeepSpeed compile", "overlap_comm": "DeepSpeed overlap_comm",
-    "grad_accum_dtype": "a gradient-accumulation dtype", "disable_fast_tokenizer": "slow tokenizers",
-    "gradient_checkpointing_use_reentrant": "reentrant gradient checkpointing",
-    "actor_init_on_gpu": "initialising the actor on the GPU", "disable_ds_ckpt": "skipping DeepSpeed checkpoints",
-    "use_ds_universal_ckpt": "DeepSpeed universal checkpoints", "max_ckpt_mem": "a checkpoint size budget",
-    "lr_scheduler": "learning-rate schedules other than warmup + constant",
-    "max_len": "a total length; use --prompt_max_len and --generate_max_len",
-    "wandb_org": "W&B organisations", "wandb_group": "W&B groups", "use_ms": "ModelScope downloads",
-    "local_rank": "the DeepSpeed launcher; hybrid starts its workers through Ray",
-    "full_determinism": "full determinism mode", "perf": "OpenRLHF's performance statistics",
-    "attn_implementation": "choosing the attention kernel; use --flash_attn",
-    "vllm_generate_batch_size": "a separate generation batch size", "rollout_tasks_per_gpu": "Ray task reservations",
-    "async_queue_size": "asynchronous rollout/training",
-    "use_kl_estimator_k3": "the old switch; use --kl_estimator k3",
-}
+def without_engines(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``--vllm_num_engines 0``: OpenRLHF generates with the actor's own model; hybrid puts a built-in (transformers)
+    engine on each actor GPU, taking turns with the actor there (the residency plan). A tensor-parallel size is then
+    unused (as in OpenRLHF)."""
+    if values.get("vllm_num_engines", 1) != 0:
+        return {}, []
+    changes: dict[str, Any] = {}
+    notes = ["--vllm_num_engines 0: OpenRLHF generates with the actor's own model; here the built-in transformers "
+             "engine runs on each actor GPU, taking turns with the actor (no vLLM)."]
+    if values.get("vllm_tensor_parallel_size", 1) > 1:
+        changes["vllm_tensor_parallel_size"] = 1
+        notes.append(f"--vllm_tensor_parallel_size {values['vllm_tensor_parallel_size']} is unused without engines "
+                     "(as in OpenRLHF).")
+    return changes, notes
+
 
 #: Help for the flags whose config comment is missing or too terse for ``--help``.
 HELP = {
@@ -102,7 +104,8 @@ HELP = {
     "critic_num_nodes": "critic nodes (PPO with gae)", "critic_num_gpus_per_node": "critic GPUs per node",
     "ref_num_nodes": "reference model nodes", "ref_num_gpus_per_node": "reference model GPUs per node",
     "reward_num_nodes": "reward model nodes", "reward_num_gpus_per_node": "reward model GPUs per node",
-    "vllm_num_engines": "inference engines (any --backend)", "vllm_tensor_parallel_size": "GPUs per engine (tensor parallel)",
+    "vllm_num_engines": "inference engines (any --backend); 0: a built-in engine on each actor GPU, as OpenRLHF "
+                        "generates with the actor", "vllm_tensor_parallel_size": "GPUs per engine (tensor parallel)",
     "colocate_all_models": "hybrid engine: engines, actor, reference, reward and critic share the same GPUs",
     "colocate_actor_ref": "actor and reference model share GPUs",
     "colocate_critic_reward": "critic and reward model share GPUs",
@@ -137,4 +140,10 @@ HELP = {
     "ray_log_max_mb": "rotate each Ray log file at this size",
     "num_gpus": "GPUs a new local Ray declares (fake GPUs on a CPU machine)",
     "backend": "inference engine: hf (built-in), vllm, sglang",
+    "reward_fn": "rule reward: module:function or file.py:function (hybrid's signature); OpenRLHF's reward (alias "
+                 "--remote_rm_url): a file.py defining reward_func(queries, prompts, labels), or http(s) reward "
+                 "server URL(s)",
+    "prompt_data_probs": "sampling weights of the --prompt_data datasets (comma-separated), as OpenRLHF mixes them",
+    "ref_reward_offload": "the residency plan lets the reference and reward models sleep between their turns",
+    "gpus_per_node": "GPUs per node: plan nodes, engines within a node (default: a multi-node role's GPUs per node)",
 }

@@ -1,18 +1,42 @@
 """Connect to Ray: a running cluster (``--address``, RAY_ADDRESS, or inside ``ray job submit``) or a new local one.
 
-A new local Ray gets a configurable temp dir and bounded logs: the seed's /tmp filled with /tmp/ray logs and took a
-machine down.
+A new local Ray gets a configurable temp dir and bounded logs (the seed's /tmp filled with /tmp/ray logs and took a
+machine down), and it is closed to the network:
+
+* **Bound to the loopback interface.** Ray's GCS, raylet, driver and actors serve gRPC on the node's IP, which Ray
+  takes from the machine's network interface -- so a local run was reachable by anyone on the network, and a Ray
+  cluster runs any code it is sent. A local run needs no other machine, so its node IP is 127.0.0.1 and every Ray
+  server listens there only. (Ray has no public switch for this on Linux: ``ray.init(_node_ip_address="127.0.0.1")``
+  is turned back into the machine's IP unless Ray's "local cluster only" mode, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+  = 0, is on while the node starts. That mode is switched on around the start only, so that joining a real
+  cluster later in the same process is unaffected, and the result is checked.)
+* **Token authentication.** Unless ``RAY_AUTH_MODE`` is set already, a local run uses Ray's token authentication
+  (Ray >= 2.52) with a random token of its own, given to Ray's processes through ``RAY_AUTH_TOKEN`` (so no token file
+  is shared between concurrent runs): another user of the same machine cannot use the cluster either.
+
+Joining a running cluster (multi-node) changes nothing about how that cluster was started: start it with
+``RAY_AUTH_MODE=token`` on every node (see the README's multi-node section). hybrid warns when it joins a cluster
+without token authentication.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
+import secrets
 from dataclasses import dataclass
+from typing import Iterator, MutableMapping
 
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+#: Ray's "local cluster only" switch: the node IP is the loopback address (see the module docstring).
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 
 
 @dataclass(frozen=True)
@@ -21,6 +45,8 @@ class ClusterInfo:
     started_here: bool
     num_gpus: int
     num_cpus: int
+    num_nodes: int = 1
+    node_ip: str = ""
 
 
 def connect(
@@ -47,29 +73,94 @@ def connect(
             raise ConfigError("num_gpus", f"cannot declare GPUs when joining the running cluster at {address}.",
                               "Drop --num_gpus; the cluster's own GPUs are used.")
         ray.init(address=address, log_to_driver=True)
+        _warn_if_unauthenticated(address)
         return _info(started_here=False)
     # Bounded log files: Ray reads these when its processes start, so they are set before ray.init.
     os.environ.setdefault("RAY_ROTATION_MAX_BYTES", str(log_max_mb * 1024 * 1024))
     os.environ.setdefault("RAY_ROTATION_BACKUP_COUNT", str(log_backups))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    use_local_token()
     if temp_dir is not None:
         temp_dir = os.path.abspath(temp_dir)
         os.makedirs(temp_dir, exist_ok=True)
     # address="local": always a new cluster of our own. Without it Ray joins any cluster already running on this
     # machine (found through /tmp/ray), someone else's included.
-    ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
-             log_to_driver=True, logging_level=logging.WARNING)
-    return _info(started_here=True)
+    with loopback_only():
+        ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
+                 log_to_driver=True, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+    info = _info(started_here=True)
+    if not is_loopback(info.node_ip):
+        log.warning("the local Ray listens on %s, not on 127.0.0.1 only: this Ray version ignored its local-only "
+                    "mode, so the run is reachable from the network (token authentication is %s)", info.node_ip,
+                    os.environ.get(AUTH_MODE_ENV, "Ray's default"))
+    return info
+
+
+def use_local_token(environ: MutableMapping[str, str] | None = None) -> None:
+    """Token authentication with a fresh random token for a new local Ray, unless RAY_AUTH_MODE is set already."""
+    env = os.environ if environ is None else environ
+    if AUTH_MODE_ENV in env:
+        return
+    env[AUTH_MODE_ENV] = "token"
+    env.setdefault(AUTH_TOKEN_ENV, secrets.token_hex(32))
+    if environ is not None:
+        return
+    try:  # Ray's C++ config read the (unset) mode when ray was imported: have it read the variables again
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def loopback_only() -> Iterator[None]:
+    """Ray's local-only mode while a node starts (it then takes 127.0.0.1 as its IP), restored afterwards."""
+    constants = None
+    try:  # Ray reads the variable into a module constant when first imported (before we set it): set both
+        from ray._private import ray_constants as constants  # type: ignore[no-redef]
+
+        previous = constants.ENABLE_RAY_CLUSTER
+        constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):
+        constants = None
+    before = os.environ.get(LOCAL_ONLY_ENV)
+    os.environ[LOCAL_ONLY_ENV] = "0"  # for the processes the node starts
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[LOCAL_ONLY_ENV] = before
+        if constants is not None:
+            constants.ENABLE_RAY_CLUSTER = previous
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _warn_if_unauthenticated(address: str) -> None:
+    if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
+        log.warning("joined the Ray cluster at %s without token authentication (RAY_AUTH_MODE=%s): anyone who can "
+                    "reach its ports can run code on it. Start every node with RAY_AUTH_MODE=token and the same "
+                    "RAY_AUTH_TOKEN (README: multi-node).", address, os.environ.get(AUTH_MODE_ENV, "unset"))
 
 
 def _info(started_here: bool) -> ClusterInfo:
     import ray
 
     resources = ray.cluster_resources()
-    address = ray.get_runtime_context().gcs_address
+    context = ray.get_runtime_context()
+    address = context.gcs_address
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
     return ClusterInfo(address=address, started_here=started_here, num_gpus=int(resources.get("GPU", 0)),
-                       num_cpus=int(resources.get("CPU", 0)))
+                       num_cpus=int(resources.get("CPU", 0)), num_nodes=len(nodes),
+                       node_ip=address.rsplit(":", 1)[0])
 
 
 def shutdown(info: ClusterInfo) -> None:

@@ -28,7 +28,7 @@ class RLConfig:
     # ---- models ---------------------------------------------------------------------------------------------
     pretrain: str | None = None  # HF model folder; None = the tiny built-in demo model (built from a config)
     reward_pretrain: str | None = None  # sequence-classification reward model folder
-    reward_fn: str | None = None  # "module:function" rule-based reward; None = the built-in task's rule
+    reward_fn: str | None = None  # "module:function" rule; a .py file / http(s) URL(s): OpenRLHF's reward; None = the task's rule
     critic_pretrain: str | None = None  # PPO critic init; None = reward_pretrain, else pretrain
     task: str = "copy"  # built-in synthetic task when prompt_data is None
     task_length: int = 2  # symbols in each built-in task prompt
@@ -48,6 +48,7 @@ class RLConfig:
     colocate_all_models: bool = True
     colocate_actor_ref: bool = False
     colocate_critic_reward: bool = False
+    ref_reward_offload: bool = False  # reference and reward models sleep between their turns (the residency plan)
     placement: dict[str, str] | None = None  # e.g. {"actor": "0-7", "rollout": "4-7"}; overrides the counts
     gpus_per_node: int | None = None  # cluster size check; None = what Ray reports
 
@@ -147,6 +148,8 @@ class RLConfig:
     label_key: str | None = None
     apply_chat_template: bool = False
     prompt_split: str = "train"
+    prompt_data_probs: str | None = None  # comma-separated sampling weights, one per --prompt_data dataset
+    input_template: str | None = None  # e.g. "User: {}\nAssistant: " around each plain-text prompt
 
     # ---- saving, logging -------------------------------------------------------------------------------------
     save_path: str = "./runs/hybrid"
@@ -283,12 +286,20 @@ class RLConfig:
         self._validate_estimator()
         for name in ("task_length", "rollout_batch_size", "n_samples_per_prompt", "micro_rollout_batch_size", "train_batch_size",
                      "micro_train_batch_size", "max_epochs", "num_episodes", "max_samples", "prompt_max_len",
-                     "generate_max_len", "vllm_num_engines", "vllm_tensor_parallel_size", "actor_num_nodes",
+                     "generate_max_len", "vllm_tensor_parallel_size", "actor_num_nodes",
                      "actor_num_gpus_per_node", "logging_steps", "max_ckpt_num", "ray_log_max_mb",
                      "weight_sync_bucket_mb"):
             _positive(name, getattr(self, name))
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps)
+        if isinstance(self.vllm_num_engines, bool) or not isinstance(self.vllm_num_engines, int) \
+                or self.vllm_num_engines < 0:
+            raise ConfigError("vllm_num_engines", f"must be a whole number >= 0, got {self.vllm_num_engines!r}.",
+                              "Give the number of engines; 0 puts a built-in engine on each actor GPU.")
+        if self.vllm_num_engines == 0 and self.backend != "hf":
+            raise ConfigError("vllm_num_engines", f"0 engines means generating on the actor's GPUs with the built-in "
+                              f"engine, but --backend is {self.backend}.",
+                              "Use --backend hf, or give --vllm_num_engines N for N separate engines.")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.",
                               "Use --zero_stage 2 (the default) or 3 for models that do not fit one GPU.")
@@ -496,6 +507,8 @@ class RLConfig:
                 for role in roles:
                     states = ("weights", "kv_cache") if role == "rollout" else ("params", "grads", "optimizer")
                     flag_pins.update({(role, s): "resident" for s in states})
+        if self.ref_reward_offload:  # OpenRLHF's --ref_reward_offload: the frozen models leave between their turns
+            sleep_roles.update(("reference", "reward"))
         if self.engine_sleep_level is not None and ("rollout", "weights") not in flag_pins:
             # a level given with the planner on: when the engines' weights must leave, they leave this way
             flag_pins[("rollout", "weights")] = ("resident", "offload" if self.engine_sleep_level == 1 else "discard")
@@ -512,13 +525,17 @@ class RLConfig:
                 raise ConfigError(name, f"no model folder at {path!r} (models are not downloaded at run time).",
                                   "Give a local Hugging Face model folder (config.json + weights).")
         if self.prompt_data is not None:
-            if not os.path.exists(self.prompt_data):
-                raise ConfigError("prompt_data", f"no file or folder at {self.prompt_data!r}.",
-                                  "Give a local JSONL/Parquet file or a datasets folder.")
+            from .data import check_prompt_sources
+
+            check_prompt_sources(self.prompt_data, self.prompt_data_probs)
             if not self.input_key:
                 raise ConfigError("input_key", "--prompt_data needs --input_key to say which field holds the prompt.",
                                   "Add e.g. --input_key prompt.")
-        if self.reward_fn is not None:
+        from .remote_rewards import check_openrlhf_reward, is_openrlhf_reward
+
+        if self.reward_fn is not None and is_openrlhf_reward(self.reward_fn):
+            check_openrlhf_reward(self.reward_fn)
+        elif self.reward_fn is not None:
             module, _, func = self.reward_fn.partition(":")
             if not module or not func:
                 raise ConfigError("reward_fn", f"expected 'module:function', got {self.reward_fn!r}.",

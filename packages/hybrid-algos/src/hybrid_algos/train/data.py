@@ -1,9 +1,14 @@
-"""Prompt datasets: local JSONL / JSON / Parquet files, ``datasets`` folders (``save_to_disk``), or the built-in task.
+"""Prompt datasets: local JSONL / JSON / Parquet files, ``datasets`` folders (``save_to_disk``), Hugging Face ids
+already in the local cache, or the built-in task.
 
 ``load_prompts(config, tokenizer)`` returns a list of :class:`~hybrid_algos.train.tasks.Prompt` (token ids, text,
 label). What happens to each record:
 
-* ``--max_samples N`` keeps the first N records (before anything else, as OpenRLHF does).
+* ``--prompt_data a,b`` reads several datasets (OpenRLHF's comma list; ``name@subfolder`` reads a subfolder). Without
+  ``--prompt_data_probs`` they are concatenated; with ``--prompt_data_probs 0.7,0.3`` they are interleaved as
+  OpenRLHF does (``datasets.interleave_datasets``, "all_exhausted"): each prompt comes from a dataset drawn with those
+  weights (seeded by ``--seed``), a dataset that runs out starts over, until every dataset has been seen whole.
+* ``--max_samples N`` keeps the first N records of each dataset (before anything else, as OpenRLHF does).
 * ``--input_key`` names the prompt field: a string, or a list of chat messages (``[{"role", "content"}, ...]``).
 * ``--apply_chat_template`` renders the field with the tokenizer's chat template and ``add_generation_prompt=True``
   (a plain string becomes one user message). The rendered text already holds the template's BOS, so it is encoded
@@ -12,6 +17,12 @@ label). What happens to each record:
   and cutting the start loses the instruction; either way the model is asked something else. Dropped prompts are
   counted (``PromptStats``) and logged; dropping all of them is an error.
 * ``--label_key`` (optional) is passed to rule rewards as the prompt's label.
+* ``--input_template "User: {}\\nAssistant: "`` wraps each plain-text prompt (not with ``--apply_chat_template``).
+
+A model or dataset given as a Hugging Face id (``org/name``) that is not a local path is looked up in the local
+Hugging Face cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``) by
+:func:`resolve_local_paths`: nothing is downloaded at run time, and a missing id is an error naming the cache folder
+it looked for.
 
 Parquet needs ``pyarrow`` and ``datasets`` folders need ``datasets``: both are the ``hybrid-cli[data]`` extra.
 """
@@ -22,6 +33,8 @@ import glob
 import json
 import logging
 import os
+import random
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -66,15 +79,178 @@ def load_prompt_set(config: Any, tokenizer: Any) -> tuple[list[Prompt], PromptSt
     if not config.input_key:
         raise ConfigError("input_key", "--prompt_data needs --input_key to say which field holds the prompt.",
                           "Add e.g. --input_key prompt.")
-    records = read_records(config.prompt_data, split=getattr(config, "prompt_split", "train"))
-    records = records[: config.max_samples]
-    prompts, dropped = encode_records(
-        records, tokenizer, input_key=config.input_key, label_key=config.label_key,
-        apply_chat_template=config.apply_chat_template, prompt_max_len=config.prompt_max_len, source=config.prompt_data)
-    stats = PromptStats(config.prompt_data, len(records), len(prompts), dropped, config.prompt_max_len)
+    sources = split_sources(config.prompt_data)
+    weights = parse_probs(getattr(config, "prompt_data_probs", None), len(sources))
+    groups, read, dropped = [], 0, 0
+    for source in sources:
+        records = read_records(source.path, split=getattr(config, "prompt_split", "train"), given=source.given)
+        records = records[: config.max_samples]
+        prompts, lost = encode_records(
+            records, tokenizer, input_key=config.input_key, label_key=config.label_key,
+            apply_chat_template=config.apply_chat_template, prompt_max_len=config.prompt_max_len,
+            source=source.given, input_template=getattr(config, "input_template", None))
+        groups.append(prompts)
+        read, dropped = read + len(records), dropped + lost
+    if weights is None:
+        prompts = [p for group in groups for p in group]
+    else:
+        prompts = interleave(groups, weights, seed=config.seed)
+    where = config.prompt_data if weights is None else f"{config.prompt_data} (mixed {config.prompt_data_probs})"
+    stats = PromptStats(where, read, len(prompts), dropped, config.prompt_max_len)
     if dropped:
         log.warning("%s", stats.describe())
     return prompts, stats
+
+
+# ---- several datasets ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """One dataset of --prompt_data: what was given, and the local path it is read from."""
+
+    given: str
+    path: str
+
+
+def split_sources(prompt_data: str) -> list[Source]:
+    """``a,b@sub`` -> the datasets to read (``name@subfolder`` reads a subfolder, as in OpenRLHF)."""
+    out = []
+    for part in (p.strip() for p in prompt_data.split(",")):
+        if not part:
+            raise ConfigError("prompt_data", f"{prompt_data!r} has an empty entry.",
+                              "Separate datasets with single commas: --prompt_data a.jsonl,b.jsonl.")
+        path, _, sub = part.partition("@")
+        out.append(Source(part, os.path.join(path, sub) if sub else path))
+    return out
+
+
+def parse_probs(probs: str | None, count: int) -> list[float] | None:
+    """--prompt_data_probs: one positive weight per dataset (normalised), or None to concatenate."""
+    if probs is None:
+        return None
+    try:
+        weights = [float(w) for w in str(probs).split(",")]
+    except ValueError:
+        raise ConfigError("prompt_data_probs", f"expected comma-separated numbers, got {probs!r}.",
+                          "E.g. --prompt_data_probs 0.7,0.3.") from None
+    if len(weights) != count:
+        raise ConfigError("prompt_data_probs", f"{len(weights)} weights for {count} dataset(s) of --prompt_data.",
+                          "Give one weight per dataset, in the same order.")
+    if any(not (w > 0) or w == float("inf") for w in weights):
+        raise ConfigError("prompt_data_probs", f"every weight must be a positive number, got {probs!r}.",
+                          "Drop a dataset from --prompt_data instead of giving it weight 0.")
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def interleave(groups: Sequence[Sequence[Any]], weights: Sequence[float], *, seed: int) -> list[Any]:
+    """Draw each item's dataset with ``weights``; a dataset that runs out starts over, until every dataset has been
+    seen whole (OpenRLHF's ``interleave_datasets(..., stopping_strategy="all_exhausted")``)."""
+    rng = random.Random(seed)
+    positions = [0] * len(groups)
+    unseen = {i for i, g in enumerate(groups) if g}
+    order = list(range(len(groups)))
+    out = []
+    while unseen:
+        i = rng.choices(order, weights=weights)[0]
+        group = groups[i]
+        if not group:
+            continue
+        out.append(group[positions[i] % len(group)])
+        positions[i] += 1
+        if positions[i] >= len(group):
+            unseen.discard(i)
+    return out
+
+
+def check_prompt_sources(prompt_data: str, probs: str | None = None) -> None:
+    """Every dataset of --prompt_data exists locally (ids are resolved before, see resolve_local_paths)."""
+    sources = split_sources(prompt_data)
+    for source in sources:
+        if not os.path.exists(source.path):
+            raise ConfigError("prompt_data", f"no file or folder at {source.path!r}"
+                              + (f" (from {prompt_data!r})" if len(sources) > 1 else "") + ".",
+                              "Give local JSONL/Parquet files or datasets folders, or Hugging Face ids already in "
+                              "the local cache.")
+    parse_probs(probs, len(sources))
+
+
+# ---- Hugging Face ids from the local cache ---------------------------------------------------------------------------
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".py")
+
+
+def hub_cache_dir() -> str:
+    """Where huggingface_hub keeps downloads: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return os.path.expanduser(explicit)
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def looks_like_hub_id(value: str) -> bool:
+    return bool(_HUB_ID.match(value)) and not value.lower().endswith(_DATA_SUFFIXES) and not os.path.exists(value)
+
+
+def cached_snapshot(repo_id: str, kind: str) -> tuple[str | None, str]:
+    """(the local snapshot folder of ``repo_id`` in the Hugging Face cache or None, the cache folder looked in).
+
+    The cache holds ``{models,datasets}--ORG--NAME/refs/main`` (the commit) and ``snapshots/<commit>/`` (the files);
+    without refs/main the newest snapshot is taken."""
+    repo_dir = os.path.join(hub_cache_dir(), f"{kind}s--" + repo_id.replace("/", "--"))
+    snapshots = os.path.join(repo_dir, "snapshots")
+    ref = os.path.join(repo_dir, "refs", "main")
+    if os.path.isfile(ref):
+        with open(ref, encoding="utf-8") as f:
+            commit = f.read().strip()
+        if os.path.isdir(os.path.join(snapshots, commit)):
+            return os.path.join(snapshots, commit), repo_dir
+    if os.path.isdir(snapshots):
+        found = sorted((os.path.join(snapshots, d) for d in os.listdir(snapshots)), key=os.path.getmtime)
+        if found:
+            return found[-1], repo_dir
+    return None, repo_dir
+
+
+def resolve_local_paths(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Model and dataset ids (``org/name``) in ``values`` replaced by their folders in the local Hugging Face cache.
+
+    Returns the changed settings and a note per id. An id that is not cached is a ConfigError naming the cache folder
+    (nothing is downloaded at run time)."""
+    changes: dict[str, Any] = {}
+    notes: list[str] = []
+    for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
+        value = values.get(name)
+        if isinstance(value, str) and looks_like_hub_id(value):
+            path = _from_cache(name, value, "model")
+            changes[name] = path
+            notes.append(f"--{name} {value}: the Hugging Face cache's copy at {path}")
+    data = values.get("prompt_data")
+    if isinstance(data, str):
+        parts = []
+        for part in (p.strip() for p in data.split(",")):
+            name, at, sub = part.partition("@")
+            if looks_like_hub_id(name):
+                path = _from_cache("prompt_data", name, "dataset")
+                notes.append(f"--prompt_data {name}: the Hugging Face cache's copy at {path}")
+                part = f"{path}{at}{sub}"
+            parts.append(part)
+        if ",".join(parts) != data:
+            changes["prompt_data"] = ",".join(parts)
+    return changes, notes
+
+
+def _from_cache(field: str, repo_id: str, kind: str) -> str:
+    path, looked = cached_snapshot(repo_id, kind)
+    if path is None:
+        what = "model" if kind == "model" else "dataset"
+        raise ConfigError(field, f"{repo_id!r} is not a local path, and the Hugging Face cache has no {what} of that "
+                          f"name (looked for {looked}); {what}s are not downloaded at run time.",
+                          f"Download it once where there is network access (`hf download {repo_id}"
+                          f"{' --repo-type dataset' if kind == 'dataset' else ''}`, into the same cache or "
+                          "HF_HOME), or give a local folder.")
+    return path
 
 
 def synthetic_prompts(config: Any, tokenizer: Any | None = None) -> tuple[list[Prompt], PromptStats]:
@@ -104,10 +280,12 @@ def _check_task_vocab(tokenizer: Any, num_symbols: int) -> None:
 
 
 # ---- reading records ---------------------------------------------------------------------------------------------
-def read_records(path: str, *, split: str = "train") -> list[dict[str, Any]]:
+def read_records(path: str, *, split: str = "train", given: str | None = None) -> list[dict[str, Any]]:
     """All records of a JSONL/JSON/Parquet file, a ``datasets`` folder, or a folder of such files (sorted)."""
     if not os.path.exists(path):
-        raise ConfigError("prompt_data", f"no file or folder at {path!r} (datasets are not downloaded at run time).",
+        raise ConfigError("prompt_data", f"no file or folder at {path!r}"
+                          + (f" (from {given!r})" if given and given != path else "")
+                          + " (datasets are not downloaded at run time).",
                           "Give a local JSONL/Parquet file or a datasets folder (Dataset.save_to_disk).")
     if os.path.isdir(path):
         records = _read_folder(path, split)
@@ -201,8 +379,8 @@ def _read_saved_dataset(path: str, split: str) -> list[dict[str, Any]]:
 
 # ---- encoding ----------------------------------------------------------------------------------------------------
 def encode_records(records: Sequence[dict[str, Any]], tokenizer: Any, *, input_key: str, label_key: str | None = None,
-                   apply_chat_template: bool = False, prompt_max_len: int = 1024, source: str = "prompt_data"
-                   ) -> tuple[list[Prompt], int]:
+                   apply_chat_template: bool = False, prompt_max_len: int = 1024, source: str = "prompt_data",
+                   input_template: str | None = None) -> tuple[list[Prompt], int]:
     """Token ids of every record's prompt; returns the prompts and how many were dropped for length."""
     _check_key("input_key", input_key, records, source)
     if label_key:
@@ -214,6 +392,8 @@ def encode_records(records: Sequence[dict[str, Any]], tokenizer: Any, *, input_k
     for i, record in enumerate(records):
         value = record[input_key]
         text = _render(value, tokenizer, apply_chat_template, i, input_key, source)
+        if input_template and not apply_chat_template:
+            text = _apply_template(input_template, text)
         ids = list(tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"])
         if len(ids) > prompt_max_len:
             dropped += 1
@@ -251,3 +431,11 @@ def _render(value: Any, tokenizer: Any, apply_chat_template: bool, index: int, k
         raise ConfigError("input_key", f"record {index} of {source!r}: {key!r} is a {type(value).__name__}, not text.",
                           "Point --input_key at a text field (or a list of chat messages with --apply_chat_template).")
     return value
+
+
+def _apply_template(template: str, text: str) -> str:
+    """OpenRLHF's --input_template: ``{}`` marks where the prompt goes."""
+    if "{}" not in template:
+        raise ConfigError("input_template", f"{template!r} has no {{}} to put the prompt in.",
+                          'E.g. --input_template "User: {}\\nAssistant: ".')
+    return template.replace("{}", text, 1)

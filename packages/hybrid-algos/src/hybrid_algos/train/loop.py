@@ -232,6 +232,8 @@ class TrainingSession:
         self.setup_seconds = clock.seconds
         set_worker_env({DIR_ENV: self.log_dir})  # every worker's stacks land in the run's log folder
         self.placed = place(plan, timeout_s=timeout)
+        os.makedirs(self.log_dir, exist_ok=True)
+        _write_json(os.path.join(self.log_dir, "placement.json"), self.placed.layout())  # which node got what
         clock.lap("placement group")
         self.turnstile = Turnstile.create(f"hybrid-turnstile-{uuid.uuid4().hex[:8]}", timeout_s=timeout)
 

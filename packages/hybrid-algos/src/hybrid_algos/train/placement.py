@@ -3,7 +3,8 @@ and the memory budget -> the residency plan (what each role keeps on its GPUs in
 
 Roles the algorithm does not use get no GPUs: no critic unless the estimator is GAE, no reference without a KL
 term (``init_kl_coef`` 0, with or without ``use_kl_loss``), no reward model with a rule-based reward. The CLI's
-``--dry-run`` prints exactly these two plans.
+``--dry-run`` prints exactly these two plans. ``vllm_num_engines`` 0 puts one engine on each actor GPU (OpenRLHF:
+generate with the actor).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def build_plan(cfg: RLConfig) -> PlacementPlan:
         ref_num_nodes=cfg.ref_num_nodes, ref_num_gpus_per_node=cfg.ref_num_gpus_per_node if cfg.uses_reference else 0,
         reward_num_nodes=cfg.reward_num_nodes,
         reward_num_gpus_per_node=cfg.reward_num_gpus_per_node if cfg.reward_pretrain else 0,
-        vllm_num_engines=cfg.vllm_num_engines, vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        vllm_num_engines=cfg.vllm_num_engines or cfg.actor_world_size,
+        vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size if cfg.vllm_num_engines else 1,
         colocate_all_models=cfg.colocate_all_models, colocate_actor_ref=cfg.colocate_actor_ref,
         colocate_critic_reward=cfg.colocate_critic_reward, gpus_per_node=cfg.gpus_per_node,
+        engines_on_actor=cfg.vllm_num_engines == 0,
     ).plan()
 
 

@@ -21,7 +21,12 @@ from hybrid_core.errors import ConfigError
 
 
 def load_reward_fn(spec: str) -> Callable[..., list[float]]:
-    """``package.module:function`` or ``path/to/file.py:function``."""
+    """``package.module:function`` or ``path/to/file.py:function``; OpenRLHF's ``file.py`` (its ``reward_func``) or
+    ``http(s)://`` reward servers (see :mod:`.remote_rewards`)."""
+    from .remote_rewards import is_openrlhf_reward, load_openrlhf_reward
+
+    if is_openrlhf_reward(spec):
+        return load_openrlhf_reward(spec)
     module_name, _, func_name = spec.partition(":")
     if module_name.endswith(".py") or os.path.isfile(module_name):
         loader_spec = importlib.util.spec_from_file_location(f"hybrid_reward_{abs(hash(module_name))}", module_name)

@@ -8,7 +8,11 @@ The rules follow OpenRLHF's launcher:
   first ones), and the engines must fill the actor's GPUs exactly: actor GPUs == engines x TP (the seeds' rule);
 * ``colocate_actor_ref``: the reference sits on the actor's GPUs; ``colocate_critic_reward``: the reward model sits
   on the critic's GPUs;
-* every role not colocated gets its own block of GPUs, in the order actor, rollout, critic, reference, reward.
+* every role not colocated gets its own block of GPUs, in the order actor, rollout, critic, reference, reward;
+* ``engines_on_actor`` (hybrid's meaning of OpenRLHF's ``--vllm_num_engines 0``, "generate with the actor"): the
+  engines sit on the actor's GPUs, one per GPU, without colocating anything else;
+* nodes: without ``gpus_per_node``, a role placed on several nodes (``<role>_num_nodes`` > 1) says how large a node
+  is (its GPUs per node), as OpenRLHF assumes; tensor-parallel engines then stay within a node.
 
 OpenRLHF's ``vllm_enable_sleep`` / ``deepspeed_enable_sleep`` say what roles keep on their GPUs, not where they run:
 they are read by the residency planner (:mod:`hybrid_core.residency`), not here.
@@ -61,6 +65,7 @@ def spec_from_counts(
     gpus_per_node: int | None = None,
     cluster_gpus: int | None = None,
     num_nodes: int | None = None,
+    engines_on_actor: bool = False,
 ) -> PlacementSpec:
     """Translate OpenRLHF placement flags into a spec (roles: actor, rollout, critic, reference, reward).
 
@@ -68,6 +73,10 @@ def spec_from_counts(
     straddle nodes); the cluster size is ``cluster_gpus`` or ``num_nodes x gpus_per_node`` (unchecked when
     neither is given: :func:`~hybrid_core.placement.place` then checks it against Ray).
     """
+    if gpus_per_node is None and num_nodes is None:
+        gpus_per_node = _node_size_from_roles(
+            (actor_num_nodes, actor_num_gpus_per_node), (critic_num_nodes, critic_num_gpus_per_node),
+            (ref_num_nodes, ref_num_gpus_per_node), (reward_num_nodes, reward_num_gpus_per_node))
     cluster_gpus = cluster_size(cluster_gpus, gpus_per_node, num_nodes)  # checks gpus_per_node before it is used
     sizes = {
         "actor": _role_size("actor", actor_num_nodes, actor_num_gpus_per_node, gpus_per_node),
@@ -83,7 +92,7 @@ def spec_from_counts(
                              f"Use --vllm_tensor_parallel_size <= {gpus_per_node}.")
     sizes["rollout"] = vllm_num_engines * tp
     for flag, value in (("colocate_all_models", colocate_all_models), ("colocate_actor_ref", colocate_actor_ref),
-                        ("colocate_critic_reward", colocate_critic_reward)):
+                        ("colocate_critic_reward", colocate_critic_reward), ("engines_on_actor", engines_on_actor)):
         if not isinstance(value, bool):
             raise PlacementError(flag, f"expected true or false, got {value!r}.", f"Set {flag} to True or False.")
     if sizes["actor"] == 0:
@@ -93,7 +102,8 @@ def spec_from_counts(
 
     from .spec import PlacementSpec  # spec.py imports this module for PlacementSpec.from_counts
 
-    gpus = _lay_out(sizes, tp, vllm_num_engines, colocate_all_models, colocate_actor_ref, colocate_critic_reward)
+    gpus = _lay_out(sizes, tp, vllm_num_engines, colocate_all_models or engines_on_actor, colocate_actor_ref,
+                    colocate_critic_reward, engines_only=engines_on_actor and not colocate_all_models)
     gpu_fields = {role: _COUNT_FLAGS[role][1] for role in _COUNT_FLAGS}
     gpu_fields["rollout"] = "vllm_num_engines"
     return PlacementSpec(
@@ -117,9 +127,26 @@ def _role_size(role: str, nodes: int, per_node: int, gpus_per_node: int | None) 
     return nodes * per_node
 
 
+def _node_size_from_roles(*roles: tuple[int, int]) -> int | None:
+    """GPUs per node as the multi-node roles imply it (the largest of their GPUs per node), else None."""
+    sizes = [per_node for nodes, per_node in roles
+             if isinstance(nodes, int) and isinstance(per_node, int) and nodes > 1 and per_node > 0]
+    return max(sizes) if sizes else None
+
+
 def _lay_out(sizes: dict[str, int], tp: int, engines: int, colocate_all: bool, colocate_actor_ref: bool,
-             colocate_critic_reward: bool) -> dict[str, tuple[int, ...]]:
-    """Role -> GPUs: colocated roles reuse a host role's GPUs, the others get the next free block."""
+             colocate_critic_reward: bool, engines_only: bool = False) -> dict[str, tuple[int, ...]]:
+    """Role -> GPUs: colocated roles reuse a host role's GPUs, the others get the next free block.
+    ``engines_only``: only the engines go on the actor's GPUs (the other roles as without colocation)."""
+    if engines_only:
+        gpus = _lay_out(sizes, tp, engines, False, colocate_actor_ref, colocate_critic_reward)
+        if sizes["rollout"] != sizes["actor"]:
+            raise PlacementError("vllm_num_engines", f"engines on the actor's GPUs must be one per actor GPU "
+                                 f"({sizes['actor']}), got {engines} x {tp}.", f"Use {sizes['actor']} engines of 1 GPU.")
+        rollout = gpus.pop("rollout")  # its own block: give it back and shift the roles after it down
+        shifted = {r: tuple(g - len(rollout) if g > rollout[-1] else g for g in gs) for r, gs in gpus.items()}
+        return {"actor": shifted["actor"], "rollout": shifted["actor"],
+                **{r: g for r, g in shifted.items() if r != "actor"}}
     gpus: dict[str, tuple[int, ...]] = {}
     next_free = 0
 

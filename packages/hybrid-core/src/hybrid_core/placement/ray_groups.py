@@ -6,6 +6,11 @@ GPUs). So after the group is ready, one tiny task per bundle reports its node an
 the k-th bundle in (node, device id) order: the plan's GPU numbers follow ``nvidia-smi`` order on each node, the
 mapping never depends on the order workers are created in, and a tensor-parallel engine's consecutive plan GPUs are
 neighbouring devices on one node (checked).
+
+On several nodes the one group spans them (PACK fills a node before the next). When the plan has a node size
+(``gpus_per_node``), each of its nodes must land within one real node (checked, with an error naming the plan node
+and the real nodes it straddles); :meth:`PlacedPlan.layout` records which real node each plan GPU and each worker
+got, for the run's logs.
 """
 
 from __future__ import annotations
@@ -77,6 +82,23 @@ class PlacedPlan:
             raise IndexError(f"{role} has ranks 0-{len(workers) - 1}, not {rank}")
         return workers[rank]
 
+    def layout(self) -> dict[str, Any]:
+        """Where everything landed: for each real node its IP and plan GPUs, for each worker its nodes (JSON-ready)."""
+        import ray
+
+        ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
+        nodes: dict[str, dict[str, Any]] = {}
+        for gpu, device in enumerate(self.devices):
+            entry = nodes.setdefault(device.node_id, {"ip": ips.get(device.node_id, ""), "plan_gpus": [],
+                                                      "bundles": [], "device_ids": []})
+            entry["plan_gpus"].append(gpu)
+            entry["bundles"].append(device.bundle_index)
+            entry["device_ids"].append(device.gpu_id)
+        roles = {name: [{"rank": w.rank, "plan_gpus": list(w.gpus),
+                         "nodes": sorted({self.devices[g].node_id for g in w.gpus})} for w in role.workers]
+                 for name, role in self.plan.roles.items()}
+        return {"gpus_per_node": self.plan.gpus_per_node, "nodes": nodes, "roles": roles}
+
     def remove(self) -> None:
         """Free the placement group (its GPUs go back to the cluster); safe to call twice."""
         if self._removed:
@@ -129,6 +151,7 @@ def place(plan: PlacementPlan, timeout_s: float = 60, *, cpus_per_gpu: float | N
                                  "cpus_per_gpu if CPUs are short, or raise the timeout.")
         devices = _discover_devices(pg, plan.num_gpus, timeout_s)
         _check_engines_on_one_node(plan, devices)
+        _check_plan_nodes(plan, devices)
     except BaseException:
         remove_placement_group(pg)
         raise
@@ -171,6 +194,21 @@ def _check_engines_on_one_node(plan: PlacementPlan, devices: tuple[GpuDevice, ..
                                      "free GPUs are split across nodes at that point.",
                                      "Free whole nodes for the job, or align the role's GPUs to node boundaries "
                                      "(gpus_per_node).")
+
+
+def _check_plan_nodes(plan: PlacementPlan, devices: tuple[GpuDevice, ...]) -> None:
+    """Each node of the plan (``gpus_per_node`` consecutive plan GPUs) on one real node."""
+    if not plan.gpus_per_node:
+        return
+    for start in range(0, plan.num_gpus, plan.gpus_per_node):
+        gpus = range(start, min(start + plan.gpus_per_node, plan.num_gpus))
+        nodes = sorted({devices[g].node_id for g in gpus})
+        if len(nodes) > 1:
+            raise PlacementError("gpus_per_node", f"plan node {start // plan.gpus_per_node} (plan GPUs "
+                                 f"{format_gpus(tuple(gpus))}) landed on {len(nodes)} nodes "
+                                 f"({', '.join(n[:8] for n in nodes)}): the cluster's free GPUs do not come in nodes "
+                                 f"of {plan.gpus_per_node}.", "Give --gpus_per_node the GPUs each node really has "
+                                 "free (or free whole nodes for the job).")
 
 
 _probe = None
