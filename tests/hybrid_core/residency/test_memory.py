@@ -73,8 +73,8 @@ def test_checkpointing_offload_zero_stage_and_chunking_change_what_they_should()
     assert "zero3_gather" not in z1.working["actor_train"]
     fp32 = size_role("actor", shape, train_only(bf16=False, zero_stage=2), ranks=4, tp=1, gpu_bytes=4 * GiB)
     assert fp32.states["params"] == 4 * P and fp32.states["grads"] == 4 * P / 4 and fp32.states["optimizer"] == 8 * P / 4
-    chunked = size_role("actor", shape, train_only(logprob_chunk_tokens=16), ranks=4, tp=1, gpu_bytes=4 * GiB)
-    assert chunked.working["actor_train"]["logits"] == 16 * 1000 * 10  # one chunk of logits at a time
+    chunked = size_role("actor", shape, train_only(logits_chunk_bytes=16 * 4 * 1000), ranks=4, tp=1, gpu_bytes=4 * GiB)
+    assert chunked.working["actor_train"]["logits"] == 16 * 1000 * 10  # one chunk of 16 positions at a time
 
 
 def test_frozen_models_are_whole_on_every_rank():

@@ -111,6 +111,8 @@ def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None) -> ResidencyP
 def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
     from hybrid_engines.registry import engine_spec
 
+    from .models import LOGITS_CHUNK_BYTES
+
     return Workload(bf16=cfg.bf16, zero_stage=cfg.zero_stage, adam_offload=cfg.adam_offload,
                     gradient_checkpointing=cfg.gradient_checkpointing,
                     micro_train_batch_size=cfg.micro_train_batch_size,
@@ -118,7 +120,8 @@ def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
                     generate_len=generate_len, rollout_samples=cfg.samples_per_step,
                     engine_pool=bool(getattr(engine_spec(cfg.backend), "MEMORY_POOL", False)),
                     engine_memory_fraction=cfg.vllm_gpu_memory_utilization,
-                    sync_bucket_bytes=cfg.weight_sync_bucket_mb << 20, context_bytes=cfg.gpu_context_gb * GiB)
+                    sync_bucket_bytes=cfg.weight_sync_bucket_mb << 20, context_bytes=cfg.gpu_context_gb * GiB,
+                    logits_chunk_bytes=LOGITS_CHUNK_BYTES)
 
 
 def hf_config(path: str | None, cfg: RLConfig) -> Any:

@@ -13,7 +13,8 @@ Trainers (actor, critic), per GPU -- the ZeRO paper's accounting (Rajbhandari et
                  A = 5h + 2kv + 4I values (norm inputs, q/k/v, attention output, residual, gate/up/act/product of the
                  MLP; memory-efficient attention, no S^2 term): T L A b, or T (L h + A) b with gradient checkpointing;
                  logits T' V (b + 8) for a policy (model-dtype logits, their fp32 copy and log-softmax; T' = the
-                 tokens of one log-prob chunk when log-probs are chunked, else T), 0 for a value head;
+                 positions of one chunk when the trainer computes log-probs in chunks of ``logits_chunk_bytes`` of
+                 float32 logits, else T), 0 for a value head;
                  ZeRO-3 gathers 2 layers' weights (the layer in use and the prefetched one)
 Frozen models (reference, reward) are whole on every rank (they are not sharded): params = b P; working: one
     forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8).
@@ -126,7 +127,7 @@ class Workload:
     engine_pool: bool = False  # the engine takes engine_memory_fraction x its GPU at start-up (vLLM, SGLang)
     engine_memory_fraction: float = 0.5  # vllm_gpu_memory_utilization
     sync_bucket_bytes: int = 512 << 20
-    logprob_chunk_tokens: int | None = None  # tokens per log-prob chunk (None: the whole micro batch at once)
+    logits_chunk_bytes: int | None = None  # the trainer computes float32 logits this many bytes at a time (None: all)
     context_bytes: float = CONTEXT_BYTES  # what every process holds on its GPU whatever it keeps (CUDA context)
 
     @property
@@ -208,8 +209,8 @@ def _forward(shape: ModelShape, work: Workload, tokens: int) -> dict[str, float]
 def _logits(shape: ModelShape, work: Workload, tokens: int) -> float:
     if shape.value_head:
         return 0.0
-    if work.logprob_chunk_tokens:
-        tokens = min(tokens, work.logprob_chunk_tokens)
+    if work.logits_chunk_bytes:
+        tokens = min(tokens, max(1, work.logits_chunk_bytes // (4 * shape.vocab_size)))
     return tokens * shape.vocab_size * (work.bytes_per_value + 8)
 
 
