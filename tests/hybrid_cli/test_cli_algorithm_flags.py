@@ -8,7 +8,7 @@ import pytest
 from hybrid_algos import (get_advantage_estimator, get_policy_loss, get_rollout_correction, list_advantage_estimators,
                           list_policy_losses, list_rollout_corrections)
 from hybrid_cli.main import load_config, main
-from hybrid_cli.openrlhf import UNSUPPORTED
+from hybrid_cli.openrlhf_flags import rule_for
 
 OPENRLHF_FLAGS = ("policy_loss_type", "dynamic_filtering", "dynamic_filtering_reward_range",
                   "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_dynamic_batch",
@@ -42,8 +42,8 @@ def test_openrlhf_names_of_the_new_features_are_flags(tmp_path):
     assert config.enable_vllm_is_correction and config.correction_bounds == (0.5, 5.0)
     assert config.use_dynamic_batch and config.train_token_budget == 8192 and config.rollout_token_budget == 16384
     assert config.packing_samples and config.overlong_buffer_len == 256 and not config.uses_critic
-    for flag in OPENRLHF_FLAGS:
-        assert flag not in UNSUPPORTED, flag
+    for flag in OPENRLHF_FLAGS:  # OpenRLHF's own table maps each onto the setting that now exists
+        assert rule_for(flag).kind not in ("refuse", "only"), (flag, rule_for(flag))
     # --max_tokens_per_gpu (the short name) is the training budget
     config, _, _ = load_config("grpo", ["--use_dynamic_batch", "--max_tokens_per_gpu", "4096",
                                         "--save_path", str(tmp_path)])

@@ -199,11 +199,16 @@ def _arity(spec: FlagSpec) -> Any:
     return {"bool": 0, "pair": 2, "mapping": "+"}.get(spec.kind, 1)
 
 
+#: Short names of our own settings (not OpenRLHF's): the token budget of dynamic batches, as verl and papers say it.
+SHORT_NAMES = {"max_tokens_per_gpu": "train_max_tokens_per_gpu"}
+
+
 @functools.lru_cache(maxsize=None)
 def aliases(cls: type) -> dict[str, str]:
-    """OpenRLHF names (either spelling) that are plainly one of our fields, taking the same kind of value."""
+    """OpenRLHF names (either spelling) that are plainly one of our fields, taking the same kind of value, and our
+    own short names."""
     specs = field_specs(cls)
-    out = {}
+    out = {k: v for k, v in SHORT_NAMES.items() if v in specs}
     for name, flag in orl.openrlhf_flags().items():
         if name in specs:
             continue

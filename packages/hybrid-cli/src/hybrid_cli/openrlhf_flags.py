@@ -511,9 +511,8 @@ DOTTED_RULES: dict[str, Rule] = {
     "algo.kl.use_loss": same("use_kl_loss"),
     "algo.advantage.no_std_norm": refuse("advantages centred but not divided by their standard deviation",
                                          "use --advantage_estimator dr_grpo (Dr. GRPO: no std division)."),
-    "reward.overlong_buffer_len": only(None, why="a length penalty for completions near --generate_max_len (DAPO)",
-                                       instead="add it to your reward function (--reward_fn)."),
-    "reward.overlong_penalty_factor": only(1, 1.0, why="the DAPO length penalty's size", instead="drop this flag."),
+    "reward.overlong_buffer_len": same("overlong_buffer_len"),
+    "reward.overlong_penalty_factor": same("overlong_penalty_factor"),
     "reward.stop_properly_penalty_coef": only(None, why="rescaling the reward of completions cut at "
                                               "--generate_max_len", instead="add it to your reward function "
                                               "(completions cut short end without the EOS token)."),
