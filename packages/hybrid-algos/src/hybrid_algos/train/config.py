@@ -339,7 +339,6 @@ class RLConfig:
         self._validate_correction()
         self._validate_dapo()
         self._validate_batches()
-        self._validate_sleep()
         self._validate_files()
         if self.save_steps == 0 or self.save_steps < -1:
             raise ConfigError("save_steps", f"must be -1 (only the final save) or >= 1, got {self.save_steps}.",
@@ -465,15 +464,6 @@ class RLConfig:
             raise ConfigError("n_samples_per_prompt",
                               f"{self.advantage_estimator} compares samples of the same prompt, so it needs at least 2 per prompt.",
                               "Use --n_samples_per_prompt 4 (or more).")
-
-    def _validate_sleep(self) -> None:
-        colocated = self.colocate_all_models or self.placement is not None
-        if self.vllm_enable_sleep and not colocated:
-            raise ConfigError("vllm_enable_sleep", "engine sleep only helps when engines share GPUs with the trainer.",
-                              "Add --colocate_all_models, or drop --vllm_enable_sleep.")
-        if self.deepspeed_enable_sleep and not (colocated or self.colocate_actor_ref or self.colocate_critic_reward):
-            raise ConfigError("deepspeed_enable_sleep", "trainer sleep only helps when models share GPUs.",
-                              "Add --colocate_all_models, or drop --deepspeed_enable_sleep.")
 
     def _validate_residency(self) -> None:
         from hybrid_core.residency import MODES, STATE_MOVES

@@ -19,7 +19,7 @@ from hybrid_core.errors import HybridError
 
 from .checkpoint import CheckpointManager
 from .config import RLConfig
-from .placement import build_plan, build_residency
+from .placement import build_plan, build_residency, check_sleep_flags
 from .step import StepContext, run_step
 from .timeline import TimelineWriter
 from .weight_sync import choose_mode as choose_sync_mode
@@ -59,6 +59,7 @@ def prepare(config: RLConfig) -> Prepared:
 
     config.validate()
     plan = build_plan(config)
+    check_sleep_flags(config, plan)  # before any model is built: the flags against who shares a GPU
     sync_mode = choose_sync_mode(config, plan)  # a weight-sync path the placement cannot take fails here, before Ray
     if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
         raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
