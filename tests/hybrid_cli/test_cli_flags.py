@@ -50,8 +50,8 @@ def test_algorithm_defaults_and_aliases():
     for name in ("reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "gae"):
         extra = ["--n_samples_per_prompt", "4"] if name not in ("gae", "reinforce") else []
         assert config_of("--advantage_estimator", name, *extra).advantage_estimator == name
-    c = config_of("--load_checkpoint", "--ckpt_path", ".")  # OpenRLHF's name for --resume
-    assert c.resume is True
+    c = config_of("--load_checkpoint", "--ckpt_path", ".")  # OpenRLHF's: resume if a checkpoint exists, else start
+    assert c.resume_if_exists is True and c.resume is False
 
 
 def test_demo_defaults_vs_openrlhf_defaults():

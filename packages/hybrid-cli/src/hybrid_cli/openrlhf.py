@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 #: OpenRLHF names that mean one of our fields.
 ALIASES = {
-    "load_checkpoint": "resume",
+    "load_checkpoint": "resume_if_exists",  # OpenRLHF: load the checkpoint if there is one, else start fresh
 }
 
 #: Flags that place roles the OpenRLHF way (see the module docstring).

@@ -29,6 +29,7 @@ class RLConfig:
 
     # ---- models ---------------------------------------------------------------------------------------------
     pretrain: str | None = None  # HF model folder; None = the tiny built-in demo model (built from a config)
+    trust_remote_code: bool = False  # run the Python code a model folder ships (auto_map); only for code you trust
     reward_pretrain: str | None = None  # sequence-classification reward model folder
     reward_fn: str | None = None  # "module:function" rule-based reward; None = the built-in task's rule
     critic_pretrain: str | None = None  # PPO critic init; None = reward_pretrain, else pretrain
@@ -126,10 +127,14 @@ class RLConfig:
     # ---- saving, logging -------------------------------------------------------------------------------------
     save_path: str = "./runs/hybrid"
     ckpt_path: str | None = None  # default: <save_path>/checkpoints
-    save_steps: int = -1
+    save_steps: int = -1  # checkpoint every N steps; -1: only after the last step
     save_hf_ckpt: bool = False
     max_ckpt_num: int = 3
-    resume: bool = False
+    final_checkpoint: bool = True  # a resumable checkpoint after the last step (off: only the final model is saved)
+    resume: bool = False  # continue from the last complete checkpoint (an error when there is none)
+    resume_if_exists: bool = False  # continue from the last checkpoint if there is one, else start fresh
+    overwrite: bool = False  # a new run may replace an earlier run in --save_path (its files are deleted first)
+    trust_checkpoint: bool = False  # skip the check that DeepSpeed's checkpoint pickles hold only known objects
     logging_steps: int = 1
     use_wandb: str | None = None
     wandb_project: str = "hybrid"
@@ -258,6 +263,9 @@ class RLConfig:
         if self.save_steps == 0 or self.save_steps < -1:
             raise ConfigError("save_steps", f"must be -1 (only the final save) or >= 1, got {self.save_steps}.",
                               "E.g. --save_steps 10 to checkpoint every 10 steps.")
+        if self.resume and self.overwrite:
+            raise ConfigError("overwrite", "--overwrite deletes the run that --resume would continue.",
+                              "Keep one of them: --resume continues the run, --overwrite replaces it.")
         if self.resume and not os.path.isdir(self.checkpoint_dir):
             raise ConfigError("resume", f"no checkpoint folder at {self.checkpoint_dir!r}.",
                               "Point --ckpt_path (or --save_path) at the run to continue, or drop --resume.")
