@@ -30,6 +30,11 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[
     console = console or Console(width=None if _is_terminal() else 132)
     for note in notes:
         console.print(f"note: {note}")
+    from hybrid_algos.train.model_files import check_model_folder
+
+    for name in ("pretrain", "reward_pretrain", "critic_pretrain"):  # a damaged folder is named, not a traceback
+        if getattr(config, name) is not None:
+            check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
     plan = build_plan(config)
     console.print(f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
                   f"advantage estimator {config.advantage_estimator}")
@@ -88,7 +93,7 @@ def hf_config(path: str | None, config: Any):
         return tiny_model_config(**config.tiny_model)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
 
 
 def role_models(config: Any, roles: Sequence[str]) -> dict[str, memory.ModelShape]:
@@ -145,7 +150,7 @@ def _tokenizer(config: Any):
         return build_tiny_tokenizer(int(config.tiny_model.get("num_symbols", 8)))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(config.pretrain)
+    return AutoTokenizer.from_pretrained(config.pretrain, trust_remote_code=config.trust_remote_code)
 
 
 # ---- the budget --------------------------------------------------------------------------------------------------

@@ -319,7 +319,8 @@ class TrainingSession:
 
     def _engine_kwargs(self) -> dict[str, Any]:
         cfg = self.config
-        kwargs: dict[str, Any] = {"model": self.prep.model_path, "seed": cfg.seed}
+        kwargs: dict[str, Any] = {"model": self.prep.model_path, "seed": cfg.seed,
+                                  "trust_remote_code": cfg.trust_remote_code}  # vLLM / SGLang take it as is
         if cfg.backend == "hf":
             kwargs["dtype"] = "bfloat16" if cfg.bf16 else "float32"
         else:
