@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc()
-        print(f"hybrid: internal error: {type(e).__name__}: {e}. This is a bug in hybrid (or a library it uses); "
+        print(f"hybrid: internal error: {type(e).__name__}: {str(e).rstrip('.')}. This is a bug in hybrid (or a library it uses); "
               f"the traceback above says where.{_resume_line()}", file=sys.stderr)
         return EXIT_FAILED
 

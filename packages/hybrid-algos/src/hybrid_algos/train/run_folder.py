@@ -40,9 +40,18 @@ def check_writable(field: str, path: str) -> str:
     return path
 
 
+#: What makes a folder hold a run worth keeping: recorded steps, a summary, a model or a checkpoint. Logs and empty
+#: files alone are what a run that failed before its first step leaves.
+_RESULTS = ("metrics.jsonl", "summary.json", "final")
+
+
 def previous_run(run_dir: str, ckpt: CheckpointManager) -> list[str]:
     """What of an earlier run is in ``run_dir`` (and the checkpoint folder), as names to show; empty if nothing."""
-    found = [name for name in RUN_FILES if name != "checkpoints" and os.path.exists(os.path.join(run_dir, name))]
+    found = []
+    for name in _RESULTS:
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path) or (os.path.isfile(path) and os.path.getsize(path) > 0):
+            found.append(name)
     if ckpt.complete_checkpoints() or os.path.exists(os.path.join(ckpt.root, "latest.json")):
         found.append(os.path.relpath(ckpt.root, run_dir) if ckpt.root.startswith(run_dir + os.sep) else ckpt.root)
     return found
@@ -54,7 +63,11 @@ def refuse_or_clear(run_dir: str, ckpt: CheckpointManager, *, overwrite: bool, r
     if resuming:
         return
     found = previous_run(run_dir, ckpt)
-    if not found:
+    leftovers = [name for name in RUN_FILES if os.path.exists(os.path.join(run_dir, name)) and name != "checkpoints"]
+    if not found and not (overwrite and leftovers):
+        if leftovers:  # a start that failed before its first step: its logs stay, the rest would mix with this run
+            for name in ("tensorboard", "timeline.jsonl", "metrics.jsonl"):
+                _remove(os.path.join(run_dir, name))
         return
     if not overwrite:
         raise ConfigError("save_path", f"{run_dir} already holds a run ({', '.join(found)}); a new run there would "
@@ -64,12 +77,16 @@ def refuse_or_clear(run_dir: str, ckpt: CheckpointManager, *, overwrite: bool, r
         path = os.path.join(run_dir, name)
         if name == "checkpoints" and os.path.abspath(path) != ckpt.root:
             continue  # --ckpt_path elsewhere: cleared below, and a user's own "checkpoints" folder is left alone
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
+        _remove(path)
     ckpt.clear()
-    log.warning("--overwrite: removed the earlier run in %s (%s)", run_dir, ", ".join(found))
+    log.warning("--overwrite: removed the earlier run in %s (%s)", run_dir, ", ".join(found or leftovers))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
 
 
 def _fresh_name(run_dir: str) -> str:
