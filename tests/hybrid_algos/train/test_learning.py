@@ -1,9 +1,20 @@
-"""It must learn: PPO, REINFORCE++ and GRPO each lift the reward of a verifiable task from chance to >= 0.9.
+"""It must learn: PPO, REINFORCE++ and GRPO each lift the reward of a verifiable task from chance to >= 0.9, on any
+machine: three seeds each, every one crossing the bar well before the step limit.
 
 Through the public API, on a real local Ray cluster with a fake GPU, the built-in engine and DeepSpeed, every role
 colocated on that GPU with sleep enabled, so each step really offloads and reloads the actor and the engine.
 The task: copy the prompt's symbol (8 symbols; a random policy scores ~1/12). Every role is there: actor, engine,
 reference (KL), the rule reward, and the critic for PPO.
+
+Why these settings (measured on a 2-core machine, 4-8 seeds each; bench/NOTES.md has the table):
+- Adam's beta2 = 0.999, not OpenRLHF's 0.95. With 0.95 the step-size normaliser forgets in ~20 updates; once most
+  groups are solved, the few gradients left (and the KL term's) are scaled up to full learning-rate steps and knock
+  solved prompts over: rewards of 0.98 fell back to 0.6-0.8 late in a run. That, with GRPO's zero advantage for a
+  group whose samples are all wrong (a prompt whose answer the policy stopped sampling gets no signal, ever), was the
+  GRPO plateau at ~0.83 on some CPUs: 2 of 3 seeds stayed below 0.9 at 48 steps with 0.95, 7 of 8 passed with 0.999.
+- 16 samples per prompt instead of 8: an all-wrong group becomes rare (the 8th seed above was one), and the bar is
+  reached in ~12-16 steps instead of ~20, so the runs are shorter.
+The demo (``hybrid grpo`` with no flags) uses the same beta2 (DEMO_SETTINGS).
 """
 
 from __future__ import annotations
@@ -14,30 +25,38 @@ import time
 import pytest
 
 from hybrid_algos.train import CONFIGS, train
-from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
 
-SETTINGS = dict(task="copy", task_length=1, max_steps=48, rollout_batch_size=16, n_samples_per_prompt=8,
-                train_batch_size=32, micro_train_batch_size=32, micro_rollout_batch_size=64, max_epochs=2,
-                actor_learning_rate=2e-3, critic_learning_rate=2e-3, seed=1, call_timeout_s=300,
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_gpu_ray")]
+
+SETTINGS = dict(task="copy", task_length=1, max_steps=32, rollout_batch_size=16, n_samples_per_prompt=16,
+                train_batch_size=64, micro_train_batch_size=64, micro_rollout_batch_size=128, max_epochs=2,
+                actor_learning_rate=2e-3, critic_learning_rate=2e-3, adam_betas=(0.9, 0.999), call_timeout_s=300,
                 # KL against the reference as a loss term for all three: as a reward term it is whitened together
                 # with the scores, and once every sample is right it is all that is left to whiten.
-                use_kl_loss=True, kl_estimator="k3", init_kl_coef=0.001)
+                use_kl_loss=True, kl_estimator="k3", init_kl_coef=0.001, final_checkpoint=False)
+SEEDS = (1, 2, 3)
+BAR = 0.9
+#: The 5-step mean reward must reach the bar by this step (3/4 of the run): the margin that makes it portable.
+CROSS_BY = 24
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("algo", ["ppo", "reinforce", "grpo"])
-def test_algorithm_learns_the_copy_task(algo: str, tmp_path) -> None:
-    config = CONFIGS[algo](save_path=str(tmp_path / algo), **SETTINGS)
-    ensure_cpu_ops_built()  # a fresh clone compiles DeepSpeed's CPU ops once (minutes): not part of the time budget
+def test_algorithm_learns_the_copy_task(algo: str, seed: int, tmp_path) -> None:
+    config = CONFIGS[algo](save_path=str(tmp_path / algo), seed=seed, **SETTINGS)
     start = time.monotonic()
     summary = train(config)
     elapsed = time.monotonic() - start
 
     rewards = [m["reward"] for m in summary["history"]]
+    shown = [round(r, 2) for r in rewards]
     assert len(rewards) == SETTINGS["max_steps"]
     assert rewards[0] <= 0.2, f"the untrained policy should be near chance, got {rewards[0]:.3f}"
-    final = statistics.mean(rewards[-5:])
-    assert final >= 0.9, f"{algo} reached only {final:.3f} (rewards: {[round(r, 2) for r in rewards]})"
+    smooth = [statistics.mean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+    crossed = next((i + 1 for i, r in enumerate(smooth) if i >= 4 and r >= BAR), None)
+    assert crossed is not None and crossed <= CROSS_BY, f"{algo} seed {seed}: 5-step mean >= {BAR} at step {crossed}, " \
+                                                        f"wanted by step {CROSS_BY} (rewards: {shown})"
+    assert smooth[-1] >= BAR, f"{algo} seed {seed} fell back to {smooth[-1]:.3f} (rewards: {shown})"
     assert elapsed < 180, f"{algo} took {elapsed:.0f} s"
 
     # Colocated with sleep: every role on the one GPU, and every step moved state off and back on.
@@ -47,7 +66,7 @@ def test_algorithm_learns_the_copy_task(algo: str, tmp_path) -> None:
     for m in summary["history"]:
         assert m["bytes/sleep"] > 0 and m["bytes/wake"] > 0 and m["time/generate"] > 0 and m["time/train"] > 0
     # The final policy is saved in Hugging Face format and answers correctly with greedy decoding.
-    assert _greedy_accuracy(summary["final_model"]) >= 0.9
+    assert _greedy_accuracy(summary["final_model"]) >= BAR
 
 
 def _greedy_accuracy(model_dir: str) -> float:

@@ -2,14 +2,14 @@
 
 Without its GCS no Ray call can succeed, but Ray's client keeps retrying for ``gcs_rpc_server_reconnect_timeout_s``
 (60 s) and then ends the driver process with its own message. A thread here connects to the GCS port once a second;
-after a few refused connections in a row it marks the cluster lost and interrupts the main thread (Ray's waits
-check for interrupts), which ends the run with a hybrid error naming the cause and the checkpoint to resume from.
+after a few refused connections in a row it marks the cluster lost and interrupts the main thread (SIGINT), which
+ends the run with a hybrid error naming the cause and the checkpoint to resume from.
 """
 
 from __future__ import annotations
 
-import _thread
 import logging
+import signal
 import socket
 import threading
 import time
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class ClusterWatch:
     """``with ClusterWatch(gcs_address): ...``; ``lost`` tells whether the GCS went away during the block."""
 
-    def __init__(self, gcs_address: str, *, interval_s: float = 1.0, misses: int = 3, connect_timeout_s: float = 2.0):
+    def __init__(self, gcs_address: str, *, interval_s: float = 1.0, misses: int = 5, connect_timeout_s: float = 2.0):
         host, _, port = (gcs_address or "").rpartition(":")
         self.host, self.port = host or "127.0.0.1", int(port) if port.isdigit() else 0
         self.address = gcs_address
@@ -58,5 +58,7 @@ class ClusterWatch:
                 self.lost = True
                 self.lost_after_s = time.monotonic() - first_miss
                 log.debug("Ray GCS at %s does not answer: interrupting the run", self.address)
-                _thread.interrupt_main()  # a KeyboardInterrupt in the main thread, turned into ClusterLost there
+                # A real SIGINT to the main thread: a KeyboardInterrupt there (turned into ClusterLost by the loop),
+                # which also cuts short a blocking call that a mere interrupt flag would wait out.
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
                 return

@@ -168,8 +168,8 @@ def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
             except KeyboardInterrupt:
                 if watch.lost:
                     steps = len(session.history) if session is not None else 0
-                    raise ClusterLost(f"Ray's GCS at {cluster.address} stopped answering (after {steps} steps "
-                                      f"of this run); no Ray call can succeed without it, so the run ends. "
+                    raise ClusterLost(f"Ray's GCS at {cluster.address} stopped answering after step {steps}; no "
+                                      f"Ray call can succeed without it, so the run ends. "
                                       f"{resume_hint(CheckpointManager(config.checkpoint_dir))}") from None
                 raise
             finally:
