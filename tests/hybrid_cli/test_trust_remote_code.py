@@ -2,8 +2,10 @@
 
 The model: the tiny demo Llama re-labelled as an architecture transformers does not know (``hybrid_tiny_remote``),
 with its configuration and model classes in Python files inside the folder (``auto_map``), as hub models that ship
-code are. Without the flag the run is refused before Ray; with it, a real PPO run loads it in the actor, critic,
-reference, the built-in engine and the tokenizer (each would raise otherwise).
+code are. Without the flag the run is refused before Ray; with it, a real GRPO run loads it in the actor, the
+reference, the built-in engine and the tokenizers (each would raise otherwise). The critic and the reward model take
+the flag the same way (``hybrid_algos.train.models``); a remote-code value model needs its own token-classification
+class, which this stand-in does not ship.
 """
 
 import json
@@ -22,13 +24,10 @@ CONFIGURATION = textwrap.dedent("""
         model_type = "hybrid_tiny_remote"
 """)
 MODELING = textwrap.dedent("""
-    from transformers import LlamaForCausalLM, LlamaForTokenClassification
+    from transformers import LlamaForCausalLM
     from .configuration_hybrid_tiny import HybridTinyRemoteConfig
 
     class HybridTinyRemoteForCausalLM(LlamaForCausalLM):
-        config_class = HybridTinyRemoteConfig
-
-    class HybridTinyRemoteForTokenClassification(LlamaForTokenClassification):
         config_class = HybridTinyRemoteConfig
 """)
 
@@ -44,8 +43,7 @@ def remote_code_model(tmp_path_factory):
     config = json.loads((path / "config.json").read_text())
     config.update(model_type="hybrid_tiny_remote", architectures=["HybridTinyRemoteForCausalLM"], auto_map={
         "AutoConfig": "configuration_hybrid_tiny.HybridTinyRemoteConfig",
-        "AutoModelForCausalLM": "modeling_hybrid_tiny.HybridTinyRemoteForCausalLM",
-        "AutoModelForTokenClassification": "modeling_hybrid_tiny.HybridTinyRemoteForTokenClassification"})
+        "AutoModelForCausalLM": "modeling_hybrid_tiny.HybridTinyRemoteForCausalLM"})
     (path / "config.json").write_text(json.dumps(config))
     os.remove(path / "hybrid_tiny.json")
     return str(path)
@@ -85,9 +83,9 @@ def test_with_the_flag_every_role_loads_it(remote_code_model, data_and_reward, t
 
     ensure_cpu_ops_built()
     run = tmp_path / "run"
-    argv = ["ppo", "--pretrain", remote_code_model, *data_and_reward, "--trust_remote_code", "--save_path", str(run),
+    argv = ["grpo", "--pretrain", remote_code_model, *data_and_reward, "--trust_remote_code", "--save_path", str(run),
             "--max_steps", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
             "--micro_train_batch_size", "8", "--generate_max_len", "4", "--actor_learning_rate", "1e-3"]
-    assert main(argv) == 0  # actor, critic, reference, engine and tokenizer each loaded the shipped code
+    assert main(argv) == 0  # actor, reference, engine and tokenizers each loaded the shipped code
     final = json.loads((run / "final" / "config.json").read_text())
     assert final["model_type"] == "hybrid_tiny_remote"
