@@ -5,8 +5,9 @@
         train_batch_size=32 micro_train_batch_size=32 max_steps=48   # the settings before issue 23
     python bench/learning_seeds.py --demo --algos grpo ppo --seeds 42   # the demo (`hybrid grpo` with no flags)
 
-Runs on the CPU (one local Ray with a fake GPU); prints, per run, the step where the 5-step mean reward first
-reaches 0.9, the mean of the last 5 steps and the seconds taken, then the rewards. Used for bench/NOTES.md
+Runs on the CPU (one local Ray with a fake GPU); prints, per run, the first step with a reward >= 0.9 (the test asks
+for it by step 24), the step where the 5-step mean gets there, the mean of the last 8 steps (the test asks >= 0.9)
+and of the last 5, and the seconds taken, then the rewards. Used for bench/NOTES.md
 ("Issue 23: learning on any CPU").
 """
 
@@ -71,9 +72,11 @@ def main() -> int:
             rewards = [m["reward"] for m in train(config)["history"]]
             took = time.monotonic() - start
             smooth = [statistics.mean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+            first = next((i + 1 for i, r in enumerate(rewards) if r >= 0.9), None)
             crossed = next((i + 1 for i, r in enumerate(smooth) if i >= 4 and r >= 0.9), None)
-            print(f"{algo:9s} seed {seed:3d}: 5-step mean >= 0.9 at step {crossed}, last-5 mean "
-                  f"{statistics.mean(rewards[-5:]):.3f}, {took:.0f} s", flush=True)
+            print(f"{algo:9s} seed {seed:3d}: reward >= 0.9 first at step {first}, 5-step mean at step {crossed}; "
+                  f"last-8 mean {statistics.mean(rewards[-8:]):.3f}, last-5 {statistics.mean(rewards[-5:]):.3f}; "
+                  f"{took:.0f} s", flush=True)
             print(f"    rewards {[round(r, 2) for r in rewards]}", flush=True)
     return 0
 

@@ -89,3 +89,13 @@ def test_with_the_flag_every_role_loads_it(remote_code_model, data_and_reward, t
     assert main(argv) == 0  # actor, reference, engine and tokenizers each loaded the shipped code
     final = json.loads((run / "final" / "config.json").read_text())
     assert final["model_type"] == "hybrid_tiny_remote"
+    # the saved model carries the code it needs, so it loads (with the flag) without the original folder
+    from transformers import AutoModelForCausalLM
+
+    shutil.rmtree(remote_code_model + "-moved", ignore_errors=True)
+    os.rename(remote_code_model, remote_code_model + "-moved")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(run / "final"), trust_remote_code=True)
+    finally:
+        os.rename(remote_code_model + "-moved", remote_code_model)
+    assert type(model).__name__ == "HybridTinyRemoteForCausalLM"
