@@ -84,6 +84,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool 
 def _all_equal(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whether every valid entry holds the same value (False with no valid entry), and that value."""
     inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=values.device), torch.zeros_like(inf)
     low = torch.where(mask, values, inf).amin()
     high = torch.where(mask, values, -inf).amax()
     return low == high, torch.where(low == high, high, torch.zeros_like(high))
