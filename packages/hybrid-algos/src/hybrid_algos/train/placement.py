@@ -158,20 +158,22 @@ def hf_config(path: str | None, cfg: RLConfig) -> Any:
         return tiny_model_config(**cfg.tiny_model)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
 
 
 def role_models(cfg: RLConfig, roles: list[str], model_path: str | None = None) -> dict[str, ModelShape]:
     """The model shape of each role (policy models with an LM head; critic and reward model with a value head)."""
     policy_path = model_path if model_path is not None else cfg.pretrain
-    policy = model_shape(hf_config(policy_path, cfg))
+    policy = model_shape(hf_config(policy_path, cfg), trust_remote_code=cfg.trust_remote_code)
     out = {}
     for role in roles:
         if role == "reward":
-            out[role] = model_shape(hf_config(cfg.reward_pretrain, cfg), value_head=True)
+            out[role] = model_shape(hf_config(cfg.reward_pretrain, cfg), value_head=True,
+                                    trust_remote_code=cfg.trust_remote_code)
         elif role == "critic":
             source = cfg.critic_pretrain or cfg.reward_pretrain or policy_path
-            out[role] = model_shape(hf_config(source, cfg) if source else hf_config(None, cfg), value_head=True)
+            out[role] = model_shape(hf_config(source, cfg) if source else hf_config(None, cfg), value_head=True,
+                                    trust_remote_code=cfg.trust_remote_code)
         else:
             out[role] = policy
     return out
