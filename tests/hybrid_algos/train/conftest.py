@@ -1,6 +1,9 @@
 """Fixtures of the training-loop tests that run real tiny jobs."""
 
+import shutil
+
 import pytest
+from tiny_runs import short_ray_temp_dir
 
 
 @pytest.fixture(scope="module")
@@ -12,6 +15,8 @@ def one_gpu_ray(tmp_path_factory):
     from hybrid_core.cluster import connect
 
     ensure_cpu_ops_built()
-    connect(num_gpus=1, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    temp = short_ray_temp_dir()
+    connect(num_gpus=1, temp_dir=temp)
     yield
     ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)

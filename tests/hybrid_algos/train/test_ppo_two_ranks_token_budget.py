@@ -4,11 +4,13 @@ and -- new -- the critic. Real Ray with two fake GPUs, DeepSpeed, the built-in e
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from hybrid_algos.train import PPOConfig, train
 
-from tiny_runs import TINY
+from tiny_runs import TINY, short_ray_temp_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -20,7 +22,8 @@ def test_ppo_two_ranks_zero3_token_budgets_cispo_and_warmup(tmp_path, tmp_path_f
     from hybrid_core.cluster import connect
 
     ensure_cpu_ops_built()
-    connect(num_gpus=2, temp_dir=str(tmp_path_factory.mktemp("ray2")))  # short: Ray's socket paths are bounded
+    temp = short_ray_temp_dir()
+    connect(num_gpus=2, temp_dir=temp)
     try:
         settings = {**TINY, "micro_train_batch_size": 4, "max_steps": 3, "critic_learning_rate": 2e-3}
         config = PPOConfig(save_path=str(tmp_path / "run"), **settings, policy_loss_type="cispo",
@@ -31,6 +34,7 @@ def test_ppo_two_ranks_zero3_token_budgets_cispo_and_warmup(tmp_path, tmp_path_f
         history = train(config)["history"]
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
     assert len(history) == 3
     for role in ("actor", "critic"):  # warm-up over half of the run's 3 updates, then the full rate
         lrs = [m[f"{role}/lr"] for m in history]

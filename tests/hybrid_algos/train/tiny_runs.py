@@ -2,6 +2,7 @@
 reliability tests, and a way to find one of this run's worker processes."""
 
 import os
+import tempfile
 
 from hybrid_algos.train import GRPOConfig
 
@@ -30,3 +31,10 @@ def worker_pids(tag: str, class_name: str) -> list[int]:
         if f"ray::{class_name}".encode() in cmdline and f"HYBRID_TEST_TAG={tag}".encode() in environ:
             found.append(int(entry))
     return found
+
+
+def short_ray_temp_dir() -> str:
+    """A fresh Ray temp dir with a short path: Ray's socket paths (temp dir + session + ``sockets/plasma_store``)
+    must stay under 108 bytes, which pytest's own temp dirs (``/tmp/pytest-of-USER/pytest-N/popen-gwK/...``) can
+    exceed."""
+    return tempfile.mkdtemp(prefix="hyray", dir="/tmp")
