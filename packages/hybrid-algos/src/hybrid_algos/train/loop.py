@@ -43,6 +43,7 @@ class Prepared:
     max_model_len: int = 0  # the longest sequence a rollout can make: the engine's context size
     sync_mode: str = "broadcast"  # weight_sync.choose_mode's answer for this plan
     residency: Any = None  # hybrid_core.residency.ResidencyPlan: what each role keeps on its GPUs in each phase
+    agent: Any = None  # agents.AgentSpec: the environment of a multi-turn run (loaded here, before Ray)
 
 
 def prepare(config: RLConfig) -> Prepared:
@@ -77,13 +78,16 @@ def prepare(config: RLConfig) -> Prepared:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     prompts = load_prompts(config, tokenizer)
+    agent = _load_agent(config, tokenizer) if config.uses_agent else None
     if config.reward_fn is not None:
         reward_fn = load_reward_fn(config.reward_fn)
+    elif agent is not None:
+        reward_fn = None  # the environment rewards each sample
     elif task is not None:
         reward_fn = task.reward_fn()
     else:
         reward_fn = None  # the reward model scores
-    if reward_fn is None and config.reward_pretrain is None:
+    if reward_fn is None and config.reward_pretrain is None and agent is None:
         from hybrid_core.errors import ConfigError
 
         raise ConfigError("reward_pretrain", "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
@@ -113,7 +117,23 @@ def prepare(config: RLConfig) -> Prepared:
                                         generate_len=max_new_tokens)
     residency.check()
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync_mode, residency)
+                    max_model_len, sync_mode, residency, agent)
+
+
+def _load_agent(config: RLConfig, tokenizer: Any) -> Any:
+    """The run's environment (its file is imported now, so a broken one fails before Ray starts)."""
+    from .agents import builtin_agent, load_agent
+
+    agent = load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config)
+    if config.prompt_data is None and config.agent_func_path and config.task not in ("lookup",):
+        log.info("agent %s: the prompts are the built-in %r task's; the rewards are the environment's", agent.source,
+                 config.task)
+    if agent.kind == "environment" and not agent.builtin and getattr(tokenizer, "chat_template", None) \
+            and not config.apply_chat_template:
+        log.info("agent %s: the tokenizer has a chat template, but --apply_chat_template is off: prompts and the "
+                 "environment's replies go in as plain text (add --apply_chat_template to render both with it)",
+                 agent.source)
+    return agent
 
 
 def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]:
@@ -123,6 +143,13 @@ def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]
     task = task_from_config(config) if config.prompt_data is None else None
     # Built-in tasks have short answers: generating up to 1024 tokens would only waste time.
     max_new_tokens = min(config.generate_max_len, task.answer_len + 1) if task else config.generate_max_len
+    if config.agent_func_path is not None:  # your environment: its turns and replies share generate_max_len
+        max_new_tokens = config.generate_max_len
+    elif task is not None and hasattr(task, "response_budget"):  # the built-in multi-turn task: all its turns fit
+        from .agents import AgentSettings
+
+        settings = AgentSettings.from_config(config)
+        max_new_tokens = min(config.generate_max_len, task.response_budget(settings.max_turns, settings.turn_tokens))
     longest_prompt = min(config.prompt_max_len, max((len(p.prompt_ids) for p in prompts), default=1))
     return longest_prompt, max_new_tokens
 
@@ -305,11 +332,16 @@ class TrainingSession:
         self.timeline = TimelineWriter(os.path.join(prep.run_dir, "timeline.jsonl"), append=bool(cfg.resume))
         kl_controller = make_kl_controller(cfg.init_kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon) \
             if cfg.uses_reference else None
+        self.agent = None
+        if prep.agent is not None:
+            from .agents import AgentRollout
+
+            self.agent = AgentRollout(prep.agent, cfg, tok, context_limit=_max_positions(prep.model_path))
         self.ctx = StepContext(
             config=cfg, actor=self.actor, engines=self.engines, weight_sync=self.weight_sync, reward=self.reward,
             residency=self.owner, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
             reward_model=self.reward_model, kl_controller=kl_controller, on_phases=self.timeline,
-            prompt_pool=prep.prompts)
+            prompt_pool=prep.prompts, agent=self.agent)
         if cfg.resume:
             self._resume()
 
@@ -520,6 +552,8 @@ class TrainingSession:
 
         if self.timeline is not None:
             self.timeline.close()
+        if getattr(self, "agent", None) is not None:
+            self.agent.close()
         if getattr(self, "weight_sync", None) is not None:
             try:
                 self.weight_sync.close()
