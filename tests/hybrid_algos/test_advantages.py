@@ -272,3 +272,24 @@ def test_nan_under_padding_and_integer_scores_are_fine():
                              n_samples_per_prompt=3)
     assert inputs.response_mask.dtype == torch.bool and inputs.scores.dtype == torch.float32
     assert torch.isfinite(compute_advantages("grpo", inputs)[0]).all()
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_baseline"])
+@pytest.mark.parametrize("normalised", [False, True], ids=["raw", "running-normalised"])
+def test_a_group_whose_samples_all_scored_the_same_gets_exactly_zero(name, normalised):
+    # Scores that float32 cannot hold exactly: the group mean is off by an ulp, and GRPO's / (std + eps) made that
+    # residue an advantage of ~0.1 for a group that carries no signal. The loop's running normalisation
+    # ((s - mean) / std) turns even all-0 groups into such values.
+    n = 16
+    groups = [[0.7] * n, [0.3] * n, [0.0] * n, [1.0] * 4 + [0.0] * 12, [-1.1] * n, [0.1 * k for k in range(n)]]
+    scores = torch.tensor([s for g in groups for s in g], dtype=torch.float32)
+    if normalised:
+        scores = (scores - 0.4321) / (0.3123 + 1e-8)
+    mask = torch.ones(len(scores), 5, dtype=torch.bool)
+    mask[::3, 3:] = False
+    adv, ret = compute_advantages(name, AdvantageInputs(mask, scores=scores, n_samples_per_prompt=n))
+    out = ret if name == "reinforce_baseline" else adv  # its advantages are whitened over the whole batch
+    for g in (0, 1, 2, 4):
+        assert torch.equal(out[g * n:(g + 1) * n], torch.zeros(n, 5)), (g, out[g * n:(g + 1) * n].abs().max())
+    for g in (3, 5):  # groups with a signal keep it
+        assert out[g * n:(g + 1) * n].abs().max() > 0.1

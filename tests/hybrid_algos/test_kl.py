@@ -140,3 +140,32 @@ def test_adaptive_controller_state_round_trip_and_checks():
     with pytest.raises(AlgoInputError) as e:
         AdaptiveKLController(0.1, 0.0, 100)
     assert e.value.field == "kl_target"
+
+
+def test_k3_keeps_its_gradient_when_the_policy_is_close_to_the_reference():
+    # float32, a confident policy (log-probs near 0) a hair away from its reference: exp(-d) - 1 + d rounds to a tiny
+    # negative value for about half of these tokens, and a clamp at 0 zeroed their gradient. The exact gradient of
+    # k3 w.r.t. log pi is 1 - exp(-d): every token must get it, with its sign.
+    gen = torch.Generator().manual_seed(0)
+    ref = -torch.rand(4096, generator=gen) * 0.05
+    logp = (ref + torch.randn(4096, generator=gen) * 1e-4).requires_grad_(True)
+    kl = kl_estimate(logp, ref, "k3")
+    kl.sum().backward()
+    d = (logp.detach() - ref).double()  # the log-ratio as float32 sees it
+    exact_value, exact_grad = torch.exp(-d) - 1 + d, 1 - torch.exp(-d)
+    assert (kl >= 0).all()
+    moved = d != 0
+    assert torch.equal(torch.sign(logp.grad[moved]).double(), torch.sign(exact_grad[moved])), "gradients were lost"
+    assert torch.allclose(logp.grad.double(), exact_grad, rtol=1e-3, atol=1e-12)
+    assert torch.allclose(kl.detach().double(), exact_value, rtol=1e-3, atol=1e-12)
+
+
+@pytest.mark.parametrize("spread", [1e-6, 1e-3, 5e-3, 2e-2, 0.5, 1.5])
+def test_k3_agrees_with_float64_on_both_sides_of_its_series(spread):
+    gen = torch.Generator().manual_seed(1)
+    ref = -torch.rand(2048, generator=gen) * 4
+    logp = (ref + torch.randn(2048, generator=gen) * spread).requires_grad_(True)
+    kl_estimate(logp, ref, "k3", max_value=None).sum().backward()
+    d = (logp.detach() - ref).double()
+    assert torch.allclose(kl_estimate(logp.detach(), ref, "k3", max_value=None).double(), torch.exp(-d) - 1 + d, rtol=1e-4, atol=1e-12)
+    assert torch.allclose(logp.grad.double(), 1 - torch.exp(-d), rtol=1e-4, atol=1e-9)

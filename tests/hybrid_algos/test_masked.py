@@ -96,3 +96,16 @@ def test_mean_matches_python_loop(mask, seed):
         vals = [float(x[i, t]) for t in range(mask.shape[1]) if mask[i, t]]
         expected = sum(vals) / len(vals) if vals else 0.0
         assert masked_mean(x, mask, dim=-1)[i].item() == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("value", [0.1, 0.3, 0.7, 1.1, -0.37, 1e6 / 3])
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_of_equal_float32_values_is_exactly_zero(value, shift_mean):
+    # 0.7 is not a float32: the mean of 64 copies is off by an ulp, and the residue was scaled by 1/sqrt(eps) (~0.4).
+    values = torch.full((8, 8), value, dtype=torch.float32)
+    values[0, 0] = float("nan")  # under the mask: must not matter
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    mask[0, 0] = False
+    out = masked_whiten(values, mask, shift_mean=shift_mean)
+    expected = torch.where(mask, values, 0.0) if not shift_mean else torch.zeros_like(values)
+    assert torch.equal(out, expected)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybrid_algos.train.config import GRPOConfig, PPOConfig, RLConfig
+from hybrid_algos.train.config import DEMO_SETTINGS, GRPOConfig, PPOConfig, RLConfig
 from hybrid_cli.flags import field_specs
 from hybrid_cli.main import load_config, main
 from hybrid_cli import openrlhf_flags as orl
@@ -50,8 +50,8 @@ def test_algorithm_defaults_and_aliases():
     for name in ("reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo", "gae"):
         extra = ["--n_samples_per_prompt", "4"] if name not in ("gae", "reinforce") else []
         assert config_of("--advantage_estimator", name, *extra).advantage_estimator == name
-    c = config_of("--load_checkpoint", "--ckpt_path", ".")  # OpenRLHF's name for --resume
-    assert c.resume is True
+    c = config_of("--load_checkpoint", "--ckpt_path", ".")  # OpenRLHF's: resume if a checkpoint exists, else start
+    assert c.resume_if_exists is True and c.resume is False
 
 
 def test_demo_defaults_vs_openrlhf_defaults(tiny_model_dir):
@@ -70,8 +70,12 @@ def test_demo_defaults_vs_openrlhf_defaults(tiny_model_dir):
     config, _, notes = load_config("ppo", ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2",
                                            "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2"])
     assert config.colocate_all_models and config.backend == "hf"
-    assert config.micro_train_batch_size == 16  # the demo's step, split over the 2 actor GPUs asked for
-    assert config.train_batch_size == 32 and config.actor_num_gpus_per_node == 2  # the demo's, plus the flags given
+    # the demo's step (64 samples) over the 2 actor GPUs asked for: micro-batches of 32 fill one step exactly
+    assert config.train_batch_size == DEMO_SETTINGS["train_batch_size"] and config.actor_num_gpus_per_node == 2
+    assert config.train_batch_size % (config.micro_train_batch_size * 2) == 0
+    # ... and a demo whose micro-batch does not divide its step over 2 GPUs gets one that does
+    config, _, _ = load_config("ppo", ["--actor_num_gpus_per_node", "2", "--train_batch_size", "32"])
+    assert config.micro_train_batch_size == 16
     assert any("keeps hybrid's default" in n for n in notes)
     # turning colocation off on the demo: a valid split run (who sleeps is the residency plan's, nobody shares)
     config = config_of("--no_colocate_all_models")

@@ -30,18 +30,20 @@ def test_step_line_shows_reward_kl_and_phase_seconds():
     assert "generate 1.50s" in line and "train 2.00s" in line and "sync 0.50s" in line and "step 4.60s" in line
 
 
-def test_progress_lines_without_a_terminal_and_summary_table():
-    console = Console(file=io.StringIO(), width=150)
+def test_progress_lines_without_a_terminal_and_summary_table(tmp_path):
+    console = Console(file=io.StringIO(), width=250)
     display = ProgressDisplay(console)
     assert not display.live  # not a terminal: one line per step
-    display.on_start({"total_steps": 3, "run_dir": "/tmp/run"})
+    display.on_start({"total_steps": 3, "run_dir": str(tmp_path)})
     for step, reward in ((1, 0.1), (2, 0.4), (3, 0.3)):
         display.on_step(step_metrics(step, reward))
-    display.on_end({"final_model_path": "/tmp/run/final"})
+    (tmp_path / "final").mkdir()
+    display.on_end({"final_model": str(tmp_path / "final"), "last_checkpoint": str(tmp_path / "no-such-checkpoint")})
     out = console.file.getvalue()
     assert "step 2/3" in out and "reward 0.400" in out
     assert "reward first / last / best" in out and "0.100 / 0.300 / 0.400" in out
-    assert "generate s/step (mean)" in out and "sync GB/step (mean)" in out and "/tmp/run/final" in out
+    assert "generate s/step (mean)" in out and "sync GB/step (mean)" in out and str(tmp_path / "final") in out
+    assert "no-such-checkpoint" not in out  # the summary never points at a folder that does not exist
 
 
 def test_live_progress_bar_runs():
@@ -167,3 +169,19 @@ def test_hybrid_ppo_passes_the_config_and_callbacks_to_train(tmp_path, monkeypat
     assert seen["config"].algorithm == "grpo" and seen["config"].max_steps == 2
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     assert "training summary" in capsys.readouterr().out
+
+
+def test_missing_tensorboard_is_said_before_the_run(tmp_path, monkeypatch, capsys):
+    """--use_tensorboard is on by default; without the package the run says so instead of writing nothing silently."""
+    import hybrid_algos.train as train_pkg
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    monkeypatch.setattr(train_pkg, "train", lambda config, callbacks=(): {"steps": 0})
+    from hybrid_cli.main import main
+
+    assert main(["grpo", "--max_steps", "1", "--save_path", str(tmp_path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tensorboard is not installed" in out and "metrics.jsonl only" in out and "pip install tensorboard" in out
+    assert main(["grpo", "--max_steps", "1", "--save_path", str(tmp_path / "b"), "--no_use_tensorboard"]) == 0
+    assert "tensorboard" not in capsys.readouterr().out

@@ -23,11 +23,6 @@ from hybrid_cli.main import load_config, main
 
 from openrlhf_scripts import SCRIPTS, read_args
 
-#: --load_checkpoint means "resume if there is a checkpoint" in OpenRLHF; here it is --resume, an error on a first
-#: launch. That meaning is the checkpoint work's (the trust helper's): a script accepted but for it is xfail as written,
-#: and the second test leaves the flag out so that the rest of the script is still checked.
-LOAD_CHECKPOINT = "--load_checkpoint is 'load if one exists' in OpenRLHF (checkpoint semantics: trust helper)"
-LOAD_FLAGS = {"load_checkpoint": "", "ckpt.load_enable": ""}
 
 
 @dataclass(frozen=True)
@@ -38,7 +33,6 @@ class Case:
     pending: dict[str, str] = field(default_factory=dict)  # flag -> the setting another helper adds
     replace: dict[str, str] = field(default_factory=dict)  # for the second test: a refusal's suggested value
     add: tuple[str, ...] = ()  # for the second test: what replaces a refused flag ({reward_file}: a reward file)
-    loads_checkpoint: bool = False  # --load_checkpoint / --ckpt.load_enable on a first launch (see LOAD_CHECKPOINT)
     xfail_without_refused: str | None = None
 
 
@@ -67,22 +61,20 @@ CASES = {
         refused={"ds.ring_attn_size": "ring attention", "ds.ring_attn_head_stride": "ring attention"},
         pending={"algo.dynamic_filtering_enable": "dynamic_filtering", "train.dynamic_batch_enable": "use_dynamic_batch",
                  "rollout.max_tokens_per_gpu": "use_dynamic_batch", "train.max_tokens_per_gpu": "use_dynamic_batch",
-                 _IS: "enable_vllm_is_correction"},
-        loads_checkpoint=True),
+                 _IS: "enable_vllm_is_correction"}),
     "dotted/train_reinforce_baseline_ray_agent_async.args": Case(
         4, "actor 4, reference and 2 engines x TP 2 on the same GPUs",
         refused={"train.async_enable": "asynchronous training", "train.partial_rollout_enable": "asynchronous training",
                  "ds.ring_attn_size": "ring attention", "ds.ring_attn_head_stride": "ring attention"},
         pending={"algo.dynamic_filtering_enable": "dynamic_filtering", "train.dynamic_batch_enable": "use_dynamic_batch",
                  "rollout.max_tokens_per_gpu": "use_dynamic_batch", "train.max_tokens_per_gpu": "use_dynamic_batch",
-                 _IS: "enable_vllm_is_correction"},
-        loads_checkpoint=True),
+                 _IS: "enable_vllm_is_correction"}),
     "dotted/train_flash_reinforce_ray_agent_async.args": Case(
         8, "actor 1 + 7 engines (no reference at KL 0, no critic)",
         refused={"train.async_enable": "asynchronous training", "rollout.vllm_generate_batch_size": "over-sampling",
                  "algo.advantage.estimator": "FlashREINFORCE", "algo.advantage.is_correction_gating": "trust region"},
         pending={_IS: "enable_vllm_is_correction", "algo.advantage.is_correction_threshold": "enable_vllm_is_correction"},
-        replace={"algo.advantage.estimator": "reinforce"}, loads_checkpoint=True),
+        replace={"algo.advantage.estimator": "reinforce"}),
     "dotted/train_vlm_math_hybrid_engine.args": Case(
         4, "actor 4 with 4 engines on the same GPUs (KL 0: no reference)",
         refused={"data.max_images_per_prompt": "vision-language training", "actor.freeze_visual_encoder":
@@ -99,7 +91,7 @@ CASES = {
     "flat/train_ppo_llama3_ray_colocate.args": Case(
         8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model); reference and reward sleep"),
     "flat/train_ppo_llama_ray.args": Case(
-        8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)", loads_checkpoint=True),
+        8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)"),
     "flat/train_ppo_llama_ray_34b.args": Case(
         8, "actor 4 (no engines: generation on the actor's GPUs) + critic 2 + reference 1 + reward model 1"),
     "flat/train_ppo_llama_ray_70b.args": Case(32, "actor 8 + engines 4 x TP 2 + critic 8 + reference 4 + reward 4"),
@@ -113,14 +105,14 @@ CASES = {
         replace={"train_batch_size": "16"}),
     "flat/train_ppo_llama_ray_ring.args": Case(
         8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)",
-        refused={"ring_attn_size": "ring attention", "ring_head_stride": "ring attention"}, loads_checkpoint=True),
+        refused={"ring_attn_size": "ring attention", "ring_head_stride": "ring attention"}),
     "flat/train_ppo_llama_ray_tensor_parallelism.args": Case(
         8, "everything colocated on the actor's 8 GPUs",
         refused={"ds_tensor_parallel_size": "tensor parallelism of the trainers"}),
     "flat/train_ppo_llama_ray_with_dynamic_sampling.args": Case(
         8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)",
         refused={"custom_experience_filter": "filtering experiences with your own Python",
-                 "store_extra_buffers": "keeping filtered samples"}, loads_checkpoint=True),
+                 "store_extra_buffers": "keeping filtered samples"}),
     "flat/train_reinforce_baseline_llama_ray_hybrid_engine.args": Case(
         8, "everything colocated on the actor's 8 GPUs", pending={"enable_vllm_is_correction": "enable_vllm_is_correction"}),
     "flat/train_reinforce_llama_ray.args": Case(8, "actor 4 + engines 2 + reference 1 + reward model 1"),
@@ -146,10 +138,7 @@ def _blocking(case: Case) -> dict[str, str]:
 def _params(test: str):
     out = []
     for name, case in CASES.items():
-        if test == "as_written":
-            reason = LOAD_CHECKPOINT if case.loads_checkpoint and not _blocking(case) else None
-        else:
-            reason = case.xfail_without_refused
+        reason = case.xfail_without_refused if test == "without_refused" else None
         marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
         out.append(pytest.param(name, id=name.replace(".args", ""), marks=marks))
     return out
@@ -183,7 +172,7 @@ def test_script_as_written_is_accepted_with_its_plan_or_refused_for_its_reason(n
 @pytest.mark.parametrize("name", _params("without_refused"))
 def test_script_without_its_refused_flags_runs_the_plan_openrlhf_would(name, script_argv, script_prompts, capsys):
     case = CASES[name]
-    argv = _drop(script_argv(name), {**_blocking(case), **(LOAD_FLAGS if case.loads_checkpoint else {})},
+    argv = _drop(script_argv(name), _blocking(case),
                  case.replace)
     argv += [w.replace("{reward_file}", script_prompts["reward"]) for w in case.add]
     status, out, err = _dry_run(argv, capsys)

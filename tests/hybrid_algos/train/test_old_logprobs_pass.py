@@ -38,12 +38,20 @@ def test_on_policy_skips_the_pass_and_trains_as_if_it_ran(tmp_path, monkeypatch)
     assert all(m["rollout/logprob_gap"] < 1e-3 and m["rollout/logprob_gap_max"] < 1e-2 for m in forced), \
         [m["rollout/logprob_gap_max"] for m in forced]
     assert all("rollout/logprob_gap" not in m for m in skipped)
-    # The same run either way (fixed seeds, CPU): rewards, and the KL metrics that train now reports itself.
+    # The same run either way (fixed seeds, CPU): rewards, and the KL metrics that train now reports itself. The two
+    # differ only in float noise: the pass computes the old log-probs in micro-batches of 64, the update its own in
+    # micro-batches of 32, so a CPU may round them differently by ~1e-7 (on the machine this was written on they
+    # agree exactly over all 40 steps; the KL the driver computes from the pass differs by ~2e-7). Steps then feed on
+    # each other: after enough steps one sampled token may flip and the runs part. So the first steps are compared
+    # tightly (identical weights and rollouts: only that noise), the whole run by what it learns.
+    exact = 8
     for key in ("reward", "kl", "kl_seq", "actor/pg_loss", "actor/kl_loss"):
-        assert [m[key] for m in skipped] == pytest.approx([m[key] for m in forced], abs=1e-5), key
+        assert [m[key] for m in skipped[:exact]] == pytest.approx([m[key] for m in forced[:exact]], abs=1e-5), key
     assert any(m["kl"] != 0.0 for m in skipped), "the KL to the reference must still be reported"
     rewards = [m["reward"] for m in skipped]
-    assert rewards[0] <= 0.3 and statistics.mean(rewards[-5:]) >= 0.6, f"it did not learn: {rewards}"
+    assert abs(statistics.mean(rewards[-10:]) - statistics.mean(m["reward"] for m in forced[-10:])) < 0.1
+    assert rewards[0] <= 0.3 and statistics.mean(rewards[-5:]) >= statistics.mean(rewards[:5]) + 0.3, \
+        f"it did not learn: {rewards}"
 
 
 def test_on_policy_without_kl_infers_nothing(tmp_path, monkeypatch):

@@ -1,9 +1,13 @@
 import math
+import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
-from hybrid_algos.train.rewards import RewardScorer, load_reward_fn
+from hybrid_algos.train.rewards import RewardError, RewardScorer, RewardTimeout, load_reward_fn
+from hybrid_core.remote import deadline
 from hybrid_algos.train.tasks import Prompt
 
 
@@ -37,3 +41,69 @@ def test_running_normalisation_matches_batch_statistics():
     both = torch.cat([a, b])
     expected = (b - both.mean()) / (both.std() + 1e-8)
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+def _score(fn, n=2, **kwargs):
+    scorer = RewardScorer(fn, decode=str, name="my_rewards.py:score", **kwargs)
+    return scorer.score([Prompt([1], "p", None)], [[_Out([2 + i]) for i in range(n)]])
+
+
+@pytest.mark.parametrize("returned, says", [
+    (None, "returned None"),
+    ("0.5 1.0", "returned a str"),
+    (0.5, "returned a float"),
+    ([1.0], "returned 1 scores for 2 completions"),
+    ([1.0, 2.0, 3.0], "returned 3 scores for 2 completions"),
+    (["0.5", "1.0"], "not numbers at 2 position"),
+    ([1.0, None], "not numbers at 1 position"),
+    ([1.0, [0.5]], "not numbers at 1 position"),
+    ([math.inf, 1.0], "non-finite scores at positions \\[0\\]"),
+])
+def test_a_reward_function_returning_the_wrong_thing_is_named(returned, says):
+    with pytest.raises(RewardError, match=says) as info:
+        _score(lambda *a, **k: returned)
+    assert "my_rewards.py:score" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_numbers_in_any_container_are_fine():
+    assert _score(lambda *a, **k: np.array([1, 0])).tolist() == [1.0, 0.0]
+    assert _score(lambda *a, **k: torch.tensor([[0.5], [1.5]])).tolist() == [0.5, 1.5]
+    assert _score(lambda *a, **k: (True, 2)).tolist() == [1.0, 2.0]
+
+
+def test_a_reward_function_that_raises_is_named_with_its_line():
+    def score(prompts, completions, **kwargs):
+        total = 0
+        return [1.0 / total] * len(completions)
+
+    with pytest.raises(RewardError, match="raised ZeroDivisionError: .*division by zero") as info:
+        _score(score)
+    assert "test_rewards.py:" in str(info.value) and "in score" in str(info.value)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_a_reward_function_that_hangs_ends_within_the_step_budget():
+    release = threading.Event()
+
+    def score(prompts, completions, **kwargs):
+        release.wait(60)  # a hang (a lock, a server that never answers)
+        return [0.0] * len(completions)
+
+    start = time.monotonic()
+    with pytest.raises(RewardTimeout, match="did not return within the 2 s budget of step 3") as info:
+        with deadline(2.0, "step 3"):
+            _score(score)
+    assert time.monotonic() - start < 10
+    assert "test_rewards.py" in str(info.value) and "in score" in str(info.value)  # where it hangs
+    release.set()
+
+
+def test_a_reward_file_that_cannot_be_imported_is_a_config_error(tmp_path):
+    from hybrid_core.errors import ConfigError
+
+    path = tmp_path / "r.py"
+    path.write_text("import numpy\nimport no_such_module_for_hybrid\n\ndef score(p, c, **k):\n    return []\n")
+    with pytest.raises(ConfigError, match="No module named 'no_such_module_for_hybrid'") as info:
+        load_reward_fn(f"{path}:score")
+    assert info.value.field == "reward_fn" and "r.py:2" in str(info.value) and "pip install" in str(info.value)

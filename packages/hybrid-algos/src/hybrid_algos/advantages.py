@@ -266,11 +266,19 @@ def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor
 
 
 def _group_mean_std(scores: torch.Tensor, index: torch.Tensor, groups: int) -> tuple[torch.Tensor, ...]:
-    """Per-sample group mean, unbiased group std (0 for groups of one) and group size."""
+    """Per-sample group mean, unbiased group std (0 for groups of one) and group size.
+
+    A group whose samples all scored the same gets its score back as the mean *exactly*: the float sum of 16 x 0.7
+    is not 16 x 0.7, and ``score - mean`` would otherwise leave a rounding residue that GRPO's ``/ (std + eps)``
+    turns into an advantage of ~0.1 for a group that carries no signal.
+    """
     dtype = torch.promote_types(scores.dtype, torch.float32)
     s = scores.to(dtype)
     count = torch.zeros(groups, dtype=dtype, device=s.device).index_add_(0, index, torch.ones_like(s))
     mean = torch.zeros(groups, dtype=dtype, device=s.device).index_add_(0, index, s) / count
+    low = torch.zeros(groups, dtype=dtype, device=s.device).scatter_reduce_(0, index, s, "amin", include_self=False)
+    high = torch.zeros(groups, dtype=dtype, device=s.device).scatter_reduce_(0, index, s, "amax", include_self=False)
+    mean = torch.where(low == high, high, mean)
     sq = torch.zeros(groups, dtype=dtype, device=s.device).index_add_(0, index, (s - mean[index]).square())
     std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), 0.0)
     return mean[index], std[index], count[index]

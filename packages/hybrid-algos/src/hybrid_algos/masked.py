@@ -69,11 +69,26 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool 
     v, m = _valid(values, mask, floating=True)
     mean = masked_mean(v, m)
     var = masked_var(v, m, unbiased=unbiased)
+    # Equal values must whiten to exactly 0: their float mean is rarely exact (0.7 x 20 sums to 14.000001), and the
+    # rounding left in ``v - mean`` would be scaled up by 1 / sqrt(eps). Detected exactly, as min == max.
+    constant, value = _all_equal(v, m)
+    mean = torch.where(constant, value, mean)
+    var = torch.where(constant, torch.zeros_like(var), var)
     scale = var + eps
     out = (v - mean) * torch.where(scale > 0, torch.rsqrt(scale), 0.0)  # constant values -> 0, not NaN
     if not shift_mean:
         out = out + mean
     return torch.where(m, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _all_equal(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether every valid entry holds the same value (False with no valid entry), and that value."""
+    inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
+    if values.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=values.device), torch.zeros_like(inf)
+    low = torch.where(mask, values, inf).amin()
+    high = torch.where(mask, values, -inf).amax()
+    return low == high, torch.where(low == high, high, torch.zeros_like(high))
 
 
 def last_valid_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,6 +103,7 @@ def add_compare_flags(parser: argparse.ArgumentParser) -> None:
     p("--engine_args_a", nargs="+", metavar="KEY=VALUE", default=[], help="extra engine A arguments")
     p("--engine_args_b", nargs="+", metavar="KEY=VALUE", default=[], help="extra engine B arguments")
     p("--seed", type=int, default=0)
+    p("--trust_remote_code", action="store_true", help="run the Python code a model folder ships (auto_map)")
     p("--min_token_agreement", type=float, help="exit with status 1 when token agreement is below this (0-1)")
     p("--json", metavar="FILE", help="also write the report as JSON")
 
@@ -123,9 +124,12 @@ def run_compare(args: argparse.Namespace, *, console: Any = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hybrid-compare-") as tmp:
         model_a = args.pretrain or _tiny_model(tmp, args.seed)
         model_b = args.pretrain_b or model_a
+        from hybrid_algos.train.model_files import check_model_folder
+
         for name, path in (("pretrain", model_a), ("pretrain_b", model_b)):
             if not os.path.isdir(path):
                 raise ConfigError(name, f"no model folder at {path!r}.", "Give a local Hugging Face model folder.")
+            check_model_folder(name, path, trust_remote_code=args.trust_remote_code)
         prompt_ids = compare_prompts(args, model_a)
         out_a = generate(args.backend_a, model_a, prompt_ids, args, "a")
         out_b = generate(args.backend_b, model_b, prompt_ids, args, "b")
@@ -148,7 +152,7 @@ def compare_prompts(args: argparse.Namespace, model_path: str) -> list[list[int]
 
     from hybrid_algos.train.data import load_prompt_set
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=getattr(args, "trust_remote_code", False))
     settings = SimpleNamespace(
         prompt_data=args.prompt_data, input_key=args.input_key, label_key=None,
         apply_chat_template=args.apply_chat_template, prompt_split=args.prompt_split, max_samples=args.max_samples,
@@ -162,7 +166,8 @@ def generate(backend: str, model: str, prompt_ids: list[list[int]], args: argpar
     """Greedy completions (with log-probs) of one engine; the engine is shut down before returning."""
     from hybrid_engines import SamplingParams, make_engine
 
-    kwargs: dict[str, Any] = {"model": model, "seed": args.seed}
+    kwargs: dict[str, Any] = {"model": model, "seed": args.seed,
+                              "trust_remote_code": getattr(args, "trust_remote_code", False)}
     dtype = getattr(args, f"dtype_{which}")
     if dtype:
         kwargs["dtype"] = dtype

@@ -21,12 +21,16 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[
             console: Console | None = None) -> int:
     """Validate ``config`` (already ``validate()``-d) all the way, print both plans; 0 when it fits."""
     from hybrid_algos.train.loop import rollout_lengths
+    from hybrid_algos.train.model_files import check_model_folder
     from hybrid_algos.train.placement import build_residency, gpu_memory
     from rich.markup import escape
 
     console = console or Console(width=None if _is_terminal() else 132, highlight=False)
     for note in notes:  # yellow: a note says what was chosen for the user (defaults taken, flags translated)
         console.print("[yellow]note:[/yellow] " + escape(note))
+    for name in ("pretrain", "reward_pretrain", "critic_pretrain"):  # a damaged folder is named, not a traceback
+        if getattr(config, name) is not None:
+            check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
     plan = build_plan(config)
     console.print(f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
                   f"advantage estimator {config.advantage_estimator}")
@@ -132,4 +136,4 @@ def _tokenizer(config: Any):
         return build_tiny_tokenizer(int(config.tiny_model.get("num_symbols", 8)))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(config.pretrain)
+    return AutoTokenizer.from_pretrained(config.pretrain, trust_remote_code=config.trust_remote_code)

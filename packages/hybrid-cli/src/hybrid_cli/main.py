@@ -21,6 +21,8 @@ from .openrlhf import openrlhf_defaults, without_engines
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 _ABOUT = {
     "ppo": "PPO with a critic (GAE); OpenRLHF's train_ppo_ray flags work unchanged",
@@ -131,7 +133,7 @@ def _defaults(cls: type, command: str, given: dict[str, Any], dotted: bool) -> t
                      + ", ".join(f"{k}={v}" for k, v in shown.items()))
         if PLACEMENT_FLAGS & set(given):
             notes.append("OpenRLHF placement flags on the demo: every other setting keeps hybrid's default "
-                         "(colocated, sleeping, the built-in engine); OpenRLHF's defaults apply to OpenRLHF command "
+                         "(colocated, the residency planner deciding who sleeps, the built-in engine); OpenRLHF's defaults apply to OpenRLHF command "
                          "lines (with --pretrain or dotted flags).")
             implied.update(_demo_fits_the_actor(cls, implied, given))
     return implied, notes
@@ -169,8 +171,15 @@ def _subparser(parser: FlagParser, command: str) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``hybrid`` console script; returns the exit status."""
+    """Entry point of the ``hybrid`` console script; returns the exit status.
+
+    Every way a command ends is one ``hybrid:`` line on stderr: ``hybrid: error: ...`` for bad input (2),
+    ``hybrid: <Error>: ...`` for a failure while running (1), ``hybrid: interrupted`` (Ctrl-C, 130) or
+    ``hybrid: terminated`` (SIGTERM, 143) with the checkpoint to continue from. An exception that is not one of
+    hybrid's own is a bug: its traceback is printed above that line."""
+    global _current_config
     argv = list(sys.argv[1:] if argv is None else argv)
+    _current_config = None
     try:
         return _run(argv)
     except ConfigError as e:
@@ -179,9 +188,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HybridError as e:
         print(f"hybrid: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("hybrid: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        terminated = type(e).__name__ == "Terminated"  # hybrid_algos.train.failures.Terminated: SIGTERM
+        what = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(f"hybrid: {what}: the run stopped and its processes were shut down.{_resume_line()}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+    except Exception as e:  # a bug: show where, then end like every other failure
+        import traceback
+
+        traceback.print_exc()
+        print(f"hybrid: internal error: {type(e).__name__}: {str(e).rstrip('.')}. This is a bug in hybrid (or a library it uses); "
+              f"the traceback above says where.{_resume_line()}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+#: The config of the training command being run, for the resume hint of an interrupted or failed run.
+_current_config: Any = None
+
+
+def _resume_line() -> str:
+    if _current_config is None:
+        return ""
+    from hybrid_algos.train.checkpoint import CheckpointManager
+    from hybrid_algos.train.failures import resume_hint
+
+    return " " + resume_hint(CheckpointManager(_current_config.checkpoint_dir))
 
 
 def _run(argv: list[str]) -> int:
@@ -210,11 +241,13 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
     from .metrics import MetricsLogger
     from .progress import ProgressDisplay
 
+    global _current_config
     metrics = MetricsLogger.for_config(config)  # fails here (before Ray) when W&B is asked for and missing
+    _current_config = config
     progress = ProgressDisplay()
     from rich.markup import escape
 
-    for note in notes:  # not dim: a note says what was chosen for the user (defaults taken, flags translated)
+    for note in [*notes, *metrics.notes()]:  # not dim: a note says what was chosen for the user (defaults taken, flags translated)
         progress.console.print(f"[yellow]note:[/yellow] {escape(note)}")
     from hybrid_algos.train import RECIPES  # imported late: the loop pulls in Ray, DeepSpeed and the engines
 

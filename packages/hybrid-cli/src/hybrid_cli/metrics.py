@@ -1,5 +1,8 @@
 """Metrics writers: ``<save_path>/metrics.jsonl`` always, TensorBoard when installed, Weights & Biases on request.
 
+``--use_tensorboard`` is on by default but the tensorboard package is an extra (``hybrid-cli[tensorboard]``): when
+it is missing, the run says so at start (a note naming the fix) and writes metrics.jsonl only -- never silently.
+
 One JSON object per step (the step's metrics plus ``wall_time``); non-finite numbers are written as ``null`` so
 every JSON reader accepts the file. A resumed run appends to the file; a new run starts it afresh. The end-of-run
 summary goes to ``summary.json`` beside it.
@@ -42,6 +45,13 @@ class MetricsLogger:
         return cls(config.save_path, tensorboard=config.use_tensorboard, wandb_key=config.use_wandb,
                    wandb_project=config.wandb_project, wandb_run_name=config.wandb_run_name,
                    config=_plain({**config.to_dict(), "use_wandb": "<redacted>" if config.use_wandb else None}))
+
+    def notes(self) -> list[str]:
+        """What the user should know about where metrics go (shown before the run starts)."""
+        if self.tensorboard and not tensorboard_installed():
+            return ["tensorboard is not installed, so metrics go to metrics.jsonl only "
+                    "(pip install tensorboard, or 'hybrid-cli[tensorboard]'; --no_use_tensorboard hides this note)"]
+        return []
 
     @property
     def path(self) -> str | None:
@@ -104,11 +114,19 @@ class MetricsLogger:
         return wandb
 
 
+def tensorboard_installed() -> bool:
+    try:
+        import tensorboard  # noqa: F401  (torch's SummaryWriter needs it)
+    except ImportError:
+        return False
+    return True
+
+
 def _tensorboard_writer(log_dir: str):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
-        log.info("tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
+        log.warning("tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
         return None
     return SummaryWriter(log_dir=log_dir)
 

@@ -400,7 +400,7 @@ DOTTED_RULES: dict[str, Rule] = {
     "ckpt.max_num": same("max_ckpt_num"),
     "ckpt.max_mem": only("inf", float("inf"), why="a disk budget for checkpoints",
                          instead="Use --max_ckpt_num to bound how many are kept."),
-    "ckpt.load_enable": same("resume"),
+    "ckpt.load_enable": same("resume_if_exists"),  # load one if there is one, else start fresh
     "ckpt.best_metric_key": note("it picks the best checkpoint by an evaluation metric; hybrid runs no evaluation."),
     "ds.use_universal_ckpt": refuse("DeepSpeed universal checkpoints (reshardable to another GPU count)",
                                     "hybrid resumes on the same placement; drop this flag."),

@@ -7,6 +7,7 @@ instead, so logs stay readable.
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from rich.console import Console
@@ -104,7 +105,8 @@ def summary_table(history: list[dict[str, Any]], summary: dict[str, Any] | None 
         values = [float(m[f"bytes/{what}"]) for m in history if m.get(f"bytes/{what}")]
         if values:
             table.add_row(f"{what} GB/step (mean)", f"{sum(values) / len(values) / 1e9:.3f}")
-    for key, value in (summary or {}).items():
-        if isinstance(value, str) and ("path" in key or "dir" in key):
+    for key in ("run_dir", "final_model", "last_checkpoint"):  # saved places, only those that exist
+        value = (summary or {}).get(key)
+        if isinstance(value, str) and os.path.exists(value):
             table.add_row(key, value)
     return table

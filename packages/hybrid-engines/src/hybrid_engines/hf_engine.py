@@ -48,6 +48,7 @@ class HFEngine:
     benchmarks). ``device`` defaults to CUDA when present; ``dtype`` to the
     model's own. ``max_batch_size`` bounds the rows (prompts x n) decoded together, rounded to whole prompts.
     ``seed`` seeds the weights of a config-built model and the seeds of calls whose ``params.seed`` is ``None``.
+    ``trust_remote_code`` lets transformers run the code a model folder ships (off: such a folder is refused).
     """
 
     NEEDS_GPU = False  # runs on CPU too
@@ -74,12 +75,14 @@ class HFEngine:
         max_batch_size: int = 256,
         stop_at_eos: bool = True,
         attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
     ):
         if max_batch_size < 1:
             raise ConfigError("max_batch_size", f"must be >= 1, got {max_batch_size}.")
         self.device = torch.device(device) if device is not None else _default_device()
         self.max_batch_size = max_batch_size
-        self.model = _build_model(model, _as_dtype(dtype), seed, attn_implementation).to(self.device).eval()
+        self.model = _build_model(model, _as_dtype(dtype), seed, attn_implementation,
+                                  trust_remote_code).to(self.device).eval()
         self.model.requires_grad_(False)
         self.weights = NamedWeights(self.model, self.device)
         self._rng = random.Random(seed)
@@ -308,7 +311,8 @@ class HFEngine:
         return out
 
 
-def _build_model(model: Any, dtype: torch.dtype | None, seed: int, attn_implementation: str | None):
+def _build_model(model: Any, dtype: torch.dtype | None, seed: int, attn_implementation: str | None,
+                 trust_remote_code: bool = False):
     from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -320,7 +324,8 @@ def _build_model(model: Any, dtype: torch.dtype | None, seed: int, attn_implemen
             built = AutoModelForCausalLM.from_config(model, **kwargs)
         return built.to(dtype) if dtype is not None else built
     if isinstance(model, str):
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype if dtype is not None else "auto", **kwargs)
+        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype if dtype is not None else "auto",
+                                                    trust_remote_code=trust_remote_code, **kwargs)
     raise ConfigError("model", f"expected a path, a PreTrainedModel or a PretrainedConfig, got {type(model).__name__}.")
 
 

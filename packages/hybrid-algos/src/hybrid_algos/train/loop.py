@@ -19,7 +19,7 @@ from hybrid_core.errors import HybridError
 
 from .checkpoint import CheckpointManager
 from .config import RLConfig
-from .placement import build_plan, build_residency
+from .placement import build_plan, build_residency, check_sleep_flags
 from .step import StepContext, run_step
 from .timeline import TimelineWriter
 from .weight_sync import choose_mode as choose_sync_mode
@@ -43,15 +43,17 @@ class Prepared:
     max_model_len: int = 0  # the longest sequence a rollout can make: the engine's context size
     sync_mode: str = "broadcast"  # weight_sync.choose_mode's answer for this plan
     residency: Any = None  # hybrid_core.residency.ResidencyPlan: what each role keeps on its GPUs in each phase
+    resume_from: Any = None  # resume.ResumePoint: the checkpoint this run continues, or None (a fresh start)
     agent: Any = None  # agents.AgentSpec: the environment of a multi-turn run (loaded here, before Ray)
 
 
 def prepare(config: RLConfig) -> Prepared:
     """Validate the config and resolve everything that does not need Ray: errors here cost nothing."""
-    from transformers import AutoTokenizer
-
     from .data import load_prompts
+    from .model_files import check_model_folder, load_tokenizer
+    from .resume import find_resume_point
     from .rewards import load_reward_fn
+    from .run_folder import check_writable, refuse_or_clear
     from .tasks import task_from_config
     from .tiny import save_tiny_model
 
@@ -60,6 +62,7 @@ def prepare(config: RLConfig) -> Prepared:
 
     config.validate()
     plan = build_plan(config)
+    check_sleep_flags(config, plan)  # before any model is built: the flags against who shares a GPU
     sync_mode = choose_sync_mode(config, plan)  # a weight-sync path the placement cannot take fails here, before Ray
     if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
         raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
@@ -67,36 +70,42 @@ def prepare(config: RLConfig) -> Prepared:
     missing = library_missing(config.backend)  # the engine registry knows each backend's package
     if missing:
         raise ConfigError("backend", f"--backend {config.backend}: {missing}.", "Install it, or use --backend hf.")
-    run_dir = os.path.abspath(config.save_path)
-    os.makedirs(run_dir, exist_ok=True)
+    for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
+        if getattr(config, name) is not None:
+            check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
+    reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn is not None else None  # imports the user's file
+    agent = _load_agent(config) if config.uses_agent else None  # imports the agent file
+    # The folders next (writable, not holding another run): nothing is written before they are known to be fine.
+    run_dir = check_writable("save_path", config.save_path)
+    ckpt = CheckpointManager(config.checkpoint_dir, config.max_ckpt_num)
+    if config.save_steps > 0 or config.final_checkpoint or config.resume or config.resume_if_exists:
+        check_writable("ckpt_path" if config.ckpt_path else "save_path", ckpt.root)
+    resume_from = find_resume_point(config, ckpt)
+    refuse_or_clear(run_dir, ckpt, overwrite=config.overwrite, resuming=resume_from is not None)
     task = task_from_config(config) if config.prompt_data is None else None
     if config.pretrain is None:
         model_path = save_tiny_model(os.path.join(run_dir, "tiny-model"), seed=config.seed, **config.tiny_model)
     else:
         model_path = config.pretrain
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer("pretrain", model_path, trust_remote_code=config.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    prompts = load_prompts(config, tokenizer)
-    agent = _load_agent(config, tokenizer) if config.uses_agent else None
-    if config.reward_fn is not None:
-        reward_fn = load_reward_fn(config.reward_fn)
-    elif agent is not None:
-        reward_fn = None  # the environment rewards each sample
-    elif task is not None:
-        reward_fn = task.reward_fn()
-    else:
-        reward_fn = None  # the reward model scores
-    if reward_fn is None and config.reward_pretrain is None and agent is None:
-        from hybrid_core.errors import ConfigError
-
+    try:
+        prompts = load_prompts(config, tokenizer)
+    except UnicodeDecodeError as e:
+        raise ConfigError("prompt_data", f"{config.prompt_data} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} "
+                          f"at offset {e.start} cannot be decoded).",
+                          "Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl).") from None
+    if agent is not None:
+        _note_agent(config, agent, tokenizer)
+    elif config.reward_fn is None:
+        reward_fn = task.reward_fn() if task is not None else None  # None: the reward model scores
+    if reward_fn is None and config.reward_pretrain is None and agent is None:  # an environment rewards its samples
         raise ConfigError("reward_pretrain", "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
                           "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.")
     longest_prompt, max_new_tokens = rollout_lengths(config, prompts)
     steps_per_episode = len(prompts) // config.rollout_batch_size
     if steps_per_episode == 0:
-        from hybrid_core.errors import ConfigError
-
         raise ConfigError("rollout_batch_size", f"only {len(prompts)} prompts, fewer than one rollout batch "
                           f"({config.rollout_batch_size}).", "Lower --rollout_batch_size or give more prompts.")
     # Size the engine's context to what rollouts can reach, not to the flags' ceiling: a small model's position
@@ -104,8 +113,6 @@ def prepare(config: RLConfig) -> Prepared:
     max_model_len = longest_prompt + max_new_tokens
     positions = _max_positions(model_path)
     if positions is not None and max_model_len > positions:
-        from hybrid_core.errors import ConfigError
-
         raise ConfigError("generate_max_len", f"prompts of up to {longest_prompt} tokens plus {max_new_tokens} new "
                           f"tokens need {max_model_len} positions; the model has {positions}.",
                           "Lower --generate_max_len or --prompt_max_len (prompts longer than it are truncated).")
@@ -117,14 +124,18 @@ def prepare(config: RLConfig) -> Prepared:
                                         generate_len=max_new_tokens)
     residency.check()
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync_mode, residency, agent)
+                    max_model_len, sync_mode, residency, resume_from, agent)
 
 
-def _load_agent(config: RLConfig, tokenizer: Any) -> Any:
-    """The run's environment (its file is imported now, so a broken one fails before Ray starts)."""
+def _load_agent(config: RLConfig) -> Any:
+    """The run's environment (its file is imported now, so a broken one fails before anything is written)."""
     from .agents import builtin_agent, load_agent
 
-    agent = load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config)
+    return load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config)
+
+
+def _note_agent(config: RLConfig, agent: Any, tokenizer: Any) -> None:
+    """Log lines about how the environment's run is set up (where its prompts come from, chat templates)."""
     if config.prompt_data is None and config.agent_func_path and config.task not in ("lookup",):
         log.info("agent %s: the prompts are the built-in %r task's; the rewards are the environment's", agent.source,
                  config.task)
@@ -133,7 +144,6 @@ def _load_agent(config: RLConfig, tokenizer: Any) -> Any:
         log.info("agent %s: the tokenizer has a chat template, but --apply_chat_template is off: prompts and the "
                  "environment's replies go in as plain text (add --apply_chat_template to render both with it)",
                  agent.source)
-    return agent
 
 
 def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]:
@@ -167,11 +177,17 @@ def _max_positions(model_path: str) -> int | None:
 
 
 def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Run a whole training job; returns a summary (steps, final metrics, saved paths)."""
+    """Run a whole training job; returns a summary (steps, final metrics, saved paths).
+
+    In the main thread, SIGTERM stops the run like Ctrl-C (:class:`~.failures.Terminated`, a KeyboardInterrupt)
+    and a lost Ray GCS ends it at once with :class:`~.failures.ClusterLost`; either way the roles, engines and a
+    Ray started here are shut down before it returns."""
     prep = prepare(config)
     from hybrid_core.cluster import connect, shutdown
 
+    from .cluster_watch import ClusterWatch
     from .deepspeed_ops import ensure_cpu_ops_built
+    from .failures import ClusterLost, resume_hint, sigterm_as_interrupt
 
     built_s = ensure_cpu_ops_built()  # before any worker: one build, not one per role racing for torch's lock
     if built_s > 5:
@@ -181,18 +197,29 @@ def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
                       (None if (config.address or os.environ.get("RAY_ADDRESS")) else prep.plan.num_gpus),
                       temp_dir=config.ray_temp_dir, log_max_mb=config.ray_log_max_mb)
     session = None
+    watch = ClusterWatch(cluster.address)
     try:
-        session = TrainingSession(prep)
-        session.start()
-        _emit(callbacks, "on_start", {"plan": prep.plan, "residency": prep.residency, "total_steps": prep.total_steps,
-                                      "run_dir": prep.run_dir, "config": prep.config,
-                                      "start_step": session.start_step})
-        summary = session.run(callbacks)
-        _emit(callbacks, "on_end", summary)
-        return summary
+        with sigterm_as_interrupt(), watch:  # after connect: ray.init replaces the SIGTERM handler
+            try:
+                session = TrainingSession(prep)
+                session.start()
+                _emit(callbacks, "on_start", {"plan": prep.plan, "residency": prep.residency,
+                                              "total_steps": prep.total_steps, "run_dir": prep.run_dir,
+                                              "config": prep.config, "start_step": session.start_step})
+                summary = session.run(callbacks)
+                _emit(callbacks, "on_end", summary)
+                return summary
+            except KeyboardInterrupt:
+                if watch.lost:
+                    steps = len(session.history) if session is not None else 0
+                    raise ClusterLost(f"Ray's GCS at {cluster.address} stopped answering after step {steps}; no "
+                                      f"Ray call can succeed without it, so the run ends. "
+                                      f"{resume_hint(CheckpointManager(config.checkpoint_dir))}") from None
+                raise
+            finally:
+                if session is not None:
+                    session.close(cluster_lost=watch.lost)
     finally:
-        if session is not None:
-            session.close()
         if cluster.started_here:
             shutdown(cluster)
 
@@ -327,9 +354,10 @@ class TrainingSession:
 
         tok = prep.tokenizer
         self.reward = RewardScorer(prep.reward_fn, lambda ids: tok.decode(ids, skip_special_tokens=False),
-                                   normalize=cfg.normalize_reward, clip_range=tuple(cfg.reward_clip_range))
+                                   normalize=cfg.normalize_reward, clip_range=tuple(cfg.reward_clip_range),
+                                   name=cfg.reward_fn or f"of the {cfg.task} task", timeout_s=cfg.call_timeout_s)
         # Spans in wall-clock time so an outside sampler (GPU memory) can be matched to phases; kept on resume.
-        self.timeline = TimelineWriter(os.path.join(prep.run_dir, "timeline.jsonl"), append=bool(cfg.resume))
+        self.timeline = TimelineWriter(os.path.join(prep.run_dir, "timeline.jsonl"), append=prep.resume_from is not None)
         kl_controller = make_kl_controller(cfg.init_kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon) \
             if cfg.uses_reference else None
         self.agent = None
@@ -342,12 +370,13 @@ class TrainingSession:
             residency=self.owner, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
             reward_model=self.reward_model, kl_controller=kl_controller, on_phases=self.timeline,
             prompt_pool=prep.prompts, agent=self.agent)
-        if cfg.resume:
-            self._resume()
+        if prep.resume_from is not None:
+            self._resume(prep.resume_from)
 
     def _engine_kwargs(self) -> dict[str, Any]:
         cfg = self.config
-        kwargs: dict[str, Any] = {"model": self.prep.model_path, "seed": cfg.seed}
+        kwargs: dict[str, Any] = {"model": self.prep.model_path, "seed": cfg.seed,
+                                  "trust_remote_code": cfg.trust_remote_code}  # vLLM / SGLang take it as is
         if cfg.backend == "hf":
             kwargs["dtype"] = "bfloat16" if cfg.bf16 else "float32"
         else:
@@ -401,31 +430,43 @@ class TrainingSession:
 
     def run(self, callbacks: Sequence[Any]) -> dict[str, Any]:
         cfg = self.config
-        step = self.start_step
-        for step in range(self.start_step, self.prep.total_steps):
+        total = self.prep.total_steps
+        saved_at = self.start_step if self.prep.resume_from is not None else None
+        for step in range(self.start_step, total):
             self.owner.tag = step
             metrics, _ = self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
                                                                            self.sampling(step)))
-            if step == self.start_step:
-                metrics.update(self.guarded("refining the residency plan", self.refine_residency))
+            if _refines_after(step - self.start_step):
+                metrics.update(self.guarded("refining the residency plan", lambda: self.refine_residency(step + 1)))
             self.history.append(metrics)
-            if (step + 1) % cfg.logging_steps == 0 or step + 1 == self.prep.total_steps:
+            if (step + 1) % cfg.logging_steps == 0 or step + 1 == total:
                 _emit(callbacks, "on_step", metrics)
             if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
                 self.owner.tag = f"checkpoint {step + 1}"
                 self.guarded(f"the checkpoint after step {step + 1}", lambda: self.save_checkpoint(step + 1))
+                saved_at = step + 1
+        # A run that can be continued is the default: the last step gets a checkpoint unless it has one already.
+        end = max(total, self.start_step)
+        if cfg.final_checkpoint and saved_at != end:
+            self.owner.tag = f"checkpoint {end}"
+            self.guarded(f"the checkpoint after step {end}", lambda: self.save_checkpoint(end))
         self.owner.tag = "final"
         final = self.guarded("saving the final model", self.save_final_model)
-        return {"steps": self.prep.total_steps, "start_step": self.start_step, "history": self.history,
-                "setup_seconds": self.setup_seconds,
-                "final_model": final, "checkpoint_dir": self.ckpt.root, "run_dir": self.prep.run_dir,
-                "plan": self.prep.plan, "residency": self.prep.residency, "residency_log": self.owner.log}
+        latest = self.ckpt.latest()
+        summary = {"steps": total, "start_step": self.start_step, "history": self.history,
+                   "setup_seconds": self.setup_seconds, "final_model": final, "run_dir": self.prep.run_dir,
+                   "plan": self.prep.plan, "residency": self.prep.residency, "residency_log": self.owner.log}
+        if latest is not None:  # only folders that exist: a summary never points at nothing
+            summary.update(checkpoint_dir=self.ckpt.root, last_checkpoint=latest[0])
+        return summary
 
-    def refine_residency(self) -> dict[str, float]:
-        """After the first step, what each GPU really holds against what the plan counts. The difference (CUDA
-        contexts, library buffers, fragmentation, another process) becomes the plan's measured overhead, held in
-        every phase, and the plan is made again with it: a plan that no longer fits changes now, before a later
-        phase would run out of memory. Nothing to measure without CUDA (the guard is off)."""
+    def refine_residency(self, after_step: int) -> dict[str, float]:
+        """What each GPU really holds against what the plan counts, after steps 1, 2, 4, 8, ... of this run. The
+        difference (CUDA contexts, library buffers, the allocator's fragmentation as sequence lengths vary, another
+        process) becomes the plan's measured overhead, held in every phase, and the plan is made again with it: a
+        plan that no longer fits changes now, before a later phase would run out of memory. The overhead only grows
+        (the largest seen), and each reading is a step later than the last: reserved memory that keeps growing over
+        the first steps is caught. Nothing to measure without CUDA (the guard is off)."""
         from .placement import replan
 
         owner, guard = self.owner, self.owner.guard
@@ -440,17 +481,22 @@ class TrainingSession:
             if reading is None:
                 return {}
             # what the plan says is held now: everything of the phase just run, but the working memory of roles that
-            # trim their allocator cache after it (the others keep it reserved)
+            # trim their allocator cache after it (the others keep it reserved), and not the overhead measured before
             trimmed = {(s.role, item) for s in plan.layout[gpu] if plan.move(s.role, "cache") != "resident"
                        for item in s.size.working.get(phase, {})}
+            trimmed.add(("measured", "overhead"))
             held = sum(v for key, v in plan.breakdown(gpu, phase).items() if key not in trimmed)
-            overhead[gpu] = max(reading.total - reading.free - held, 0.0)
+            overhead[gpu] = max(reading.total - reading.free - held, plan.overhead.get(gpu, 0.0), 0.0)
+        grown = max(overhead[g] - plan.overhead.get(g, 0.0) for g in overhead)
+        if plan.overhead and grown < 0.01 * plan.gpu_bytes:  # nothing worth a new plan (the readings jitter)
+            return {"residency/overhead_gib": max(overhead.values()) / 2**30, "residency/replanned": 0.0}
         refined = replan(self.config, plan.layout, plan.gpu_bytes, overhead=overhead)
         changed = refined.moves != plan.moves
-        refined.notes = plan.notes + [f"refined after the first step: measured {max(overhead.values()) / 2**30:.2f} "
-                                      "GiB per GPU beyond the model" + ("; the moves changed" if changed else "")]
+        notes = [n for n in plan.notes if not n.startswith("refined after step")]
+        refined.notes = notes + [f"refined after step {after_step}: measured {max(overhead.values()) / 2**30:.2f} GiB "
+                                 "per GPU beyond the model" + ("; the moves changed" if changed else "")]
         if changed:
-            log.warning("residency plan changed after the first step (%.2f GiB beyond the model):\n%s",
+            log.warning("residency plan changed after step %d (%.2f GiB beyond the model):\n%s", after_step,
                         max(overhead.values()) / 2**30, refined.render())
         owner.plan = self.prep.residency = refined
         _write_json(os.path.join(self.prep.run_dir, "residency.json"), refined.to_dict())
@@ -458,31 +504,31 @@ class TrainingSession:
 
     # ---- failures --------------------------------------------------------------------------------------------------
     def guarded(self, label: str, fn):
-        """Run ``fn`` within ``step_timeout_s`` (every remote call in it shares that budget). A failure or timeout
-        dumps the Python stacks of every role actor into the run's log folder, then ends the run with an error
-        naming what failed (role, phase, rank), where the stacks are and the checkpoint to resume from."""
+        """Run ``fn`` within ``step_timeout_s`` (every remote call in it, and the driver's own work such as the reward
+        function, shares that budget). A failure ends the run with an error naming what failed (role, phase, rank),
+        the stacks of every role and of the driver when something was late or dead, and the checkpoint to resume
+        from; an unexpected exception's traceback goes to the log folder (see :mod:`.failures`)."""
         from hybrid_core.remote import deadline
+
+        from .failures import explain, wants_stacks
 
         try:
             with deadline(self.config.step_timeout_s, label):
                 return fn()
-        except HybridError as e:
-            self.dump_all_stacks()
-            latest = self.ckpt.latest()
-            resume = (f"The last complete checkpoint is {latest[0]} (step {latest[1]}): continue with --resume."
-                      if latest else "No checkpoint was saved yet (--save_steps N saves every N steps).")
-            message = (f"{label} failed: {e} Python stacks of every role actor: {self.log_dir}/stacks-*.txt. "
-                       f"{resume}")
-            try:
-                error = type(e)(message)
-            except TypeError:  # an error type with its own arguments: keep it as it is
-                raise e from None
-            raise error from e
+        except Exception as e:
+            stacks = ""
+            if wants_stacks(e):
+                self.dump_all_stacks()
+                stacks = f"Python stacks of every role actor and of the driver: {self.log_dir}/stacks-*.txt."
+            raise explain(label, e, log_dir=self.log_dir, ckpt=self.ckpt, stacks=stacks) from e
 
     def dump_all_stacks(self) -> None:
         """Stacks of every trainer worker (control-thread call) and every engine (signal); never raises."""
         from hybrid_core.stacks import request_dump
 
+        from .failures import write_driver_stacks
+
+        write_driver_stacks(self.log_dir)
         for group in self.groups:
             group.dump_stacks()
         for where in self.engine_where:
@@ -495,9 +541,13 @@ class TrainingSession:
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def driver_state(self, next_step: int) -> dict[str, Any]:
+        """Plain data only (saved as JSON): nothing read back from a checkpoint can run code."""
+        from .resume import essentials
+
         kl = self.ctx.kl_controller
         return {"next_step": next_step, "kl": kl.state_dict() if kl is not None else None,
-                "reward_norm": self.reward.state_dict(), "history": self.history, "config": self.config.to_dict()}
+                "reward_norm": self.reward.state_dict(), "history": self.history, "config": self.config.to_dict(),
+                "essentials": essentials(self.config)}
 
     def save_checkpoint(self, next_step: int) -> str:
         def save_roles(folder: str) -> None:
@@ -508,15 +558,9 @@ class TrainingSession:
 
         return self.ckpt.save(next_step, save_roles, self.driver_state(next_step))
 
-    def _resume(self) -> None:
-        self.ckpt.sweep_incomplete()
-        found = self.ckpt.latest()
-        if found is None:
-            from hybrid_core.errors import ConfigError
-
-            raise ConfigError("resume", f"no complete checkpoint under {self.ckpt.root}.", "Drop --resume to start fresh.")
-        path, step = found
-        state = self.ckpt.load_driver_state(path)
+    def _resume(self, point) -> None:
+        """Load ``point`` (a :class:`~.resume.ResumePoint` chosen and checked by ``prepare``) into every role."""
+        path, state = point.path, point.state
         for group in (self.actor, self.critic):
             if group is not None:
                 self.owner.to_phase_state(_train_phase(group.role))  # DeepSpeed loads into the GPU
@@ -534,26 +578,37 @@ class TrainingSession:
 
     def save_final_model(self) -> str:
         """The trained policy in Hugging Face format, written atomically to ``<save_path>/final``."""
+        from .checkpoint import CheckpointError, out_of_space
+
         final = os.path.join(self.prep.run_dir, "final")
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
-        self.owner.to_phase_state("actor_train")
-        self.actor.call("save_pretrained", tmp, self.prep.model_path)
+        try:
+            self.owner.to_phase_state("actor_train")  # the actor's weights on its GPUs: it saves from there
+            self.actor.call("save_pretrained", tmp, self.prep.model_path)
+        except BaseException as error:
+            shutil.rmtree(tmp, ignore_errors=True)  # an interrupted or failed save leaves nothing half-written
+            if isinstance(error, Exception) and out_of_space(error, self.prep.run_dir):
+                raise CheckpointError(f"no space left on device: the final model did not fit in {self.prep.run_dir}. "
+                                      "Fix: free disk space (or keep fewer checkpoints: --max_ckpt_num), then "
+                                      "--resume to save it.") from error
+            raise
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
         return final
 
     # ---- tear-down -------------------------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, *, cluster_lost: bool = False) -> None:
         import ray
-
-        if getattr(self, "owner", None) is not None:
-            self.owner.release_turn_quietly()
 
         if self.timeline is not None:
             self.timeline.close()
-        if getattr(self, "agent", None) is not None:
+        if getattr(self, "agent", None) is not None:  # the environments' event loop: a local thread
             self.agent.close()
+        if cluster_lost:  # every Ray call would wait out its timeout: Ray's shutdown ends the local processes
+            return
+        if getattr(self, "owner", None) is not None:
+            self.owner.release_turn_quietly()
         if getattr(self, "weight_sync", None) is not None:
             try:
                 self.weight_sync.close()
@@ -582,6 +637,11 @@ def _write_json(path: str, data: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+def _refines_after(steps_done: int) -> bool:
+    """Refine the residency plan after the 1st, 2nd, 4th, 8th, ... step of a run (``steps_done``: 0, 1, 3, 7, ...)."""
+    return steps_done & (steps_done + 1) == 0
 
 
 def _train_phase(role: str) -> str:

@@ -300,10 +300,11 @@ def sequence_scores(reward_model: torch.nn.Module, sequences: torch.Tensor, atte
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, attn_implementation: str | None = None,
-                   gradient_checkpointing: bool = False) -> torch.nn.Module:
+                   gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -311,21 +312,24 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, attn_implementation: str | 
 
 
 def load_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | None = None,
-                gradient_checkpointing: bool = False) -> torch.nn.Module:
+                gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
     """A value model: the backbone of ``path`` with a one-output token head (new head when ``path`` is a policy)."""
     from transformers import AutoModelForTokenClassification
 
     model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                            attn_implementation=attn_implementation)
+                                                            attn_implementation=attn_implementation,
+                                                            trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def load_reward_model(path: str, *, dtype: torch.dtype, attn_implementation: str | None = None) -> torch.nn.Module:
+def load_reward_model(path: str, *, dtype: torch.dtype, attn_implementation: str | None = None,
+                      trust_remote_code: bool = False) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                               trust_remote_code=trust_remote_code)
     if model.config.pad_token_id is None:
         raise ValueError(f"reward model at {path} has no pad_token_id; it cannot find the last token of a batch.")
     return model.eval().requires_grad_(False)

@@ -13,6 +13,7 @@ from typing import Any
 
 from hybrid_core.placement import PlacementPlan, PlacementSpec
 from hybrid_core.residency import GiB, ModelShape, ResidencyPlan, Workload, build_layout, model_shape, plan_residency
+from hybrid_core.residency.planner import check_sleepers
 
 from .config import RLConfig
 
@@ -102,10 +103,35 @@ def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None) -> ResidencyP
     present = {s.role for shares in layout.values() for s in shares}
     pins = {k: v for k, v in settings["flag_pins"].items() if k[0] in present}  # the flags speak for both trainers
     pins.update(settings["pins"])
+    shared = {s.role for shares in layout.values() if len(shares) > 1 for s in shares}
     return plan_residency(layout, gpu_bytes, mode=settings["mode"], pins=pins,
-                          sleep_roles=settings["sleep_roles"] & present,
+                          sleep_roles=sleeping_roles(cfg, present, shared),
                           engine_sleep_level=settings["engine_sleep_level"],
-                          usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1, overhead=overhead)
+                          usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1, overhead=overhead,
+                          sleep_fields=SLEEP_FLAGS)
+
+
+def sleeping_roles(cfg: RLConfig, present: set[str], shared: set[str]) -> set[str]:
+    """The roles the sleep flags ask to sleep. A flag for several roles (``--deepspeed_enable_sleep``: actor and critic)
+    applies to those of them that share a GPU; one that none of them shares is an error naming the flag."""
+    asked_roles = cfg.residency_settings()["sleep_roles"] & present
+    out: set[str] = set()
+    for flag in dict.fromkeys(SLEEP_FLAGS.values()):
+        asked = {r for r in asked_roles if SLEEP_FLAGS.get(r) == flag}
+        out |= (asked & shared) or asked
+    check_sleepers(out, shared, SLEEP_FLAGS)
+    return out
+
+
+def check_sleep_flags(cfg: RLConfig, placement: PlacementPlan) -> None:
+    """The sleep flags against the placement alone (before any model is sized): cheap, so it runs first."""
+    shared = {r for r in placement.roles if placement.shared_gpus(r)}
+    sleeping_roles(cfg, set(placement.roles), shared)
+
+
+#: The setting that asks each role to sleep (named by the planner's errors).
+SLEEP_FLAGS = {"rollout": "vllm_enable_sleep", "actor": "deepspeed_enable_sleep", "critic": "deepspeed_enable_sleep",
+               "reference": "ref_reward_offload", "reward": "ref_reward_offload"}
 
 
 def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
@@ -132,20 +158,22 @@ def hf_config(path: str | None, cfg: RLConfig) -> Any:
         return tiny_model_config(**cfg.tiny_model)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
 
 
 def role_models(cfg: RLConfig, roles: list[str], model_path: str | None = None) -> dict[str, ModelShape]:
     """The model shape of each role (policy models with an LM head; critic and reward model with a value head)."""
     policy_path = model_path if model_path is not None else cfg.pretrain
-    policy = model_shape(hf_config(policy_path, cfg))
+    policy = model_shape(hf_config(policy_path, cfg), trust_remote_code=cfg.trust_remote_code)
     out = {}
     for role in roles:
         if role == "reward":
-            out[role] = model_shape(hf_config(cfg.reward_pretrain, cfg), value_head=True)
+            out[role] = model_shape(hf_config(cfg.reward_pretrain, cfg), value_head=True,
+                                    trust_remote_code=cfg.trust_remote_code)
         elif role == "critic":
             source = cfg.critic_pretrain or cfg.reward_pretrain or policy_path
-            out[role] = model_shape(hf_config(source, cfg) if source else hf_config(None, cfg), value_head=True)
+            out[role] = model_shape(hf_config(source, cfg) if source else hf_config(None, cfg), value_head=True,
+                                    trust_remote_code=cfg.trust_remote_code)
         else:
             out[role] = policy
     return out

@@ -31,7 +31,6 @@ During the sync, each side holds one weight-sync bucket.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,38 +74,48 @@ class ModelShape:
         return 2 * self.num_layers * self.kv_dim * bytes_per_value
 
 
-def model_shape(hf_config: Any, *, value_head: bool = False) -> ModelShape:
-    """Sizes from a transformers config; the parameter count is exact (the model is built on the meta device)."""
+def model_shape(hf_config: Any, *, value_head: bool = False, trust_remote_code: bool = False) -> ModelShape:
+    """Sizes from a transformers config; the parameter count is exact (the model is built on the meta device).
+
+    ``trust_remote_code``: the config comes from a model folder that ships its own modelling code (the user said
+    they trust it), so that code builds the meta model too."""
     cfg = getattr(hf_config, "text_config", None) or hf_config
     hidden = cfg.hidden_size
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
-    return ModelShape(count_params(hf_config, value_head=value_head), hidden, cfg.num_hidden_layers, kv_heads,
+    return ModelShape(count_params(hf_config, value_head=value_head, trust_remote_code=trust_remote_code), hidden, cfg.num_hidden_layers, kv_heads,
                       head_dim, inter, cfg.vocab_size, value_head)
 
 
-def count_params(hf_config: Any, *, value_head: bool = False) -> int:
-    """Parameters of the causal LM (or of the base model + a scalar value head), without allocating any memory."""
-    return _count_params(hf_config.to_json_string(), value_head)
+def count_params(hf_config: Any, *, value_head: bool = False, trust_remote_code: bool = False) -> int:
+    """Parameters of the causal LM (or of the base model + a scalar value head), without allocating any memory.
+
+    Cached by the config's content: the planner sizes the same models again on every replan."""
+    key = (hf_config.to_json_string(), value_head, trust_remote_code)
+    if key not in _PARAM_COUNTS:
+        if len(_PARAM_COUNTS) >= 32:
+            _PARAM_COUNTS.clear()
+        _PARAM_COUNTS[key] = _count_params(hf_config, value_head, trust_remote_code)
+    return _PARAM_COUNTS[key]
 
 
-@functools.lru_cache(maxsize=32)
-def _count_params(config_json: str, value_head: bool) -> int:
-    import json
+_PARAM_COUNTS: dict[tuple[str, bool, bool], int] = {}
 
+
+def _count_params(hf_config: Any, value_head: bool, trust_remote_code: bool) -> int:
     import torch
 
     try:
-        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+        from transformers import AutoModel, AutoModelForCausalLM
     except ImportError as e:  # hybrid-core does not depend on transformers; the training loop does
         raise ConfigError("model", "sizing a model from its config needs transformers.",
                           "pip install transformers") from e
-    settings = json.loads(config_json)
-    hf_config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    auto = AutoModel if value_head else AutoModelForCausalLM
     with torch.device("meta"):
-        model = (AutoModel if value_head else AutoModelForCausalLM).from_config(hf_config)
+        model = auto.from_config(hf_config, trust_remote_code=trust_remote_code) if trust_remote_code \
+            else auto.from_config(hf_config)
     n = sum(p.numel() for p in model.parameters())
     return n + (hf_config.hidden_size + 1 if value_head else 0)
 

@@ -65,9 +65,11 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
                    engine_sleep_level: int = 1,
                    usable: float = DEFAULT_USABLE, allow_host: bool = True,
                    phases: tuple[Phase, ...] | None = None,
-                   overhead: Mapping[int, float] | None = None) -> ResidencyPlan:
+                   overhead: Mapping[int, float] | None = None,
+                   sleep_fields: Mapping[str, str] | None = None) -> ResidencyPlan:
     """The residency plan for ``layout`` on GPUs of ``gpu_bytes`` (see the module docstring). ``overhead``: GPU ->
-    bytes measured beyond the model (a run's refinement after its first step), held in every phase."""
+    bytes measured beyond the model (a run's refinements after steps 1, 2, 4, 8, ...), held in every phase. ``sleep_fields``:
+    role -> the user's setting that asked it to sleep (named by the error when such a role shares no GPU)."""
     if mode not in MODES:
         raise ConfigError("residency", f"unknown mode {mode!r}.", f"Use one of: {', '.join(MODES)}.")
     if not 0 < usable <= 1:
@@ -79,11 +81,7 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
     pins = dict(pins or {})
     _check_pins(pins, layout)
     shared = _shared_roles(layout)
-    lonely = sorted(set(sleep_roles) & set(roles) - shared)
-    if lonely:
-        raise ConfigError("residency", f"{', '.join(lonely)} shares no GPU with another role, so sleeping would free "
-                          "memory for nobody and only cost a reload per step.",
-                          f"Drop the sleep flag for {', '.join(lonely)}, or place it on GPUs another role uses.")
+    check_sleepers(set(sleep_roles) & set(roles), shared, sleep_fields)
     choices = _choices(layout, phases, mode, pins, set(sleep_roles), shared, engine_sleep_level, allow_host)
     notes: list[str] = []
     overhead = {g: float(v) for g, v in (overhead or {}).items() if v}
@@ -245,6 +243,19 @@ def sleep_move(state: str, engine_sleep_level: int = 1) -> str:
     return "release" if state in ("kv_cache", "cache") else "offload"
 
 
+def check_sleepers(sleep_roles: Iterable[str], shared: Iterable[str],
+                   sleep_fields: Mapping[str, str] | None = None) -> None:
+    """A role asked to sleep must share a GPU: alone, sleeping frees memory for nobody. ``sleep_fields``: role -> the
+    setting that asked (named by the error)."""
+    lonely = sorted(set(sleep_roles) - set(shared))
+    if lonely:
+        fields = dict.fromkeys((sleep_fields or {}).get(r, "residency") for r in lonely)
+        raise ConfigError(" / ".join(fields), f"{', '.join(lonely)} shares no GPU with another role, so sleeping "
+                          "would free memory for nobody and only cost a reload per step.",
+                          f"Drop {' / '.join('--' + f for f in fields)}, or colocate it with another role "
+                          "(--colocate_all_models, or overlapping --placement ranges).")
+
+
 def _shared_roles(layout) -> set[str]:
     return {s.role for shares in layout.values() if len({x.role for x in shares}) > 1 for s in shares}
 
@@ -264,4 +275,5 @@ def _check_pins(pins: Mapping[tuple[str, str], Any], layout) -> None:
                                   f"{', '.join(STATE_MOVES[state])}.")
 
 
-__all__ = ["DEFAULT_USABLE", "MODES", "build_layout", "consistent", "plan_cost", "plan_residency", "sleep_move"]
+__all__ = ["DEFAULT_USABLE", "MODES", "build_layout", "check_sleepers", "consistent", "plan_cost", "plan_residency",
+           "sleep_move"]

@@ -38,6 +38,10 @@ class RoleWorker:
         faulthandler.enable(self._stack_file)  # a hard crash leaves its stack in the run's log folder
         self.offloader = None  # set by subclasses: a hybrid_core StateMover (offload(states) / reload())
         self.trim_cache = False  # the residency plan releases this role's allocator cache after each phase
+        # The CPU threads this worker was given (Ray sets OMP_NUM_THREADS from the actor's CPUs; 1 for a share of
+        # a GPU), never torch's own default (every core): a CPU run's numerics depend on the thread count, so two
+        # runs of the same config agree only if it is fixed, whatever else the machine runs.
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
         torch.manual_seed(config.seed + rank)
 
     # ---- identity / rendezvous -------------------------------------------------------------------------------------

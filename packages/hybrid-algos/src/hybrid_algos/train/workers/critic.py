@@ -23,7 +23,7 @@ class CriticWorker(RoleWorker):
         init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         model = load_critic(model_path, dtype=dtype, attn_implementation=attn_implementation(cfg),
-                            gradient_checkpointing=cfg.gradient_checkpointing)
+                            gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
         self.engine = make_engine(model, deepspeed_config(
             zero_stage=cfg.zero_stage, bf16=cfg.bf16, micro_batch=cfg.micro_train_batch_size,
             grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),

@@ -21,7 +21,8 @@ def _frozen_dtype(cfg) -> torch.dtype:
 
 class ReferenceWorker(RoleWorker):
     def setup(self, model_path: str) -> dict[str, Any]:
-        model = load_causal_lm(model_path, dtype=_frozen_dtype(self.config), attn_implementation=attn_implementation(self.config))
+        model = load_causal_lm(model_path, dtype=_frozen_dtype(self.config), attn_implementation=attn_implementation(self.config),
+                               trust_remote_code=self.config.trust_remote_code)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.offloader = StateOffloader(self.model)
         self.settle()
@@ -40,7 +41,8 @@ class ReferenceWorker(RoleWorker):
 
 class RewardModelWorker(RoleWorker):
     def setup(self, model_path: str) -> dict[str, Any]:
-        model = load_reward_model(model_path, dtype=_frozen_dtype(self.config), attn_implementation=attn_implementation(self.config))
+        model = load_reward_model(model_path, dtype=_frozen_dtype(self.config), attn_implementation=attn_implementation(self.config),
+                                  trust_remote_code=self.config.trust_remote_code)
         self.model = model.to(self.device)
         self.offloader = StateOffloader(self.model)
         self.settle()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -28,7 +28,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         model = load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation(cfg),
-                               gradient_checkpointing=cfg.gradient_checkpointing)
+                               gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
         self.model_path = model_path
         self.engine = make_engine(model, deepspeed_config(
             zero_stage=cfg.zero_stage, bf16=cfg.bf16, micro_batch=cfg.micro_train_batch_size,
@@ -231,7 +231,8 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             from transformers import AutoTokenizer
 
             self.engine.module.save_pretrained(path, state_dict=state)
-            AutoTokenizer.from_pretrained(tokenizer_path).save_pretrained(path)
+            AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=self.config.trust_remote_code
+                                          ).save_pretrained(path)
 
 
 def attn_implementation(cfg) -> str | None:

@@ -1,0 +1,114 @@
+"""Which checkpoint a run continues from, and whether this run *can* continue it -- decided before Ray starts.
+
+``--resume`` needs a checkpoint; ``--resume_if_exists`` (OpenRLHF's ``--load_checkpoint``) continues one when there
+is one and starts fresh otherwise. A checkpoint records the essentials of the run that wrote it (algorithm,
+estimator, model, the trainer's layout); a run that differs in one of them cannot load it (a GRPO checkpoint has no
+critic for ``hybrid ppo``; DeepSpeed's files are laid out per rank and ZeRO stage) and is refused with a message
+saying which command continues it. Settings that may change between runs (learning rate, KL, ...) only get a note.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_core.errors import ConfigError
+
+from .checkpoint import CheckpointError, CheckpointManager, UnsafeCheckpoint
+
+log = logging.getLogger(__name__)
+
+#: Must match between the run that wrote a checkpoint and the run that loads it.
+ESSENTIALS = ("algorithm", "uses_critic", "actor_world_size", "critic_world_size", "zero_stage", "tiny_model")
+#: Different from the checkpoint's: allowed, but said.
+NOTED = ("actor_learning_rate", "critic_learning_rate", "init_kl_coef", "kl_estimator", "use_kl_loss",
+         "n_samples_per_prompt", "rollout_batch_size", "train_batch_size", "max_epochs", "temperature", "seed",
+         "pretrain", "reward_pretrain", "reward_fn", "prompt_data", "task", "task_length", "bf16")
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: str
+    step: int
+    state: dict[str, Any]
+
+
+def essentials(config: Any) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it (plain data, compared on resume)."""
+    return {"algorithm": config.algorithm, "advantage_estimator": config.advantage_estimator,
+            "uses_critic": config.uses_critic, "actor_world_size": config.actor_world_size,
+            "critic_world_size": config.critic_world_size if config.uses_critic else 0,
+            "zero_stage": config.zero_stage, "tiny_model": dict(config.tiny_model) if config.pretrain is None else None}
+
+
+def find_resume_point(config: Any, ckpt: CheckpointManager) -> ResumePoint | None:
+    """The checkpoint this run continues from (None: a fresh start); a ConfigError when it cannot continue."""
+    if not (config.resume or config.resume_if_exists):
+        return None
+    ckpt.sweep_incomplete()
+    try:
+        found = ckpt.resume_point(trusted=config.trust_checkpoint)
+    except UnsafeCheckpoint as e:
+        raise ConfigError("resume", str(e) + ".", "Resume from a checkpoint you wrote, or start a fresh run (a new "
+                          "--save_path, or --overwrite).") from None
+    except CheckpointError as e:
+        raise ConfigError("resume", str(e) + ".", "Point --ckpt_path at another run's checkpoints, or start a fresh "
+                          "run (a new --save_path, or --overwrite).") from None
+    if found is None:
+        if config.resume:
+            raise ConfigError("resume", f"no complete checkpoint under {ckpt.root}.",
+                              "Drop --resume to start fresh, or point --ckpt_path (or --save_path) at the run to "
+                              "continue.")
+        log.info("--resume_if_exists: no checkpoint under %s, starting fresh", ckpt.root)
+        return None
+    path, step, state = found
+    check_compatible(config, state, path)
+    return ResumePoint(path, step, state)
+
+
+def check_compatible(config: Any, state: dict[str, Any], path: str) -> None:
+    """Refuse a checkpoint written by a run this one cannot continue; log the settings that changed."""
+    saved = state.get("essentials") or _essentials_of_old(state.get("config") or {})
+    mine = essentials(config)
+    for key in ESSENTIALS:
+        if key in saved and saved[key] != mine[key]:
+            raise ConfigError("resume", f"the checkpoint {path} was written by {_describe(saved)}, and this is "
+                              f"{_describe(mine)} ({key}: {saved[key]!r} there, {mine[key]!r} here).",
+                              f"Continue it with the same command and layout (hybrid {saved.get('algorithm', '?')} "
+                              "... --resume), or start this run in a fresh --save_path.")
+    old = state.get("config") or {}
+    changed = [f"{k} {old[k]!r} -> {getattr(config, k)!r}" for k in NOTED
+               if k in old and _plain(old[k]) != _plain(getattr(config, k))]
+    if changed:
+        log.warning("resuming %s with settings changed since it was saved: %s", path, "; ".join(changed))
+
+
+def _essentials_of_old(config: dict[str, Any]) -> dict[str, Any]:
+    """Essentials of a checkpoint written before they were recorded, from its saved config."""
+    if not config:
+        return {}
+    estimator = config.get("advantage_estimator")
+    out: dict[str, Any] = {"uses_critic": estimator == "gae"}
+    algorithm = {"gae": "ppo", "group_norm": "grpo", "grpo": "grpo", "reinforce": "reinforce"}.get(estimator)
+    if algorithm:
+        out["algorithm"] = algorithm
+    if "zero_stage" in config:
+        out["zero_stage"] = config["zero_stage"]
+    return out
+
+
+def _describe(e: dict[str, Any]) -> str:
+    critic = "with a critic" if e.get("uses_critic") else "no critic"
+    layout = f", {e['actor_world_size']} actor GPU(s), ZeRO-{e['zero_stage']}" if "zero_stage" in e and \
+        "actor_world_size" in e else ""
+    return f"`hybrid {e.get('algorithm', '?')}` ({e.get('advantage_estimator', 'its estimator')}, {critic}{layout})"
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, str) and os.sep in value:
+        return os.path.abspath(value)
+    return value

@@ -1,0 +1,38 @@
+"""The watch on Ray's GCS: a port that stops accepting connections interrupts the main thread within seconds, one
+that keeps answering never does."""
+
+import socket
+import time
+
+import pytest
+
+from hybrid_algos.train.cluster_watch import ClusterWatch
+
+
+def _listening():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    return server, f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_a_gcs_that_goes_away_interrupts_the_run():
+    server, address = _listening()
+    watch = ClusterWatch(address, interval_s=0.2, misses=3)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with watch:
+            time.sleep(0.6)
+            server.close()  # the GCS dies
+            time.sleep(30)  # the run, waiting on a Ray call
+    assert watch.lost and time.monotonic() - start < 10
+
+
+def test_a_gcs_that_answers_is_left_alone():
+    server, address = _listening()
+    try:
+        with ClusterWatch(address, interval_s=0.1, misses=2) as watch:
+            time.sleep(1.0)
+        assert not watch.lost
+    finally:
+        server.close()
