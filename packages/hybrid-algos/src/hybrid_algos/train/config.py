@@ -147,7 +147,7 @@ class RLConfig:
 
     # ---- agents (multi-turn, tool-using rollouts) ------------------------------------------------------------
     agent_func_path: str | None = None  # environment: FILE.py (OpenRLHF's AgentExecutor, or an Environment class), FILE.py:NAME or module:NAME
-    max_turns: int | None = None  # model turns per sample, then it ends; None = 8 (the built-in lookup task: 3)
+    max_turns: int | None = None  # model turns per sample, then it ends; None = 8 (the built-in lookup task: 2)
     max_new_tokens_per_turn: int | None = None  # new tokens of one turn; None = what is left of generate_max_len (lookup: 2)
     agent_timeout_s: float = 60.0  # deadline of each environment call (reset, step)
     agent_on_error: str = "raise"  # environment raised, timed out or answered in a wrong shape: raise (end the run) | end_sample

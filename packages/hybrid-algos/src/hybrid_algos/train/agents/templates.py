@@ -18,9 +18,10 @@ from hybrid_core.errors import ConfigError
 
 #: A chat template for the tiny built-in tokenizer (its vocabulary: <pad> <bos> <eos> <sep> s0 .. s7): a user
 #: message is ``<bos> TEXT <sep>`` (the built-in tasks' prompt format), an assistant message ``TEXT <eos>``, a tool
-#: result ``TEXT <sep>``; the assistant's turn follows with no header.
+#: result ``<sep> TEXT`` (the tool's answer right before the model's next turn); the assistant's turn follows with no
+#: header.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }} <eos> "
-                      "{% elif m['role'] == 'tool' %}{{ m['content'] }} <sep> "
+                      "{% elif m['role'] == 'tool' %}<sep> {{ m['content'] }} "
                       "{% else %}<bos> {{ m['content'] }} <sep> {% endif %}{% endfor %}")
 
 _USER, _ASSISTANT = "HYBRIDUSERTEXT", "HYBRIDASSISTANTTEXT"  # stand-ins, found again in the rendered text
