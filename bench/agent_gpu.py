@@ -14,7 +14,7 @@ printed too.
     python bench/peer_workload.py /tmp/peer                   # once: the model folder and prompts
     python bench/agent_gpu.py --model /tmp/peer/model         # GPU (vLLM): table, $OUT/agent_gpu.json
     python bench/agent_gpu.py --model /tmp/peer/model --record      # ... and append the rows to bench/RESULTS.md
-    python bench/agent_gpu.py --small --backend hf            # CPU: tiny model, the built-in engine (logic only)
+    python bench/agent_gpu.py --small                         # CPU: tiny model, the built-in engine (logic only)
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class ToolEnvironment:
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/peer/model", help="bench/peer_workload.py's folder (357m)")
-    ap.add_argument("--backend", default="vllm", choices=("vllm", "hf"))
+    ap.add_argument("--backend", default=None, choices=("vllm", "hf"), help="default: vllm (hf with --small)")
     ap.add_argument("--small", action="store_true", help="a tiny variant of the workload on CPU (checks the logic)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8, help="conversations per prompt")
@@ -82,6 +82,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--gpu-util", type=float, default=0.5)
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     args = ap.parse_args()
+    args.backend = args.backend or ("hf" if args.small else "vllm")
     if args.small:
         args.prompts, args.samples, args.turn_tokens, args.reply_tokens, args.repeats = 4, 2, 8, 8, 2
     return args
@@ -170,7 +171,8 @@ def main() -> int:
     for name in settings:
         m = out["settings"][name]
         what = f"{args.turns}-turn task, {label}, {args.backend}, prefix caching {name}"
-        rows.append(Row(f"agent rollout tokens/s ({what})", m["tokens_per_s"], "model tokens/s (whole rollout)"))
+        rows.append(Row(f"agent rollout tokens/s ({what})", m["tokens_per_s"], "model tokens/s (whole rollout)",
+                        record=not args.small))
         rows.append(Row(f"agent rollout s ({what})", m["agent/rollout_s"], "s", record=False))
         rows.append(Row(f"agent engine share ({what})", m["agent/generate_s"] / m["agent/rollout_s"], "fraction",
                         record=False))
@@ -180,7 +182,7 @@ def main() -> int:
                 rows.append(Row(f"  turn {t} tool s ({name})", m[f"agent/turn{t}/env_s"], "s", record=False))
     speedup = out["settings"]["on"]["tokens_per_s"] / out["settings"]["off"]["tokens_per_s"]
     rows.append(Row(f"agent rollout speedup from prefix caching ({args.turns}-turn task, {label}, {args.backend})",
-                    speedup, "x", record=args.backend == "vllm"))
+                    speedup, "x", record=args.backend == "vllm" and not args.small))
     if args.backend == "hf":
         print("note: the built-in engine keeps no prefix cache; 'on' and 'off' run the same code (logic check only)")
     print_table(f"agent rollouts: {args.prompts} prompts x {args.samples} samples, {args.turns} turns of <= "

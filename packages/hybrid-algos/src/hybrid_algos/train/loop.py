@@ -139,6 +139,9 @@ def _note_agent(config: RLConfig, agent: Any, tokenizer: Any) -> None:
     if config.prompt_data is None and config.agent_func_path and config.task not in ("lookup",):
         log.info("agent %s: the prompts are the built-in %r task's; the rewards are the environment's", agent.source,
                  config.task)
+    if config.backend == "vllm" and not config.enable_prefix_caching:
+        log.info("agent %s: every turn sends the whole conversation again; --enable_prefix_caching lets vLLM reuse the "
+                 "earlier turns' KV cache (bench/agent_gpu.py measures the difference)", agent.source)
     if agent.kind == "environment" and not agent.builtin and getattr(tokenizer, "chat_template", None) \
             and not config.apply_chat_template:
         log.info("agent %s: the tokenizer has a chat template, but --apply_chat_template is off: prompts and the "
