@@ -75,8 +75,8 @@ def _reference_argv(name, *, policy, reward, prompts, out_dir):
 @pytest.fixture(scope="session")
 def script_prompts(tmp_path_factory):
     """Prompt records carrying every field the scripts name (OpenRLHF's default input key 'input' too), three files
-    for the scripts that mix datasets, and an OpenRLHF-shaped reward file."""
-    from openrlhf_scripts import OPENRLHF_REWARD_FILE
+    for the scripts that mix datasets, and OpenRLHF-shaped reward and agent files."""
+    from openrlhf_scripts import OPENRLHF_AGENT_FILE, OPENRLHF_REWARD_FILE
 
     folder = tmp_path_factory.mktemp("script-data")
     paths = []
@@ -90,7 +90,9 @@ def script_prompts(tmp_path_factory):
         paths.append(str(path))
     reward = folder / "reward_func.py"
     reward.write_text(OPENRLHF_REWARD_FILE)
-    return {"data": paths, "reward": str(reward)}
+    agent = folder / "agent_func.py"
+    agent.write_text(OPENRLHF_AGENT_FILE)
+    return {"data": paths, "reward": str(reward), "agent": str(agent)}
 
 
 @pytest.fixture

@@ -12,12 +12,31 @@ _MODEL_FLAGS = {"pretrain": "policy", "actor.model_name_or_path": "policy", "rew
 _OUT_FLAGS = ("save_path", "ckpt.output_dir", "ckpt_path", "ckpt.path", "logger.tensorboard_dir")
 _DATA_FLAGS = ("prompt_data", "data.prompt_dataset")
 _REWARD_FLAGS = ("remote_rm_url", "reward.remote_url")
+_AGENT_FLAGS = ("agent_func_path", "train.agent_func_path")
 
 #: An OpenRLHF-shaped reward file: reward_func(queries, prompts, labels) -> scores (here: completion length).
 OPENRLHF_REWARD_FILE = (
     "import torch\n\n"
     "def reward_func(queries, prompts, labels):\n"
     "    return torch.tensor([float(len(q) - len(p)) for q, p in zip(queries, prompts)])\n")
+
+#: An OpenRLHF-shaped agent file (--agent_func_path), written as OpenRLHF's examples write theirs.
+OPENRLHF_AGENT_FILE = (
+    "import torch\n"
+    "from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor\n\n\n"
+    "class AgentInstance(AgentInstanceBase):\n"
+    "    def __init__(self, *args, **kwargs):\n"
+    "        self.turn = 0\n\n"
+    "    async def reset(self, states, **kwargs):\n"
+    "        return {'observation': states['observation']}\n\n"
+    "    async def step(self, states, **kwargs):\n"
+    "        self.turn += 1\n"
+    "        reward = torch.tensor(float(states['label'] in states['action_text']))\n"
+    "        return {'rewards': reward, 'scores': reward, 'environment_feedback': ' s0', 'done': self.turn >= 2,\n"
+    "                'sampling_params': states.get('sampling_params'), 'extra_logs': {'turn': self.turn}}\n\n\n"
+    "class AgentExecutor(MultiTurnAgentExecutor):\n"
+    "    def __init__(self):\n"
+    "        super().__init__(AgentInstance)\n")
 
 
 def read_args(path):
@@ -39,5 +58,7 @@ def openrlhf_script_argv(name, *, policy, reward, prompts, out_dir):
             word = ",".join(prompts["data"][: len(word.split(","))])
         elif flag in _REWARD_FLAGS and not word.startswith("http"):
             word = prompts["reward"]
+        elif flag in _AGENT_FLAGS:
+            word = prompts["agent"]
         out.append(word)
     return out

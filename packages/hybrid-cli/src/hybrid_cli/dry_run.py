@@ -99,6 +99,13 @@ def load_prompts(config: Any, console: Console | None = None) -> list:
 
 def describe_reward(config: Any) -> str:
     """Where rewards come from; a run with its own prompts needs a reward model or a reward function."""
+    if getattr(config, "uses_agent", False):  # multi-turn: the environment rewards (its file is imported now)
+        from hybrid_algos.train.agents import AgentSettings, builtin_agent, load_agent
+
+        spec = load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config)
+        what = "OpenRLHF AgentExecutor" if spec.kind == "openrlhf" else "environment"
+        return (f"reward: the environment's ({what} of {spec.source}; multi-turn, up to "
+                f"{AgentSettings.from_config(config, spec).max_turns} turns)")
     if config.reward_fn is not None:
         from hybrid_algos.train.remote_rewards import HttpReward, RewardFile
         from hybrid_algos.train.rewards import load_reward_fn

@@ -534,7 +534,7 @@ DOTTED_RULES: dict[str, Rule] = {
                                  instead="hybrid reads the head transformers' sequence-classification models have."),
     "ref.offload": convert(_offload_frozen, "ref_reward_offload"),
     "reward.offload": convert(_offload_frozen, "ref_reward_offload"),
-    "train.agent_func_path": refuse("multi-turn agent rollouts", "drop this flag."),
+    "train.agent_func_path": same("agent_func_path"),
     # data
     "data.prompt_dataset": same("prompt_data"),
     "data.prompt_probs": same("prompt_data_probs"),

@@ -18,7 +18,9 @@ from hybrid_core.errors import ConfigError
 from hybrid_engines.registry import backend_names
 
 #: Built-in synthetic tasks (prompts + rule-based reward) used when no --prompt_data is given.
-TASKS = ("copy", "copy_first", "reverse", "add")
+TASKS = ("copy", "copy_first", "reverse", "add", "lookup")
+#: Built-in tasks whose samples are multi-turn conversations with a built-in environment (hybrid_algos.train.agents).
+AGENT_TASKS = ("lookup",)
 
 
 @dataclass
@@ -145,6 +147,13 @@ class RLConfig:
     overlong_penalty_factor: float = 1.0  # the penalty at generate_max_len
     mask_truncated_completions: bool = False  # completions cut at generate_max_len are left out of the policy loss
 
+    # ---- agents (multi-turn, tool-using rollouts) ------------------------------------------------------------
+    agent_func_path: str | None = None  # environment: FILE.py (OpenRLHF's AgentExecutor, or an Environment class), FILE.py:NAME or module:NAME
+    max_turns: int | None = None  # model turns per sample, then it ends; None = 8 (the built-in lookup task: 2)
+    max_new_tokens_per_turn: int | None = None  # new tokens of one turn; None = what is left of generate_max_len (lookup: 2)
+    agent_timeout_s: float = 60.0  # deadline of each environment call (reset, step)
+    agent_on_error: str = "raise"  # environment raised, timed out or answered in a wrong shape: raise (end the run) | end_sample
+
     # ---- data ------------------------------------------------------------------------------------------------
     prompt_data: str | None = None  # JSONL / Parquet file or a datasets folder; None = the built-in task
     input_key: str | None = None
@@ -225,6 +234,11 @@ class RLConfig:
     @property
     def rollout_token_budget(self) -> int:
         return self.rollout_max_tokens_per_gpu or self.train_token_budget
+
+    @property
+    def uses_agent(self) -> bool:
+        """Samples are multi-turn conversations with an environment (``--agent_func_path``, or a built-in agent task)."""
+        return self.agent_func_path is not None or (self.prompt_data is None and self.task in AGENT_TASKS)
 
     @property
     def uses_reference(self) -> bool:
@@ -345,6 +359,7 @@ class RLConfig:
         self._validate_clip()
         self._validate_correction()
         self._validate_dapo()
+        self._validate_agent()
         self._validate_batches()
         self._validate_files()
         if self.save_steps == 0 or self.save_steps < -1:
@@ -454,6 +469,41 @@ class RLConfig:
                 raise ConfigError(name, "is set but --use_dynamic_batch is off, so it would be ignored.",
                                   "Add --use_dynamic_batch, or drop it.")
 
+    def _validate_agent(self) -> None:
+        if not math.isfinite(self.agent_timeout_s) or self.agent_timeout_s <= 0:
+            raise ConfigError("agent_timeout_s", f"must be a finite number of seconds > 0, got {self.agent_timeout_s}.",
+                              "E.g. --agent_timeout_s 60 (each environment reset / step must answer within it).")
+        _choice("agent_on_error", self.agent_on_error, AGENT_ERROR_POLICIES,
+                "raise ends the run at the first bad environment call; end_sample ends that sample (reward 0, left "
+                "out of the loss) and training goes on.")
+        for name in ("max_turns", "max_new_tokens_per_turn"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.max_new_tokens_per_turn is not None and self.max_new_tokens_per_turn > self.generate_max_len:
+            raise ConfigError("max_new_tokens_per_turn", f"{self.max_new_tokens_per_turn} is more than the whole "
+                              f"response may hold (generate_max_len = {self.generate_max_len}: every turn and every "
+                              "environment reply of a sample).", "Lower it, or raise --generate_max_len.")
+        if not self.uses_agent:
+            given = [n for n, default in (("max_turns", None), ("max_new_tokens_per_turn", None),
+                                          ("agent_timeout_s", 60.0), ("agent_on_error", "raise"))
+                     if getattr(self, n) != default]
+            if given:
+                raise ConfigError(given[0], "is set but the run has no environment (single-turn rollouts), so it "
+                                  "would be ignored.", "Add --agent_func_path FILE.py, or drop it.")
+            return
+        if self.reward_pretrain is not None:
+            raise ConfigError("reward_pretrain", "a multi-turn run is rewarded by its environment (the rewards its "
+                              "step returns), so a reward model would be ignored.",
+                              "Drop --reward_pretrain, or score inside the environment's step.")
+        if self.reward_fn is not None:
+            raise ConfigError("reward_fn", "a multi-turn run is rewarded by its environment (the rewards its step "
+                              "returns), so --reward_fn would be ignored.",
+                              "Drop --reward_fn, or call your reward function from the environment's step.")
+        if self.agent_func_path is not None:
+            from .agents.loader import check_agent_path
+
+            check_agent_path(self.agent_func_path)
+
     def _validate_batches(self) -> None:
         samples = self.samples_per_step
         if samples % self.train_batch_size:
@@ -551,6 +601,10 @@ class RLConfig:
         if self.reward_pretrain is not None and self.reward_fn is not None:
             raise ConfigError("reward_fn", "both --reward_pretrain and --reward_fn are set; a run uses one reward.",
                               "Keep one of them.")
+
+
+#: What ``--agent_on_error`` may say.
+AGENT_ERROR_POLICIES = ("raise", "end_sample")
 
 
 #: Settings of the built-in demo (no --pretrain): the tiny model learns to copy the prompt's symbol, from chance to

@@ -9,6 +9,9 @@ step's metrics say how many. The step's ``reward`` is then the mean over every s
 policy is), ``reward/batch`` the one of the batch trained on. Extra prompts are drawn from the whole prompt set with a seed of (seed, step, round),
 so a resumed run draws the same ones.
 
+With an environment (``ctx.agent``: :mod:`.agents`) each round's samples are multi-turn conversations and their raw
+scores the environment's rewards (each sample's sum over its turns); dynamic sampling filters them the same way.
+
 :func:`shape_rewards` applies DAPO's soft overlong penalty (``--overlong_buffer_len``) and marks the completions cut
 at the length limit, which ``--mask_truncated_completions`` leaves out of the policy loss.
 """
@@ -25,17 +28,45 @@ from typing import Any, Sequence
 import torch
 
 from .. import informative_groups, overlong_penalty
+from .experience import Rollout
 
 
 @dataclass
 class Sampled:
     """The step's prompts and completions (``outputs[i]`` = the samples of ``prompts[i]``), and the raw scores
-    when dynamic sampling already computed them (else None: the step scores them)."""
+    when dynamic sampling or the environments already computed them (else None: the step scores them)."""
 
     prompts: list
     outputs: list
     scores: torch.Tensor | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def rollout(self, pad_id: int) -> Rollout:
+        """The trainer's batch. Multi-turn samples (``extra["action_mask"]``) start from their own prompt ids (an
+        environment may rewrite the prompt) and mask the environment's tokens out."""
+        multi_turn = any("action_mask" in o.extra for outs in self.outputs for o in outs)
+        return Rollout.from_generations(
+            [p.prompt_ids for p in self.prompts], [[o.token_ids for o in outs] for outs in self.outputs], pad_id,
+            logprobs=[[o.logprobs or [0.0] * len(o.token_ids) for o in outs] for outs in self.outputs],
+            action_masks=[[o.extra.get("action_mask") for o in outs] for outs in self.outputs] if multi_turn else None,
+            sample_prompts=[[o.prompt_token_ids for o in outs] for outs in self.outputs] if multi_turn else None)
+
+
+def _generate(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any, *, score: bool):
+    """One round: ``(outputs, raw scores or None, agent batch or None)``. With an environment (``ctx.agent``,
+    :mod:`.agents`) the samples are conversations and their scores the environment's rewards."""
+    agent = getattr(ctx, "agent", None)
+    if agent is not None:
+        batch = agent.run(ctx.engines, prompts, sampling, step)
+        return batch.outputs, batch.rewards, batch
+    outputs = ctx.engines.generate([p.prompt_ids for p in prompts], sampling)
+    return outputs, ctx.reward.score(prompts, outputs) if score else None, None
+
+
+def _agent_metrics(batches: list) -> dict[str, float]:
+    from .agents import summarize
+
+    return summarize([b for b in batches if b is not None])
 
 
 def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -> Sampled:
@@ -43,20 +74,23 @@ def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -
     cfg = ctx.config
     prompts = list(prompts)
     if not cfg.dynamic_filtering:
-        return Sampled(prompts, ctx.engines.generate([p.prompt_ids for p in prompts], sampling))
+        outputs, scores, batch = _generate(ctx, step, prompts, sampling, score=False)
+        return Sampled(prompts, outputs, scores, _agent_metrics([batch]) if batch is not None else {})
 
     target, n = len(prompts), cfg.n_samples_per_prompt
     kept: list[tuple[Any, Any, torch.Tensor]] = []
     dropped: list[tuple[Any, Any, torch.Tensor]] = []
     generated, rounds, reward_s = 0, 0, 0.0
     batch = prompts
+    agent_batches: list = []
     while True:
         params = sampling if rounds == 0 else dataclasses.replace(sampling, seed=_round_seed(sampling.seed, rounds))
-        outputs = ctx.engines.generate([p.prompt_ids for p in batch], params)
-        generated += len(batch)
         t0 = time.perf_counter()
-        raw = ctx.reward.score(batch, outputs)
-        reward_s += time.perf_counter() - t0
+        outputs, raw, agent_batch = _generate(ctx, step, batch, params, score=True)
+        if agent_batch is None:
+            reward_s += time.perf_counter() - t0
+        agent_batches.append(agent_batch)
+        generated += len(batch)
         shaped, _, _ = shape_rewards(cfg, outputs, raw, sampling.max_new_tokens)
         keep = informative_groups(shaped, n_samples_per_prompt=n, reward_range=cfg.dynamic_filtering_reward_range)
         for g, (prompt, outs) in enumerate(zip(batch, outputs)):
@@ -77,6 +111,8 @@ def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -
                "dynamic_sampling/generated_samples": float(generated * n),
                "dynamic_sampling/pass_rate": len(kept) / generated, "dynamic_sampling/filled_groups": float(filled),
                "dynamic_sampling/reward_s": reward_s}
+    if any(b is not None for b in agent_batches):
+        metrics.update(_agent_metrics(agent_batches))
     return Sampled([c[0] for c in chosen], [c[1] for c in chosen], scores, metrics)
 
 
@@ -102,6 +138,7 @@ def shape_rewards(cfg: Any, outputs: Sequence[Sequence[Any]], scores: torch.Tens
     ``--generate_max_len``), its buffer at most that limit."""
     flat = [o for outs in outputs for o in outs]
     truncated = torch.tensor([o.finish_reason == "length" for o in flat], dtype=torch.bool)
+    failed = torch.tensor([bool(o.extra.get("agent_failed")) for o in flat], dtype=torch.bool)
     metrics = {"rollout/truncated_frac": truncated.float().mean().item() if len(flat) else 0.0}
     if cfg.overlong_buffer_len is not None:
         lengths = torch.tensor([len(o.token_ids) for o in flat])
@@ -110,4 +147,6 @@ def shape_rewards(cfg: Any, outputs: Sequence[Sequence[Any]], scores: torch.Tens
         scores = scores + penalty.to(scores.dtype)
         metrics["reward/overlong_penalty"] = penalty.mean().item()
     sample_mask = ~truncated if cfg.mask_truncated_completions else None
+    if failed.any():  # an environment failed (--agent_on_error end_sample): not the policy's doing
+        sample_mask = ~failed if sample_mask is None else sample_mask & ~failed
     return scores, sample_mask, metrics

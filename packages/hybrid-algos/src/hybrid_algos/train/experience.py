@@ -1,7 +1,9 @@
 """The rollout batch that flows through a step: generated sequences plus everything computed about them.
 
-Layout: ``sequences[b] = [left-padded prompt (P) | right-padded response (R)]``; ``action_mask[b, t]`` marks real
-response tokens (the stop token included). Samples are prompt-major: the ``n`` samples of prompt 0, then of prompt 1,
+Layout: ``sequences[b] = [left-padded prompt (P) | right-padded response (R)]``; ``action_mask[b, t]`` marks the
+response tokens the policy produced (the stop token included). In a multi-turn sample (:mod:`.agents`) the response
+also holds the environment's replies between the model's turns: attended to (``attention_mask`` 1) but with
+``action_mask`` 0, so no loss, KL, advantage or mismatch statistic sees them. Samples are prompt-major: the ``n`` samples of prompt 0, then of prompt 1,
 so ``group`` (the prompt index) is what GRPO / RLOO group by.
 """
 
@@ -54,14 +56,25 @@ class Rollout:
 
     @classmethod
     def from_generations(cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Sequence[int]]],
-                         pad_id: int, logprobs: Sequence[Sequence[Sequence[float]]] | None = None) -> "Rollout":
-        """Build from per-prompt lists of completions (``completions[i]`` = the samples of prompt ``i``)."""
-        flat_prompts, flat_resp, flat_lp, group = [], [], [], []
+                         pad_id: int, logprobs: Sequence[Sequence[Sequence[float]]] | None = None, *,
+                         action_masks: Sequence[Sequence[Sequence[int] | None]] | None = None,
+                         sample_prompts: Sequence[Sequence[Sequence[int]]] | None = None) -> "Rollout":
+        """Build from per-prompt lists of completions (``completions[i]`` = the samples of prompt ``i``).
+
+        Multi-turn samples: ``action_masks[i][j]`` (1 = the model's token, 0 = the environment's; None = all the
+        model's) and ``sample_prompts[i][j]`` (the prompt the sample really started from, when the environment
+        rewrote it) are nested like ``completions``."""
+        flat_prompts, flat_resp, flat_lp, flat_mask, group = [], [], [], [], []
         for i, (prompt, samples) in enumerate(zip(prompts, completions)):
             for j, resp in enumerate(samples):
-                flat_prompts.append(list(prompt))
+                flat_prompts.append(list(sample_prompts[i][j] if sample_prompts is not None else prompt))
                 flat_resp.append(list(resp))
                 group.append(i)
+                mask = action_masks[i][j] if action_masks is not None else None
+                if mask is not None and len(mask) != len(resp):
+                    raise ValueError(f"sample {j} of prompt {i}: action mask of {len(mask)} tokens for a response of "
+                                     f"{len(resp)}")
+                flat_mask.append(mask)
                 if logprobs is not None:
                     flat_lp.append(list(logprobs[i][j]))
         if not flat_resp:
@@ -79,9 +92,12 @@ class Rollout:
             if r:
                 seq[b, P : P + len(r)] = torch.tensor(r, dtype=torch.long)
                 att[b, P : P + len(r)] = 1
-                act[b, : len(r)] = 1
+                mask = flat_mask[b]
+                act[b, : len(r)] = 1 if mask is None else torch.tensor(mask, dtype=torch.float32)
                 if elp is not None:
                     elp[b, : len(r)] = torch.tensor(flat_lp[b][: len(r)], dtype=torch.float32)
+        if elp is not None:
+            elp = elp * act  # an environment token has no engine log-prob: 0, as at padding
         return cls(seq, att, act, torch.tensor(group, dtype=torch.long), engine_logprobs=elp)
 
     # ---- slicing ------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class Prepared:
     sync_mode: str = "broadcast"  # weight_sync.choose_mode's answer for this plan
     residency: Any = None  # hybrid_core.residency.ResidencyPlan: what each role keeps on its GPUs in each phase
     resume_from: Any = None  # resume.ResumePoint: the checkpoint this run continues, or None (a fresh start)
+    agent: Any = None  # agents.AgentSpec: the environment of a multi-turn run (loaded here, before Ray)
 
 
 def prepare(config: RLConfig) -> Prepared:
@@ -73,6 +74,7 @@ def prepare(config: RLConfig) -> Prepared:
         if getattr(config, name) is not None:
             check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
     reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn is not None else None  # imports the user's file
+    agent = _load_agent(config) if config.uses_agent else None  # imports the agent file
     # The folders next (writable, not holding another run): nothing is written before they are known to be fine.
     run_dir = check_writable("save_path", config.save_path)
     ckpt = CheckpointManager(config.checkpoint_dir, config.max_ckpt_num)
@@ -94,9 +96,11 @@ def prepare(config: RLConfig) -> Prepared:
         raise ConfigError("prompt_data", f"{config.prompt_data} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} "
                           f"at offset {e.start} cannot be decoded).",
                           "Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl).") from None
-    if config.reward_fn is None:
+    if agent is not None:
+        _note_agent(config, agent, tokenizer)
+    elif config.reward_fn is None:
         reward_fn = task.reward_fn() if task is not None else None  # None: the reward model scores
-    if reward_fn is None and config.reward_pretrain is None:
+    if reward_fn is None and config.reward_pretrain is None and agent is None:  # an environment rewards its samples
         raise ConfigError("reward_pretrain", "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
                           "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.")
     longest_prompt, max_new_tokens = rollout_lengths(config, prompts)
@@ -120,7 +124,29 @@ def prepare(config: RLConfig) -> Prepared:
                                         generate_len=max_new_tokens)
     residency.check()
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync_mode, residency, resume_from)
+                    max_model_len, sync_mode, residency, resume_from, agent)
+
+
+def _load_agent(config: RLConfig) -> Any:
+    """The run's environment (its file is imported now, so a broken one fails before anything is written)."""
+    from .agents import builtin_agent, load_agent
+
+    return load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config)
+
+
+def _note_agent(config: RLConfig, agent: Any, tokenizer: Any) -> None:
+    """Log lines about how the environment's run is set up (where its prompts come from, chat templates)."""
+    if config.prompt_data is None and config.agent_func_path and config.task not in ("lookup",):
+        log.info("agent %s: the prompts are the built-in %r task's; the rewards are the environment's", agent.source,
+                 config.task)
+    if config.backend == "vllm" and not config.enable_prefix_caching:
+        log.info("agent %s: every turn sends the whole conversation again; --enable_prefix_caching lets vLLM reuse the "
+                 "earlier turns' KV cache (bench/agent_gpu.py measures the difference)", agent.source)
+    if agent.kind == "environment" and not agent.builtin and getattr(tokenizer, "chat_template", None) \
+            and not config.apply_chat_template:
+        log.info("agent %s: the tokenizer has a chat template, but --apply_chat_template is off: prompts and the "
+                 "environment's replies go in as plain text (add --apply_chat_template to render both with it)",
+                 agent.source)
 
 
 def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]:
@@ -130,6 +156,13 @@ def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]
     task = task_from_config(config) if config.prompt_data is None else None
     # Built-in tasks have short answers: generating up to 1024 tokens would only waste time.
     max_new_tokens = min(config.generate_max_len, task.answer_len + 1) if task else config.generate_max_len
+    if config.agent_func_path is not None:  # your environment: its turns and replies share generate_max_len
+        max_new_tokens = config.generate_max_len
+    elif task is not None and hasattr(task, "response_budget"):  # the built-in multi-turn task: all its turns fit
+        from .agents import AgentSettings
+
+        settings = AgentSettings.from_config(config)
+        max_new_tokens = min(config.generate_max_len, task.response_budget(settings.max_turns, settings.turn_tokens))
     longest_prompt = min(config.prompt_max_len, max((len(p.prompt_ids) for p in prompts), default=1))
     return longest_prompt, max_new_tokens
 
@@ -330,11 +363,16 @@ class TrainingSession:
         self.timeline = TimelineWriter(os.path.join(prep.run_dir, "timeline.jsonl"), append=prep.resume_from is not None)
         kl_controller = make_kl_controller(cfg.init_kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon) \
             if cfg.uses_reference else None
+        self.agent = None
+        if prep.agent is not None:
+            from .agents import AgentRollout
+
+            self.agent = AgentRollout(prep.agent, cfg, tok, context_limit=_max_positions(prep.model_path))
         self.ctx = StepContext(
             config=cfg, actor=self.actor, engines=self.engines, weight_sync=self.weight_sync, reward=self.reward,
             residency=self.owner, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
             reward_model=self.reward_model, kl_controller=kl_controller, on_phases=self.timeline,
-            prompt_pool=prep.prompts)
+            prompt_pool=prep.prompts, agent=self.agent)
         if prep.resume_from is not None:
             self._resume(prep.resume_from)
 
@@ -568,6 +606,8 @@ class TrainingSession:
 
         if self.timeline is not None:
             self.timeline.close()
+        if getattr(self, "agent", None) is not None:  # the environments' event loop: a local thread
+            self.agent.close()
         if cluster_lost:  # every Ray call would wait out its timeout: Ray's shutdown ends the local processes
             return
         if getattr(self, "owner", None) is not None:

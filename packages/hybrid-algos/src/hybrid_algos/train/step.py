@@ -1,6 +1,6 @@
 """One training step, phase by phase, as the hybrid engine runs it on shared GPUs.
 
-    generate      the engines sample n completions per prompt
+    generate      the engines sample n completions per prompt (or n conversations with an environment: agents/)
     reward        a rule function on the driver, or the reward model
     reference     log-probs for the KL term
     critic_infer  values (PPO)
@@ -48,6 +48,7 @@ class StepContext:
     kl_controller: Any | None = None
     on_phases: Callable[[int, list], Any] | None = None  # gets (step, [(phase, start, end), ...]): timeline.py
     prompt_pool: list | None = None  # every prompt: dynamic sampling (dynamic_sampling.py) draws extra ones here
+    agent: Any | None = None  # agents.AgentRollout: samples are multi-turn conversations with an environment
 
     def enter(self, phase: str, timer: PhaseTimer) -> None:
         """Make the GPUs ready for ``phase`` (a phase of a role this run does not have is skipped)."""
@@ -74,9 +75,7 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
     with timer.phase("generate"):
         sampled = sample_rollout(ctx, step, prompts, sampling)  # DAPO dynamic sampling: dynamic_sampling.py
     prompts, outputs = sampled.prompts, sampled.outputs
-    rollout = Rollout.from_generations(
-        [p.prompt_ids for p in prompts], [[o.token_ids for o in outs] for outs in outputs], ctx.pad_id,
-        logprobs=[[o.logprobs or [0.0] * len(o.token_ids) for o in outs] for outs in outputs])
+    rollout = sampled.rollout(ctx.pad_id)  # multi-turn samples: the environment's tokens are masked out
     ctx.enter(ctx.after("generate"), timer)  # what leaves the GPUs now goes while the driver scores
 
     # ---- rewards, reference, critic ------------------------------------------------------------------------------

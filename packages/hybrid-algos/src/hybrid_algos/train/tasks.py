@@ -79,4 +79,8 @@ class SyntheticTask:
 def task_from_config(config: Any) -> SyntheticTask:
     """The built-in task a config asks for (``task``, ``task_length`` symbols, the tiny model's symbol count)."""
     num_symbols = int(config.tiny_model.get("num_symbols", 8)) if config.tiny_model else 8
+    if config.task == "lookup":  # a multi-turn task: its environment is in agents/lookup.py
+        from .agents.lookup import LookupTask
+
+        return LookupTask(num_symbols=num_symbols, prompt_symbols=config.task_length)
     return SyntheticTask(config.task, num_symbols=num_symbols, prompt_symbols=config.task_length)
