@@ -8,8 +8,12 @@ temperature 1, CUDA graphs on), each variant timed over ``--repeats`` calls afte
     C  B without seeds
     D  our VLLMEngine.generate in this process (what the adapter adds on top of B or C)
     E  our EngineGroup.generate through a Ray actor (what the training loop calls)
+    F  the same actor's engine.generate timed inside the actor (F - E: Ray's transfer and scheduling; F - D: what
+       running in a Ray worker process costs the engine itself)
+    G  F with the actor given 8 CPU threads (OMP_NUM_THREADS and torch's; Ray gives a fractional-GPU actor 1)
+    H  F with Python's garbage collector off during the call (vLLM allocates many small objects per step)
 
-``generate overhead vs vLLM alone %`` = (E - A) / A.
+``generate overhead vs vLLM alone %`` = (E - A) / A. F, G and H find where E's extra time goes.
 
     python bench/generate_overhead.py --model /tmp/peer/model          # prints a table, writes $OUT/genoverhead.json
 """
@@ -125,6 +129,58 @@ def main() -> int:
     results["E ray group unseeded"] = timed(lambda: group.generate(prompts, ours(None)), args.repeats)
     group.shutdown()
     placed.remove()
+
+    # F, G, H: one actor like E's, timing inside itself; each variant in a fresh actor on a fresh placement
+    import ray
+
+    from hybrid_core.runtime_env import worker_runtime_env
+    from hybrid_engines.ray_engines import EngineActor
+
+    class TimedEngineActor(EngineActor):
+        def threads(self, n: int) -> int:
+            import torch
+
+            torch.set_num_threads(n)
+            return torch.get_num_threads()
+
+        def timed_generate(self, prompt_token_ids, params, gc_off: bool = False):
+            import gc
+
+            if gc_off:
+                gc.disable()
+            try:
+                start = time.perf_counter()
+                out = self.engine.generate(prompt_token_ids, params)
+                return time.perf_counter() - start, out
+            finally:
+                gc.enable()
+
+    engine_kwargs = dict(model=args.model, gpu_memory_utilization=args.gpu_util, dtype="bfloat16", seed=0,
+                         enable_sleep_mode=True, enable_prefix_caching=False,
+                         max_model_len=max(map(len, prompts)) + args.max_new)
+    for name, threads, gc_off in (("F in-actor unseeded", None, False), ("G in-actor 8 threads", 8, False),
+                                  ("H in-actor gc off", None, True)):
+        placed = place(PlacementSpec.from_ranges({"rollout": "0"}).plan())
+        env = worker_runtime_env({"OMP_NUM_THREADS": str(threads)} if threads else None)
+        actor = ray.remote(TimedEngineActor).options(**placed.actor_options("rollout", 0), runtime_env=env,
+                                                     max_restarts=0).remote("vllm", engine_kwargs)
+        ray.get(actor.ready.remote(), timeout=600)
+        if threads:
+            ray.get(actor.threads.remote(threads), timeout=60)
+        inside: list[float] = []
+
+        def call():
+            seconds, out = ray.get(actor.timed_generate.remote(prompts, ours(None), gc_off), timeout=600)
+            inside.append(seconds)
+            return out
+
+        outside = timed(call, args.repeats)
+        inside = inside[1:]  # the warm-up call is not counted
+        results[name] = {"median_s": statistics.median(inside), "min_s": min(inside), "times": inside,
+                         "tokens": outside["tokens"], "round_trip_median_s": outside["median_s"]}
+        ray.get(actor.shutdown.remote(), timeout=120)
+        ray.kill(actor)
+        placed.remove()
     shutdown(cluster)
 
     base = results["A vllm n=8"]["median_s"]

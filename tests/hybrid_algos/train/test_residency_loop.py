@@ -132,3 +132,53 @@ def _never_above_capacity(summary) -> None:
             working = sum(s.size.working_total(e["phase"]) * s.workers for s in plan.layout[gpu]
                           if s.role in next(p for p in plan.phases if p.name == e["phase"]).needs)
             assert held + working <= plan.capacity + 1, (e, working, plan.capacity / GiB)
+
+
+def test_refinement_catches_memory_that_keeps_growing_and_never_shrinks_the_overhead(tmp_path):
+    """The plan is refined after steps 1, 2, 4, 8, ...: memory reserved beyond the model that grows over the first
+    steps (the allocator's fragmentation as sequence lengths vary: 1.5B on an H200 grew 62 -> 84 GiB) is caught at
+    the next refinement, a reading lower than an earlier one keeps the larger overhead, and a growth that no longer
+    fits changes the moves. The GPU readings are given (no CUDA here); everything else is the loop's own code."""
+    from types import SimpleNamespace
+
+    from hybrid_algos.train.loop import TrainingSession, _refines_after
+    from hybrid_algos.train.placement import build_plan, build_residency
+    from hybrid_core.gpu_memory import GpuMemory
+
+    assert [k for k in range(20) if _refines_after(k)] == [0, 1, 3, 7, 15]
+    config = tiny_config(tmp_path, max_steps=STEPS, **NO_CONTEXT).validate()
+    budget = 4 * tight_budget(tmp_path) * GiB  # everything fits resident, with room to spare
+    plan, _ = build_residency(config, build_plan(config), None, prompt_len=3, generate_len=2, gpu_bytes=budget)
+    assert all(m == "resident" for m in plan.moves.values())
+    held = sum(plan.breakdown(0, "sync").values())
+    used = {"bytes": held}
+
+    class Guard:
+        enabled = True
+
+        def read(self, gpu):
+            return GpuMemory(free=budget - used["bytes"], total=budget)
+
+    owner = SimpleNamespace(plan=plan, guard=Guard(), phase="sync", settle=lambda: None)
+    session = TrainingSession.__new__(TrainingSession)
+    session.owner, session.config = owner, config
+    session.prep = SimpleNamespace(residency=plan, run_dir=str(tmp_path))
+
+    used["bytes"] = held + 0.10 * budget  # step 1: 10 % beyond the model
+    first = session.refine_residency(1)
+    assert first["residency/overhead_gib"] * GiB == pytest.approx(0.10 * budget, rel=1e-6)
+    assert owner.plan.overhead[0] == pytest.approx(0.10 * budget, rel=1e-6)
+    used["bytes"] = held + 0.10 * budget + 0.20 * budget  # step 2: grown by 20 % (the old overhead is not counted twice)
+    session.refine_residency(2)
+    assert owner.plan.overhead[0] == pytest.approx(0.30 * budget, rel=1e-6)
+    assert "refined after step 2" in owner.plan.notes[-1] and not any("after step 1" in n for n in owner.plan.notes)
+    used["bytes"] = held + 0.05 * budget  # a lower reading later: the larger overhead stays
+    assert session.refine_residency(4)["residency/replanned"] == 0.0
+    assert owner.plan.overhead[0] == pytest.approx(0.30 * budget, rel=1e-6)
+    used["bytes"] = held + 0.30 * budget + 0.55 * budget  # growth that does not fit resident: the moves change
+    grown = session.refine_residency(8)
+    assert grown["residency/replanned"] == 1.0 and any(m != "resident" for m in owner.plan.moves.values())
+    assert owner.plan.fits()
+    import json
+
+    assert json.loads((tmp_path / "residency.json").read_text())["overhead"]["0"] == pytest.approx(0.85 * budget)

@@ -85,7 +85,7 @@ def connect(
         os.makedirs(temp_dir, exist_ok=True)
     # address="local": always a new cluster of our own. Without it Ray joins any cluster already running on this
     # machine (found through /tmp/ray), someone else's included.
-    with loopback_only():
+    with loopback_only(), gpus_hidden_as_fakes(num_gpus):
         ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
                  log_to_driver=True, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
     info = _info(started_here=True)
@@ -111,6 +111,28 @@ def use_local_token(environ: MutableMapping[str, str] | None = None) -> None:
         Config.initialize("")
     except (ImportError, AttributeError):
         pass
+
+
+#: Values of CUDA_VISIBLE_DEVICES that hide every GPU (CUDA stops at the first id it does not know).
+HIDDEN_GPUS = ("", "-1", "NoDevFiles")
+
+
+@contextlib.contextmanager
+def gpus_hidden_as_fakes(num_gpus: int | None) -> Iterator[None]:
+    """A CPU run on a GPU machine (``CUDA_VISIBLE_DEVICES=`` hides the GPUs) declares fake GPUs as a CPU machine does.
+
+    Ray refuses to declare more GPUs than CUDA_VISIBLE_DEVICES lists, and hands each actor the ids it declared. So
+    while the node starts, the declared GPUs get ids no CUDA device has (-1, -2, ...): Ray accepts them, and every
+    worker Ray gives one sees no GPU, as on a machine without any."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not num_gpus or hidden is None or hidden.strip() not in HIDDEN_GPUS:
+        yield
+        return
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(-1 - i) for i in range(num_gpus))
+    try:
+        yield
+    finally:
+        os.environ["CUDA_VISIBLE_DEVICES"] = hidden
 
 
 @contextlib.contextmanager

@@ -401,8 +401,8 @@ class TrainingSession:
             self.owner.tag = step
             metrics, _ = self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
                                                                            self.sampling(step)))
-            if step == self.start_step:
-                metrics.update(self.guarded("refining the residency plan", self.refine_residency))
+            if _refines_after(step - self.start_step):
+                metrics.update(self.guarded("refining the residency plan", lambda: self.refine_residency(step + 1)))
             self.history.append(metrics)
             if (step + 1) % cfg.logging_steps == 0 or step + 1 == total:
                 _emit(callbacks, "on_step", metrics)
@@ -425,11 +425,13 @@ class TrainingSession:
             summary.update(checkpoint_dir=self.ckpt.root, last_checkpoint=latest[0])
         return summary
 
-    def refine_residency(self) -> dict[str, float]:
-        """After the first step, what each GPU really holds against what the plan counts. The difference (CUDA
-        contexts, library buffers, fragmentation, another process) becomes the plan's measured overhead, held in
-        every phase, and the plan is made again with it: a plan that no longer fits changes now, before a later
-        phase would run out of memory. Nothing to measure without CUDA (the guard is off)."""
+    def refine_residency(self, after_step: int) -> dict[str, float]:
+        """What each GPU really holds against what the plan counts, after steps 1, 2, 4, 8, ... of this run. The
+        difference (CUDA contexts, library buffers, the allocator's fragmentation as sequence lengths vary, another
+        process) becomes the plan's measured overhead, held in every phase, and the plan is made again with it: a
+        plan that no longer fits changes now, before a later phase would run out of memory. The overhead only grows
+        (the largest seen), and each reading is a step later than the last: reserved memory that keeps growing over
+        the first steps is caught. Nothing to measure without CUDA (the guard is off)."""
         from .placement import replan
 
         owner, guard = self.owner, self.owner.guard
@@ -444,17 +446,22 @@ class TrainingSession:
             if reading is None:
                 return {}
             # what the plan says is held now: everything of the phase just run, but the working memory of roles that
-            # trim their allocator cache after it (the others keep it reserved)
+            # trim their allocator cache after it (the others keep it reserved), and not the overhead measured before
             trimmed = {(s.role, item) for s in plan.layout[gpu] if plan.move(s.role, "cache") != "resident"
                        for item in s.size.working.get(phase, {})}
+            trimmed.add(("measured", "overhead"))
             held = sum(v for key, v in plan.breakdown(gpu, phase).items() if key not in trimmed)
-            overhead[gpu] = max(reading.total - reading.free - held, 0.0)
+            overhead[gpu] = max(reading.total - reading.free - held, plan.overhead.get(gpu, 0.0), 0.0)
+        grown = max(overhead[g] - plan.overhead.get(g, 0.0) for g in overhead)
+        if plan.overhead and grown < 0.01 * plan.gpu_bytes:  # nothing worth a new plan (the readings jitter)
+            return {"residency/overhead_gib": max(overhead.values()) / 2**30, "residency/replanned": 0.0}
         refined = replan(self.config, plan.layout, plan.gpu_bytes, overhead=overhead)
         changed = refined.moves != plan.moves
-        refined.notes = plan.notes + [f"refined after the first step: measured {max(overhead.values()) / 2**30:.2f} "
-                                      "GiB per GPU beyond the model" + ("; the moves changed" if changed else "")]
+        notes = [n for n in plan.notes if not n.startswith("refined after step")]
+        refined.notes = notes + [f"refined after step {after_step}: measured {max(overhead.values()) / 2**30:.2f} GiB "
+                                 "per GPU beyond the model" + ("; the moves changed" if changed else "")]
         if changed:
-            log.warning("residency plan changed after the first step (%.2f GiB beyond the model):\n%s",
+            log.warning("residency plan changed after step %d (%.2f GiB beyond the model):\n%s", after_step,
                         max(overhead.values()) / 2**30, refined.render())
         owner.plan = self.prep.residency = refined
         _write_json(os.path.join(self.prep.run_dir, "residency.json"), refined.to_dict())
@@ -593,6 +600,11 @@ def _write_json(path: str, data: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+def _refines_after(steps_done: int) -> bool:
+    """Refine the residency plan after the 1st, 2nd, 4th, 8th, ... step of a run (``steps_done``: 0, 1, 3, 7, ...)."""
+    return steps_done & (steps_done + 1) == 0
 
 
 def _train_phase(role: str) -> str:

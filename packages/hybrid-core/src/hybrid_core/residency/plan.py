@@ -49,7 +49,7 @@ class ResidencyPlan:
     notes: list[str] = field(default_factory=list)
     measured: dict[tuple[int, str], float] = field(default_factory=dict)  # (gpu, phase) -> bytes seen at run time
     #: gpu -> bytes a run measured beyond what the model counts (contexts, library buffers, fragmentation); added to
-    #: every phase of that GPU (see hybrid_algos.train.loop's refinement after the first step)
+    #: every phase of that GPU (see hybrid_algos.train.loop's refinement after steps 1, 2, 4, 8, ...)
     overhead: dict[int, float] = field(default_factory=dict)
 
     # ---- what is where ---------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
                    overhead: Mapping[int, float] | None = None,
                    sleep_fields: Mapping[str, str] | None = None) -> ResidencyPlan:
     """The residency plan for ``layout`` on GPUs of ``gpu_bytes`` (see the module docstring). ``overhead``: GPU ->
-    bytes measured beyond the model (a run's refinement after its first step), held in every phase. ``sleep_fields``:
+    bytes measured beyond the model (a run's refinements after steps 1, 2, 4, 8, ...), held in every phase. ``sleep_fields``:
     role -> the user's setting that asked it to sleep (named by the error when such a role shares no GPU)."""
     if mode not in MODES:
         raise ConfigError("residency", f"unknown mode {mode!r}.", f"Use one of: {', '.join(MODES)}.")
