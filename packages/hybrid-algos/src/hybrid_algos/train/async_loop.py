@@ -58,6 +58,7 @@ class AsyncRunner:
         self.error: BaseException | None = None
         self.stopped = False
         self.thread: threading.Thread | None = None
+        self.paused = 0  # generations paused at this step's weight update (partial rollouts)
         session.engines.set_weight_version(self.version)
 
     # ---- producer ----------------------------------------------------------------------------------------------
@@ -109,6 +110,8 @@ class AsyncRunner:
         metrics.update(staleness_metrics(batch, step))
         metrics["async/staleness_max"] = float(age)
         metrics["async/wait_s"] = waited
+        metrics["async/paused_generation"] = float(self.paused)  # partial rollouts: one was paused at the update
+        self.paused = 0
         metrics["time/generate"] = batch.end - batch.start  # ran alongside the trainer: not part of time/step
         return metrics
 
@@ -140,6 +143,7 @@ class AsyncRunner:
                     self.cv.wait(min(left, 1.0))
             self.holding = True  # no generation starts during the update
             in_flight = self.generating is not None
+            self.paused = int(in_flight)
         try:
             if in_flight:  # partial rollouts: park the running generation; its tokens so far keep version `step`
                 engines.pause_generation(timeout_s=self.timeout_s)

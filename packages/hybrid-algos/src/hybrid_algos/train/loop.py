@@ -44,6 +44,8 @@ class Prepared:
     sync_mode: str = "broadcast"  # weight_sync.choose_mode's answer for this plan
     residency: Any = None  # hybrid_core.residency.ResidencyPlan: what each role keeps on its GPUs in each phase
     resume_from: Any = None  # resume.ResumePoint: the checkpoint this run continues, or None (a fresh start)
+    async_mode: str = "off"  # async_rollout.async_mode: off | split | shared | sync (--async_train fell back)
+    async_note: str = ""
 
 
 def prepare(config: RLConfig) -> Prepared:
@@ -119,8 +121,13 @@ def prepare(config: RLConfig) -> Prepared:
     residency, config = build_residency(config, plan, model_path, prompt_len=longest_prompt,
                                         generate_len=max_new_tokens)
     residency.check()
+    from .async_rollout import async_mode
+
+    mode, note = async_mode(config, plan, residency)
+    if mode == "sync":  # --async_train on GPUs too small for both: synchronous turns, said in the plan's notes
+        residency.notes.append(note)
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync_mode, residency, resume_from)
+                    max_model_len, sync_mode, residency, resume_from, mode, note)
 
 
 def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]:
@@ -310,16 +317,11 @@ class TrainingSession:
                                     timeout_s=timeout, overlap=cfg.residency_overlap)
         self.owner.guard = WakeGuard(probes, self.owner.holders, timeout_s=timeout)
         self.owner.to_phase_state("generate")
+        self.async_mode, self.async_note = prep.async_mode, prep.async_note
+        if self.async_note:  # a fall-back to synchronous turns is also in the plan's notes (prepare)
+            log.log(logging.WARNING if self.async_mode == "sync" else logging.INFO, "%s", self.async_note)
         _write_json(os.path.join(prep.run_dir, "residency.json"), residency.to_dict())  # what each phase may use
 
-        from .async_rollout import async_mode
-
-        self.async_mode, self.async_note = async_mode(cfg, plan, residency)
-        if self.async_mode == "sync":  # said in the log, the residency plan's notes and the summary
-            log.warning("%s", self.async_note)
-            residency.notes.append(self.async_note)
-        elif self.async_note:
-            log.info("%s", self.async_note)
         pausing = cfg.partial_rollout and self.async_mode in ("split", "shared")
         # partial rollouts: an engine takes the pause, the weight update and the resume while a generate runs
         self.engines = launch_engines(self.placed, role="rollout", backend=cfg.backend,
