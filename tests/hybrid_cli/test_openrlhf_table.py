@@ -109,7 +109,12 @@ def test_dotted_flags_in_a_config_file(tmp_path, tiny_model_dir):
     (["--critic.adam.betas", "0.9", "0.99"], {"adam_betas": (0.9, 0.99)}),
     (["--actor.adam.betas", "0.9", "0.99", "--critic.adam.betas", "0.9", "0.99"], {"adam_betas": (0.9, 0.99)}),
     (["--remote_rm_url", "http://h:1/r,http://h:2/r"], {"reward_fn": "http://h:1/r,http://h:2/r"}),
-    (["--actor.lr_scheduler", "constant_with_warmup"], {}),
+    (["--actor.lr_scheduler", "constant_with_warmup"], {"lr_scheduler": "constant_with_warmup"}),
+    (["--actor.lr_scheduler", "cosine_with_min_lr", "--actor.min_lr_ratio", "0.05"],
+     {"lr_scheduler": "cosine_with_min_lr", "min_lr_ratio": 0.05}),
+    (["--lr_scheduler", "cosine_with_min_lr"], {"lr_scheduler": "cosine_with_min_lr"}),
+    (["--critic.lr_scheduler", "cosine_with_min_lr", "--critic.min_lr_ratio", "0.2"],
+     {"lr_scheduler": "cosine_with_min_lr", "min_lr_ratio": 0.2}),
 ])
 def test_translations(argv, expected):
     values, _ = settings_of(*argv)
@@ -121,7 +126,9 @@ def test_translations(argv, expected):
     (["--ds.attn_implementation", "eager"], "ds.attn_implementation", "'eager' attention"),
     (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", "ring attention"),
     (["--ds.tensor_parallel_size", "2"], "ds.tensor_parallel_size", "AutoTP"),
-    (["--actor.lr_scheduler", "cosine_with_min_lr"], "actor.lr_scheduler", "learning-rate schedule"),
+    (["--actor.lr_scheduler", "linear"], "actor.lr_scheduler", "learning-rate schedule"),
+    (["--actor.lr_scheduler", "cosine_with_min_lr", "--critic.lr_scheduler", "constant_with_warmup"],
+     "critic.lr_scheduler", "one --lr_scheduler for both"),
     (["--actor.adam.betas", "0.9", "0.95", "--critic.adam.betas", "0.9", "0.99"], "critic.adam.betas",
      "one --adam_betas for both"),
     (["--reward.model_name_or_path", "a,b"], "reward.model_name_or_path", "several reward models"),

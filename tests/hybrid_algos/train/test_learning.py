@@ -14,6 +14,9 @@ Why these settings (measured on a 2-core machine, 4-8 seeds each; bench/NOTES.md
   GRPO plateau at ~0.83 on some CPUs: 2 of 3 seeds stayed below 0.9 at 48 steps with 0.95, 7 of 8 passed with 0.999.
 - 16 samples per prompt instead of 8: an all-wrong group becomes rare (the 8th seed above was one), and the bar is
   reached in ~12-16 steps instead of ~20, so the runs are shorter.
+- A cosine learning-rate decay to 0.1x (OpenRLHF's default schedule): at a constant 2e-3 the late updates keep
+  knocking solved prompts over, and REINFORCE++ seed 1 hovered at 0.79-0.96 for its last 20 steps (last 8 averaging
+  0.896, on CI and here alike); with the decay the same seed holds 0.96-0.99 from step 16.
 - One symbol to copy, not two: with two, 80 steps were not enough on every seed (PPO and GRPO ended anywhere
   between 0.75 and 0.99 depending on the seed, with either beta2 and 8 or 16 samples).
 - The float32 defects fixed alongside (k3 losing its gradient near the reference, equal group scores getting
@@ -69,6 +72,9 @@ def test_algorithm_learns_the_copy_task(algo: str, seed: int, tmp_path) -> None:
     plan, residency = summary["plan"], summary["residency"]
     assert plan.num_gpus == 1 and residency.sleeps("actor") and residency.sleeps("rollout")
     assert ("critic" in plan.roles) == (algo == "ppo")
+    lrs = [m["actor/lr"] for m in summary["history"]]  # the cosine schedule: from the rate down to its floor
+    assert lrs[0] == pytest.approx(config.actor_learning_rate, rel=0.05)
+    assert lrs[-1] == pytest.approx(config.actor_learning_rate * config.min_lr_ratio, rel=0.1)
     for m in summary["history"]:
         assert m["bytes/sleep"] > 0 and m["bytes/wake"] > 0 and m["time/generate"] > 0 and m["time/train"] > 0
     # The final policy is saved in Hugging Face format and is the trained one: greedy decoding answers far above

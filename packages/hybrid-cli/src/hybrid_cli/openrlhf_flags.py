@@ -253,23 +253,28 @@ def _tensorboard_dir(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
 
 
 def _lr_scheduler(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
-    if str(value) == "constant_with_warmup":
-        return {}
-    raise _refused(flag, f"the {value!r} learning-rate schedule",
-                   "hybrid warms the learning rate up linearly (--lr_warmup_ratio) and then keeps it constant "
-                   "(--lr_scheduler constant_with_warmup in OpenRLHF's terms).")
+    from hybrid_algos.train.config import LR_SCHEDULERS
+
+    if str(value) not in LR_SCHEDULERS:
+        raise _refused(flag, f"the {value!r} learning-rate schedule",
+                       f"hybrid has {' and '.join(LR_SCHEDULERS)} (linear warm-up over --lr_warmup_ratio, then "
+                       "constant or a cosine decay to --min_lr_ratio).")
+    if flag.startswith("critic."):  # one schedule for both trainers
+        return _shared_optimizer("lr_scheduler", number=False)(value, ctx, flag)
+    return {"lr_scheduler": str(value)}
 
 
-def _shared_optimizer(field_name: str) -> Callable[[Any, Context, str], dict[str, Any]]:
+def _shared_optimizer(field_name: str, number: bool = True) -> Callable[[Any, Context, str], dict[str, Any]]:
     """Critic optimizer settings: hybrid has one for both trainers, so the critic's must agree with the actor's."""
 
     def fn(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
+        parse = _number_or_pair if number else str
         actor_flag = "actor." + flag.split(".", 1)[1]
         actor = ctx.fields.get(field_name, ctx.value(actor_flag))
-        mine = _number_or_pair(value)
+        mine = parse(value)
         if actor is None:
             return {field_name: mine}
-        if _number_or_pair(actor) != mine:
+        if parse(actor) != mine:
             raise ConfigError(flag, f"--{flag} {value} differs from the actor's {actor}; hybrid has one "
                               f"--{field_name} for both trainers.", f"Give both the same --{field_name}.")
         return {}
@@ -487,10 +492,9 @@ DOTTED_RULES: dict[str, Rule] = {
     "actor.adam.betas": same("adam_betas"),
     "actor.adam.eps": only(1e-8, why="Adam's epsilon (hybrid uses 1e-8)", instead="drop this flag."),
     "actor.adam.weight_decay": same("l2"),
-    "actor.lr_scheduler": convert(_lr_scheduler),
+    "actor.lr_scheduler": convert(_lr_scheduler, "lr_scheduler"),
     "actor.lr_warmup_ratio": same("lr_warmup_ratio"),
-    "actor.min_lr_ratio": only(0.1, why="the floor of a cosine learning-rate decay (hybrid keeps the rate constant "
-                               "after warm-up)", instead="drop this flag."),
+    "actor.min_lr_ratio": same("min_lr_ratio"),
     "actor.max_norm": same("max_norm"),
     "critic.optim": only("adam", why=_MUON, instead="drop this flag."),
     "critic.muon.lr": only(0.02, why=_MUON, instead="drop this flag."),
@@ -502,9 +506,9 @@ DOTTED_RULES: dict[str, Rule] = {
     "critic.adam.betas": convert(_shared_optimizer("adam_betas"), "adam_betas"),
     "critic.adam.eps": only(1e-8, why="Adam's epsilon (hybrid uses 1e-8)", instead="drop this flag."),
     "critic.adam.weight_decay": convert(_shared_optimizer("l2"), "l2"),
-    "critic.lr_scheduler": convert(_lr_scheduler),
+    "critic.lr_scheduler": convert(_lr_scheduler, "lr_scheduler"),
     "critic.lr_warmup_ratio": convert(_shared_optimizer("lr_warmup_ratio"), "lr_warmup_ratio"),
-    "critic.min_lr_ratio": only(0.1, why="the floor of a cosine learning-rate decay", instead="drop this flag."),
+    "critic.min_lr_ratio": convert(_shared_optimizer("min_lr_ratio"), "min_lr_ratio"),
     "critic.max_norm": convert(_shared_optimizer("max_norm"), "max_norm"),
     "algo.advantage.estimator": convert(_estimator, "advantage_estimator"),
     "algo.kl.use_loss": same("use_kl_loss"),

@@ -126,12 +126,13 @@ class TrainerWeightSource:
         return transport.broadcast(self._weight_group, weights, bucket_bytes=bucket_bytes).as_dict()
 
     def send_weights_ipc(self, transport: WeightTransport, engine: Any, bucket_bytes: int, timeout_s: float,
-                         peers: list[int] | None = None) -> dict:
+                         peers: list[int] | None = None, engine_index: int | None = None) -> dict:
         """Colocated: hand buckets on this rank's GPU to the engine there (``peers``: the ranks one TP engine
-        spans, this one among them)."""
+        spans, this one among them; ``engine_index``: that engine's number, for errors)."""
+        engine_name = "rollout engine" if engine_index is None else f"rollout engine {engine_index}"
         return transport.send_ipc(self.named_weights(), engine, bucket_bytes=bucket_bytes, device=self.device,
                                   timeout_s=timeout_s, peers=peers,
-                                  what=f"rollout engine on actor rank {self.rank}'s GPU: update_weights_from_ipc"
+                                  what=f"{engine_name} (on actor rank {self.rank}'s GPU): update_weights_from_ipc"
                                   ).as_dict()
 
     def close_sync_group(self, transport: WeightTransport) -> None:
@@ -187,9 +188,10 @@ class WeightSync:
         if wake_engines:
             self.engines.wake_up(["weights"])
         if self.mode == "ipc":
-            refs = [(f"actor rank {r}: send_weights_ipc",
+            refs = [(f"actor rank {r}: send_weights_ipc to rollout engine {self.engine_for_rank[r]}",
                      w.send_weights_ipc.remote(self.transport, self.engines.actors[self.engine_for_rank[r]],
-                                               self.bucket_bytes, self.timeout_s, self.peers[r]))
+                                               self.bucket_bytes, self.timeout_s, self.peers[r],
+                                               self.engine_for_rank[r]))
                     for r, w in enumerate(self.actor.workers)]
             results = get_all_with_timeout(refs, self.timeout_s)
             stats = TransferStats(sum(r["bytes"] for r in results), max(r["seconds"] for r in results), "sync")

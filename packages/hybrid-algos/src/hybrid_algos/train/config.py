@@ -79,6 +79,8 @@ class RLConfig:
     actor_learning_rate: float = 1e-6
     critic_learning_rate: float = 9e-6
     lr_warmup_ratio: float = 0.0
+    lr_scheduler: str = "constant_with_warmup"  # or cosine_with_min_lr: after warm-up, decay to min_lr_ratio * lr
+    min_lr_ratio: float = 0.1  # the cosine decay's floor, as a fraction of the learning rate
     l2: float = 0.0  # weight decay
     adam_betas: tuple[float, float] = (0.9, 0.95)
     max_norm: float = 1.0
@@ -509,6 +511,12 @@ class RLConfig:
         if not 0 <= self.gpu_context_gb < 64:
             raise ConfigError("gpu_context_gb", f"must be in [0, 64), got {self.gpu_context_gb}.",
                               "E.g. --gpu_context_gb 0.5 (CUDA context and library workspaces of one process).")
+        _choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS,
+                "constant_with_warmup keeps the rate after --lr_warmup_ratio; cosine_with_min_lr decays it.")
+        for name in ("lr_warmup_ratio", "min_lr_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                raise ConfigError(name, f"must be a fraction in [0, 1], got {value!r}.", f"E.g. --{name} 0.1.")
         if not 0 < self.gpu_memory_usable <= 1:
             raise ConfigError("gpu_memory_usable", f"must be in (0, 1], got {self.gpu_memory_usable}.",
                               "E.g. --gpu_memory_usable 0.92.")
@@ -574,6 +582,7 @@ DEMO_SETTINGS: dict[str, Any] = dict(
     task="copy", task_length=1, max_steps=32, rollout_batch_size=16, n_samples_per_prompt=16, train_batch_size=64,
     micro_train_batch_size=32, micro_rollout_batch_size=64, max_epochs=2, actor_learning_rate=2e-3,
     critic_learning_rate=2e-3, adam_betas=(0.9, 0.999), use_kl_loss=True, kl_estimator="k3", init_kl_coef=1e-3,
+    lr_scheduler="cosine_with_min_lr", min_lr_ratio=0.1,
 )
 
 
@@ -680,6 +689,9 @@ class ReinforceConfig(RLConfig):
     def algorithm(self) -> str:
         return "reinforce"
 
+
+#: Learning-rate schedules (OpenRLHF's names): both warm up linearly over --lr_warmup_ratio of the updates.
+LR_SCHEDULERS = ("constant_with_warmup", "cosine_with_min_lr")
 
 CONFIGS: dict[str, type[RLConfig]] = {"ppo": PPOConfig, "grpo": GRPOConfig, "reinforce": ReinforceConfig}
 

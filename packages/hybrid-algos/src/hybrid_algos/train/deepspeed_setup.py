@@ -32,7 +32,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 
 def deepspeed_config(*, zero_stage: int, bf16: bool, micro_batch: int, grad_accum: int, lr: float,
                      betas: tuple[float, float], weight_decay: float, max_norm: float, adam_offload: bool,
-                     warmup_steps: int = 0, num_params: int | None = None) -> dict[str, Any]:
+                     warmup_steps: int = 0, num_params: int | None = None, lr_scheduler: str = "constant_with_warmup",
+                     total_updates: int = 0, min_lr_ratio: float = 0.1) -> dict[str, Any]:
     # Communication buckets no larger than the model: DeepSpeed allocates them whole (5e8 elements = 2 GB in fp32).
     # (rounded up to a multiple of 4096: DeepSpeed wants multiples of its alignment factor).
     bucket = int(min(5e8, -(-num_params // 4096) * 4096)) if num_params else int(5e8)
@@ -53,7 +54,16 @@ def deepspeed_config(*, zero_stage: int, bf16: bool, micro_batch: int, grad_accu
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if warmup_steps > 0:
+    if lr_scheduler == "cosine_with_min_lr" and total_updates > 0:
+        params: dict[str, Any] = {"total_num_steps": int(total_updates), "warmup_num_steps": max(1, int(warmup_steps)),
+                                  "warmup_min_ratio": 0.0, "cos_min_ratio": float(min_lr_ratio),
+                                  "warmup_type": "linear"}
+        if warmup_steps <= 0:
+            # DeepSpeed warms up over at least 2 updates and sets the rate to 0 before the first: with no warm-up
+            # asked, the warm-up runs at the full rate and the first update keeps the optimizer's own rate.
+            params.update(warmup_min_ratio=1.0, last_batch_iteration=0)
+        config["scheduler"] = {"type": "WarmupCosineLR", "params": params}
+    elif warmup_steps > 0:
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
                                                                "warmup_num_steps": warmup_steps, "warmup_type": "linear"}}
     return config

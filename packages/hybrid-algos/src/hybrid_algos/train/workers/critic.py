@@ -14,7 +14,7 @@ from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_critic, response_values
 from .base import RoleWorker
-from .policy import attn_implementation, forward_micro_batches, train_micro_batches, warmup_steps
+from .policy import attn_implementation, forward_micro_batches, lr_schedule, train_micro_batches
 
 
 class CriticWorker(RoleWorker):
@@ -29,7 +29,7 @@ class CriticWorker(RoleWorker):
             grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
             lr=cfg.critic_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
             num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload,
-            warmup_steps=warmup_steps(cfg, total_steps)))  # the same warm-up as the actor (--lr_warmup_ratio)
+            **lr_schedule(cfg, total_steps)))  # the actor's schedule (--lr_warmup_ratio, --lr_scheduler)
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
         self.settle()

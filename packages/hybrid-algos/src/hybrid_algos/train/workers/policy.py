@@ -35,7 +35,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
             lr=cfg.actor_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
             num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload,
-            warmup_steps=warmup_steps(cfg, total_steps)))
+            **lr_schedule(cfg, total_steps)))
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
         self._raw_old: dict[bytes, torch.Tensor] = {}
@@ -249,10 +249,12 @@ def attn_implementation(cfg) -> str | None:
     return "sdpa"
 
 
-def warmup_steps(cfg, total_steps: int) -> int:
-    """Optimizer updates of linear learning-rate warm-up (``--lr_warmup_ratio`` of all updates of the run)."""
-    updates_per_step = cfg.samples_per_step // cfg.train_batch_size * cfg.max_epochs
-    return int(cfg.lr_warmup_ratio * total_steps * updates_per_step)
+def lr_schedule(cfg, total_steps: int) -> dict:
+    """The learning-rate schedule's arguments of :func:`deepspeed_config`, counted in optimizer updates: linear
+    warm-up over ``--lr_warmup_ratio`` of the run's updates, then constant or a cosine decay to ``--min_lr_ratio``."""
+    total_updates = total_steps * (cfg.samples_per_step // cfg.train_batch_size) * cfg.max_epochs
+    return {"warmup_steps": int(cfg.lr_warmup_ratio * total_updates), "lr_scheduler": cfg.lr_scheduler,
+            "total_updates": total_updates, "min_lr_ratio": cfg.min_lr_ratio}
 
 
 def forward_micro_batches(rollout: Rollout, cfg, device) -> list[tuple[Rollout, torch.Tensor]]:
