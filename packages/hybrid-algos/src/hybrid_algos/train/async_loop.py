@@ -104,6 +104,7 @@ class AsyncRunner:
         waited = time.perf_counter() - t0
         age = check_staleness(batch, step, self.max_staleness)  # the trainer holds version `step` now
         timer = PhaseTimer()
+        timer.spans.append(("generate", batch.start, batch.end))  # the timeline shows it next to the trainer's phases
         metrics, _ = self.session.guarded(
             f"step {step + 1}", lambda: train_on(self.ctx, step, batch.sampled, self.session.sampling(step), timer, t0,
                                                  sync=lambda: self._boundary(step)))
@@ -177,10 +178,18 @@ class AsyncRunner:
             return not self.stopped or step in self.queue or self.generating == step
 
     def stop_producing(self) -> None:
-        """No new generation (the run goes on in synchronous turns); one in flight still lands in the queue."""
+        """No new generation (the run goes on in synchronous turns). Returns once a generation in flight has landed
+        in the queue: from then on the residency owner may move the engines."""
+        ends = time.monotonic() + self.timeout_s
         with self.cv:
             self.stopped = True
             self.cv.notify_all()
+            while self.generating is not None:
+                self._raise_producer_error()
+                left = ends - time.monotonic()
+                if left <= 0:
+                    raise RemoteTimeout(self._stalled("the end of the generation in flight"))
+                self.cv.wait(min(left, 1.0))
 
     # ---- checkpoints and tear-down -----------------------------------------------------------------------------
     def state(self, next_step: int) -> list[dict[str, Any]]:

@@ -466,7 +466,7 @@ class TrainingSession:
             self.async_mode, self.async_note = mode, note + " (from the refined plan on)"
             log.warning("%s", self.async_note)
             self.prep.residency.notes.append(self.async_note)
-            self.runner.stop_producing()
+            self.guarded("stopping the asynchronous rollout producer", self.runner.stop_producing)
 
     def refine_residency(self, after_step: int) -> dict[str, float]:
         """What each GPU really holds against what the plan counts, after steps 1, 2, 4, 8, ... of this run. The
