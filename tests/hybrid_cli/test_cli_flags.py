@@ -209,3 +209,10 @@ def test_async_flags_that_cannot_work_are_refused_naming_the_flag():
     assert error_of("--partial_rollout").field == "partial_rollout"  # nothing to pause without --async_train
     assert error_of("--async_train", "--async_max_staleness", "0").field == "async_max_staleness"
     assert error_of("--async_train", "--no_enable_vllm_is_correction").field == "async_train"  # the off-policy gap
+
+
+def test_dry_run_says_whether_an_async_run_overlaps(capsys):
+    assert main(["grpo", "--async_train", "--dry-run"]) == 0
+    assert "asynchronous on shared GPUs" in capsys.readouterr().out  # the demo fits: engine and trainer together
+    assert main(["grpo", "--async_train", "--vllm_enable_sleep", "--dry-run"]) == 0
+    assert "synchronous turns" in capsys.readouterr().out.replace("\n", " ")

@@ -100,8 +100,9 @@ def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):
         assert _comparable(a) == _comparable(b)
 
 
-#: The learning test's demo settings (GRPO on the copy task), shorter. Measured on 2 cores, two-step crossings of the
-#: bar (sync / async): seed 1 16 / 15, seed 2 13 / 13, seed 3 12 / 12 (bar 0.80: that seed's sync run ends at 0.83).
+#: The learning test's demo settings (GRPO on the copy task, cosine decay), shorter. Measured on 2 cores, the step
+#: where two consecutive rewards first average >= 0.9 (sync / async): seed 2 13 / 13, seed 3 16 / 18 (the allowance
+#: is 20); seed 1, the one tested, passes too.
 PARITY = {**DEMO_SETTINGS, "max_steps": 24, "final_checkpoint": False, "call_timeout_s": 300}
 BAR = 0.9
 
