@@ -20,7 +20,6 @@ role's stacks). A failure in the producer ends the run with that failure, named 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from typing import Any
@@ -31,8 +30,6 @@ from hybrid_core.stats import PhaseTimer
 from .async_rollout import Batch, batch_from_json, batch_to_json, check_staleness, make_batch, staleness_metrics
 from .dynamic_sampling import sample_rollout
 from .step import train_on
-
-log = logging.getLogger(__name__)
 
 
 class AsyncRunner:
