@@ -11,7 +11,8 @@ as an uninterrupted one, and a sample is at most N versions old when it is train
 With ``--partial_rollout`` the update does not wait: a generation in flight is paused between two decoding steps
 (:class:`hybrid_engines.protocol.PausableEngine`), the weights go over, and it resumes with them; its tokens carry
 the version that sampled them, and the mismatch correction -- the engine's log-probs are the behaviour policy,
-token by token -- covers both parts.
+token by token -- covers both parts. Such runs depend on timing, so they are not reproducible step for step, and a
+generation still running at a checkpoint is made again after ``--resume`` (with the restored weights).
 
 Bounded: the trainer waits at most ``--step_timeout_s`` for a batch and the boundary as long for a generation to
 end; past that the run ends with an error naming the rollout role and the step it was generating (with every
