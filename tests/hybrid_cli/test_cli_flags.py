@@ -97,7 +97,6 @@ def test_demo_defaults_vs_openrlhf_defaults(tiny_model_dir):
 @pytest.mark.parametrize("argv, field, text", [
     (["--lora_rank", "64"], "lora_rank", "--lora_rank is OpenRLHF-only: LoRA adapters"),
     (["--ds.lora.rank", "64"], "ds.lora.rank", "--ds.lora.rank is OpenRLHF-only: LoRA adapters"),
-    (["--train.async_enable"], "train.async_enable", "OpenRLHF-only: asynchronous training"),
     (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", "OpenRLHF-only: ring attention"),
     (["--actor_learning_rte", "1e-6"], "actor_learning_rte", "Did you mean --actor_learning_rate?"),
     (["--train.colocate_al"], "train.colocate_al", "Did you mean --train.colocate_all?"),
@@ -192,3 +191,28 @@ def test_yaml_errors_name_the_key(tmp_path, text, field, fragment):
 
 def test_yaml_missing_file():
     assert error_of("--config", "/no/such.yaml").field == "config"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--train.async_enable", "--train.async_queue_size", "2", "--train.partial_rollout_enable"],
+    ["--async_train", "--async_queue_size", "2", "--partial_rollout"],  # OpenRLHF's flat spelling
+])
+def test_openrlhf_async_flags_map_to_asynchronous_training(argv):
+    config = config_of(*argv)
+    assert config.async_train and config.async_max_staleness == 2 and config.partial_rollout
+    # hybrid's own names, and the default bound: one-step-off
+    config = config_of("--async_train")
+    assert config.async_train and config.async_max_staleness == 1 and not config.partial_rollout
+
+
+def test_async_flags_that_cannot_work_are_refused_naming_the_flag():
+    assert error_of("--partial_rollout").field == "partial_rollout"  # nothing to pause without --async_train
+    assert error_of("--async_train", "--async_max_staleness", "0").field == "async_max_staleness"
+    assert error_of("--async_train", "--no_enable_vllm_is_correction").field == "async_train"  # the off-policy gap
+
+
+def test_dry_run_says_whether_an_async_run_overlaps(capsys):
+    assert main(["grpo", "--async_train", "--dry-run"]) == 0
+    assert "asynchronous on shared GPUs" in capsys.readouterr().out  # the demo fits: engine and trainer together
+    assert main(["grpo", "--async_train", "--vllm_enable_sleep", "--dry-run"]) == 0
+    assert "synchronous turns" in capsys.readouterr().out.replace("\n", " ")

@@ -64,14 +64,13 @@ CASES = {
                  _IS: "enable_vllm_is_correction"}),
     "dotted/train_reinforce_baseline_ray_agent_async.args": Case(
         4, "actor 4, reference and 2 engines x TP 2 on the same GPUs",
-        refused={"train.async_enable": "asynchronous training", "train.partial_rollout_enable": "asynchronous training",
-                 "ds.ring_attn_size": "ring attention", "ds.ring_attn_head_stride": "ring attention"},
+        refused={"ds.ring_attn_size": "ring attention", "ds.ring_attn_head_stride": "ring attention"},
         pending={"algo.dynamic_filtering_enable": "dynamic_filtering", "train.dynamic_batch_enable": "use_dynamic_batch",
                  "rollout.max_tokens_per_gpu": "use_dynamic_batch", "train.max_tokens_per_gpu": "use_dynamic_batch",
                  _IS: "enable_vllm_is_correction"}),
     "dotted/train_flash_reinforce_ray_agent_async.args": Case(
         8, "actor 1 + 7 engines (no reference at KL 0, no critic)",
-        refused={"train.async_enable": "asynchronous training", "rollout.vllm_generate_batch_size": "over-sampling",
+        refused={"rollout.vllm_generate_batch_size": "over-sampling",
                  "algo.advantage.estimator": "FlashREINFORCE", "algo.advantage.is_correction_gating": "trust region"},
         pending={_IS: "enable_vllm_is_correction", "algo.advantage.is_correction_threshold": "enable_vllm_is_correction"},
         replace={"algo.advantage.estimator": "reinforce"}),

@@ -262,3 +262,24 @@ def test_trainer_group_and_sender_speak_sglangs_protocol():
     assert stats.bytes == sum(t.numel() * t.element_size() for _, t in named)
     for name, tensor in named:
         assert torch.equal(got[name], tensor)
+
+
+def test_partial_rollout_pause_and_stream_exist_as_the_adapter_calls_them():
+    """Partial rollouts: the tokenizer manager's pause / continue with the request types and the retract mode the
+    adapter uses, streamed rows with cumulative output_ids, and the event loop the adapter runs in its own thread."""
+    from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    for method, request, kwargs in adapter.SGLANG_PAUSE.values():
+        assert inspect.iscoroutinefunction(getattr(TokenizerManager, method)), f"TokenizerManager.{method}"
+        cls = getattr(io_struct, request)
+        cls(**kwargs)  # the fields exist and take these values
+    mode = inspect.get_annotations(io_struct.PauseGenerationReqInput)["mode"]
+    assert "retract" in str(mode)
+    params = set(inspect.signature(Engine.async_generate).parameters)
+    assert set(adapter.SGLANG_STREAM_ARGS) <= params
+    manager = _source("sglang.srt.managers.tokenizer_manager")
+    assert "incremental_streaming_output" in manager  # off by default: streamed output_ids are cumulative
+    engine = _source("sglang.srt.entrypoints.engine")
+    assert "self.loop.run_until_complete(" in engine  # every sync Engine method goes through its loop attribute

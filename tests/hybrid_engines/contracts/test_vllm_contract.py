@@ -127,3 +127,26 @@ def test_behaviours_the_adapter_relies_on_are_in_the_source():
     source = inspect.getsource(ray_executor_v2)
     assert "ray_noset_device_env_vars" in source and "require_gpu_on_driver=False" in source
     assert "VLLM_RAY_BUNDLE_INDICES" in source and "VLLM_RAY_PER_WORKER_GPUS" in source
+
+
+def test_partial_rollout_names_exist_as_the_adapter_calls_them():
+    """The stepping loop of partial rollouts: LLMEngine.add_request / step / abort_request, delta outputs,
+    SamplingParams.clone, the level-0 ``keep`` pause of LLM.sleep and the "scheduling" wake tag, and the async
+    scheduling switch turned off in that mode."""
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine import PauseMode
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    for method, kwargs in vllm_engine.VLLM_ENGINE_METHODS.items():
+        fn = getattr(LLMEngine, method, None)
+        assert callable(fn), f"LLMEngine has no {method}()"
+        assert set(kwargs) <= _params(fn), f"LLMEngine.{method} lacks {set(kwargs) - _params(fn)}"
+    assert RequestOutputKind.DELTA and callable(vllm.SamplingParams.clone)
+    sleep = vllm_engine.VLLM_KEEP_PAUSE["sleep"]
+    assert set(sleep) <= _params(vllm.LLM.sleep) and sleep["mode"] in typing.get_args(PauseMode)
+    assert "Level 0" in inspect.getdoc(vllm.LLM.sleep)
+    assert '"scheduling"' in inspect.getdoc(vllm.LLM.wake_up)
+    from vllm.v1.engine import core
+
+    source = inspect.getsource(core.EngineCore.pause_scheduler)
+    assert "PAUSED_ALL" in source and '"keep"' in source  # keep: requests stay queued, nothing is scheduled

@@ -57,6 +57,10 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[
     console.print(residency.render(), markup=False)
     if run_config.adam_offload and not config.adam_offload:
         console.print("note: the optimizer state stays in host memory (DeepSpeed CPU Adam), as if --adam_offload")
+    if config.async_train:  # the loop's own decision: split, shared GPUs, or synchronous turns where they do not fit
+        from hybrid_algos.train.async_rollout import async_mode
+
+        console.print(f"note: {async_mode(run_config, plan, residency)[1]}", markup=False)
     residency.check()
     gpu, phase, total = residency.worst()
     console.print(f"fits: the fullest GPU is GPU {gpu} in phase {phase}: {total / GiB:.1f} of "

@@ -357,11 +357,9 @@ def _pending_values(ctx: Context, flag: str, values: dict[str, Any], what: str) 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
 _LORA = "LoRA adapters (hybrid trains every weight)"
-_ASYNC = "asynchronous training (rollouts of an older policy overlapping the update)"
 _EVAL = "evaluation on a held-out set during training"
 _MUON = "the Muon optimizer (hybrid trains with Adam)"
 _VLM = "vision-language training (images in the prompts)"
-_TRAIN_ONLY = "hybrid runs the synchronous colocated loop: drop this flag."
 
 #: The rule of every flag of OpenRLHF 0.11.2's parser.
 DOTTED_RULES: dict[str, Rule] = {
@@ -390,9 +388,10 @@ DOTTED_RULES: dict[str, Rule] = {
                                                 instead="hybrid's correction (when available) gates by the ratio."),
     "algo.advantage.is_correction_threshold": convert(_is_threshold, "vllm_is_truncated_threshold"),
     # asynchronous training
-    "train.async_enable": refuse(_ASYNC, _TRAIN_ONLY),
-    "train.async_queue_size": note("it sizes the queue of the asynchronous trainer, which hybrid does not run."),
-    "train.partial_rollout_enable": refuse(_ASYNC + " with generation paused for weight updates", _TRAIN_ONLY),
+    "train.async_enable": same("async_train"),
+    # how many batches the generator may run ahead of the trainer: the staleness bound of hybrid's queue
+    "train.async_queue_size": same("async_max_staleness"),
+    "train.partial_rollout_enable": same("partial_rollout"),
     # checkpoints
     "eval.steps": note("evaluation runs only with --eval.dataset, which hybrid does not support."),
     "ckpt.save_steps": same("save_steps"),

@@ -16,12 +16,20 @@ the whole :class:`~hybrid_engines.protocol.InferenceEngine` protocol for real:
   by generating before waking the KV cache fails here too, with a clear error.
 * After ``sleep(2)``, ``wake_up(["weights"])`` allocates uninitialised parameters; every parameter must then be
   loaded (``update_weights`` / ``update_weights_from_ipc``) before ``generate`` accepts a call.
+* Partial rollouts (:class:`~hybrid_engines.protocol.PausableEngine`): calls may come from several threads (a Ray
+  actor with ``max_concurrency`` > 1). One decoding loop runs at a time (its KV cache is what the memory budget
+  counts); ``pause_generation()`` parks it between two decoding steps with its rows and cache, a weight update may
+  then load new weights, and ``resume_generation()`` lets it go on. A weight update, sleep or KV release while a loop
+  is decoding and not parked is refused. Every token records the weight version that sampled it
+  (``set_weight_version``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
+import threading
 import time
 from typing import Any, Sequence
 
@@ -97,6 +105,13 @@ class HFEngine:
         self._kv_awake = True
         self._group = None
         self._closed = False
+        # partial rollouts: the decoding loops running, those parked at a pause, and the weight version
+        self._cond = threading.Condition()
+        self._decode_lock = threading.Lock()
+        self._running = self._parked = 0
+        self._paused = False
+        self._version = 0
+        self.pause_timeout_s = 600.0  # a parked loop that is never resumed ends with an error, not a hang
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
@@ -121,10 +136,12 @@ class HFEngine:
             if seeds is not None:
                 chunk_seeds = [seeds[i * params.n + j] for i in chunk for j in range(params.n)]
                 uniforms = row_uniforms(chunk_seeds, params.max_new_tokens, self.device)
-            batch = decode(self.model, [prompts[i] for i in chunk], params, stop_ids=stop_ids, uniforms=uniforms,
-                           pad_id=self._pad_id, keep_last_logits=self._keep_last, with_logprobs=params.logprobs)
+            with self._decoding():
+                batch = decode(self.model, [prompts[i] for i in chunk], params, stop_ids=stop_ids, uniforms=uniforms,
+                               pad_id=self._pad_id, keep_last_logits=self._keep_last, with_logprobs=params.logprobs,
+                               before_forward=self._before_forward)
             tokens, logprobs = batch.tokens.tolist(), batch.logprobs.tolist()
-            lengths, stopped = batch.lengths.tolist(), batch.stopped.tolist()
+            lengths, stopped, versions = batch.lengths.tolist(), batch.stopped.tolist(), batch.versions.tolist()
             for c, i in enumerate(chunk):
                 outs = []
                 for j in range(params.n):
@@ -132,9 +149,79 @@ class HFEngine:
                     outs.append(GenerationOutput(
                         prompt_token_ids=list(prompts[i]), token_ids=tokens[r][:length],
                         logprobs=logprobs[r][:length] if params.logprobs else None,
-                        finish_reason="stop" if stopped[r] else "length"))
+                        finish_reason="stop" if stopped[r] else "length", weight_versions=versions[r][:length]))
                 results[i] = outs
         return results  # type: ignore[return-value]
+
+    # ---- partial rollouts: pause, weight update, resume -------------------------------------------------------
+    def pause_generation(self, timeout_s: float = 600.0) -> dict:
+        """Park every running decoding loop before its next forward pass (rows and KV cache kept); returns once they
+        are parked (``{"parked": loops, "version": v}``). New loops park before their first forward pass."""
+        self._require_open("pause_generation")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            while self._parked < self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineStateError(f"pause_generation: a decoding loop did not reach its next step within "
+                                           f"{timeout_s:g} s.")
+                self._cond.wait(left)
+            return {"parked": self._parked, "version": self._version}
+
+    def resume_generation(self) -> None:
+        """Let the parked loops go on (with whatever weights are loaded now)."""
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def set_weight_version(self, version: int) -> None:
+        """The version the next forward passes use: tokens sampled from now on are marked with it."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigError("version", f"must be a whole number >= 0, got {version!r}.")
+        with self._cond:
+            self._version = version
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def _before_forward(self) -> int:
+        with self._cond:
+            if self._paused:
+                self._parked += 1
+                self._cond.notify_all()
+                deadline = time.monotonic() + self.pause_timeout_s
+                try:
+                    while self._paused:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise EngineStateError(f"generate: paused for more than {self.pause_timeout_s:g} s and "
+                                                   "never resumed (resume_generation).")
+                        self._cond.wait(left)
+                finally:
+                    self._parked -= 1
+            return self._version
+
+    @contextlib.contextmanager
+    def _decoding(self):
+        with self._decode_lock:  # one decoding loop at a time: its KV cache is the one the memory budget counts
+            with self._cond:
+                self._running += 1
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
+
+    def _require_not_decoding(self, what: str) -> None:
+        """A loop that is decoding (not parked) reads the weights and its cache: nothing may change them now."""
+        with self._cond:
+            if self._running > self._parked:
+                raise EngineStateError(f"{what}: generation is running; call pause_generation() first (partial "
+                                       "rollouts) or wait for generate to return.")
 
     # ---- sleep / wake ------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> TransferStats:
@@ -144,6 +231,7 @@ class HFEngine:
         if level not in (1, 2):
             raise ConfigError("level", f"sleep level must be 1 or 2, got {level!r}.")
         self._require_open("sleep")
+        self._require_not_decoding("sleep")
         start = time.perf_counter()
         stats = TransferStats(0, 0.0, f"sleep{level}")
         if self._weights_state == "awake":
@@ -161,6 +249,7 @@ class HFEngine:
         """Free the KV cache, keep the weights. This engine builds its cache per ``generate`` call, so only the
         allocator's cached blocks are given back."""
         self._require_open("release_kv_cache")
+        self._require_not_decoding("release_kv_cache")
         start = time.perf_counter()
         self._kv_awake = False
         _empty_device_cache(self.device)
@@ -221,6 +310,7 @@ class HFEngine:
         if self._group is None:
             raise EngineStateError("update_weights: no weight-update group. Call init_weight_update_group first.")
         self._require_weights_on_device("update_weights")
+        self._require_not_decoding("update_weights")
         problem = self.weights.check([(m.name, tuple(m.shape)) for m in metas])
         receiver = WeightReceiver(self._group, bucket_bytes, self.device)
         if problem:
@@ -236,6 +326,7 @@ class HFEngine:
         from hybrid_core.weight_sync import load_ipc_bucket
 
         self._require_weights_on_device("update_weights_from_ipc")
+        self._require_not_decoding("update_weights_from_ipc")
 
         def load(items):
             problem = self.weights.check([(name, tuple(t.shape)) for name, t in items])

@@ -7,6 +7,11 @@ the cache) once enough of them have, so long tails do not pay for finished rows.
 over the whole batch, with one host sync per step (are all rows done?); the only per-row Python runs once per
 call, outside the decode loop.
 
+Weight updates between decoding steps (partial rollouts): ``before_forward`` is called before every forward pass
+(the prefill and each decoding step); it may block (the engine parks the loop there while its weights change) and
+returns the version of the weights the forward will use. Each token is marked with the version of the forward whose
+logits sampled it, and the rows, their cache and their sampling streams carry over the pause unchanged.
+
 Known cost: transformers' ``DynamicCache`` grows by concatenation, so each step copies the cache (quadratic in the
 completion length). It is what ``model.generate`` uses too; the vLLM/SGLang backends are the fast path on GPU.
 """
@@ -14,7 +19,7 @@ completion length). It is what ``model.generate`` uses too; the vLLM/SGLang back
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -34,6 +39,7 @@ class DecodedBatch:
     logprobs: torch.Tensor  # [rows, steps] float32
     lengths: torch.Tensor  # [rows] int64
     stopped: torch.Tensor  # [rows] bool: ended on a stop token (included in tokens)
+    versions: torch.Tensor  # [rows, steps] int64: the weight version whose forward pass sampled each token
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,9 +64,12 @@ def decode(
     pad_id: int,
     keep_last_logits: bool,
     with_logprobs: bool = True,
+    before_forward: Callable[[], int] | None = None,
 ) -> DecodedBatch:
-    """Generate ``params.n`` completions for each prompt; ``uniforms [rows, max_new_tokens]`` drive sampling."""
+    """Generate ``params.n`` completions for each prompt; ``uniforms [rows, max_new_tokens]`` drive sampling.
+    ``before_forward``: see the module docstring (None: version 0, nothing can pause the loop)."""
     device = stop_ids.device
+    version = before_forward() if before_forward is not None else 0
     n, steps = params.n, params.max_new_tokens
     ids, mask = left_pad(prompts, pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
@@ -81,6 +90,7 @@ def decode(
     logprobs = torch.zeros(rows_total, steps, dtype=torch.float32, device=device)
     lengths = torch.full((rows_total,), steps, dtype=torch.long, device=device)
     stopped = torch.zeros(rows_total, dtype=torch.bool, device=device)
+    versions = torch.zeros(rows_total, steps, dtype=torch.long, device=device)
     rows = torch.arange(rows_total, device=device)  # global index of each live row
     done = torch.zeros(rows_total, dtype=torch.bool, device=device)
 
@@ -89,6 +99,7 @@ def decode(
         u = uniforms[rows, t] if uniforms is not None else None
         tok = choose_tokens(logits, params, u, banned)
         tokens[rows, t] = tok
+        versions[rows, t] = version
         if with_logprobs:  # of the raw model: log_softmax of the float32 logits, before any sampling transform
             logprobs[rows, t] = torch.log_softmax(logits, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         hit = torch.isin(tok, stop_ids) & ~done
@@ -104,8 +115,10 @@ def decode(
             rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
             done = done[keep]
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
+        if before_forward is not None:
+            version = before_forward()  # may park here while the weights change (the rows and cache stay)
         out = model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, past_key_values=cache,
                     use_cache=True)
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
-    return DecodedBatch(tokens, logprobs, lengths, stopped)
+    return DecodedBatch(tokens, logprobs, lengths, stopped, versions)

@@ -59,6 +59,10 @@ class GenerationOutput:
 
     ``logprobs[i]`` is the log-probability of ``token_ids[i]`` under the model's own distribution (raw logits, before
     temperature / top-k / top-p), which is what the trainer recomputes and compares against.
+
+    ``weight_versions[i]`` is the version of the weights that sampled ``token_ids[i]`` (the engine's
+    :meth:`PausableEngine.set_weight_version`; 0 until one is set). A generation paused for a weight update and resumed
+    (partial rollouts) holds tokens of two or more versions; None where the engine does not say.
     """
 
     prompt_token_ids: list[int]
@@ -66,6 +70,7 @@ class GenerationOutput:
     logprobs: list[float] | None
     finish_reason: str  # "stop" (a stop token was produced; it is included) or "length"
     extra: dict[str, Any] = field(default_factory=dict)
+    weight_versions: list[int] | None = None
 
 
 @runtime_checkable
@@ -108,3 +113,23 @@ class InferenceEngine(Protocol):
     def reset_prefix_cache(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class PausableEngine(Protocol):
+    """What asynchronous training with partial rollouts adds (``hybrid_algos.train.async_rollout``): a weight update
+    may land while ``generate`` calls are running, without waiting for them to finish.
+
+    ``pause_generation()`` returns once every running generation is parked between two decoding steps, keeping its
+    unfinished sequences (and their KV cache); a weight update (``update_weights`` / ``update_weights_from_ipc``) and
+    ``set_weight_version`` may then run from another thread; ``resume_generation()`` lets the parked generations go
+    on with the new weights. Every token records the version of the weights that sampled it
+    (``GenerationOutput.weight_versions``). Engines run these calls concurrently with ``generate``: their Ray actor
+    is started with ``max_concurrency`` > 1 for partial rollouts (:func:`~hybrid_engines.ray_engines.launch_engines`).
+    """
+
+    def pause_generation(self, timeout_s: float = 600.0) -> dict: ...
+
+    def resume_generation(self) -> None: ...
+
+    def set_weight_version(self, version: int) -> None: ...

@@ -35,9 +35,12 @@ import gc
 import inspect
 import math
 import os
+import time
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from hybrid_core.errors import ConfigError
+from hybrid_core.faults import maybe_inject
 from hybrid_core.remote import get_all_with_timeout
 
 from .protocol import GenerationOutput, SamplingParams
@@ -107,7 +110,33 @@ class EngineActor:
                 "device": str(getattr(self.engine, "device", ""))}
 
     def generate(self, prompt_token_ids, params):
+        maybe_inject(self.role, "generate", self.rank)
         return self.engine.generate(prompt_token_ids, params)
+
+    def generate_timed(self, prompt_token_ids, params) -> dict[str, Any]:
+        """``generate``, with when it ran in this process (Unix seconds): the step timeline of asynchronous training
+        places generation next to the trainer's phases."""
+        start = time.time()
+        outputs = self.generate(prompt_token_ids, params)
+        return {"outputs": outputs, "start": start, "end": time.time()}
+
+    # ---- partial rollouts (engines that implement hybrid_engines.protocol.PausableEngine) --------------------------
+    def pause_generation(self, timeout_s: float = 600.0) -> dict:
+        return self._pausable("pause_generation").pause_generation(timeout_s)
+
+    def resume_generation(self) -> None:
+        return self._pausable("resume_generation").resume_generation()
+
+    def set_weight_version(self, version: int) -> None:
+        setter = getattr(self.engine, "set_weight_version", None)
+        if setter is not None:  # an engine that marks no versions has nothing to set
+            setter(version)
+
+    def _pausable(self, what: str):
+        if not callable(getattr(self.engine, what, None)):
+            raise ConfigError("partial_rollout", f"the {self.backend} engine cannot pause a generation in flight "
+                              f"({what}).", "Drop --partial_rollout, or use --backend hf / vllm / sglang.")
+        return self.engine
 
     def sleep(self, level: int = 1):
         return self.engine.sleep(level)
@@ -189,11 +218,28 @@ class EngineGroup:
         ranks = [r for r, share in enumerate(shares) if share]
         refs = [self.actors[r].generate.remote([prompt_token_ids[i] for i in shares[r]], params) for r in ranks]
         results = self.wait(refs, "generate", timeout_s, ranks)
-        out: list[Any] = [None] * len(prompt_token_ids)
-        for r, res in zip(ranks, results):
-            for i, outputs in zip(shares[r], res):
-                out[i] = outputs
-        return out
+        return _in_prompt_order(len(prompt_token_ids), shares, ranks, results)
+
+    def submit_generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, *,
+                        what: str = "generate") -> "PendingGeneration":
+        """Start a generation without waiting for it (asynchronous training: it runs while the trainer works);
+        :meth:`PendingGeneration.result` collects it, in prompt order, with when each engine ran it."""
+        shares = split_prompts(prompt_token_ids, self.num_engines)
+        ranks = [r for r, share in enumerate(shares) if share]
+        refs = [self.actors[r].generate_timed.remote([prompt_token_ids[i] for i in shares[r]], params) for r in ranks]
+        return PendingGeneration(self, len(prompt_token_ids), shares, ranks, refs, what)
+
+    def pause_generation(self, *, timeout_s: float | None = None) -> list[dict]:
+        """Park every engine's running generations (partial rollouts); returns once all of them are parked."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        return self.call("pause_generation", timeout, timeout_s=timeout)
+
+    def resume_generation(self, *, timeout_s: float | None = None) -> None:
+        self.call("resume_generation", timeout_s=timeout_s)
+
+    def set_weight_version(self, version: int, *, timeout_s: float | None = None) -> None:
+        """Tokens every engine samples from now on are marked with ``version``."""
+        self.call("set_weight_version", int(version), timeout_s=timeout_s)
 
     def sleep(self, level: int = 1, *, timeout_s: float | None = None) -> list:
         return self.call("sleep", level, timeout_s=timeout_s)
@@ -257,6 +303,39 @@ class EngineGroup:
             self.actors = []
 
 
+@dataclass
+class PendingGeneration:
+    """A generation started by :meth:`EngineGroup.submit_generate`, not yet collected."""
+
+    group: EngineGroup
+    count: int
+    shares: list[list[int]]
+    ranks: list[int]
+    refs: list[Any]
+    what: str
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait(list(self.refs), num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self, timeout_s: float | None = None) -> tuple[list[list[GenerationOutput]], float, float]:
+        """(outputs in prompt order, first engine's start, last engine's end) -- Unix seconds; waits under the
+        deadline, and a late or failed engine raises naming it and ``what`` the generation was for."""
+        results = self.group.wait(self.refs, self.what, timeout_s, self.ranks)
+        outputs = _in_prompt_order(self.count, self.shares, self.ranks, [r["outputs"] for r in results])
+        return outputs, min(r["start"] for r in results), max(r["end"] for r in results)
+
+
+def _in_prompt_order(count: int, shares: list[list[int]], ranks: list[int], results: list) -> list:
+    out: list[Any] = [None] * count
+    for r, res in zip(ranks, results):
+        for i, outputs in zip(shares[r], res):
+            out[i] = outputs
+    return out
+
+
 def split_prompts(prompts: Sequence[Sequence[int]], num_engines: int) -> list[list[int]]:
     """Prompt indices per engine: contiguous, balanced by count, with all copies of a prompt on one engine."""
     groups: dict[tuple, list[int]] = {}
@@ -275,13 +354,15 @@ def split_prompts(prompts: Sequence[Sequence[int]], num_engines: int) -> list[li
 
 def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
                    engine_kwargs: Mapping[str, Any] | None = None, timeout_s: float = 600.0,
-                   env_vars: Mapping[str, str] | None = None) -> EngineGroup:
+                   env_vars: Mapping[str, str] | None = None, max_concurrency: int = 1) -> EngineGroup:
     """Start one engine per worker of ``role`` in the placed plan and wait until all are built.
 
     ``engine_kwargs`` go to every engine (e.g. ``model``); tensor-parallel engines also get ``placement_group``,
     ``bundle_indices`` and ``gpus_per_worker`` (see the module docstring). ``timeout_s`` bounds the start-up and
     becomes the group's per-call deadline. ``env_vars`` are added to the actors' environment (on top of the
-    variables :mod:`hybrid_core.runtime_env` forwards to every worker)."""
+    variables :mod:`hybrid_core.runtime_env` forwards to every worker). ``max_concurrency`` > 1 lets an engine take
+    calls while a ``generate`` runs (partial rollouts: pause, weight update, resume; its engine must implement
+    :class:`~hybrid_engines.protocol.PausableEngine`); 1 (default) runs calls one after another, in order."""
     import ray
 
     from hybrid_core.runtime_env import worker_runtime_env
@@ -293,6 +374,9 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
         raise ConfigError("role", f"the plan has no role {role!r} (roles: {', '.join(plan.roles)}).",
                           "Give the engines' role GPUs in the placement.")
     cls = engine_class(backend)  # a missing backend fails here, before any actor starts
+    if max_concurrency > 1 and not callable(getattr(cls, "pause_generation", None)):
+        raise ConfigError("partial_rollout", f"{backend} engines cannot pause a generation in flight, so they cannot "
+                          "take calls while one runs.", "Drop --partial_rollout, or use --backend hf / vllm / sglang.")
     tp = plan.roles[role].tp
     kwargs = dict(engine_kwargs or {})
     refusal = getattr(cls, "placement_refusal", None)
@@ -313,7 +397,8 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
     try:
         for rank in range(len(plan.roles[role].workers)):
             options, placement_kwargs = engine_placement(placed, role, rank, accepts)
-            actors.append(remote_cls.options(**options, runtime_env=env, max_restarts=0).remote(
+            actors.append(remote_cls.options(**options, runtime_env=env, max_restarts=0,
+                                             max_concurrency=max_concurrency).remote(
                 backend, {**kwargs, **placement_kwargs}, tp_size=tp, role=role, rank=rank))
         group = EngineGroup(role, backend, actors, [tp] * len(actors), timeout_s, gpus=plan.roles[role].gpus)
         group.wait([a.ready.remote() for a in actors], "start")

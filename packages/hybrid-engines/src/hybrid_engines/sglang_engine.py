@@ -30,6 +30,17 @@ Weight sync: SGLang has its own group and wire formats, not hybrid-core's; the t
 (``SGLangIpcPayload``) to ``update_weights_from_tensor(load_format="flattened_bucket")``, which maps the trainer's
 CUDA memory in SGLang's scheduler; TP = 1 only.
 
+Partial rollouts (``pausable=True``; :class:`~hybrid_engines.protocol.PausableEngine`): SGLang's event loop
+(``Engine.loop``) runs in a thread of its own, and every ``Engine`` call made from other threads is sent to it (the
+adapter gives the engine a loop stand-in whose ``run_until_complete`` does that), so generate calls from several
+threads, pauses and weight updates all reach one engine. ``generate`` streams each row (``async_generate(...,
+stream=True)``: cumulative ``output_ids``) and marks every token that arrives with the current weight version.
+``pause_generation()`` is the tokenizer manager's ``pause_generation(PauseGenerationReqInput(mode="retract"))``:
+running requests go back to the waiting queue with their tokens, their KV cache is freed (so the weight update may
+flush the cache) and is recomputed with the new weights after ``continue_generation(ContinueGenerationReqInput())``
+(``resume_generation()``). Tokens produced before the pause and still in SGLang's output pipe when it returns are
+drained for ``PAUSE_DRAIN_S`` before the pause is reported, so they keep the old version.
+
 Placement: TP = 1 and TP > 1 without a placement group use ``sglang.Engine`` on the GPUs this process sees
 (``base_gpu_id`` onwards). TP > 1 with ``placement_group``/``bundle_indices`` uses SGLang's ``RayEngine``, whose
 scheduler actors each take a whole GPU: refused (clear error) when ``gpus_per_worker`` < 1, i.e. GPUs shared, and
@@ -38,7 +49,9 @@ refused by the training loop's plan check (:meth:`SGLangEngine.placement_refusal
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 from typing import Any, Iterable, Sequence
 
@@ -84,6 +97,14 @@ SGLANG_ENGINE_METHODS = {
 SGLANG_SESSION_METHODS = ("begin_weight_update", "end_weight_update")
 #: Our wake tags -> SGLang memory tags (srt/constants.py); CUDA graphs belong to the decode path: with the KV cache.
 SGLANG_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+#: Partial rollouts: the tokenizer manager's pause / continue (``srt/managers/tokenizer_manager.py``), their request
+#: types (``srt/managers/io_struct.py``) and the pause mode used.
+SGLANG_PAUSE = {"pause": ("pause_generation", "PauseGenerationReqInput", {"mode": "retract"}),
+                "resume": ("continue_generation", "ContinueGenerationReqInput", {})}
+#: ``Engine.async_generate`` keyword arguments of a streamed row (contract-tested).
+SGLANG_STREAM_ARGS = ("input_ids", "sampling_params", "return_logprob", "stream")
+#: Seconds a pause waits, once SGLang reports it, for tokens already on their way out of the scheduler.
+PAUSE_DRAIN_S = 0.05
 #: The SGLang versions this adapter was checked against (contract tests on CPU; 0.5.16 also run on a GPU).
 TESTED_VERSIONS = ("0.5.16", "0.5.23")
 
@@ -131,6 +152,8 @@ class SGLangEngine:
         placement_group: Any = None,
         bundle_indices: Sequence[int] | None = None,
         gpus_per_worker: float | None = None,
+        pausable: bool = False,
+        call_timeout_s: float = 600.0,
         **extra: Any,
     ):
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -160,6 +183,14 @@ class SGLangEngine:
         self._group_name: str | None = None
         self._ipc_session: _UpdateSession | None = None
         self._closed = False
+        self.pausable, self.call_timeout_s = pausable, call_timeout_s
+        self._version = 0
+        self._paused = False
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._loop_thread: _LoopThread | None = None
+        if pausable:
+            self._loop_thread = _LoopThread(self.engine, call_timeout_s)
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
@@ -173,6 +204,8 @@ class SGLangEngine:
                               "inference, and this engine was built with deterministic=False.",
                               "Build SGLangEngine(deterministic=True) (the default), or sample with seed=None.")
         sampling = [sglang_sampling_params(params, seed=r.seed, stop_at_eos=self.stop_at_eos) for r in rows]
+        if self.pausable:
+            return self._generate_streamed(prompts, rows, sampling, params)
         outs = self.engine.generate(input_ids=[prompts[r.prompt] for r in rows], sampling_params=sampling,
                                     return_logprob=params.logprobs)
         results: list[list[Any]] = [[None] * params.n for _ in prompts]
@@ -187,8 +220,89 @@ class SGLangEngine:
                 logprobs = [float(s[0]) for s in steps]
             results[row.prompt][row.sample] = GenerationOutput(
                 prompt_token_ids=prompts[row.prompt], token_ids=ids, logprobs=logprobs,
-                finish_reason=finish_reason(meta["finish_reason"], engine="sglang"))
+                finish_reason=finish_reason(meta["finish_reason"], engine="sglang"),
+                weight_versions=[self._version] * len(ids))
         return results
+
+    # ---- partial rollouts ----------------------------------------------------------------------------------------
+    def _generate_streamed(self, prompts, rows, sampling, params: SamplingParams):
+        async def row_stream(ids: list[int], sp: dict) -> dict:
+            stream = await self.engine.async_generate(input_ids=ids, sampling_params=sp,
+                                                      return_logprob=params.logprobs, stream=True)
+            versions: list[int] = []
+            last: dict = {}
+            async for chunk in stream:  # cumulative output_ids: what arrived now was sampled by the current weights
+                got = len(chunk["output_ids"])
+                versions.extend([self._version] * (got - len(versions)))
+                last = chunk
+            return {**last, "versions": versions}
+
+        async def every_row() -> list:
+            return await asyncio.gather(*(row_stream(prompts[r.prompt], sp) for r, sp in zip(rows, sampling)))
+
+        with self._lock:
+            self._in_flight += 1
+        try:
+            outs = self._loop_thread.run(every_row(), "generate")
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        results: list[list[Any]] = [[None] * params.n for _ in prompts]
+        for row, out in zip(rows, outs, strict=True):
+            ids = list(out["output_ids"])
+            meta = out["meta_info"]
+            logprobs = None
+            if params.logprobs:
+                steps = meta["output_token_logprobs"]
+                if [int(s[1]) for s in steps] != ids:
+                    raise RoleFailure("sglang generate: output_token_logprobs do not line up with output_ids.")
+                logprobs = [float(s[0]) for s in steps]
+            results[row.prompt][row.sample] = GenerationOutput(
+                prompt_token_ids=prompts[row.prompt], token_ids=ids, logprobs=logprobs,
+                finish_reason=finish_reason(meta["finish_reason"], engine="sglang"), weight_versions=out["versions"])
+        return results
+
+    def pause_generation(self, timeout_s: float = 600.0) -> dict:
+        """Retract every running request (tokens kept, KV freed; recomputed after resume) and stop scheduling."""
+        self._require_open("pause_generation")
+        if not self.pausable:
+            raise ConfigError("pausable", "this engine was built without pausable=True (partial rollouts).",
+                              "Build SGLangEngine(pausable=True).")
+        method, request, kwargs = SGLANG_PAUSE["pause"]
+        self._loop_thread.run(self._manager_call(method, request, kwargs, drain=PAUSE_DRAIN_S), "pause_generation",
+                              timeout_s)
+        with self._lock:
+            self._paused = True
+            return {"parked": self._in_flight, "version": self._version}
+
+    def resume_generation(self) -> None:
+        self._require_open("resume_generation")
+        if not self.pausable:
+            return
+        method, request, kwargs = SGLANG_PAUSE["resume"]
+        self._loop_thread.run(self._manager_call(method, request, kwargs), "resume_generation")
+        with self._lock:
+            self._paused = False
+
+    def set_weight_version(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigError("version", f"must be a whole number >= 0, got {version!r}.")
+        with self._lock:
+            self._version = version
+
+    async def _manager_call(self, method: str, request: str, kwargs: dict, drain: float = 0.0) -> Any:
+        from sglang.srt.managers import io_struct
+
+        result = await getattr(self.engine.tokenizer_manager, method)(getattr(io_struct, request)(**kwargs))
+        if drain:
+            await asyncio.sleep(drain)
+        return result
+
+    def _require_not_generating(self, what: str) -> None:
+        with self._lock:
+            if self._in_flight and not self._paused:
+                raise EngineStateError(f"{what}: generation is running; call pause_generation() first (partial "
+                                       "rollouts) or wait for generate to return.")
 
     # ---- sleep / wake ------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> TransferStats:
@@ -257,6 +371,7 @@ class SGLangEngine:
         if self._group_name is None:
             raise EngineStateError("update_weights: no weight-update group. Call init_weight_update_group first.")
         self._require_weights_on_device("update_weights")
+        self._require_not_generating("update_weights")
         start = time.perf_counter()
         with self._session():
             for bucket in sglang_bucket_plan(metas, bucket_bytes):
@@ -275,6 +390,7 @@ class SGLangEngine:
             raise ConfigError("tensor_parallel_size", "the SGLang IPC path supports TP = 1 only.",
                               "Use update_weights (broadcast) for TP > 1.")
         self._require_weights_on_device("update_weights_from_ipc")
+        self._require_not_generating("update_weights_from_ipc")
         payload = bucket if isinstance(bucket, SGLangIpcPayload) else SGLangIpcPayload.of(
             list(bucket) if isinstance(bucket, (list, tuple)) else [bucket])
         if payload.data and len(payload.data) != self.tp:
@@ -309,7 +425,11 @@ class SGLangEngine:
     def shutdown(self) -> None:
         if not self._closed:
             self._closed = True
-            self.engine.shutdown()
+            try:
+                self.engine.shutdown()
+            finally:
+                if self._loop_thread is not None:
+                    self._loop_thread.stop()
 
     # ---- helpers -----------------------------------------------------------------------------------------------
     def _session(self) -> "_UpdateSession":
@@ -361,6 +481,42 @@ class _UpdateSession:
         if exc_type is None:
             self.e._needs_sync = False
             self.e.reset_prefix_cache()
+
+
+class _LoopThread:
+    """SGLang's event loop, run in a thread of its own (partial rollouts). The engine's ``loop`` attribute becomes a
+    stand-in whose ``run_until_complete`` submits the coroutine to that thread and waits (under ``timeout_s``), so
+    every ``Engine`` method keeps working from any thread, while generations run."""
+
+    def __init__(self, engine: Any, timeout_s: float):
+        self.loop = engine.loop
+        self.timeout_s = timeout_s
+        self.thread = threading.Thread(target=self.loop.run_forever, name="sglang-event-loop", daemon=True)
+        self.thread.start()
+        engine.loop = self
+
+    def run(self, coro: Any, what: str, timeout_s: float | None = None) -> Any:
+        import concurrent.futures
+
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            from hybrid_core.errors import RemoteTimeout
+
+            raise RemoteTimeout(f"sglang {what}: no answer within {timeout:g} s") from None
+
+    def run_until_complete(self, coro: Any) -> Any:
+        return self.run(coro, getattr(coro, "__qualname__", "call"))
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def __getattr__(self, name: str) -> Any:  # anything else SGLang asks of its loop
+        return getattr(self.loop, name)
 
 
 def _engine_class(tp: int, placement_group: Any, bundle_indices: Sequence[int] | None,

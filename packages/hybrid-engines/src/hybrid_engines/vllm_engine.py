@@ -11,6 +11,17 @@
 * Weight updates: a worker extension (:mod:`hybrid_engines.vllm_worker`) joins hybrid-core's weight-sync group
   (broadcast path, ``update_weights``) or maps CUDA-IPC buckets of a colocated trainer (``update_weights_from_ipc``),
   and loads through the model's own ``load_weights``. The prefix cache is reset after every update.
+* Partial rollouts (``pausable=True``; :class:`~hybrid_engines.protocol.PausableEngine`): ``generate`` adds its
+  requests to the engine (``LLM._preprocess_cmpl_one`` renders them as ``LLM.generate`` does, then
+  ``LLMEngine.add_request``) and steps it itself (``LLMEngine.step``), so calls from several threads share one
+  running batch (continuous batching across calls: the tail of one rollout runs beside the next one's start).
+  ``pause_generation()`` stops stepping at a step boundary and puts vLLM's scheduler in its ``keep`` pause
+  (``LLM.sleep(level=0, mode="keep")``: the requests and their KV cache stay, nothing is scheduled); a weight update
+  may then load new weights; ``resume_generation()`` wakes the scheduler (``LLM.wake_up(tags=["scheduling"])``) and
+  stepping goes on. Each token is marked with the version of the weights of the step that sampled it (outputs are
+  read as deltas, ``RequestOutputKind.DELTA``); async scheduling is off in this mode, so a step's tokens come from
+  that step's forward pass. The prefix cache is reset once no request is in flight (while requests are paused it
+  still holds their blocks; the training loop refuses prefix caching with partial rollouts).
 
 Tensor parallelism over Ray (TP > 1), as vLLM 0.26 places workers (``v1/executor/ray_executor_v2.py``): build the
 engine inside a Ray actor that was scheduled in the placement group (vLLM takes ``get_current_placement_group()``
@@ -29,8 +40,11 @@ that is a local folder, ``HF_HUB_OFFLINE=1``.
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from hybrid_core.errors import ConfigError, RemoteTimeout
@@ -49,6 +63,7 @@ WORKER_EXTENSION = "hybrid_engines.vllm_worker.HybridWorkerExtension"
 VLLM_LLM_KWARGS = (
     "model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "enforce_eager", "dtype", "seed",
     "max_model_len", "enable_prefix_caching", "worker_extension_cls", "logprobs_mode", "distributed_executor_backend",
+    "async_scheduling",
 )
 #: ``vllm.LLM`` methods this adapter calls, with the keyword arguments it passes (contract-tested).
 VLLM_LLM_METHODS = {
@@ -57,7 +72,13 @@ VLLM_LLM_METHODS = {
     "wake_up": ("tags",),
     "collective_rpc": ("method", "timeout", "args", "kwargs"),
     "reset_prefix_cache": (),
+    # partial rollouts: rendering a prompt as generate does, and the level-0 ("keep") pause of the scheduler
+    "_preprocess_cmpl_one": ("prompt", "tokenization_kwargs"),
 }
+#: ``vllm.LLM.sleep`` / ``wake_up`` arguments of the partial-rollout pause (level 0 keeps requests and memory).
+VLLM_KEEP_PAUSE = {"sleep": {"level": 0, "mode": "keep"}, "wake_up": {"tags": ["scheduling"]}}
+#: ``LLMEngine`` (``LLM.llm_engine``) methods the stepping loop calls, with the arguments it passes.
+VLLM_ENGINE_METHODS = {"add_request": ("request_id", "prompt", "params"), "step": (), "abort_request": ("request_ids",)}
 #: vLLM 0.26 sleep-mode tags (``LLM.wake_up`` docstring: "weights", "kv_cache", "scheduling").
 VLLM_WAKE_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}
 
@@ -105,6 +126,7 @@ class VLLMEngine:
         bundle_indices: Sequence[int] | None = None,
         gpus_per_worker: float | None = None,
         rpc_timeout_s: float = 600.0,
+        pausable: bool = False,
         **extra: Any,
     ):
         _check_args(tensor_parallel_size, gpu_memory_utilization, weight_loading, bundle_indices, gpus_per_worker,
@@ -124,6 +146,8 @@ class VLLMEngine:
             kwargs["max_model_len"] = max_model_len
         if tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "ray"
+        if pausable:
+            kwargs["async_scheduling"] = False  # a step's tokens come from that step's forward (version marks)
         kwargs.update(extra)
         self._vllm = vllm
         self.llm = vllm.LLM(**kwargs)
@@ -137,6 +161,14 @@ class VLLMEngine:
         self._missing: tuple[int, list[str]] = (0, [])  # parameters still to load after a level-2 sleep
         self._group = False
         self._closed = False
+        self.pausable = pausable
+        self._version = 0
+        # the stepping loop of partial rollouts (see the module docstring)
+        self._cv = threading.Condition()
+        self._live: dict[str, _Live] = {}
+        self._adds: list[tuple[str, dict, Any]] = []
+        self._stepping = self._paused = self._prefix_stale = False
+        self._request_ids = itertools.count()
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: Sequence[Sequence[int]],
@@ -151,6 +183,8 @@ class VLLMEngine:
         else:
             sampling = [make(**vllm_sampling_kwargs(params, seed=r.seed, stop_at_eos=self.stop_at_eos)) for r in rows]
         requests = [{"prompt_token_ids": prompts[r.prompt]} for r in rows]
+        if self.pausable:
+            return self._generate_stepping(prompts, rows, requests, sampling, params)
         outputs = self.llm.generate(prompts=requests, sampling_params=sampling, use_tqdm=False)
         results: list[list[Any]] = [[None] * params.n for _ in prompts]
         for row, out in zip(rows, outputs, strict=True):
@@ -159,8 +193,143 @@ class VLLMEngine:
             results[row.prompt][row.sample] = GenerationOutput(
                 prompt_token_ids=prompts[row.prompt], token_ids=ids,
                 logprobs=sampled_logprobs(ids, done.logprobs) if params.logprobs else None,
-                finish_reason=finish_reason(done.finish_reason, engine="vllm"))
+                finish_reason=finish_reason(done.finish_reason, engine="vllm"),
+                weight_versions=[self._version] * len(ids))
         return results
+
+    # ---- partial rollouts: one stepping loop shared by every generate call ------------------------------------
+    def _generate_stepping(self, prompts, rows, requests, sampling, params: SamplingParams):
+        delta = self._vllm.sampling_params.RequestOutputKind.DELTA
+        ids = []
+        with self._cv:
+            if not self._live and self._prefix_stale:
+                self._reset_prefix_now()
+            for i, (row, request) in enumerate(zip(rows, requests)):
+                sp = (sampling[i] if isinstance(sampling, list) else sampling).clone()
+                sp.output_kind = delta
+                rid = f"hybrid-{next(self._request_ids)}"
+                self._live[rid] = _Live()
+                self._adds.append((rid, request, sp))
+                ids.append(rid)
+            self._cv.notify_all()
+        try:
+            while True:
+                with self._cv:
+                    while True:
+                        failed = next((self._live[r].error for r in ids if self._live[r].error), None)
+                        if failed is not None:
+                            raise failed
+                        if all(self._live[r].finished for r in ids):
+                            mine = [self._live.pop(r) for r in ids]
+                            break
+                        if not self._stepping and not self._paused:
+                            self._stepping = True
+                            mine = None
+                            break
+                        self._cv.wait(1.0)
+                if mine is not None:
+                    break
+                try:
+                    self._step_once()
+                finally:
+                    with self._cv:
+                        self._stepping = False
+                        self._cv.notify_all()
+        except BaseException:
+            with self._cv:
+                gone = [r for r in ids if self._live.pop(r, None) is not None]
+                self._adds = [a for a in self._adds if a[0] not in ids]
+            if gone:
+                try:
+                    self.llm.llm_engine.abort_request(gone)
+                except Exception:  # the error being raised is the one to report
+                    pass
+            raise
+        results: list[list[Any]] = [[None] * params.n for _ in prompts]
+        for row, live in zip(rows, mine):
+            results[row.prompt][row.sample] = GenerationOutput(
+                prompt_token_ids=prompts[row.prompt], token_ids=live.token_ids,
+                logprobs=live.logprobs if params.logprobs else None,
+                finish_reason=finish_reason(live.finish_reason, engine="vllm"), weight_versions=live.versions)
+        return results
+
+    def _step_once(self) -> None:
+        """Add what callers queued, run one engine step, and hand each request its new tokens (this thread is the
+        only one touching the engine: ``_stepping`` is held, and weights change only while paused)."""
+        engine = self.llm.llm_engine
+        with self._cv:
+            adds, self._adds = self._adds, []
+        for rid, request, sp in adds:
+            engine.add_request(rid, self.llm._preprocess_cmpl_one(request, None), sp)
+        try:
+            outputs = engine.step()
+        except BaseException as error:
+            with self._cv:
+                for live in self._live.values():
+                    live.error = live.error or error
+            raise
+        version = self._version
+        with self._cv:
+            for out in outputs:
+                live = self._live.get(out.request_id)
+                if live is None:
+                    continue
+                done = out.outputs[0]
+                new = list(done.token_ids)
+                live.token_ids.extend(new)
+                live.versions.extend([version] * len(new))
+                if new and done.logprobs is not None:
+                    live.logprobs.extend(sampled_logprobs(new, done.logprobs))
+                if out.finished:
+                    live.finished, live.finish_reason = True, done.finish_reason
+            self._cv.notify_all()
+
+    def pause_generation(self, timeout_s: float = 600.0) -> dict:
+        """Stop stepping at the next step boundary and freeze vLLM's scheduler keeping every request
+        (``LLM.sleep(level=0, mode="keep")``); returns once no step runs."""
+        self._require_open("pause_generation")
+        if not self.pausable:
+            raise ConfigError("pausable", "this engine was built without pausable=True (partial rollouts).",
+                              "Build VLLMEngine(pausable=True).")
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            self._paused = True
+            while self._stepping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RemoteTimeout(f"vllm pause_generation: the running step did not end within {timeout_s:g} s")
+                self._cv.wait(left)
+            live = len(self._live)
+        self.llm.sleep(**VLLM_KEEP_PAUSE["sleep"])
+        return {"parked": live, "version": self._version}
+
+    def resume_generation(self) -> None:
+        """Wake vLLM's scheduler (``LLM.wake_up(tags=["scheduling"])``) and let the callers step again."""
+        self._require_open("resume_generation")
+        if self.pausable:
+            self.llm.wake_up(**VLLM_KEEP_PAUSE["wake_up"])
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def set_weight_version(self, version: int) -> None:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigError("version", f"must be a whole number >= 0, got {version!r}.")
+        with self._cv:
+            self._version = version
+
+    def _require_idle(self, what: str) -> None:
+        """vLLM's sleep aborts the requests it holds: never while generations are in flight (paused or not)."""
+        with self._cv:
+            if self._live:
+                raise EngineStateError(f"{what}: {len(self._live)} request(s) are in flight; their generate calls "
+                                       "must return first.")
+
+    def _require_not_stepping(self, what: str) -> None:
+        with self._cv:
+            if self._live and not self._paused:
+                raise EngineStateError(f"{what}: generation is running; call pause_generation() first (partial "
+                                       "rollouts) or wait for generate to return.")
 
     # ---- sleep / wake ------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> TransferStats:
@@ -171,6 +340,7 @@ class VLLMEngine:
         if level not in (1, 2):
             raise ConfigError("level", f"sleep level must be 1 or 2, got {level!r}.")
         self._require_open("sleep")
+        self._require_idle("sleep")
         if not self.enable_sleep_mode:
             raise ConfigError("enable_sleep_mode", "sleep needs the engine built with enable_sleep_mode=True.")
         if self._weights != "awake" and not self._kv_awake:
@@ -194,6 +364,7 @@ class VLLMEngine:
         """Free the KV cache and keep the weights on the GPU (vLLM's ``sleep`` can only free both); the prefix cache
         is reset first, since the cached blocks' contents go with it. ``wake_up(["kv_cache"])`` maps it back."""
         self._require_open("release_kv_cache")
+        self._require_idle("release_kv_cache")
         if not self.enable_sleep_mode:
             raise ConfigError("enable_sleep_mode", "releasing the KV cache needs the engine built with "
                               "enable_sleep_mode=True (vLLM's sleep-mode allocator).")
@@ -262,6 +433,7 @@ class VLLMEngine:
         if not self._group:
             raise EngineStateError("update_weights: no weight-update group. Call init_weight_update_group first.")
         self._require_weights_on_device("update_weights")
+        self._require_not_stepping("update_weights")
         wire = [(m.name, m.dtype, tuple(m.shape)) for m in metas]
         results = self._rpc("hybrid_receive_weights", wire, bucket_bytes, self.weight_loading == "layerwise")
         return self._after_update(results, "vllm weight sync")
@@ -273,12 +445,22 @@ class VLLMEngine:
             raise ConfigError("weight_loading", "the IPC path loads bucket by bucket, which layerwise reload cannot do "
                               "(a bucket may hold part of a layer).", "Use update_weights (broadcast) for layerwise.")
         self._require_weights_on_device("update_weights_from_ipc")
+        self._require_not_stepping("update_weights_from_ipc")
         buckets = list(bucket) if isinstance(bucket, (list, tuple)) else [bucket]
         return self._after_update(self._rpc("hybrid_load_ipc", buckets), "vllm weight sync ipc")
 
     def reset_prefix_cache(self) -> None:
-        """Forget cached prefixes (their KV was computed with the old weights)."""
+        """Forget cached prefixes (their KV was computed with the old weights). With requests paused in flight
+        (partial rollouts) their blocks are still in use: the reset happens once none is left."""
         self._require_open("reset_prefix_cache")
+        with self._cv:
+            if self._live:
+                self._prefix_stale = True
+                return
+            self._reset_prefix_now()
+
+    def _reset_prefix_now(self) -> None:
+        self._prefix_stale = False
         if not self.llm.reset_prefix_cache():
             raise EngineStateError("reset_prefix_cache: vLLM could not reset the prefix cache (requests running?).")
 
@@ -342,6 +524,18 @@ class VLLMEngine:
             raise EngineStateError(f"{what}: {count} parameter(s) hold no weights since sleep(level=2), e.g. "
                                    f"{', '.join(names)}. Re-sync the weights (update_weights / "
                                    "update_weights_from_ipc) before generating.")
+
+
+@dataclass
+class _Live:
+    """One request of the stepping loop: what it produced so far, token by token."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Any = None
+    error: BaseException | None = None
 
 
 def _check_tags(tags: Sequence[str] | None) -> list[str]:

@@ -95,6 +95,11 @@ class RLConfig:
     gpu_context_gb: float = 0.5  # what each process holds on its GPU whatever it keeps (CUDA context, workspaces)
     residency_overlap: bool = True  # start moves early where the memory allows (off: every move waits for its phase)
 
+    # ---- asynchronous training (train/async_rollout; generation of later batches overlaps training) -------------
+    async_train: bool = False  # engines generate batch k+1 (older weights) while the trainer trains on batch k
+    async_max_staleness: int = 1  # a sample trained on is at most this many weight versions older than the trainer
+    partial_rollout: bool = False  # generations running at a weight update are paused and resumed with the new weights
+
     # ---- batch shape -----------------------------------------------------------------------------------------
     rollout_batch_size: int = 16  # prompts per step
     n_samples_per_prompt: int = 1
@@ -305,6 +310,7 @@ class RLConfig:
         if self.prompt_data is None:
             _choice("task", self.task, TASKS, "Or give your own prompts with --prompt_data FILE --input_key KEY.")
         self._validate_estimator()
+        self._validate_async()
         for name in ("task_length", "rollout_batch_size", "n_samples_per_prompt", "micro_rollout_batch_size", "train_batch_size",
                      "micro_train_batch_size", "max_epochs", "num_episodes", "max_samples", "prompt_max_len",
                      "generate_max_len", "vllm_tensor_parallel_size", "actor_num_nodes",
@@ -434,6 +440,20 @@ class RLConfig:
             if not (0 <= low < high < math.inf):
                 raise ConfigError("vllm_is_truncated_threshold", f"need 0 <= LOW < HIGH, got ({low}, {high}).",
                                   "E.g. --vllm_is_truncated_threshold 0.5 5.0 (OpenRLHF's), or 0 2 for plain TIS.")
+
+    def _validate_async(self) -> None:
+        if isinstance(self.async_max_staleness, bool) or not isinstance(self.async_max_staleness, int) \
+                or self.async_max_staleness < 1:
+            raise ConfigError("async_max_staleness", f"must be a whole number >= 1, got {self.async_max_staleness!r}.",
+                              "1 is one-step-off-policy: batch k+1 is generated while batch k trains.")
+        if self.partial_rollout and not self.async_train:
+            raise ConfigError("partial_rollout", "pauses generations at a weight update, which only happens while "
+                              "they run with --async_train.", "Add --async_train, or drop --partial_rollout.")
+        if self.async_train and not self.enable_vllm_is_correction:
+            raise ConfigError("async_train", "an asynchronous run trains on samples of older weights; the gap is "
+                              "corrected with the engine's log-probs as the behaviour policy (the mismatch "
+                              "correction), which --no_enable_vllm_is_correction turns off.",
+                              "Drop --no_enable_vllm_is_correction, or drop --async_train.")
 
     def _validate_dapo(self) -> None:
         if self.dynamic_filtering:

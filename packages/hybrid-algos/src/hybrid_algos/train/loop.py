@@ -45,6 +45,8 @@ class Prepared:
     residency: Any = None  # hybrid_core.residency.ResidencyPlan: what each role keeps on its GPUs in each phase
     resume_from: Any = None  # resume.ResumePoint: the checkpoint this run continues, or None (a fresh start)
     agent: Any = None  # agents.AgentSpec: the environment of a multi-turn run (loaded here, before Ray)
+    async_mode: str = "off"  # async_rollout.async_mode: off | split | shared | sync (--async_train fell back)
+    async_note: str = ""
 
 
 def prepare(config: RLConfig) -> Prepared:
@@ -123,8 +125,13 @@ def prepare(config: RLConfig) -> Prepared:
     residency, config = build_residency(config, plan, model_path, prompt_len=longest_prompt,
                                         generate_len=max_new_tokens)
     residency.check()
+    from .async_rollout import async_mode
+
+    mode, note = async_mode(config, plan, residency)
+    if mode == "sync":  # --async_train on GPUs too small for both: synchronous turns, said in the plan's notes
+        residency.notes.append(note)
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync_mode, residency, resume_from, agent)
+                    max_model_len, sync_mode, residency, resume_from, agent, mode, note)
 
 
 def _load_agent(config: RLConfig) -> Any:
@@ -264,6 +271,8 @@ class TrainingSession:
         self.owner = None
         self.start_step = 0
         self.history: list[dict[str, float]] = []
+        self.runner = None  # async_loop.AsyncRunner with --async_train (split, or shared GPUs that fit)
+        self.restored_queue: list[dict] = []  # the generated batches a resumed asynchronous run continues with
 
     # ---- set-up ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -341,10 +350,16 @@ class TrainingSession:
                                     timeout_s=timeout, overlap=cfg.residency_overlap)
         self.owner.guard = WakeGuard(probes, self.owner.holders, timeout_s=timeout)
         self.owner.to_phase_state("generate")
+        self.async_mode, self.async_note = prep.async_mode, prep.async_note
+        if self.async_note:  # a fall-back to synchronous turns is also in the plan's notes (prepare)
+            log.log(logging.WARNING if self.async_mode == "sync" else logging.INFO, "%s", self.async_note)
         _write_json(os.path.join(prep.run_dir, "residency.json"), residency.to_dict())  # what each phase may use
 
+        pausing = cfg.partial_rollout and self.async_mode in ("split", "shared")
+        # partial rollouts: an engine takes the pause, the weight update and the resume while a generate runs
         self.engines = launch_engines(self.placed, role="rollout", backend=cfg.backend,
-                                      engine_kwargs=self._engine_kwargs(), timeout_s=timeout)
+                                      engine_kwargs=self._engine_kwargs(), timeout_s=timeout,
+                                      max_concurrency=4 if pausing else 1)
         self.engine_where = self.engines.call("where")
         self.owner.add_role("rollout", self.engines)
         clock.lap("engines started")
@@ -382,6 +397,8 @@ class TrainingSession:
                                   "trust_remote_code": cfg.trust_remote_code}  # vLLM / SGLang take it as is
         if cfg.backend == "hf":
             kwargs["dtype"] = "bfloat16" if cfg.bf16 else "float32"
+        elif cfg.partial_rollout:  # vLLM / SGLang generate through their pausable paths (see their adapters)
+            kwargs["pausable"] = True
         else:
             kwargs.update(tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                           gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
@@ -435,12 +452,21 @@ class TrainingSession:
         cfg = self.config
         total = self.prep.total_steps
         saved_at = self.start_step if self.prep.resume_from is not None else None
+        if self.async_mode in ("split", "shared"):
+            from .async_loop import AsyncRunner
+
+            self.runner = AsyncRunner(self, self.async_mode, self.restored_queue)
+            self.runner.start()
         for step in range(self.start_step, total):
             self.owner.tag = step
-            metrics, _ = self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
-                                                                           self.sampling(step)))
+            if self.runner is not None and self.runner.has(step):
+                metrics = self.runner.step(step)
+            else:
+                metrics, _ = self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
+                                                                               self.sampling(step)))
             if _refines_after(step - self.start_step):
                 metrics.update(self.guarded("refining the residency plan", lambda: self.refine_residency(step + 1)))
+                self._recheck_async()
             self.history.append(metrics)
             if (step + 1) % cfg.logging_steps == 0 or step + 1 == total:
                 _emit(callbacks, "on_step", metrics)
@@ -456,12 +482,29 @@ class TrainingSession:
         self.owner.tag = "final"
         final = self.guarded("saving the final model", self.save_final_model)
         latest = self.ckpt.latest()
+        if self.runner is not None:
+            self.runner.close()
         summary = {"steps": total, "start_step": self.start_step, "history": self.history,
+                   "async": {"mode": self.async_mode, "note": self.async_note},
                    "setup_seconds": self.setup_seconds, "final_model": final, "run_dir": self.prep.run_dir,
                    "plan": self.prep.plan, "residency": self.prep.residency, "residency_log": self.owner.log}
         if latest is not None:  # only folders that exist: a summary never points at nothing
             summary.update(checkpoint_dir=self.ckpt.root, last_checkpoint=latest[0])
         return summary
+
+    def _recheck_async(self) -> None:
+        """A refined plan that no longer keeps the engines next to the trainer ends the overlap: the batches already
+        generated are trained on, then the run takes synchronous turns (and says so)."""
+        from .async_rollout import async_mode
+
+        if self.runner is None or self.async_mode != "shared":
+            return
+        mode, note = async_mode(self.config, self.prep.plan, self.prep.residency)
+        if mode == "sync":
+            self.async_mode, self.async_note = mode, note + " (from the refined plan on)"
+            log.warning("%s", self.async_note)
+            self.prep.residency.notes.append(self.async_note)
+            self.guarded("stopping the asynchronous rollout producer", self.runner.stop_producing)
 
     def refine_residency(self, after_step: int) -> dict[str, float]:
         """What each GPU really holds against what the plan counts, after steps 1, 2, 4, 8, ... of this run. The
@@ -550,7 +593,9 @@ class TrainingSession:
         kl = self.ctx.kl_controller
         return {"next_step": next_step, "kl": kl.state_dict() if kl is not None else None,
                 "reward_norm": self.reward.state_dict(), "history": self.history, "config": self.config.to_dict(),
-                "essentials": essentials(self.config)}
+                "essentials": essentials(self.config),
+                # batches generated ahead of the trainer (asynchronous training): a resumed run trains on them
+                "async_queue": self.runner.state(next_step) if self.runner is not None else []}
 
     def save_checkpoint(self, next_step: int) -> str:
         def save_roles(folder: str) -> None:
@@ -573,6 +618,10 @@ class TrainingSession:
         self.reward.load_state_dict(state["reward_norm"])
         self.history = list(state["history"])
         self.start_step = int(state["next_step"])
+        self.restored_queue = list(state.get("async_queue") or [])
+        if self.restored_queue and not self.config.async_train:
+            log.warning("the checkpoint holds %d batches generated ahead (--async_train); this run is synchronous "
+                        "and generates them again", len(self.restored_queue))
         # The engines still hold the pretrained weights: give them the restored actor's. The first step's phases
         # then move everything where the plan wants it, as after any sync.
         self.owner.to_phase_state("sync")
@@ -604,6 +653,8 @@ class TrainingSession:
     def close(self, *, cluster_lost: bool = False) -> None:
         import ray
 
+        if self.runner is not None:
+            self.runner.close()
         if self.timeline is not None:
             self.timeline.close()
         if getattr(self, "agent", None) is not None:  # the environments' event loop: a local thread

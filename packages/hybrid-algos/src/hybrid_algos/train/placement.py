@@ -104,11 +104,24 @@ def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None) -> ResidencyP
     pins = {k: v for k, v in settings["flag_pins"].items() if k[0] in present}  # the flags speak for both trainers
     pins.update(settings["pins"])
     shared = {s.role for shares in layout.values() if len(shares) > 1 for s in shares}
-    return plan_residency(layout, gpu_bytes, mode=settings["mode"], pins=pins,
-                          sleep_roles=sleeping_roles(cfg, present, shared),
-                          engine_sleep_level=settings["engine_sleep_level"],
-                          usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1, overhead=overhead,
-                          sleep_fields=SLEEP_FLAGS)
+    sleeping = sleeping_roles(cfg, present, shared)
+
+    def plan(pins):
+        return plan_residency(layout, gpu_bytes, mode=settings["mode"], pins=pins, sleep_roles=sleeping,
+                              engine_sleep_level=settings["engine_sleep_level"],
+                              usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1, overhead=overhead,
+                              sleep_fields=SLEEP_FLAGS)
+
+    # --async_train on shared GPUs: first the plan that keeps the engines next to the trainer in every phase (they
+    # then generate while it trains); where that does not fit, the usual plan (synchronous turns: async_rollout.py)
+    from .async_rollout import async_pins
+
+    together = async_pins(cfg, shared, sleeping)
+    if together is not None:
+        concurrent = plan({**pins, **together})
+        if concurrent.fits():
+            return concurrent
+    return plan(pins)
 
 
 def sleeping_roles(cfg: RLConfig, present: set[str], shared: set[str]) -> set[str]:

@@ -66,7 +66,6 @@ class StepContext:
 
 def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict[str, float], Rollout]:
     """Run one step on ``prompts`` (a list of ``Prompt``); returns its metrics and the scored rollout."""
-    cfg = ctx.config
     timer = PhaseTimer()
     t0 = time.perf_counter()
 
@@ -74,6 +73,15 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
     ctx.enter("generate", timer)
     with timer.phase("generate"):
         sampled = sample_rollout(ctx, step, prompts, sampling)  # DAPO dynamic sampling: dynamic_sampling.py
+    return train_on(ctx, step, sampled, sampling, timer, t0)
+
+
+def train_on(ctx: StepContext, step: int, sampled, sampling, timer: PhaseTimer, t0: float,
+             sync: Callable[[], Any] | None = None) -> tuple[dict[str, float], Rollout]:
+    """Everything of a step after generation: rewards, inference, the update and the weight sync. Asynchronous
+    training (:mod:`.async_rollout`) calls it on a batch generated earlier, with its own ``sync`` (the weight update
+    at the boundary between batches)."""
+    cfg = ctx.config
     prompts, outputs = sampled.prompts, sampled.outputs
     rollout = sampled.rollout(ctx.pad_id)  # multi-turn samples: the environment's tokens are masked out
     ctx.enter(ctx.after("generate"), timer)  # what leaves the GPUs now goes while the driver scores
@@ -116,7 +124,7 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
         actor_stats = actor.call_sharded("train", rollout.split(actor.world_size), step, kl_coef)
     ctx.enter("sync", timer)  # the engines' weights come back (guarded) if the plan took them off
     with timer.phase("sync"):
-        sync_stats = ctx.weight_sync.sync(wake_engines=False)
+        sync_stats = ctx.weight_sync.sync(wake_engines=False) if sync is None else sync()
     timer.bytes["sync"] = timer.bytes.get("sync", 0) + sync_stats.bytes
     critic_stats: list[dict] = []
     if ctx.critic is not None:
