@@ -57,6 +57,18 @@ def test_the_queue_round_trips_through_json_exactly():
     assert [p is q for p, q in zip(back.sampled.prompts, prompts)] == [True, True]  # the run's own prompt objects
     assert back.sampled.outputs == batch.sampled.outputs and back.sampled.metrics == {"reward/x": 0.5}
     assert torch.equal(back.sampled.scores, batch.sampled.scores)
+    # a multi-turn sample's mask of the model's own tokens comes back too (without it a resumed agent run would train
+    # on the environment's tokens)
+    agent_out = GenerationOutput([1, 2], [5, 8, 9, 6], [-0.5, 0.0, 0.0, -1.0], "stop",
+                                 extra={"action_mask": [1, 0, 0, 1], "agent_failed": False, "agent_reward": 1.0,
+                                        "turns": 2, "score": torch.tensor(0.5)})
+    agent_batch = make_batch(8, Sampled(prompts, [[agent_out], [agent_out]], torch.tensor([1.0, 1.0]), {}), 7)
+    agent_back = batch_from_json(json.loads(json.dumps(batch_to_json(agent_batch, {id(p): i for i, p in
+                                                                                   enumerate(pool)}))), pool)
+    assert agent_back.sampled.outputs[0][0].extra == {"action_mask": [1, 0, 0, 1], "agent_failed": False,
+                                                       "agent_reward": 1.0, "turns": 2, "score": 0.5}
+    rollout = agent_back.sampled.rollout(pad_id=0)  # the trainer's batch: the environment's tokens are masked out
+    assert rollout.action_mask[0].tolist()[:4] == [1.0, 0.0, 0.0, 1.0]
     del data["outputs"][0][0]["token_ids"]
     with pytest.raises(CheckpointError, match="queue of generated batches is damaged"):
         batch_from_json(data, pool)

@@ -16,6 +16,7 @@ notes), ``off``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -113,9 +114,26 @@ def batch_to_json(batch: Batch, prompt_index: dict[int, int]) -> dict[str, Any]:
             "prompts": [prompt_index[id(p)] for p in s.prompts],
             "outputs": [[{"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.token_ids),
                           "logprobs": None if o.logprobs is None else [float(x) for x in o.logprobs],
-                          "finish_reason": o.finish_reason} for o in outs] for outs in s.outputs],
+                          "finish_reason": o.finish_reason, "extra": _plain_extra(o.extra)} for o in outs]
+                        for outs in s.outputs],
             "scores": None if s.scores is None else [float(x) for x in s.scores.tolist()],
             "metrics": {k: float(v) for k, v in s.metrics.items()}}
+
+
+def _plain_extra(extra: dict[str, Any]) -> dict[str, Any]:
+    """An output's ``extra`` as JSON: it carries what training needs besides the tokens (a multi-turn sample's
+    ``action_mask``, which keeps the environment's tokens out of the loss), so it must come back on ``--resume``."""
+    out: dict[str, Any] = {}
+    for key, value in (extra or {}).items():
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"generation output extra[{key!r}] ({type(value).__name__}) cannot go into the "
+                            f"checkpoint's JSON queue: give it plain data (numbers, strings, lists).") from e
+        out[str(key)] = value
+    return out
 
 
 def batch_from_json(data: dict[str, Any], prompts: Sequence[Any]) -> Batch:
@@ -128,7 +146,8 @@ def batch_from_json(data: dict[str, Any], prompts: Sequence[Any]) -> Batch:
         outputs = [[GenerationOutput(prompt_token_ids=[int(t) for t in o["prompt_token_ids"]],
                                      token_ids=[int(t) for t in o["token_ids"]],
                                      logprobs=None if o["logprobs"] is None else [float(x) for x in o["logprobs"]],
-                                     finish_reason=str(o["finish_reason"]), weight_versions=[int(v) for v in vs])
+                                     finish_reason=str(o["finish_reason"]), extra=dict(o.get("extra") or {}),
+                                     weight_versions=[int(v) for v in vs])
                     for o, vs in zip(outs, vers, strict=True)] for outs, vers in zip(data["outputs"], data["versions"],
                                                                                        strict=True)]
         scores = None if data["scores"] is None else torch.tensor(data["scores"], dtype=torch.float32)
