@@ -3,7 +3,10 @@ environment and from set_worker_env), Ray's temp/log folder is where we say, its
 a worker's stacks can be asked for by signal."""
 
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +47,7 @@ def test_real_workers_see_the_environment_and_ray_uses_our_temp_dir(tmp_path, tm
     monkeypatch.setattr(runtime_env, "_extra", {})
     for name in ("RAY_ROTATION_MAX_BYTES", "RAY_ROTATION_BACKUP_COUNT"):
         monkeypatch.delenv(name, raising=False)
-    temp = tmp_path_factory.mktemp("ray")
+    temp = Path(tempfile.mkdtemp(prefix="hyray", dir="/tmp"))  # short: Ray's socket paths must stay under 108 bytes
     info = connect(num_cpus=1, temp_dir=str(temp), log_max_mb=7, log_backups=1)
     try:
         assert info.started_here
@@ -83,6 +86,7 @@ def test_real_workers_see_the_environment_and_ray_uses_our_temp_dir(tmp_path, tm
         assert "stuck_in_a_phase" in _read(dump)
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _read(path: str) -> str:

@@ -20,10 +20,11 @@ from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
 SETTINGS = dict(task="lookup", task_length=1, max_steps=40, rollout_batch_size=16, n_samples_per_prompt=16,
                 train_batch_size=128, micro_train_batch_size=128, micro_rollout_batch_size=64, max_epochs=2,
                 actor_learning_rate=2e-3, adam_betas=(0.9, 0.999), use_kl_loss=True, kl_estimator="k3",
-                init_kl_coef=1e-3, call_timeout_s=300, final_checkpoint=False)
+                init_kl_coef=1e-3, lr_scheduler="cosine_with_min_lr", min_lr_ratio=0.1, call_timeout_s=300,
+                final_checkpoint=False)
 BAR = 0.9
-#: The reward must reach the bar by this step (seeds 1-4 reach it by step ~17-18, then hold ~0.97) and the last HOLD
-#: steps must average above it.
+#: The reward must reach the bar by this step and the last HOLD steps must average above it. The cosine decay (as in
+#: the demo) is what holds it: at a constant 2e-3, seed 2 crossed at step 23 and then swung between 0.66 and 0.98.
 CROSS_BY, HOLD = 30, 8
 
 

@@ -5,6 +5,7 @@ run that continues exactly, and learning parity with the synchronous loop."""
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import time
 
@@ -14,7 +15,7 @@ from hybrid_algos.train import CONFIGS, train
 from hybrid_algos.train.checkpoint import CheckpointManager
 from hybrid_algos.train.config import DEMO_SETTINGS
 
-from tiny_runs import tiny_config
+from tiny_runs import short_ray_temp_dir, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +26,11 @@ def two_gpu_ray(tmp_path_factory):
     from hybrid_core.cluster import connect
 
     ensure_cpu_ops_built()
-    connect(num_gpus=2, temp_dir=str(tmp_path_factory.mktemp("ray2")))  # short: Ray's socket paths are bounded
+    temp = short_ray_temp_dir()
+    connect(num_gpus=2, temp_dir=temp)
     yield
     ray.shutdown()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 pytestmark = pytest.mark.usefixtures("two_gpu_ray")

@@ -1,6 +1,7 @@
 """The watch on Ray's GCS: a port that stops accepting connections interrupts the main thread within seconds, one
 that keeps answering never does."""
 
+import signal
 import socket
 import time
 
@@ -26,6 +27,24 @@ def test_a_gcs_that_goes_away_interrupts_the_run():
             server.close()  # the GCS dies
             time.sleep(30)  # the run, waiting on a Ray call
     assert watch.lost and time.monotonic() - start < 10
+
+
+def test_it_interrupts_a_run_started_in_the_background_with_sigint_ignored():
+    # A script's `hybrid ppo ... &` (non-interactive shell, no job control) runs with SIGINT ignored.
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        server, address = _listening()
+        watch = ClusterWatch(address, interval_s=0.2, misses=3)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            with watch:
+                time.sleep(0.6)
+                server.close()
+                time.sleep(30)
+        assert watch.lost and time.monotonic() - start < 10
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # the caller's disposition is back
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_gcs_that_answers_is_left_alone():

@@ -4,6 +4,7 @@ reproduces, exactly, the next step of a run that was never interrupted (CPU, fix
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from hybrid_algos.train import train
 from hybrid_algos.train.checkpoint import CheckpointManager
 
-from tiny_runs import TINY, tiny_config
+from tiny_runs import TINY, short_ray_temp_dir, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -88,12 +89,14 @@ def test_sigkill_mid_save_then_resume_reproduces_the_next_step(tmp_path, tmp_pat
     path, step = ckpt.latest()
     assert step == 1 and ckpt.load_driver_state(path)["next_step"] == 1  # and the previous one is intact
 
-    connect(num_gpus=1, temp_dir=str(tmp_path_factory.mktemp("ray")))
+    temp = short_ray_temp_dir()
+    connect(num_gpus=1, temp_dir=temp)
     try:
         resumed = train(tiny_config(run_dir, max_steps=2, save_steps=1, resume=True))
         straight = train(tiny_config(tmp_path / "straight", max_steps=2))
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
     assert resumed["start_step"] == 1 and len(resumed["history"]) == 2
     assert not glob.glob(str(run_dir / "checkpoints" / ".tmp-*"))  # swept at resume
     assert ckpt.latest()[1] == 2

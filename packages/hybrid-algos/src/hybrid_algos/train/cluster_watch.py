@@ -29,15 +29,25 @@ class ClusterWatch:
         self.lost_after_s = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sigint_before: object = None
 
     def __enter__(self) -> "ClusterWatch":
         if self.port and threading.current_thread() is threading.main_thread():
+            # A command started in the background by a script (`hybrid ppo ... &`) inherits SIGINT ignored: then the
+            # interrupt below would be dropped. Python's own handler for the block, the caller's back after it.
+            before = signal.getsignal(signal.SIGINT)
+            if not callable(before):
+                self._sigint_before = before
+                signal.signal(signal.SIGINT, signal.default_int_handler)
             self._thread = threading.Thread(target=self._watch, name="hybrid-cluster-watch", daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        if self._sigint_before is not None:
+            signal.signal(signal.SIGINT, self._sigint_before)
+            self._sigint_before = None
 
     def _answers(self) -> bool:
         try:
