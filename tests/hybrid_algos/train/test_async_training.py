@@ -5,7 +5,6 @@ run that continues exactly, and learning parity with the synchronous loop."""
 from __future__ import annotations
 
 import math
-import shutil
 import statistics
 import time
 
@@ -15,23 +14,7 @@ from hybrid_algos.train import CONFIGS, train
 from hybrid_algos.train.checkpoint import CheckpointManager
 from hybrid_algos.train.config import DEMO_SETTINGS
 
-from tiny_runs import short_ray_temp_dir, tiny_config
-
-
-@pytest.fixture(scope="module")
-def two_gpu_ray(tmp_path_factory):
-    import ray
-
-    from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
-    from hybrid_core.cluster import connect
-
-    ensure_cpu_ops_built()
-    temp = short_ray_temp_dir()
-    connect(num_gpus=2, temp_dir=temp)
-    yield
-    ray.shutdown()
-    shutil.rmtree(temp, ignore_errors=True)
-
+from tiny_runs import tiny_config
 
 pytestmark = pytest.mark.usefixtures("two_gpu_ray")
 

@@ -208,6 +208,11 @@ class SGLangEngine:
             return self._generate_streamed(prompts, rows, sampling, params)
         outs = self.engine.generate(input_ids=[prompts[r.prompt] for r in rows], sampling_params=sampling,
                                     return_logprob=params.logprobs)
+        return self._outputs(prompts, rows, outs, params)
+
+    def _outputs(self, prompts, rows, outs, params: SamplingParams) -> list[list[GenerationOutput]]:
+        """SGLang's answers per row as ``GenerationOutput`` per prompt and sample; a streamed row (partial rollouts)
+        brings its tokens' weight versions, a plain one was sampled by the current weights."""
         results: list[list[Any]] = [[None] * params.n for _ in prompts]
         for row, out in zip(rows, outs, strict=True):
             ids = list(out["output_ids"])
@@ -221,7 +226,7 @@ class SGLangEngine:
             results[row.prompt][row.sample] = GenerationOutput(
                 prompt_token_ids=prompts[row.prompt], token_ids=ids, logprobs=logprobs,
                 finish_reason=finish_reason(meta["finish_reason"], engine="sglang"),
-                weight_versions=[self._version] * len(ids))
+                weight_versions=out.get("versions", [self._version] * len(ids)))
         return results
 
     # ---- partial rollouts ----------------------------------------------------------------------------------------
@@ -247,20 +252,7 @@ class SGLangEngine:
         finally:
             with self._lock:
                 self._in_flight -= 1
-        results: list[list[Any]] = [[None] * params.n for _ in prompts]
-        for row, out in zip(rows, outs, strict=True):
-            ids = list(out["output_ids"])
-            meta = out["meta_info"]
-            logprobs = None
-            if params.logprobs:
-                steps = meta["output_token_logprobs"]
-                if [int(s[1]) for s in steps] != ids:
-                    raise RoleFailure("sglang generate: output_token_logprobs do not line up with output_ids.")
-                logprobs = [float(s[0]) for s in steps]
-            results[row.prompt][row.sample] = GenerationOutput(
-                prompt_token_ids=prompts[row.prompt], token_ids=ids, logprobs=logprobs,
-                finish_reason=finish_reason(meta["finish_reason"], engine="sglang"), weight_versions=out["versions"])
-        return results
+        return self._outputs(prompts, rows, outs, params)
 
     def pause_generation(self, timeout_s: float = 600.0) -> dict:
         """Retract every running request (tokens kept, KV freed; recomputed after resume) and stop scheduling."""

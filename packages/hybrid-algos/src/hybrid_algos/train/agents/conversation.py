@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 from hybrid_engines.protocol import GenerationOutput
 
-from .environment import ShapeError, as_number, numbers_of
+from .environment import ShapeError, as_number, numbers_of, require_keys
 
 
 @dataclass
@@ -66,10 +66,7 @@ def from_openrlhf(result: Any, generations: Sequence[Any], budget: int) -> Conve
     (only environment tokens can be: the engine adapter keeps every turn within the budget)."""
     if not isinstance(result, Mapping):
         raise ShapeError(f"execute returned a {type(result).__name__}, not a dict")
-    missing = [k for k in ("observation_tokens", "action_ranges", "reward") if k not in result]
-    if missing:
-        raise ShapeError(f"execute returned a dict without {', '.join(map(repr, missing))} "
-                         f"(keys: {sorted(map(str, result))})")
+    require_keys(result, ("observation_tokens", "action_ranges", "reward"), "execute")
     tokens = [int(t) for t in result["observation_tokens"]]
     ranges = [(int(a), int(b)) for a, b in result["action_ranges"]]
     last = 0

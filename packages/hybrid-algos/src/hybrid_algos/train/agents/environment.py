@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 
 @dataclass
@@ -55,6 +55,14 @@ STEP_SHAPE = ("a StepResult(feedback=str, reward=float, done=bool), a (feedback,
 
 class ShapeError(ValueError):
     """An environment answered in a shape the loop cannot use; the message says what was expected."""
+
+
+def require_keys(value: Mapping, keys: Sequence[str], what: str, expected: str = "") -> None:
+    """A :class:`ShapeError` naming the keys of ``keys`` that the dict ``what`` returned lacks (and the ones it has)."""
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise ShapeError(f"{what} returned a dict without {', '.join(map(repr, missing))} (keys: "
+                         f"{sorted(map(str, value))}){'; it must return ' + expected if expected else ''}")
 
 
 def as_number(value: Any, what: str) -> float:
@@ -110,10 +118,7 @@ def coerce_step(value: Any) -> StepResult:
     elif isinstance(value, tuple) and len(value) == 3:
         result = StepResult(*value)
     elif isinstance(value, Mapping):
-        missing = [k for k in ("feedback", "reward", "done") if k not in value]
-        if missing:
-            raise ShapeError(f"step returned a dict without {', '.join(map(repr, missing))} (keys: "
-                             f"{sorted(map(str, value))}); it must return {STEP_SHAPE}")
+        require_keys(value, ("feedback", "reward", "done"), "step", STEP_SHAPE)
         unknown = sorted(set(map(str, value)) - {"feedback", "reward", "done", "info", "role"})
         if unknown:
             raise ShapeError(f"step returned unknown keys {unknown}; it must return {STEP_SHAPE}")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 from hybrid_core.errors import HybridError
 
-from .environment import ShapeError, as_bool, as_number, as_text, numbers_of
+from .environment import ShapeError, as_bool, as_number, as_text, numbers_of, require_keys
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +141,7 @@ def _guarded(cls: type, guard: Guard) -> type:
             try:
                 if not isinstance(result, Mapping):
                     raise ShapeError(f"step returned a {type(result).__name__}")
-                missing = [k for k in ("rewards", "environment_feedback", "done") if k not in result]
-                if missing:
-                    raise ShapeError(f"step returned a dict without {', '.join(map(repr, missing))} "
-                                     f"{_keys(result)}")
+                require_keys(result, ("rewards", "environment_feedback", "done"), "step")
                 out = dict(result)
                 # OpenRLHF's executor reads rewards with .item(): a plain number works there too
                 out["rewards"] = torch.tensor(as_number(result["rewards"], "rewards"))
