@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Issue 18 part 2: OpenRLHF 0.11.2 itself beside `hybrid grpo` on one lent GPU, phase by phase (each phase fits one
+# device call, < 10 min; logs in $OUT/orl_<phase>.tgz, JSONs in $OUT, a summary on stdout).
+# On a machine already staged by bench/residency_session.sh (stage, then the vLLM .carry parts), while it is warm:
+#
+#   bash bench/openrlhf_session.sh stage   # carry [".carry-openrlhf"]: OpenRLHF + what the image lacks -> /tmp/site-orl;
+#                                          # imports OpenRLHF's launcher (vLLM included) and parses our command lines
+#   bash bench/openrlhf_session.sh a       # 357M, ZeRO-1 no reference: OpenRLHF | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
+#   bash bench/openrlhf_session.sh a2      # 357M, ZeRO-3 + reference:  OpenRLHF | ours (e2e_gpu.py default set-up)
+#   bash bench/openrlhf_session.sh b       # 1.5B, 32 x 8, <= 1024 tokens: OpenRLHF | ours
+#
+# Each pair prints the comparison table. To record it, run here (not on the device: its repo copy is thrown away)
+#   python bench/openrlhf_peer.py compare --openrlhf FILES/openrlhf-357m-matched.json \
+#       --ours FILES/e2e-grpo-357m-colocated-orl.json --record
+# which writes rows only for what completed, and speedups only when both runs of the call completed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_EXTENSIONS_DIR=/tmp/tx NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/orl_$1; mkdir -p "$OUT" "$LOGS"
+PY=python3
+SITE=/tmp/site-orl
+t0=$(date +%s)
+left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
+pack() { tar -czf "$OUT/orl_$1.tgz" -C /tmp/logs "orl_$1" 2>/dev/null; }
+wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done
+             echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/residency_session.sh stage first)"; return 1; }
+gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }
+orl() {  # $1 label, $2 seconds, then openrlhf_peer.py arguments
+  local label=$1 budget=$2; shift 2
+  OUT=$LOGS timeout $((budget + 60)) $PY bench/openrlhf_peer.py --site $SITE --timeout $budget "$@" > $LOGS/orl_$label.log 2>&1
+  echo "openrlhf $label rc=$?"
+  grep -E "median step|^(generation|make_experience|ppo_train|broadcast) |FAILED|reward per step" $LOGS/orl_$label.log | tail -8
+  grep -q FAILED $LOGS/orl_$label.log && sed -n '/---- last traceback ----/,$p' $LOGS/orl_$label.log | tail -70
+  cp $LOGS/openrlhf-*.json $OUT/ 2>/dev/null; cp /tmp/peer*/openrlhf-*.log $LOGS/ 2>/dev/null
+  # What OpenRLHF's run left on the GPU (a run stopped at its time limit): these PIDs are its own, started above.
+  sleep 3; local left_over; left_over=$(gpu_apps)
+  if [ -n "$left_over" ]; then
+    echo "left on the GPU after OpenRLHF: $left_over"
+    for pid in $(echo "$left_over" | cut -d, -f1); do kill "$pid" 2>/dev/null; done; sleep 5
+    for pid in $(gpu_apps | cut -d, -f1); do kill -9 "$pid" 2>/dev/null; done
+  fi
+}
+ours() {  # $1 label, then e2e_gpu.py arguments
+  local label=$1; shift
+  rm -rf /tmp/peer*/runs/*-$label   # a fresh run folder: the JSON must describe this call's run only
+  OUT=$LOGS timeout $(left 570) $PY bench/e2e_gpu.py --tag $label "$@" > $LOGS/ours_$label.log 2>&1
+  echo "ours $label rc=$?"; grep -E "median step|^(generate|infer|train|sync) " $LOGS/ours_$label.log | tail -6
+  cp $LOGS/e2e-*$label.json $OUT/ 2>/dev/null
+}
+pair() {  # $1 OpenRLHF JSON, $2 ours JSON: the table (not recorded here)
+  $PY bench/openrlhf_peer.py compare --openrlhf "$OUT/$1" --ours "$OUT/$2"
+}
+
+case "$1" in
+stage)
+  [ -d .carry-openrlhf ] || { echo "carry .carry-openrlhf with this call"; exit 1; }
+  # Install each carried wheel into $SITE unless the image or /tmp/site already has its top-level package
+  # (OpenRLHF itself always; its wheel also installs a top-level `tests` package, hence a target of its own).
+  $PY - "$SITE" .carry-openrlhf/*.whl <<'EOF' || exit 1
+import importlib.util, subprocess, sys, zipfile
+site, wheels = sys.argv[1], sys.argv[2:]
+todo = []
+for w in wheels:
+    names = {n.split("/")[0] for n in zipfile.ZipFile(w).namelist()}
+    top = sorted(n[:-3] if n.endswith(".py") else n for n in names
+                 if not n.endswith((".dist-info", ".data")) and n not in ("tests",) and not n.endswith(".pth"))
+    if not top:  # OpenRLHF: everything under openrlhf-X.data/purelib
+        top = ["openrlhf"]
+    missing = [t for t in top if importlib.util.find_spec(t) is None]
+    print(f"{w.split('/')[-1][:60]:<60} {'install' if missing or 'openrlhf' in top else 'present'} ({', '.join(top)})")
+    if missing or "openrlhf" in top:
+        todo.append(w)
+subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                "--no-cache-dir", "--upgrade", "--target", site, *todo], check=True)
+EOF
+  # Pre-flight, no GPU taken: OpenRLHF's launcher imports (vLLM, DeepSpeed, Ray, peft, the flash_attn stand-in) and
+  # its own parser + checks accept each command line the phases run.
+  for a in "--size 357m --setup matched" "--size 357m --setup zero3ref" "--size 1.5b --setup matched --steps 4 --warmup 1"; do
+    $PY bench/openrlhf_peer.py --site $SITE --check $a 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | tail -25 | cut -c1-600
+  done
+  $PY -c "import sys; sys.path[:0] = ['bench/openrlhf_standin', '$SITE']
+import transformers.utils.import_utils as u; print('transformers sees flash-attn 2:', u.is_flash_attn_2_available())"
+  ;;
+a)
+  wait_for built357 && wait_for builtadam || exit 1
+  orl 357m 300 --size 357m --setup matched --steps 10 --warmup 2
+  ours orl --size 357m --steps 10 --warmup 2 --kl 0 --zero_stage 1 --micro 64
+  pair openrlhf-357m-matched.json e2e-grpo-357m-colocated-orl.json
+  pack a
+  ;;
+a2)
+  wait_for built357 && wait_for builtadam || exit 1
+  orl 357m_z3 300 --size 357m --setup zero3ref --steps 10 --warmup 2
+  ours orlz3 --size 357m --steps 10 --warmup 2
+  pair openrlhf-357m-zero3ref.json e2e-grpo-357m-colocated-orlz3.json
+  pack a2
+  ;;
+b)
+  wait_for built15 || exit 1
+  orl 1.5b 300 --size 1.5b --setup matched --steps 4 --warmup 1 --grace 30
+  ours orl15 --size 1.5b --steps 4 --warmup 1 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3
+  pair openrlhf-1.5b-matched.json e2e-grpo-1.5b-colocated-orl15.json
+  pack b
+  ;;
+*)
+  echo "usage: bash bench/openrlhf_session.sh stage|a|a2|b"; exit 2
+  ;;
+esac
