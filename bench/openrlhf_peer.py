@@ -98,7 +98,7 @@ def environment(site: str) -> dict:
     # OpenRLHF drives vLLM's AsyncLLMEngine as its authors run it: the engine core in its own process.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_DISABLED="true",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8")  # its step line starts with an emoji
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else FlashInfer JIT-compiles its sampler for minutes
     return env
 

@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/orl_$1; mkdir -p "$OUT" "$LOGS"
 PY=python3
-SITE=/tmp/site-orl
+SITE=${ORL_SITE:-/tmp/site-orl}   # OpenRLHF and what it needs beside /tmp/site
 t0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
 pack() { tar -czf "$OUT/orl_$1.tgz" -C /tmp/logs "orl_$1" 2>/dev/null; }
@@ -60,7 +60,7 @@ stage)
   # Install each carried wheel into $SITE unless the image or /tmp/site already has its top-level package
   # (OpenRLHF itself always; its wheel also installs a top-level `tests` package, hence a target of its own).
   $PY - "$SITE" .carry-openrlhf/*.whl <<'EOF' || exit 1
-import importlib.util, subprocess, sys, zipfile
+import importlib.util, os, subprocess, sys, zipfile
 site, wheels = sys.argv[1], sys.argv[2:]
 todo = []
 for w in wheels:
@@ -73,6 +73,8 @@ for w in wheels:
     print(f"{w.split('/')[-1][:60]:<60} {'install' if missing or 'openrlhf' in top else 'present'} ({', '.join(top)})")
     if missing or "openrlhf" in top:
         todo.append(w)
+if os.environ.get("ORL_STAGE_DRY"):  # print the decisions only (checking this script off the device)
+    raise SystemExit(0)
 subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                 "--no-cache-dir", "--upgrade", "--target", site, *todo], check=True)
 EOF
