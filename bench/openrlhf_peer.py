@@ -273,7 +273,8 @@ def compare(orl: dict, ours: dict) -> tuple[list, list[str]]:
     sfx = "" if size == "357m" else f" {size.upper()}"
     sfx += "" if setup == "matched" else f" {setup}"
     what = (f"{size}, {WORKLOADS[size][0]} x {WORKLOADS[size][1]}, <= {WORKLOADS[size][2]} new tokens, "
-            f"{'ZeRO-1, no reference' if setup == 'matched' else 'ZeRO-3 + reference'}, colocated with sleep")
+            f"{'ZeRO-1, no reference' if setup == 'matched' else 'ZeRO-3 + reference'}, colocated with sleep"
+            + (f"; partial: {orl['partial']}" if orl.get("partial") else ""))
     rows = []
     if orl_ok:
         ph = orl["phases_s"]
@@ -388,7 +389,10 @@ def main() -> int:
     result.update(rc=r["rc"], stopped=r["stopped"], wall_s=r["wall_s"], log=log_path)
     steps = parse_log(r["lines"])
     text = [line for _, line in r["lines"]]
-    if len(steps) >= args.steps:
+    if len(steps) >= args.steps or (r["stopped"] == "timeout" and len(steps) > args.warmup):
+        if len(steps) < args.steps:  # out of time: what ran is still a measurement, marked as partial
+            result["partial"] = f"{len(steps)} of {args.steps} steps before the {args.timeout:.0f} s limit"
+            print(f"\n{tag}: PARTIAL, {result['partial']}")
         result.update(summarize(steps, args.warmup))
         prompts, samples = WORKLOADS[args.size][:2]
         result["tokens_per_s"] = prompts * samples * result["response_len"] / result["step_s"]

@@ -28,6 +28,7 @@ pack() { tar -czf "$OUT/orl_$1.tgz" -C /tmp/logs "orl_$1" 2>/dev/null; }
 wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done
              echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/residency_session.sh stage first)"; return 1; }
 gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }
+gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
 orl() {  # $1 label, $2 seconds, then openrlhf_peer.py arguments
   local label=$1 budget=$2; shift 2
   OUT=$LOGS timeout $((budget + 60)) $PY bench/openrlhf_peer.py --site $SITE --timeout $budget "$@" > $LOGS/orl_$label.log 2>&1
@@ -42,6 +43,9 @@ orl() {  # $1 label, $2 seconds, then openrlhf_peer.py arguments
     for pid in $(echo "$left_over" | cut -d, -f1); do kill "$pid" 2>/dev/null; done; sleep 5
     for pid in $(gpu_apps | cut -d, -f1); do kill -9 "$pid" 2>/dev/null; done
   fi
+  # Ray's workers and vLLM's engine process exit on their own once the driver is gone: wait for the memory.
+  for i in $(seq 30); do [ "$(gpu_used)" -lt 2000 ] 2>/dev/null && break; sleep 2; done
+  echo "GPU memory in use before our run: $(gpu_used) MiB"
 }
 ours() {  # $1 label, then e2e_gpu.py arguments
   local label=$1; shift

@@ -276,3 +276,34 @@ def test_dry_prints_the_command_without_building_anything(tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert "-m openrlhf.cli.train_ppo_ray" in out and "--ds.attn_implementation sdpa" in out
     assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_main_writes_the_summary_or_the_failure_to_out(tmp_path, monkeypatch, capsys, mode):
+    """The whole run path with OpenRLHF replaced by a script printing its step lines: a run cut at its time limit
+    after the warm-up is summarized and marked partial; a crash is reported with its error, not hidden."""
+    import peer_workload
+
+    script, pidfile = tmp_path / "fake.py", tmp_path / "child.pid"
+    script.write_text(FAKE_RUN)
+    monkeypatch.setattr(peer_workload, "build", lambda root, size: ("/m", "/d.jsonl"))
+    monkeypatch.setattr(peer, "command", lambda args, model, data: [sys.executable, str(script), str(pidfile), mode])
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["openrlhf_peer.py", "--workdir", str(tmp_path), "--steps", "5", "--warmup", "1",
+                                      "--timeout", "8", "--grace", "1"])
+    rc = peer.main()
+    result = json.loads((tmp_path / "openrlhf-357m-matched.json").read_text())
+    out = capsys.readouterr().out
+    if mode == "ok":
+        assert rc == 0 and result["stopped"] == "timeout" and result["partial"].startswith("3 of 5 steps")
+        assert result["step_s"] == 3.0 and result["steady_steps"] == 2 and "PARTIAL" in out
+        rows, problems = peer.compare(result, _ours(step=1.5))
+        assert not problems and "partial: 3 of 5 steps" in rows[0].unit
+    else:
+        assert rc == 3 and result["rc"] == 1 and "GuidedDecodingParams" in result["error"]
+        assert "FAILED after 3 of 5 steps" in out and "---- last traceback ----" in out
+    if pidfile.exists():
+        try:
+            os.kill(int(pidfile.read_text()), 9)
+        except ProcessLookupError:
+            pass
