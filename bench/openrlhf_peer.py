@@ -198,6 +198,10 @@ def run(cmd: list[str], env: dict, log_path: str, timeout: float, expected_steps
             _stop_group(proc)
             break
     proc.wait()
+    try:  # what the run left behind in its own process group (a crashed driver's helpers) holds our pipe open
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
     reader.join(timeout=10)
     return {"rc": proc.returncode, "stopped": stopped, "wall_s": time.time() - start, "lines": lines}
 

@@ -203,7 +203,12 @@ def test_run_reports_a_crash_with_its_traceback(tmp_path):
     got = peer.failure([line for _, line in r["lines"]])
     assert "GuidedDecodingParams" in got["error_lines"][-1]
     assert got["traceback"][0].startswith("Traceback") and "GuidedDecodingParams" in got["traceback"][-1]
-    os.kill(int(pidfile.read_text()), 9)
+    child = int(pidfile.read_text())
+    for _ in range(50):
+        if not _alive(child):
+            break
+        time.sleep(0.1)
+    assert not _alive(child), "what the crashed run left in its process group outlived it"
 
 
 def test_reward_adapter_scores_what_our_runs_score_on_openrlhfs_decoded_query(tmp_path):
