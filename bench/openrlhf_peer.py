@@ -378,9 +378,17 @@ def main() -> int:
         res = check(cmd, env)
         if res["ok"]:
             a = res["args"]
-            print("OpenRLHF's parser and its checks accepted the command:")
-            print(json.dumps({k: a[k] for k in ("algo", "ds", "vllm", "train", "rollout", "reward") if k in a},
-                             sort_keys=True, default=str))
+            keys = ("algo.advantage.estimator", "algo.kl.init_coef", "ds.zero_stage", "ds.attn_implementation",
+                    "ds.packing_samples", "ds.enable_sleep", "vllm.enable_sleep", "train.colocate_all",
+                    "train.micro_batch_size", "rollout.micro_batch_size", "actor.gradient_checkpointing_enable",
+                    "reward.remote_url")
+            picked = {}
+            for key in keys:
+                node = a
+                for part in key.split("."):
+                    node = node.get(part, {}) if isinstance(node, dict) else {}
+                picked[key] = node
+            print("OpenRLHF's parser and its checks accepted the command:", json.dumps(picked, default=str))
         else:
             print("OpenRLHF refused the command or failed to import:")
             print("\n".join(res["traceback"] or res["log_tail"]))

@@ -15,12 +15,13 @@
 # which writes rows only for what completed, and speedups only when both runs of the call completed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src
+export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_EXTENSIONS_DIR=/tmp/tx NCCL_NVLS_ENABLE=0 \
   TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
-OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/orl_$1; mkdir -p "$OUT" "$LOGS"
-PY=python3
+PHASE=${1:-}; case "$PHASE" in stage|a|a2|b) ;; *) echo "usage: bash bench/openrlhf_session.sh stage|a|a2|b"; exit 2;; esac
+OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/orl_$PHASE; mkdir -p "$OUT" "$LOGS"
+PY=${PY:-python3}   # PY, ORL_SITE, EXTRA_PYTHONPATH, ORL_STAGE_DRY: for checking this script off the device
 SITE=${ORL_SITE:-/tmp/site-orl}   # OpenRLHF and what it needs beside /tmp/site
 t0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
@@ -58,7 +59,7 @@ pair() {  # $1 OpenRLHF JSON, $2 ours JSON: the table (not recorded here)
   $PY bench/openrlhf_peer.py compare --openrlhf "$OUT/$1" --ours "$OUT/$2"
 }
 
-case "$1" in
+case "$PHASE" in
 stage)
   [ -d .carry-openrlhf ] || { echo "carry .carry-openrlhf with this call"; exit 1; }
   # Install each carried wheel into $SITE unless the image or /tmp/site already has its top-level package
@@ -85,7 +86,7 @@ EOF
   # Pre-flight, no GPU taken: OpenRLHF's launcher imports (vLLM, DeepSpeed, Ray, peft, the flash_attn stand-in) and
   # its own parser + checks accept each command line the phases run.
   for a in "--size 357m --setup matched" "--size 357m --setup zero3ref" "--size 1.5b --setup matched --steps 4 --warmup 1"; do
-    $PY bench/openrlhf_peer.py --site $SITE --check $a 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | tail -25 | cut -c1-600
+    $PY bench/openrlhf_peer.py --site $SITE --check $a 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | tail -25 | cut -c1-1200
   done
   $PY -c "import sys; sys.path[:0] = ['bench/openrlhf_standin', '$SITE']
 import transformers.utils.import_utils as u; print('transformers sees flash-attn 2:', u.is_flash_attn_2_available())"
