@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "RESULTS.md"
+# BENCH_RESULTS: another file to append to (a lent machine's runs in the background, collected afterwards)
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "RESULTS.md")
 HEADER = "| metric | value | unit | device | date | command |\n| --- | --- | --- | --- | --- | --- |\n"
 
 # NVLink multicast must stay off on the shared GPU hosts (children inherit these).

@@ -1,19 +1,21 @@
 """Where our generate phase spends its time beyond vLLM's own ``LLM.generate`` (the residency issue, item 4).
 
 Same model folder, same GPU, same batch as ``bench/e2e_gpu.py`` (8 prompts x 8 samples, <= 128 new tokens,
-temperature 1, CUDA graphs on), each variant timed over ``--repeats`` calls after a warm-up, median reported:
+temperature 1, CUDA graphs on). Every engine (3) is built first and kept alive (each takes ``--gpu_util`` of the GPU);
+then the variants run round-robin, one call each per round, for ``--repeats`` rounds after a warm-up round, so
+that drift of the machine (clocks, other processes' CPU) falls on every variant alike. Median per variant:
 
-    A  vllm.LLM.generate, n=8 per prompt (vLLM alone, as a user would call it)
-    B  vllm.LLM.generate, 64 requests of n=1 with a seed each and logprobs=0 (our request shape, seeded)
-    C  B without seeds
-    D  our VLLMEngine.generate in this process (what the adapter adds on top of B or C)
+    A  vllm.LLM.generate, n=8 per prompt, unseeded (vLLM alone, as a user would call it)
+    D  our VLLMEngine.generate in this process, unseeded (what the adapter adds)
     E  our EngineGroup.generate through a Ray actor (what the training loop calls)
-    F  the same actor's engine.generate timed inside the actor (F - E: Ray's transfer and scheduling; F - D: what
-       running in a Ray worker process costs the engine itself)
-    G  F with the actor given 8 CPU threads (OMP_NUM_THREADS and torch's; Ray gives a fractional-GPU actor 1)
-    H  F with Python's garbage collector off during the call (vLLM allocates many small objects per step)
+    F  the same actor, timed inside it (E - F: Ray's transfer and scheduling; F - D: what running in a Ray worker
+       process costs the engine itself)
+    G  F in an actor given 8 CPU threads (OMP_NUM_THREADS and torch's; Ray gives a fractional-GPU actor 1)
+    H  F with Python's garbage collector off during the call (same actor as F)
 
-``generate overhead vs vLLM alone %`` = (E - A) / A. F, G and H find where E's extra time goes.
+``generate overhead vs vLLM alone %`` = (E - A) / A; the loop's own generate phase (``bench/e2e_gpu.py``, same call)
+against A is the figure the issue asks for. The load average and the busiest processes are recorded before and after:
+a timing taken while something else keeps the CPUs busy is not comparable.
 
     python bench/generate_overhead.py --model /tmp/peer/model          # prints a table, writes $OUT/genoverhead.json
 """
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -31,14 +34,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def timed(fn, repeats: int) -> dict:
-    fn()  # warm-up (CUDA graphs, allocator)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "min_s": min(times), "times": times, "tokens": _tokens(out)}
+def machine_load() -> dict:
+    """The load average and the five busiest processes (a noisy machine makes every timing here meaningless)."""
+    top = subprocess.run(["ps", "-eo", "pcpu,pid,comm", "--sort=-pcpu"], capture_output=True, text=True).stdout
+    return {"loadavg": os.getloadavg(), "cpus": os.cpu_count(), "busiest": top.splitlines()[1:6]}
 
 
 def _tokens(out) -> int:
@@ -51,14 +50,32 @@ def _tokens(out) -> int:
     return total
 
 
+def round_robin(variants: dict, repeats: int) -> dict:
+    """Each variant once per round (one warm-up round first). A variant returns its outputs, or (seconds, outputs)
+    when it times itself (inside an actor)."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    tokens: dict[str, list[int]] = {name: [] for name in variants}
+    for rnd in range(repeats + 1):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            out = fn()
+            wall = time.perf_counter() - start
+            seconds, out = out if isinstance(out, tuple) else (wall, out)
+            if rnd:  # round 0 warms up (CUDA graphs, allocator, Triton kernels)
+                times[name].append(seconds)
+                tokens[name].append(_tokens(out))
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "times": t,
+                   "tokens": int(statistics.median(tokens[name]))} for name, t in times.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/peer/model")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max_new", type=int, default=128)
-    ap.add_argument("--gpu_util", type=float, default=0.35)
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--gpu_util", type=float, default=0.18, help="each of the 3 engines' share of the GPU")
+    ap.add_argument("--repeats", type=int, default=12)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -66,75 +83,34 @@ def main() -> int:
     import json as _json
     import random
 
-    from hybrid_engines.protocol import SamplingParams
-    from hybrid_engines.vllm_engine import VLLMEngine
+    import ray
     from transformers import AutoTokenizer
 
+    from hybrid_core.cluster import connect, shutdown
+    from hybrid_core.placement import PlacementSpec, place
+    from hybrid_core.runtime_env import worker_runtime_env
+    from hybrid_engines.protocol import SamplingParams
+    from hybrid_engines.ray_engines import EngineActor, EngineGroup
+    from hybrid_engines.vllm_engine import VLLMEngine
+
+    load_before = machine_load()
     tok = AutoTokenizer.from_pretrained(args.model)
     rng = random.Random(0)
     lines = [_json.loads(line)["prompt"] for line in open(os.path.join(os.path.dirname(args.model), "prompts.jsonl"))]
     prompts = [tok(rng.choice(lines), add_special_tokens=False)["input_ids"] for _ in range(args.prompts)]
     eos = tok.eos_token_id
-    results: dict[str, dict] = {}
+    engine_kwargs = dict(model=args.model, gpu_memory_utilization=args.gpu_util, dtype="bfloat16", seed=0,
+                         enable_sleep_mode=True, enable_prefix_caching=False,
+                         max_model_len=max(map(len, prompts)) + args.max_new)
 
-    engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_util, enable_sleep_mode=True, dtype="bfloat16",
-                        seed=0, max_model_len=max(map(len, prompts)) + args.max_new, enable_prefix_caching=False)
+    engine = VLLMEngine(**engine_kwargs)  # A and D: vLLM in this process
     import vllm
 
     llm = engine.llm
     req = [{"prompt_token_ids": p} for p in prompts]
     plain = vllm.SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new, stop_token_ids=[eos],
                                 detokenize=False)
-    results["A vllm n=8"] = timed(lambda: llm.generate(req, plain, use_tqdm=False), args.repeats)
-    rows = [{"prompt_token_ids": p} for p in prompts for _ in range(args.samples)]
-    step = iter(range(10_000))
-
-    def seeded():
-        k = next(step)
-        params = [vllm.SamplingParams(n=1, temperature=1.0, max_tokens=args.max_new, stop_token_ids=[eos],
-                                      seed=k * 1000 + i, logprobs=0, detokenize=False) for i in range(len(rows))]
-        return llm.generate(rows, params, use_tqdm=False)
-
-    results["B rows seeded"] = timed(seeded, args.repeats)
-    unseeded = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=args.max_new, stop_token_ids=[eos], logprobs=0,
-                                   detokenize=False)
-    results["C rows unseeded"] = timed(lambda: llm.generate(rows, unseeded, use_tqdm=False), args.repeats)
-    flat = vllm.SamplingParams(n=1, temperature=1.0, max_tokens=args.max_new, stop_token_ids=[eos], logprobs=0,
-                               detokenize=False, flat_logprobs=True)
-    results["C2 rows unseeded flat logprobs"] = timed(lambda: llm.generate(rows, flat, use_tqdm=False), args.repeats)
-    ours = lambda seed: SamplingParams(temperature=1.0, max_new_tokens=args.max_new, n=args.samples,  # noqa: E731
-                                       stop_token_ids=(eos,), seed=seed)
-    results["D adapter seeded"] = timed(lambda: engine.generate(prompts, ours(next(step))), args.repeats)
-    results["D adapter unseeded"] = timed(lambda: engine.generate(prompts, ours(None)), args.repeats)
-    engine.shutdown()
-    del engine, llm
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    from hybrid_core.cluster import connect, shutdown
-    from hybrid_core.placement import PlacementSpec, place
-    from hybrid_engines.ray_engines import launch_engines
-
-    cluster = connect(num_gpus=1)
-    placed = place(PlacementSpec.from_ranges({"rollout": "0"}).plan())
-    group = launch_engines(placed, "rollout", backend="vllm", timeout_s=600,
-                           engine_kwargs=dict(model=args.model, gpu_memory_utilization=args.gpu_util, dtype="bfloat16",
-                                              seed=0, enable_sleep_mode=True, enable_prefix_caching=False,
-                                              max_model_len=max(map(len, prompts)) + args.max_new))
-    results["E ray group seeded"] = timed(lambda: group.generate(prompts, ours(next(step))), args.repeats)
-    results["E ray group unseeded"] = timed(lambda: group.generate(prompts, ours(None)), args.repeats)
-    group.shutdown()
-    placed.remove()
-
-    # F, G, H: one actor like E's, timing inside itself; each variant in a fresh actor on a fresh placement
-    import ray
-
-    from hybrid_core.runtime_env import worker_runtime_env
-    from hybrid_engines.ray_engines import EngineActor
+    ours = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, n=args.samples, stop_token_ids=(eos,))
 
     class TimedEngineActor(EngineActor):
         def threads(self, n: int) -> int:
@@ -155,38 +131,47 @@ def main() -> int:
             finally:
                 gc.enable()
 
-    engine_kwargs = dict(model=args.model, gpu_memory_utilization=args.gpu_util, dtype="bfloat16", seed=0,
-                         enable_sleep_mode=True, enable_prefix_caching=False,
-                         max_model_len=max(map(len, prompts)) + args.max_new)
-    for name, threads, gc_off in (("F in-actor unseeded", None, False), ("G in-actor 8 threads", 8, False),
-                                  ("H in-actor gc off", None, True)):
-        placed = place(PlacementSpec.from_ranges({"rollout": "0"}).plan())
+    cluster = connect(num_gpus=1)
+    actors = {}
+    placed = place(PlacementSpec.from_ranges({"e": "0", "g": "0"}).plan())  # half of GPU 0 each (Ray's bookkeeping)
+    for name, threads in (("E", None), ("G", 8)):  # E's actor also serves F and H
         env = worker_runtime_env({"OMP_NUM_THREADS": str(threads)} if threads else None)
-        actor = ray.remote(TimedEngineActor).options(**placed.actor_options("rollout", 0), runtime_env=env,
+        actor = ray.remote(TimedEngineActor).options(**placed.actor_options(name.lower(), 0), runtime_env=env,
                                                      max_restarts=0).remote("vllm", engine_kwargs)
         ray.get(actor.ready.remote(), timeout=600)
         if threads:
             ray.get(actor.threads.remote(threads), timeout=60)
-        inside: list[float] = []
+        actors[name] = actor
+    group = EngineGroup("rollout", "vllm", [actors["E"]], [1], timeout_s=600)
 
-        def call():
-            seconds, out = ray.get(actor.timed_generate.remote(prompts, ours(None), gc_off), timeout=600)
-            inside.append(seconds)
-            return out
+    def inside(name, gc_off=False):
+        return lambda: ray.get(actors[name].timed_generate.remote(prompts, ours, gc_off), timeout=600)
 
-        outside = timed(call, args.repeats)
-        inside = inside[1:]  # the warm-up call is not counted
-        results[name] = {"median_s": statistics.median(inside), "min_s": min(inside), "times": inside,
-                         "tokens": outside["tokens"], "round_trip_median_s": outside["median_s"]}
+    variants = {
+        "A vllm n=8": lambda: llm.generate(req, plain, use_tqdm=False),
+        "D adapter in-process": lambda: engine.generate(prompts, ours),
+        "E ray group": lambda: group.generate(prompts, ours),
+        "F in-actor": inside("E"),
+        "G in-actor 8 threads": inside("G"),
+        "H in-actor gc off": inside("E", gc_off=True),
+    }
+    results = round_robin(variants, args.repeats)
+    results["machine_load"] = {"before": load_before, "after": machine_load()}
+    for actor in actors.values():
         ray.get(actor.shutdown.remote(), timeout=120)
         ray.kill(actor)
-        placed.remove()
+    placed.remove()
     shutdown(cluster)
+    engine.shutdown()
 
     base = results["A vllm n=8"]["median_s"]
-    print(f"\n{'variant':<34}{'median s':>10}{'min s':>9}{'tokens':>8}{'vs A %':>9}")
+    print(f"\nload average before {load_before['loadavg']}, after {results['machine_load']['after']['loadavg']} "
+          f"({load_before['cpus']} CPUs)")
+    print(f"{'variant':<26}{'median s':>10}{'min s':>9}{'tokens':>8}{'vs A %':>9}")
     for name, r in results.items():
-        print(f"{name:<34}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['tokens']:>8}{100 * (r['median_s'] / base - 1):>9.1f}")
+        if name != "machine_load":
+            print(f"{name:<26}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['tokens']:>8}"
+                  f"{100 * (r['median_s'] / base - 1):>9.1f}")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "genoverhead.json"), "w") as f:

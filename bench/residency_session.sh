@@ -2,12 +2,19 @@
 # The GPU runs of the residency issue on one lent GPU (nvidia-h100-x1 or nvidia-h200), phase by phase: each phase
 # fits one device call (< 10 min) and leaves its logs in $OUT/<phase>.tgz plus a short summary on stdout.
 #
-#   bash bench/residency_session.sh stage    # carry .whl + .device-carry: Ray, DeepSpeed, TRL; models build in background
+#   bash bench/residency_session.sh stage    # carry .whl + .device-carry: Ray, DeepSpeed, TRL; in the background the models
+#                                            # (STAGE_SIZES, default "1.5b 7b", plus 357m), DeepSpeed's Adam and, unless
+#                                            # STAGE_GPU_BENCHES=0, issue 24's and issue 20's GPU benches (rows: phase a)
 #   bash .carry/pNN/_assemble.sh .carry/pNN  (p00..p05, then p06 --install)   # vLLM, see ../shared/device/README.md
+#   bash bench/residency_session.sh bg       # where the background work stands
 #   bash bench/residency_session.sh smoke    # KV-cache release on vLLM; a short auto run
-#   bash bench/residency_session.sh a        # 357M: TRL | ours TRL-matched | ours ZeRO-3 + reference | generate overhead
+#   bash bench/residency_session.sh a        # 357M: TRL | ours TRL-matched | ours ZeRO-3 + reference
 #   bash bench/residency_session.sh b        # ~1.5B, 32 x 8, <= 1024 tokens: TRL | ours (auto)
 #   bash bench/residency_session.sh c        # ~7B: ours (auto) | TRL; the CPU learning tests beside it
+#   bash bench/residency_session.sh z        # ZeRO-3 + reference: the code of commit ab94ac3 vs today's (carry .old: an
+#                                            # ignored folder holding that commit's packages/ and bench/)
+#   bash bench/residency_session.sh d        # generate overhead alone (its engines take ~2.5 min to build), then 7B
+# Timed phases wait until the background work is done ("bg-all-done"): nothing else runs beside a timing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src
@@ -40,13 +47,33 @@ ours() {  # $1 label, then e2e_gpu.py arguments
 case "$1" in
 stage)
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl .device-carry/*.whl || exit 1
-  ldd --version | head -1
-  # Background (own session, outlives this call): the models the later phases load, and DeepSpeed's CUDA Adam.
-  setsid nohup bash -c "$PY bench/peer_workload.py /tmp/peer 357m && echo built357; \
-    $PY -c 'from deepspeed.ops.op_builder import FusedAdamBuilder as B; B().load()' && echo builtadam; \
-    $PY bench/peer_workload.py /tmp/peer-1.5b 1.5b && echo built15; \
-    $PY bench/peer_workload.py /tmp/peer-7b 7b && echo built7; echo done" > /tmp/logs/stage_bg.log 2>&1 < /dev/null &
-  echo "staged base wheels; background builds started"
+  ldd --version | head -1; nproc; free -g | head -2
+  # Background (own session, outlives this call), while the vLLM parts are carried in: the models the later phases
+  # load (CPU), DeepSpeed's CUDA Adam, then the GPU benches that need no vLLM (issues 24 and 20; they record into
+  # this copy's RESULTS.md, which `pack` brings back). Timed phases wait for "done": nothing else runs beside them.
+  # They run from a copy of the tree (the next call's transfer replaces this one) and append rows to
+  # /tmp/logs/bg/rows.md (BENCH_RESULTS), which phase a brings back.
+  mkdir -p /tmp/logs/bg /tmp/bgrepo && cp -r bench packages /tmp/bgrepo/
+  ( cd /tmp/bgrepo && export BENCH_RESULTS=/tmp/logs/bg/rows.md \
+      PYTHONPATH=/tmp/site:$(printf '/tmp/bgrepo/packages/%s/src:' hybrid-core hybrid-engines hybrid-algos hybrid-cli)
+    gpu="( timeout 200 $PY bench/reference_peak_gpu.py --shape 1b --record > /tmp/logs/bg/refpeak_1b.log 2>&1; \
+        timeout 300 $PY bench/reference_peak_gpu.py --shape 8b --record > /tmp/logs/bg/refpeak_8b.log 2>&1; \
+        RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout 600 \
+          $PY bench/packing_gpu.py --record --dynamic > /tmp/logs/bg/packing.log 2>&1; echo gpubench ) &"
+    [ "${STAGE_GPU_BENCHES:-1}" = 1 ] || gpu=""
+    builds=""; for size in ${STAGE_SIZES:-1.5b 7b}; do
+      builds="$builds $PY bench/peer_workload.py /tmp/peer-$size $size && echo built${size//./}; "; done
+    setsid nohup bash -c "$PY bench/peer_workload.py /tmp/peer 357m && echo built357; \
+      $PY -c 'from deepspeed.ops.op_builder import FusedAdamBuilder as B; B().load()' && echo builtadam; \
+      $gpu $builds wait; echo bg-all-done" \
+      > /tmp/logs/stage_bg.log 2>&1 < /dev/null & )
+  echo "staged base wheels; background builds and benches started"
+  ;;
+bg)
+  # where the background work stands (any time while the machine is warm)
+  cat /tmp/logs/stage_bg.log; for f in /tmp/logs/bg/*.log; do echo "== $f"; tail -6 $f; done
+  cat /tmp/logs/bg/rows.md 2>/dev/null
+  tar -czf "$OUT/bg.tgz" -C /tmp/logs bg
   ;;
 smoke)
   wait_for built357; wait_for builtadam
@@ -56,18 +83,17 @@ smoke)
   pack smoke
   ;;
 a)
-  wait_for built357; wait_for builtadam
+  wait_for bg-all-done; uptime
   trl 357m /tmp/peer/model vllm --steps 6
   ours matched --size 357m --steps 10 --warmup 2 --kl 0 --zero_stage 1 --micro 64
   ours zero3ref --size 357m --steps 10 --warmup 2
-  OUT=$LOGS timeout $(left 580) $PY bench/generate_overhead.py --model /tmp/peer/model > $LOGS/genoverhead.log 2>&1
-  echo "generate overhead rc=$?"; tail -12 $LOGS/genoverhead.log; cp $LOGS/genoverhead.json $OUT/ 2>/dev/null
+  cp -r /tmp/logs/bg $LOGS/ 2>/dev/null; cat /tmp/logs/bg/rows.md 2>/dev/null
   pack a
   ;;
 b)
   wait_for built15
   trl 1.5b /tmp/peer-1.5b/model vllm --prompts 32 --max_new 1024 --micro 8 --ckpt --steps 3 --gpu_util 0.3
-  ours 1.5b --size 1.5b --steps 4 --warmup 1 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3
+  ours 1.5b --size 1.5b --steps 6 --warmup 1 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3
   pack b
   ;;
 c)
@@ -78,5 +104,29 @@ c)
   trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps 2 --gpu_util 0.2
   wait; tail -5 $LOGS/cpu_learning.log
   pack c
+  ;;
+z)
+  # the ZeRO-3 + reference set-up: yesterday's code (.old, commit ab94ac3: 0.69 s/step on an H100) against today's,
+  # and today's without the reference (KL 0); then the generate-overhead variants
+  wait_for built357; wait_for builtadam; uptime
+  ours z3new --size 357m --steps 10 --warmup 2
+  ( cd .old && OUT=$LOGS timeout 200 $PY bench/e2e_gpu.py --tag z3old --size 357m --steps 10 --warmup 2 \
+      > $LOGS/ours_z3old.log 2>&1; echo "old z3 rc=$?"; grep -E "median step" $LOGS/ours_z3old.log | tail -2 )
+  cp $LOGS/e2e-*z3old*.json $OUT/ 2>/dev/null
+  ours z3nokl --size 357m --steps 10 --warmup 2 --kl 0
+  OUT=$LOGS timeout $(left 590) $PY bench/generate_overhead.py --model /tmp/peer/model --repeats 10 \
+    > $LOGS/genoverhead.log 2>&1
+  echo "generate overhead rc=$?"; tail -9 $LOGS/genoverhead.log; cp $LOGS/genoverhead.json $OUT/ 2>/dev/null
+  pack z
+  ;;
+d)
+  # the generate-overhead variants on a quiet machine, the ZeRO-3 + reference set-up again, then 7B (auto) on 80 GB
+  # (the generate-overhead script builds three engines first, ~2.5 min: it needs ~5 min of the call)
+  wait_for bg-all-done; uptime
+  OUT=$LOGS timeout 330 $PY bench/generate_overhead.py --model /tmp/peer/model > $LOGS/genoverhead.log 2>&1
+  echo "generate overhead rc=$?"; tail -9 $LOGS/genoverhead.log; cp $LOGS/genoverhead.json $OUT/ 2>/dev/null
+  ours zero3ref2 --size 357m --steps 10 --warmup 2
+  ours 7b --size 7b --steps 3 --warmup 1 --gpu_util 0.2 --micro 4
+  pack d
   ;;
 esac
