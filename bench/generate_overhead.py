@@ -1,8 +1,8 @@
 """Where our generate phase spends its time beyond vLLM's own ``LLM.generate`` (the residency issue, item 4).
 
 Same model folder, same GPU, same batch as ``bench/e2e_gpu.py`` (8 prompts x 8 samples, <= 128 new tokens,
-temperature 1, CUDA graphs on). Every engine (3) is built first and kept alive (each takes ``--gpu_util`` of the GPU);
-then the variants run round-robin, one call each per round, for ``--repeats`` rounds after a warm-up round, so
+temperature 1, CUDA graphs on). Both engines (this process's and one Ray actor's) are built first and kept alive
+(each takes ``--gpu_util`` of the GPU); then the variants run round-robin, one call each per round, for ``--repeats`` rounds after a warm-up round, so
 that drift of the machine (clocks, other processes' CPU) falls on every variant alike. Median per variant:
 
     A  vllm.LLM.generate, n=8 per prompt, unseeded (vLLM alone, as a user would call it)
@@ -10,8 +10,8 @@ that drift of the machine (clocks, other processes' CPU) falls on every variant 
     E  our EngineGroup.generate through a Ray actor (what the training loop calls)
     F  the same actor, timed inside it (E - F: Ray's transfer and scheduling; F - D: what running in a Ray worker
        process costs the engine itself)
-    G  F in an actor given 8 CPU threads (OMP_NUM_THREADS and torch's; Ray gives a fractional-GPU actor 1)
-    H  F with Python's garbage collector off during the call (same actor as F)
+    G  F with 8 torch CPU threads during the call (Ray gives a fractional-GPU actor 1)
+    H  F with Python's garbage collector off during the call
 
 ``generate overhead vs vLLM alone %`` = (E - A) / A; the loop's own generate phase (``bench/e2e_gpu.py``, same call)
 against A is the figure the issue asks for. The load average and the busiest processes are recorded before and after:
@@ -74,7 +74,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max_new", type=int, default=128)
-    ap.add_argument("--gpu_util", type=float, default=0.18, help="each of the 3 engines' share of the GPU")
+    ap.add_argument("--gpu_util", type=float, default=0.18, help="each of the 2 engines' share of the GPU")
     ap.add_argument("--repeats", type=int, default=12)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -113,15 +113,14 @@ def main() -> int:
     ours = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, n=args.samples, stop_token_ids=(eos,))
 
     class TimedEngineActor(EngineActor):
-        def threads(self, n: int) -> int:
-            import torch
-
-            torch.set_num_threads(n)
-            return torch.get_num_threads()
-
-        def timed_generate(self, prompt_token_ids, params, gc_off: bool = False):
+        def timed_generate(self, prompt_token_ids, params, gc_off: bool = False, threads: int | None = None):
             import gc
 
+            import torch
+
+            before = torch.get_num_threads()
+            if threads:
+                torch.set_num_threads(threads)
             if gc_off:
                 gc.disable()
             try:
@@ -130,36 +129,32 @@ def main() -> int:
                 return time.perf_counter() - start, out
             finally:
                 gc.enable()
+                torch.set_num_threads(before)
 
+    # One engine actor, as the loop starts it (Ray's share of the GPU, one CPU thread); G and H change one thing each
+    # for the length of their call, so no second engine has to be built (each takes ~40 s).
     cluster = connect(num_gpus=1)
-    actors = {}
-    placed = place(PlacementSpec.from_ranges({"e": "0", "g": "0"}).plan())  # half of GPU 0 each (Ray's bookkeeping)
-    for name, threads in (("E", None), ("G", 8)):  # E's actor also serves F and H
-        env = worker_runtime_env({"OMP_NUM_THREADS": str(threads)} if threads else None)
-        actor = ray.remote(TimedEngineActor).options(**placed.actor_options(name.lower(), 0), runtime_env=env,
-                                                     max_restarts=0).remote("vllm", engine_kwargs)
-        ray.get(actor.ready.remote(), timeout=600)
-        if threads:
-            ray.get(actor.threads.remote(threads), timeout=60)
-        actors[name] = actor
-    group = EngineGroup("rollout", "vllm", [actors["E"]], [1], timeout_s=600)
+    placed = place(PlacementSpec.from_ranges({"rollout": "0"}).plan())
+    actor = ray.remote(TimedEngineActor).options(**placed.actor_options("rollout", 0), runtime_env=worker_runtime_env(),
+                                                 max_restarts=0).remote("vllm", engine_kwargs)
+    ray.get(actor.ready.remote(), timeout=600)
+    group = EngineGroup("rollout", "vllm", [actor], [1], timeout_s=600)
 
-    def inside(name, gc_off=False):
-        return lambda: ray.get(actors[name].timed_generate.remote(prompts, ours, gc_off), timeout=600)
+    def inside(gc_off=False, threads=None):
+        return lambda: ray.get(actor.timed_generate.remote(prompts, ours, gc_off, threads), timeout=600)
 
     variants = {
         "A vllm n=8": lambda: llm.generate(req, plain, use_tqdm=False),
         "D adapter in-process": lambda: engine.generate(prompts, ours),
         "E ray group": lambda: group.generate(prompts, ours),
-        "F in-actor": inside("E"),
-        "G in-actor 8 threads": inside("G"),
-        "H in-actor gc off": inside("E", gc_off=True),
+        "F in-actor": inside(),
+        "G in-actor 8 threads": inside(threads=8),
+        "H in-actor gc off": inside(gc_off=True),
     }
     results = round_robin(variants, args.repeats)
     results["machine_load"] = {"before": load_before, "after": machine_load()}
-    for actor in actors.values():
-        ray.get(actor.shutdown.remote(), timeout=120)
-        ray.kill(actor)
+    ray.get(actor.shutdown.remote(), timeout=120)
+    ray.kill(actor)
     placed.remove()
     shutdown(cluster)
     engine.shutdown()
