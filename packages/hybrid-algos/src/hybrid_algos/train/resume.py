@@ -25,7 +25,8 @@ ESSENTIALS = ("algorithm", "uses_critic", "actor_world_size", "critic_world_size
 #: Different from the checkpoint's: allowed, but said.
 NOTED = ("actor_learning_rate", "critic_learning_rate", "init_kl_coef", "kl_estimator", "use_kl_loss",
          "n_samples_per_prompt", "rollout_batch_size", "train_batch_size", "max_epochs", "temperature", "seed",
-         "pretrain", "reward_pretrain", "reward_fn", "prompt_data", "task", "task_length", "bf16")
+         "pretrain", "reward_pretrain", "reward_fn", "prompt_data", "task", "task_length", "bf16", "max_steps",
+         "lr_scheduler", "min_lr_ratio", "lr_warmup_ratio")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,13 @@ def check_compatible(config: Any, state: dict[str, Any], path: str) -> None:
                if k in old and _plain(old[k]) != _plain(getattr(config, k))]
     if changed:
         log.warning("resuming %s with settings changed since it was saved: %s", path, "; ".join(changed))
+    # The schedule is rebuilt from this run's settings and continued at the saved update: a decaying schedule over a
+    # different number of steps puts the rate somewhere else than where the saved run left it.
+    if (getattr(config, "lr_scheduler", None) == "cosine_with_min_lr" and "max_steps" in old
+            and old["max_steps"] != getattr(config, "max_steps", None)):
+        log.warning("resuming %s with --max_steps %s (was %s): the cosine decay is spread over the new length from "
+                    "here on, so the learning rate moves up or down at the resumed step. Keep --max_steps to continue "
+                    "the saved schedule exactly.", path, getattr(config, "max_steps", None), old["max_steps"])
 
 
 def _essentials_of_old(config: dict[str, Any]) -> dict[str, Any]:
