@@ -91,3 +91,19 @@ def test_dry_run_shows_what_moves_when_the_gpu_is_small(capsys):
     assert main(["grpo", "--dry-run", "--gpu_memory_gb", "0.5"]) == 2  # three 0.5 GiB contexts cannot fit
     err = capsys.readouterr().err
     assert "residency: GPU 0, phase" in err and "usable of 0.5 GiB" in err and "Fix:" in err
+
+
+def test_dry_run_of_a_model_folder_without_a_tokenizer_names_the_folder(prompts_jsonl, capsys, tiny_model_dir,
+                                                                        tmp_path):
+    import shutil
+
+    bare = tmp_path / "weights-only"
+    shutil.copytree(tiny_model_dir, bare)
+    for name in bare.iterdir():
+        if name.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            name.unlink()
+    (tmp_path / "reward.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
+    assert main(["grpo", "--dry-run", "--pretrain", str(bare), "--prompt_data", prompts_jsonl, "--input_key",
+                 "prompt", "--reward_fn", f"{tmp_path / 'reward.py'}:score"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bare} has no tokenizer files" in err and "Traceback" not in err

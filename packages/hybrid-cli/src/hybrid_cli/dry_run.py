@@ -138,6 +138,7 @@ def _tokenizer(config: Any):
         from hybrid_algos.train.tiny import build_tiny_tokenizer
 
         return build_tiny_tokenizer(int(config.tiny_model.get("num_symbols", 8)))
-    from transformers import AutoTokenizer
+    from hybrid_algos.train.model_files import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(config.pretrain, trust_remote_code=config.trust_remote_code)
+    # the run's own loader: a folder without (readable) tokenizer files is a ConfigError here too, not a traceback
+    return load_tokenizer("pretrain", config.pretrain, trust_remote_code=config.trust_remote_code)
