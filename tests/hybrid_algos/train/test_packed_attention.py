@@ -159,3 +159,20 @@ def test_dropout_is_applied_in_training():
     torch.manual_seed(0)
     a = pa.segment_attention(q, k, v, seg, None, 0.5, None)
     assert not torch.allclose(a, pa.segment_attention(q, k, v, seg, None, 0.0, None))
+
+
+@pytest.mark.parametrize("chosen", ["auto", "segments"])
+def test_the_loop_runs_when_asked_or_when_varlen_cannot(monkeypatch, chosen):
+    fn, seen = fake_varlen("2.12")  # even with a varlen_attn that would run, "segments" must not call it
+    import inspect
+
+    monkeypatch.setattr(pa, "_varlen_fn", lambda: (fn, frozenset(inspect.signature(fn).parameters)))
+    monkeypatch.setenv(pa.ENV, chosen)
+    lengths = [3, 1, 2]
+    q, k, v = qkv(lengths)
+    pos = pa.attach_segments(torch.tensor([[0, 1, 2, 0, 0, 1]]), pa.segments_from_lengths(lengths, "cpu"))
+    before = dict(pa.CALLS)
+    out, weights = pa.packed_attention_forward(torch.nn.Module(), q, k, v, None, scaling=0.4, position_ids=pos)
+    assert weights is None and not seen  # auto: the stand-in is not CUDA, so varlen_unsupported says no
+    assert pa.CALLS["segments"] == before.get("segments", 0) + 1
+    assert torch.allclose(out, reference(q, k, v, lengths, 0.4), atol=1e-5)

@@ -212,7 +212,8 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     sliding_window = kwargs.get("sliding_window")
     chosen = mode()
-    why_not = varlen_unsupported(query, key, value, dropout, sliding_window) if chosen in ("auto", "varlen") else ""
+    why_not = varlen_unsupported(query, key, value, dropout, sliding_window) if chosen in ("auto", "varlen") \
+        else f"{ENV}={chosen}"
     if chosen == "varlen" and why_not:
         raise RuntimeError(f"{ENV}=varlen: {why_not}; use {ENV}=auto (falls back to a loop over the samples)")
     if not why_not:
