@@ -200,8 +200,10 @@ def test_packed_attention_gives_the_padded_logprobs_without_crossing_samples(mon
     assert spy.sdpa_masks >= 1 and torch.equal(again.logprobs, padded.logprobs)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-sliding"])
-def test_packed_attention_gradients_and_values_equal_the_padded_path(arch):
+@pytest.mark.parametrize("arch,checkpointing", [("llama", False), ("llama", True), ("qwen2", False),
+                                                  ("qwen2-sliding", True)])
+def test_packed_attention_gradients_and_values_equal_the_padded_path(arch, checkpointing):
+    """Gradient checkpointing recomputes each layer in the backward pass: it must attend the same way again."""
     from hybrid_algos.train import packed_attention
 
     ro = _ragged_rollout(4, batch=6)
@@ -211,6 +213,8 @@ def test_packed_attention_gradients_and_values_equal_the_padded_path(arch):
     for packed in (False, True):
         model = _arch_model(arch, seed=3)
         model.train()  # dropout is 0 in these configs; training mode must not change the path
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lp = models.response_logprobs(model, ro.sequences, ro.attention_mask, ro.response_len, packed=packed)
         (lp * weights)[mask].sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
