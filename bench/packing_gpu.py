@@ -2,14 +2,20 @@
 
 One data-parallel rank of the real actor (``PolicyWorker``: DeepSpeed, the registry's PPO loss, the chunked LM
 head) trains on the same rollout twice: with padded micro-batches and with packed ones (each micro-batch's
-samples concatenated into one row, position ids restarting per sample, block-diagonal causal attention through
-sdpa). Prompt and response lengths are drawn ragged (a long-tailed response length, as reasoning rollouts have),
+samples concatenated into one row, position ids restarting per sample, attention within each sample only through
+``hybrid_algos.train.packed_attention``: one varlen flash call on CUDA, or a causal SDPA per sample). Prompt and
+response lengths are drawn ragged (a long-tailed response length, as reasoning rollouts have),
 so a padded micro-batch is mostly padding. Goal: ``train s packed`` <= 0.7 x ``train s padded``.
 
     python bench/packing_gpu.py                    # GPU: the ~1B Llama of bench/_common.py, bf16, ZeRO-2
     python bench/packing_gpu.py --record           # ... and append the rows to bench/RESULTS.md
     python bench/packing_gpu.py --dynamic          # also packed + token-budget micro-batches (--use_dynamic_batch)
     python bench/packing_gpu.py --small            # tiny model on CPU: checks the logic, numbers mean nothing
+    python bench/packing_gpu.py --packed-attention auto segments sdpa-mask   # time each packed attention path
+
+``--packed-attention`` sets ``HYBRID_PACKED_ATTENTION`` for each packed run (``auto``: varlen where it can run;
+``varlen`` / ``segments`` forced; ``sdpa-mask``: transformers' dense N x N block-diagonal mask, the old path); the
+first one is ``train s packed`` and the ratio, the others get their own rows. The table names the path that ran.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ from _common import ROOT, Row, append_results, build_llama, device_label, free_p
 for _pkg in ("hybrid-core", "hybrid-engines", "hybrid-algos"):  # run from a plain checkout too
     sys.path.insert(0, str(ROOT / "packages" / _pkg / "src"))
 
+from hybrid_algos.train import packed_attention  # noqa: E402  (after the path set-up above)
+
+MODES = packed_attention.MODES
+
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dynamic", action="store_true", help="also: packed + --use_dynamic_batch")
     ap.add_argument("--max-tokens", type=int, default=16384, help="train_max_tokens_per_gpu of --dynamic")
     ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--packed-attention", nargs="+", default=["auto"], choices=MODES, metavar="MODE",
+                    help=f"packed attention path(s) to time, of {', '.join(MODES)} (the first is the headline)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     args = ap.parse_args()
@@ -90,7 +102,18 @@ def make_worker(args, model_dir: str, device, **changes):
     return worker
 
 
-def time_mode(args, model_dir, rollout, device, label: str, **changes) -> tuple[float, float]:
+def ran_paths(calls_before: dict) -> str:
+    """Which attention the packed run's layers took (calls counted by hybrid_algos.train.packed_attention)."""
+    new = {k: v - calls_before.get(k, 0) for k, v in packed_attention.CALLS.items() if v > calls_before.get(k, 0)}
+    packed = {k: v for k, v in new.items() if k != "sdpa"}
+    return "+".join(sorted(packed)) if packed else "transformers' own (dense N x N mask under sdpa)"
+
+
+def time_mode(args, model_dir, rollout, device, label: str, attention: str | None = None,
+              **changes) -> tuple[float, float, str]:
+    if attention is not None:
+        os.environ[packed_attention.ENV] = attention
+    calls = dict(packed_attention.CALLS)
     worker = make_worker(args, model_dir, device, **changes)
     times, stats = [], {}
     for i in range(args.repeats + 1):
@@ -103,14 +126,15 @@ def time_mode(args, model_dir, rollout, device, label: str, **changes) -> tuple[
         if i:  # the first call is a warm-up (kernels, allocator)
             times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    path = ran_paths(calls) if changes.get("packing_samples") else "padded"
     print(f"{label}: {[round(x, 3) for x in times]} s, {stats.get('actor/micro_batches', 0):.0f} micro-batches, "
-          f"peak {peak:.1f} GiB", flush=True)
+          f"peak {peak:.1f} GiB, attention: {path}", flush=True)
     del worker
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    return statistics.median(times), peak
+    return statistics.median(times), peak, path
 
 
 def main() -> int:
@@ -131,21 +155,29 @@ def main() -> int:
         padded = sum(mb.sequences.numel() for mb in rollout.micro_batches(args.micro))
         print(f"rollout: {rollout.batch_size} samples, {real} real tokens, {padded} tokens in padded micro-batches "
               f"({real / padded:.0%} real)", flush=True)
-        t_pad, m_pad = time_mode(args, model_dir, rollout, device, "padded")
-        t_pack, m_pack = time_mode(args, model_dir, rollout, device, "packed", packing_samples=True)
+        t_pad, m_pad, _ = time_mode(args, model_dir, rollout, device, "padded")
+        first, *others = args.packed_attention
+        t_pack, m_pack, path = time_mode(args, model_dir, rollout, device, f"packed ({first})", first,
+                                         packing_samples=True)
         rows = [Row("train s padded", t_pad, f"s (median of {args.repeats}; {args.samples} samples, micro-batches "
                     f"of {args.micro}, {padded} tokens incl. padding)"),
-                Row("train s packed", t_pack, f"s (median of {args.repeats}; same rollout, {real} real tokens)"),
-                Row("packed / padded x", t_pack / t_pad, "x (goal <= 0.7)"),
+                Row("train s packed", t_pack, f"s (median of {args.repeats}; same rollout, {real} real tokens; "
+                    f"attention: {path})"),
+                Row("packed / padded x", t_pack / t_pad, f"x (goal <= 0.7; attention: {path})"),
                 Row("real-token share %", 100 * real / padded, "% of the padded micro-batches' tokens", record=False)]
         if device.type == "cuda":
             rows += [Row("train peak GiB padded", m_pad, "GiB (torch max allocated)", record=False),
                      Row("train peak GiB packed", m_pack, "GiB (torch max allocated)", record=False)]
+        for mode in others:
+            t, _, p = time_mode(args, model_dir, rollout, device, f"packed ({mode})", mode, packing_samples=True)
+            rows.append(Row(f"train s packed {mode}", t, f"s (median of {args.repeats}; attention: {p}; "
+                            f"{t / t_pad:.3f} x padded)"))
         if args.dynamic:
-            t_dyn, _ = time_mode(args, model_dir, rollout, device, "packed + dynamic batch", packing_samples=True,
-                                 use_dynamic_batch=True, train_max_tokens_per_gpu=args.max_tokens)
+            t_dyn, _, p = time_mode(args, model_dir, rollout, device, "packed + dynamic batch", first,
+                                    packing_samples=True, use_dynamic_batch=True,
+                                    train_max_tokens_per_gpu=args.max_tokens)
             rows.append(Row("train s packed dynamic", t_dyn, f"s (median of {args.repeats}; "
-                            f"train_max_tokens_per_gpu {args.max_tokens})"))
+                            f"train_max_tokens_per_gpu {args.max_tokens}; attention: {p})"))
     label = device_label(device)
     print_table(f"train phase, padded vs packed ({label})", rows)
     if args.record and not args.small:

@@ -121,3 +121,122 @@ def test_unknown_output_transform_falls_back_to_full_logits(caplog):
     want = torch.log_softmax(full.float() * 3.0, -1).gather(-1, ro.sequences[:, -ro.response_len:, None])[..., 0]
     mask = ro.action_mask.bool()
     assert torch.allclose(got[mask], want[mask], atol=1e-5)
+
+
+# ---- the packed attention (hybrid_algos.train.packed_attention) -------------------------------------------------
+def _arch_model(arch: str, dtype=torch.float32, seed=0, head: str = "lm"):
+    """Tiny Llama / Qwen2 (GQA: 4 query heads, 2 KV heads); ``qwen2-sliding`` has a 3-token window in layer 1."""
+    import transformers
+
+    from hybrid_algos.train.tiny import tiny_vocab
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=len(tiny_vocab(8)), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                  tie_word_embeddings=False, num_labels=1)
+    if arch == "llama":
+        cfg, family = transformers.LlamaConfig(**common), "Llama"
+    else:
+        window = dict(use_sliding_window=True, sliding_window=3, max_window_layers=1) if arch == "qwen2-sliding" \
+            else {}
+        cfg, family = transformers.Qwen2Config(**common, **window), "Qwen2"
+    cls = getattr(transformers, f"{family}For{'CausalLM' if head == 'lm' else 'TokenClassification'}")
+    model = cls(cfg).to(dtype).eval()
+    assert model.config._attn_implementation == "sdpa"
+    return models.install_token_scores(model) if head == "lm" else model
+
+
+class _AttentionSpy:
+    """Every SDPA call's query length and mask, and whether transformers built an sdpa mask."""
+
+    def __init__(self, monkeypatch):
+        from transformers import masking_utils
+
+        self.q_lens, self.masks, self.sdpa_masks = [], [], 0
+        sdpa, build = torch.nn.functional.scaled_dot_product_attention, masking_utils.sdpa_mask
+
+        def spy_sdpa(q, k, v, attn_mask=None, *args, **kwargs):
+            self.q_lens.append(q.shape[-2])
+            self.masks.append(None if attn_mask is None else tuple(attn_mask.shape))
+            return sdpa(q, k, v, attn_mask, *args, **kwargs)
+
+        def spy_mask(*args, **kwargs):
+            self.sdpa_masks += 1
+            return build(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
+        monkeypatch.setattr(masking_utils, "sdpa_mask", spy_mask)
+
+    def reset(self):
+        self.q_lens, self.masks, self.sdpa_masks = [], [], 0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2-sliding"])
+def test_packed_attention_gives_the_padded_logprobs_without_crossing_samples(monkeypatch, arch, dtype, tol):
+    from hybrid_algos.train import packed_attention
+
+    monkeypatch.delenv(packed_attention.ENV, raising=False)
+    model = _arch_model(arch, dtype)
+    ro = _ragged_rollout(11, batch=7)
+    mask = ro.action_mask.bool()
+    padded = models.response_token_scores(model, ro.sequences, ro.attention_mask, ro.response_len, entropy=True)
+    spy = _AttentionSpy(monkeypatch)
+    before = packed_attention.CALLS["segments"]
+    packed = models.response_token_scores(model, ro.sequences, ro.attention_mask, ro.response_len, entropy=True,
+                                          packed=True)
+    assert model.config._attn_implementation == packed_attention.NAME
+    assert packed_attention.CALLS["segments"] - before >= 2  # both layers of the packed forward took the loop
+    lengths = ro.attention_mask.sum(-1)
+    assert spy.sdpa_masks == 0  # no mask built for the packed row, let alone an N x N one
+    assert max(spy.q_lens) <= int(lengths.max()) < int(lengths.sum())  # never attended across a whole packed row
+    window_masks = {m for m in spy.masks if m is not None}
+    assert all(m[-1] == m[-2] <= int(lengths.max()) for m in window_masks)  # at most one sample's window mask
+    assert bool(window_masks) == (arch == "qwen2-sliding" and int(lengths.max()) > 3)
+    assert torch.allclose(packed.logprobs[mask], padded.logprobs[mask], atol=tol, rtol=tol)
+    assert torch.allclose(packed.entropy[mask], padded.entropy[mask], atol=tol, rtol=tol)
+    spy.reset()  # the padded path of the switched model: transformers' mask and sdpa, results unchanged
+    again = models.response_token_scores(model, ro.sequences, ro.attention_mask, ro.response_len, entropy=True)
+    assert spy.sdpa_masks >= 1 and torch.equal(again.logprobs, padded.logprobs)
+
+
+@pytest.mark.parametrize("arch,checkpointing", [("llama", False), ("llama", True), ("qwen2", False),
+                                                  ("qwen2-sliding", True)])
+def test_packed_attention_gradients_and_values_equal_the_padded_path(arch, checkpointing):
+    """Gradient checkpointing recomputes each layer in the backward pass: it must attend the same way again."""
+    from hybrid_algos.train import packed_attention
+
+    ro = _ragged_rollout(4, batch=6)
+    mask = ro.action_mask.bool()
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for packed in (False, True):
+        model = _arch_model(arch, seed=3)
+        model.train()  # dropout is 0 in these configs; training mode must not change the path
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lp = models.response_logprobs(model, ro.sequences, ro.attention_mask, ro.response_len, packed=packed)
+        (lp * weights)[mask].sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert model.config._attn_implementation == packed_attention.NAME
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], atol=1e-5, rtol=1e-4), name
+    critic = _arch_model(arch, seed=5, head="values")
+    before = packed_attention.CALLS["segments"]
+    padded = models.response_values(critic, ro.sequences, ro.attention_mask, ro.response_len)
+    packed = models.response_values(critic, ro.sequences, ro.attention_mask, ro.response_len, packed=True)
+    assert packed_attention.CALLS["segments"] > before and critic.config._attn_implementation == packed_attention.NAME
+    assert torch.allclose(padded[mask], packed[mask], atol=1e-5)
+
+
+def test_packed_attention_can_be_switched_off_for_comparison(monkeypatch):
+    """HYBRID_PACKED_ATTENTION=sdpa-mask keeps transformers' dense block-diagonal mask (the bench's baseline)."""
+    from hybrid_algos.train import packed_attention
+
+    monkeypatch.setenv(packed_attention.ENV, "sdpa-mask")
+    model = _arch_model("llama")
+    ro = _ragged_rollout(2)
+    spy = _AttentionSpy(monkeypatch)
+    models.response_logprobs(model, ro.sequences, ro.attention_mask, ro.response_len, packed=True)
+    n = int(ro.attention_mask.sum())
+    assert model.config._attn_implementation == "sdpa" and (1, 1, n, n) in spy.masks  # the N x N mask, as before

@@ -10,9 +10,14 @@ Two things keep a trainer's memory bounded by what it really needs:
   chunk is reduced to its log-probs (and entropy) at once. With gradients, each chunk is checkpointed: its logits
   are recomputed in the backward pass instead of being kept. A ``[micro_batch x len x vocab]`` tensor never exists.
 * **Packing** (``packed=True``, ``--packing_samples``): the rows' real tokens are concatenated into one row with
-  position ids restarting at 0 for every sample and no attention mask; transformers then builds a block-diagonal
-  causal mask (sdpa / eager) or uses varlen kernels (flash-attention), so padding costs nothing. Results equal the
-  padded path's (tests/hybrid_algos/train/test_packing.py).
+  position ids restarting at 0 for every sample and no attention mask, so padding costs nothing. Attention must
+  then stay within each sample: left to transformers, sdpa would build a dense ``N x N`` block-diagonal mask and
+  compute every score of the row (more attention work than the padded batch). A packed forward therefore switches
+  an sdpa model to :mod:`hybrid_algos.train.packed_attention` (one varlen flash call on CUDA, a causal SDPA per
+  sample otherwise; calls with a padding mask still go to sdpa as before); flash-attention models
+  (``--flash_attn``) use transformers' own varlen path. The sample boundaries are attached to the position ids
+  here, from lengths already on the host. Results equal the padded path's
+  (tests/hybrid_algos/train/test_packing.py).
 
 The chunked head runs *inside* the model's forward (an extra ``token_scores=`` argument installed on the
 transformers model by :func:`install_token_scores`), so a DeepSpeed engine's forward and backward hooks see it as
@@ -27,6 +32,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
+
+from .packed_attention import attach_segments, segments_from_lengths
+from .packed_attention import install as install_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +81,9 @@ def model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, response
         raise ValueError("packing needs a prompt token before every response (a row has an empty prompt)")
     offsets = torch.cumsum(lengths, 0) - lengths  # where each sample starts in the packed row
     ids = sequences[valid].unsqueeze(0)
-    pos = torch.cat([torch.arange(int(n), device=sequences.device) for n in lengths.tolist()]).unsqueeze(0)
+    host_lengths = lengths.tolist()
+    pos = torch.cat([torch.arange(int(n), device=sequences.device) for n in host_lengths]).unsqueeze(0)
+    attach_segments(pos, segments_from_lengths(host_lengths, sequences.device))  # read by the packed attention
     prompt_len = valid[:, :P].sum(-1)
     positions = offsets[rows] + prompt_len[rows] + cols - 1
     return ModelInputs(ids, None, pos, positions, targets, rows, cols, (B, R))
@@ -248,6 +258,8 @@ def response_token_scores(model: torch.nn.Module, sequences: torch.Tensor, atten
     inputs = model_inputs(sequences, attention_mask, response_len, packed=packed)
     temperature = temperature if temperature > 0 else 1.0  # greedy sampling has no tempered distribution: score raw
     hf = install_token_scores(_unwrap(model))
+    if packed:
+        install_packed_attention(hf)
     if hf._hybrid_chunked_ok is None:
         hf._hybrid_chunked_ok = _chunked_matches_full(model, hf, inputs, temperature)
     if hf._hybrid_chunked_ok is False:
@@ -286,6 +298,8 @@ def response_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_
                     *, packed: bool = False) -> torch.Tensor:
     """Per-token values ``[B, R]``: the critic's estimate at the state before each response token (0 at padding)."""
     inputs = model_inputs(sequences, attention_mask, response_len, packed=packed)
+    if packed:
+        install_packed_attention(_unwrap(critic))
     out = critic(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
                  use_cache=False)
     values = out.logits[..., 0].reshape(-1).index_select(0, inputs.positions).float()
