@@ -58,8 +58,9 @@ stage)
       PYTHONPATH=/tmp/site:$(printf '/tmp/bgrepo/packages/%s/src:' hybrid-core hybrid-engines hybrid-algos hybrid-cli)
     gpu="( timeout 200 $PY bench/reference_peak_gpu.py --shape 1b --record > /tmp/logs/bg/refpeak_1b.log 2>&1; \
         timeout 300 $PY bench/reference_peak_gpu.py --shape 8b --record > /tmp/logs/bg/refpeak_8b.log 2>&1; \
-        RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout 600 \
-          $PY bench/packing_gpu.py --record --dynamic > /tmp/logs/bg/packing.log 2>&1; echo gpubench ) &"
+        RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout 900 \
+          $PY bench/packing_gpu.py --record --dynamic --packed-attention auto segments sdpa-mask \
+          > /tmp/logs/bg/packing.log 2>&1; echo gpubench ) &"
     [ "${STAGE_GPU_BENCHES:-1}" = 1 ] || gpu=""
     builds=""; for size in ${STAGE_SIZES:-1.5b 7b}; do
       builds="$builds $PY bench/peer_workload.py /tmp/peer-$size $size && echo built${size//./}; "; done
