@@ -7,7 +7,7 @@
 #                                          # imports OpenRLHF's launcher (vLLM included) and parses our command lines
 #   bash bench/openrlhf_session.sh a       # 357M, ZeRO-1 no reference: OpenRLHF | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
 #   bash bench/openrlhf_session.sh a2      # 357M, ZeRO-3 + reference:  OpenRLHF | ours (e2e_gpu.py default set-up)
-#   bash bench/openrlhf_session.sh b       # 1.5B, 32 x 8, <= 1024 tokens: OpenRLHF | ours
+#   bash bench/openrlhf_session.sh b       # 1.5B, 32 x 8, <= 1024 tokens: OpenRLHF | ours  (1 warm-up + 2 steps each)
 #
 # Each pair prints the comparison table. To record it, run here (not on the device: its repo copy is thrown away)
 #   python bench/openrlhf_peer.py compare --openrlhf FILES/openrlhf-357m-matched.json \
@@ -107,8 +107,9 @@ a2)
   ;;
 b)
   wait_for built15 || exit 1
-  orl 1.5b 300 --size 1.5b --setup matched --steps 4 --warmup 1 --grace 30
-  ours orl15 --size 1.5b --steps 4 --warmup 1 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3
+  # the peer and ours in one call: OpenRLHF gets ~380 s (start-up, 1 warm-up step + 2 measured), ours the rest
+  orl 1.5b 380 --size 1.5b --setup matched --steps 3 --warmup 1 --grace 30
+  ours orl15 --size 1.5b --steps 3 --warmup 1 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3
   pair openrlhf-1.5b-matched.json e2e-grpo-1.5b-colocated-orl15.json
   pack b
   ;;
