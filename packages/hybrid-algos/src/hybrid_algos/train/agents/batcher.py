@@ -166,6 +166,8 @@ def _cut(out: GenerationOutput, cap: int) -> GenerationOutput:
         return out
     return dataclasses.replace(out, token_ids=list(out.token_ids[:cap]),
                                logprobs=list(out.logprobs[:cap]) if out.logprobs is not None else None,
+                               weight_versions=(list(out.weight_versions[:cap]) if out.weight_versions is not None
+                                                else None),
                                finish_reason="length")
 
 

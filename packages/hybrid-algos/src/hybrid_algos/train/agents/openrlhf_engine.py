@@ -69,6 +69,7 @@ class Generation:
     start: int
     token_ids: list[int]
     logprobs: list[float]
+    versions: list[int] | None = None  # the engine's weight version per token (None: it marks none)
 
 
 @dataclass
@@ -103,7 +104,8 @@ class AgentEngine:
             float(_get(sampling_params, "temperature", 1.0)), float(_get(sampling_params, "top_p", 1.0)),
             _top_k(_get(sampling_params, "top_k", -1)), int(_get(sampling_params, "min_tokens", 0) or 0)))
         logprobs = list(out.logprobs) if out.logprobs is not None else [0.0] * len(out.token_ids)
-        self.generations.append(Generation(len(context), list(out.token_ids), logprobs))
+        versions = list(out.weight_versions) if out.weight_versions is not None else None
+        self.generations.append(Generation(len(context), list(out.token_ids), logprobs, versions))
         if len(context) + len(out.token_ids) >= self.prompt_len + self.response_budget:
             self.state.out_of_budget = True
         return self._answer(context, list(out.token_ids), logprobs, out.finish_reason, sampling_params)

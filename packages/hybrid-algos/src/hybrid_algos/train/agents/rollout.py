@@ -263,7 +263,7 @@ class AgentRollout:
                 out = await batcher.generate(conv.prompt_ids + conv.response,
                                              min(left, settings.turn_tokens or left))
                 state.turns = conv.turns = conv.turns + 1
-                conv.add_turn(out.token_ids, out.logprobs)
+                conv.add_turn(out.token_ids, out.logprobs, out.weight_versions)
                 conv.finish_reason = out.finish_reason
                 answer = await guard.call(state, "step", env.step, self.renderer.action_text(out.token_ids))
                 try:
