@@ -176,39 +176,40 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_run_stops_the_whole_process_group_after_the_last_step(tmp_path):
-    script, pidfile = tmp_path / "fake.py", tmp_path / "child.pid"
+def _fake_run(tmp_path, mode: str, expected_steps: int) -> dict:
+    """``peer.run`` of FAKE_RUN in ``mode`` ("ok" or "fail"); it writes its child's pid to child.pid."""
+    script = tmp_path / "fake.py"
     script.write_text(FAKE_RUN)
+    return peer.run([sys.executable, str(script), str(tmp_path / "child.pid"), mode], dict(os.environ),
+                    str(tmp_path / "log"), timeout=120, expected_steps=expected_steps, grace=1)
+
+
+def _gone(tmp_path, within_s: float = 5.0) -> bool:
+    """Whether the fake run's child process is gone within ``within_s``."""
+    child = int((tmp_path / "child.pid").read_text())
+    deadline = time.time() + within_s
+    while _alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    return not _alive(child)
+
+
+def test_run_stops_the_whole_process_group_after_the_last_step(tmp_path):
     start = time.time()
-    r = peer.run([sys.executable, str(script), str(pidfile), "ok"], dict(os.environ), str(tmp_path / "log"),
-                 timeout=120, expected_steps=3, grace=1)
+    r = _fake_run(tmp_path, "ok", expected_steps=3)
     assert time.time() - start < 60
     assert r["stopped"] == "after_last_step"
     assert [s["status"]["timing/step_total"] for s in peer.parse_log(r["lines"])] == [1.5, 2.5, 3.5]
     assert (tmp_path / "log").read_text().count("Global step") == 3
-    child = int(pidfile.read_text())
-    for _ in range(50):
-        if not _alive(child):
-            break
-        time.sleep(0.1)
-    assert not _alive(child), "the run's child process outlived it"
+    assert _gone(tmp_path), "the run's child process outlived it"
 
 
 def test_run_reports_a_crash_with_its_traceback(tmp_path):
-    script, pidfile = tmp_path / "fake.py", tmp_path / "child.pid"
-    script.write_text(FAKE_RUN)
-    r = peer.run([sys.executable, str(script), str(pidfile), "fail"], dict(os.environ), str(tmp_path / "log"),
-                 timeout=120, expected_steps=5, grace=1)
+    r = _fake_run(tmp_path, "fail", expected_steps=5)
     assert r["rc"] == 1 and r["stopped"] is None
     got = peer.failure([line for _, line in r["lines"]])
     assert "GuidedDecodingParams" in got["error_lines"][-1]
     assert got["traceback"][0].startswith("Traceback") and "GuidedDecodingParams" in got["traceback"][-1]
-    child = int(pidfile.read_text())
-    for _ in range(50):
-        if not _alive(child):
-            break
-        time.sleep(0.1)
-    assert not _alive(child), "what the crashed run left in its process group outlived it"
+    assert _gone(tmp_path), "what the crashed run left in its process group outlived it"
 
 
 def test_reward_adapter_scores_what_our_runs_score_on_openrlhfs_decoded_query(tmp_path):

@@ -30,9 +30,9 @@ class Conversation:
     overflow_tokens: int = 0  # environment tokens cut because the response budget was full
     failed: str | None = None  # --agent_on_error end_sample: why this sample ended
     info: dict[str, float] = field(default_factory=dict)
-    # the engine's weight version of every response token (environment tokens: the turn's before them); None once
-    # a turn came without versions (an engine that marks none: the batch's version stands for all)
-    versions: list[int] | None = field(default_factory=list)
+    # the engine's weight version of every response token (environment tokens: the turn's before them); -1 where
+    # the engine marks none, and then the batch's version stands for the whole sample
+    versions: list[int] = field(default_factory=list)
 
     def segments(self) -> list[tuple[int, int]]:
         """``(model tokens, environment tokens after them)`` per turn."""
@@ -46,8 +46,7 @@ class Conversation:
         return [(a, b) for a, b in out]
 
     def output(self) -> GenerationOutput:
-        versions = self.versions if (self.versions and len(self.versions) == len(self.response)
-                                     and min(self.versions) >= 0) else None
+        versions = self.versions if self.versions and min(self.versions) >= 0 else None
         return GenerationOutput(self.prompt_ids, self.response, self.logprobs, self.finish_reason,
                                 weight_versions=versions,
                                 extra={"action_mask": self.action_mask, "agent_failed": self.failed is not None,
@@ -60,16 +59,15 @@ class Conversation:
         self.response += list(tokens)
         self.action_mask += [1] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
-        if self.versions is not None:
-            self.versions = self.versions + [int(v) for v in versions] if versions is not None and \
-                len(versions) == len(tokens) else None
+        known = versions is not None and len(versions) == len(tokens)
+        self.versions += [int(v) for v in versions] if known else [-1] * len(tokens)
 
     def add_feedback(self, tokens: Sequence[int]) -> None:
         self.response += list(tokens)
         self.action_mask += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
-        if self.versions is not None:  # not generated: the version of the turn they answer adds no new one
-            self.versions = self.versions + [self.versions[-1] if self.versions else -1] * len(tokens)
+        # not generated: the version of the turn they answer, so they add no version of their own
+        self.versions += [self.versions[-1] if self.versions else -1] * len(tokens)
 
 
 def from_openrlhf(result: Any, generations: Sequence[Any], budget: int) -> Conversation:
@@ -95,26 +93,20 @@ def from_openrlhf(result: Any, generations: Sequence[Any], budget: int) -> Conve
     conv = Conversation(tokens[:start], tokens[start:], [0] * (len(tokens) - start), [0.0] * (len(tokens) - start))
     by_start = {g.start: g for g in generations}
     given = result.get("rollout_log_probs")
-    versions: list[int] | None = [-1] * (len(tokens) - start)
+    conv.versions = [-1] * (len(tokens) - start)  # -1: an action the engine did not produce as given
     for a, b in ranges:
         conv.action_mask[a - start:b - start] = [1] * (b - a)
         g = by_start.get(a)
         if g is not None and g.token_ids[: b - a] == tokens[a:b]:
             conv.logprobs[a - start:b - start] = g.logprobs[: b - a]
-            if versions is not None and g.versions is not None:
-                versions[a - start:b - start] = g.versions[: b - a]
-            else:
-                versions = None
-        else:
-            versions = None  # an action the engine did not produce as given: no version to vouch for
-            if given is not None and len(given) == len(tokens):
-                conv.logprobs[a - start:b - start] = [float(x) for x in given[a:b]]
-    if versions is not None:  # environment tokens: the version of the action before them (the first action's before)
-        last = next((v for v in versions if v >= 0), -1)
-        for i, v in enumerate(versions):
-            last = v if v >= 0 else last
-            versions[i] = last
-    conv.versions = versions if versions is not None and all(v >= 0 for v in versions) else None
+            if g.versions is not None:
+                conv.versions[a - start:b - start] = g.versions[: b - a]
+        elif given is not None and len(given) == len(tokens):
+            conv.logprobs[a - start:b - start] = [float(x) for x in given[a:b]]
+    last = -1  # environment tokens: the version of the action before them
+    for i, model in enumerate(conv.action_mask):
+        last = conv.versions[i] if model else last
+        conv.versions[i] = last
     reward = result["reward"]
     if reward is None:
         raise ShapeError("execute returned reward None")
@@ -129,8 +121,7 @@ def from_openrlhf(result: Any, generations: Sequence[Any], budget: int) -> Conve
         cut_actions = sum(conv.action_mask[budget:])
         conv.response, conv.action_mask, conv.logprobs = (conv.response[:budget], conv.action_mask[:budget],
                                                           conv.logprobs[:budget])
-        if conv.versions is not None:
-            conv.versions = conv.versions[:budget]
+        conv.versions = conv.versions[:budget]
         if cut_actions:
             conv.finish_reason = "length"
     return conv
