@@ -11,6 +11,7 @@
 #   bash .carry-sglang/pNN/_assemble.sh .carry-sglang/pNN  (p00.., last with --install)   # SGLang 0.5.16: bench/sglang_stage.py
 #   bash bench/device_session.sh sg1       # issue 19: SGLang engine rows + vLLM vs SGLang (bench/sglang_gpu.py)
 #   bash bench/device_session.sh sg2       # issue 19: GRPO colocated on the e2e workload, vLLM then SGLang, same call
+#                                          # (then sg3's demo, when over 200 s of the call are left)
 #   bash bench/device_session.sh sg3       # issue 19: the built-in demo learning with --backend sglang
 #   bash bench/device_session.sh sg4       # issue 19 on nvidia-h200-x2: split placement over SGLang's NCCL group
 set -uo pipefail
@@ -81,6 +82,11 @@ sg2)
   PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout $(left 585) $PY bench/e2e_gpu.py --algo grpo --steps 10 \
     --warmup 2 --backend sglang --tag sglang > $LOGS/e2e_sglang.log 2>&1
   echo "sglang grpo rc=$?"; tail -12 $LOGS/e2e_sglang.log
+  if [ "$(left 585)" -gt 200 ]; then  # room left: sg3's demo in this call (it stops at the call's limit otherwise)
+    PYTHONPATH=/tmp/site-sglang:$PYTHONPATH timeout $(left 585) $PY -m hybrid_cli grpo --backend sglang \
+      --vllm_gpu_memory_utilization 0.3 --save_path /tmp/demo_sglang > $LOGS/demo_sglang.log 2>&1; echo "demo rc=$?"
+    cp /tmp/demo_sglang/metrics.jsonl $LOGS/demo_metrics.jsonl 2>/dev/null; tail -4 $LOGS/demo_sglang.log
+  fi
   pack sg2
   ;;
 sg3)

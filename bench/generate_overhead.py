@@ -50,9 +50,20 @@ def _tokens(out) -> int:
     return total
 
 
-def round_robin(variants: dict, repeats: int) -> dict:
+def _stamp(what: str, t0=time.time()) -> None:
+    """Where the time goes (a run stopped at its call's limit still says how far it got)."""
+    print(f"[{time.time() - t0:7.1f} s] {what}", flush=True)
+
+
+def _summary(times: dict, tokens: dict) -> dict:
+    return {name: {"median_s": statistics.median(t), "min_s": min(t), "times": t,
+                   "tokens": int(statistics.median(tokens[name]))} for name, t in times.items() if t}
+
+
+def round_robin(variants: dict, repeats: int, checkpoint=None) -> dict:
     """Each variant once per round (one warm-up round first). A variant returns its outputs, or (seconds, outputs)
-    when it times itself (inside an actor)."""
+    when it times itself (inside an actor). After each round ``checkpoint`` gets the summary so far, so a run cut
+    short keeps the rounds it finished."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     tokens: dict[str, list[int]] = {name: [] for name in variants}
     for rnd in range(repeats + 1):
@@ -64,8 +75,10 @@ def round_robin(variants: dict, repeats: int) -> dict:
             if rnd:  # round 0 warms up (CUDA graphs, allocator, Triton kernels)
                 times[name].append(seconds)
                 tokens[name].append(_tokens(out))
-    return {name: {"median_s": statistics.median(t), "min_s": min(t), "times": t,
-                   "tokens": int(statistics.median(tokens[name]))} for name, t in times.items()}
+        _stamp(f"round {rnd} done" + (" (warm-up)" if not rnd else ""))
+        if rnd and checkpoint:
+            checkpoint(_summary(times, tokens))
+    return _summary(times, tokens)
 
 
 def main() -> int:
@@ -76,7 +89,9 @@ def main() -> int:
     ap.add_argument("--max_new", type=int, default=128)
     ap.add_argument("--gpu_util", type=float, default=0.18, help="each of the 2 engines' share of the GPU")
     ap.add_argument("--repeats", type=int, default=12)
+    ap.add_argument("--record", action="store_true", help="append the row to bench/RESULTS.md")
     args = ap.parse_args()
+    _stamp("start")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -93,6 +108,7 @@ def main() -> int:
     from hybrid_engines.ray_engines import EngineActor, EngineGroup
     from hybrid_engines.vllm_engine import VLLMEngine
 
+    _stamp("imports done")
     load_before = machine_load()
     tok = AutoTokenizer.from_pretrained(args.model)
     rng = random.Random(0)
@@ -104,6 +120,7 @@ def main() -> int:
                          max_model_len=max(map(len, prompts)) + args.max_new)
 
     engine = VLLMEngine(**engine_kwargs)  # A and D: vLLM in this process
+    _stamp("in-process engine built")
     import vllm
 
     llm = engine.llm
@@ -139,6 +156,7 @@ def main() -> int:
                                                  max_restarts=0).remote("vllm", engine_kwargs)
     ray.get(actor.ready.remote(), timeout=600)
     group = EngineGroup("rollout", "vllm", [actor], [1], timeout_s=600)
+    _stamp("engine actor built")
 
     def inside(gc_off=False, threads=None):
         return lambda: ray.get(actor.timed_generate.remote(prompts, ours, gc_off, threads), timeout=600)
@@ -151,7 +169,14 @@ def main() -> int:
         "G in-actor 8 threads": inside(threads=8),
         "H in-actor gc off": inside(gc_off=True),
     }
-    results = round_robin(variants, args.repeats)
+    out = os.environ.get("OUT")
+
+    def checkpoint(partial: dict) -> None:
+        if out:
+            with open(os.path.join(out, "genoverhead.json"), "w") as f:
+                json.dump({**partial, "partial": True}, f, indent=1)
+
+    results = round_robin(variants, args.repeats, checkpoint)
     results["machine_load"] = {"before": load_before, "after": machine_load()}
     ray.get(actor.shutdown.remote(), timeout=120)
     ray.kill(actor)
@@ -167,11 +192,26 @@ def main() -> int:
         if name != "machine_load":
             print(f"{name:<26}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['tokens']:>8}"
                   f"{100 * (r['median_s'] / base - 1):>9.1f}")
-    out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "genoverhead.json"), "w") as f:
             json.dump(results, f, indent=1)
+    if args.record:
+        from _common import Row, append_results
+
+        ray_group = results["E ray group"]["median_s"]
+        row = Row("generate overhead vs vLLM alone %", 100 * (ray_group / base - 1),
+                  f"% (median of {args.repeats} round-robin calls: our EngineGroup.generate through its Ray actor "
+                  f"{ray_group:.3f} s vs vllm.LLM.generate n={args.samples} alone {base:.3f} s; in-process adapter "
+                  f"{results['D adapter in-process']['median_s']:.3f} s, in-actor "
+                  f"{results['F in-actor']['median_s']:.3f} s; goal <= 5)")
+        print(f"appended {append_results([row], _device())} row to bench/RESULTS.md")
     return 0
+
+
+def _device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 if __name__ == "__main__":

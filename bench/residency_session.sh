@@ -14,6 +14,12 @@
 #   bash bench/residency_session.sh z        # ZeRO-3 + reference: the code of commit ab94ac3 vs today's (carry .old: an
 #                                            # ignored folder holding that commit's packages/ and bench/)
 #   bash bench/residency_session.sh d        # generate overhead alone (its engines take ~2.5 min to build), then 7B
+#   bash bench/residency_session.sh suite    # the whole test suite on the machine's CPU, in the background (issue 23);
+#                                            # `bg` reports it, `suitelog` brings its log back
+#   bash bench/residency_session.sh e        # ZeRO-3 + reference against TRL, interleaved twice (TRL, ours, TRL, ours)
+#                                            # with the machine's load sampled every 10 s
+#   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU
+#   bash bench/residency_session.sh g        # generate overhead (recorded), then issue 22's agent rollouts
 # Timed phases wait until the background work is done ("bg-all-done"): nothing else runs beside a timing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +33,20 @@ t0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
 pack() { tar -czf "$OUT/$1.tgz" -C /tmp/logs "$1" 2>/dev/null; }
 wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done; return 1; }
+# Rows a bench appends on the device go to this call's copy of RESULTS.md, which the next call's transfer replaces:
+# send them to the phase's logs instead (they come back in <phase>.tgz and are appended here by hand).
+export BENCH_RESULTS=$LOGS/rows.md
+cleanup() {  # nothing of an earlier run may share the machine with a timing: stray Ray clusters and GPU processes
+  ray stop --force > /dev/null 2>&1
+  for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+  sleep 2; echo "before the timings: load $(cut -d' ' -f1-3 /proc/loadavg), GPU memory in use" \
+    "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null)"
+}
+monitor() {  # the load and the busiest processes every 10 s, beside the timings (a noisy neighbour shows here)
+  ( while true; do echo "$(date +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"; ps -eo pcpu,pid,comm --sort=-pcpu | sed -n 2,6p
+      sleep 10; done > $LOGS/cpu_monitor.log 2>&1 ) &
+  MON=$!
+}
 trl() {  # $1 label, then the peer's arguments
   local label=$1; shift
   RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 \
@@ -56,13 +76,15 @@ stage)
   mkdir -p /tmp/logs/bg /tmp/bgrepo && cp -r bench packages /tmp/bgrepo/
   ( cd /tmp/bgrepo && export BENCH_RESULTS=/tmp/logs/bg/rows.md \
       PYTHONPATH=/tmp/site:$(printf '/tmp/bgrepo/packages/%s/src:' hybrid-core hybrid-engines hybrid-algos hybrid-cli)
-    gpu="( timeout 200 $PY bench/reference_peak_gpu.py --shape 1b --record > /tmp/logs/bg/refpeak_1b.log 2>&1; \
-        timeout 300 $PY bench/reference_peak_gpu.py --shape 8b --record > /tmp/logs/bg/refpeak_8b.log 2>&1; \
+    refpeak="timeout 200 $PY bench/reference_peak_gpu.py --shape 1b --record > /tmp/logs/bg/refpeak_1b.log 2>&1; \
+        timeout 300 $PY bench/reference_peak_gpu.py --shape 8b --record > /tmp/logs/bg/refpeak_8b.log 2>&1;"
+    [ "${STAGE_REFPEAK:-1}" = 1 ] || refpeak=""
+    gpu="( $refpeak \
         RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout 900 \
           $PY bench/packing_gpu.py --record --dynamic --packed-attention auto segments sdpa-mask \
           > /tmp/logs/bg/packing.log 2>&1; echo gpubench ) &"
     [ "${STAGE_GPU_BENCHES:-1}" = 1 ] || gpu=""
-    builds=""; for size in ${STAGE_SIZES:-1.5b 7b}; do
+    builds=""; for size in ${STAGE_SIZES-1.5b 7b}; do
       builds="$builds $PY bench/peer_workload.py /tmp/peer-$size $size && echo built${size//./}; "; done
     setsid nohup bash -c "$PY bench/peer_workload.py /tmp/peer 357m && echo built357; \
       $PY -c 'from deepspeed.ops.op_builder import FusedAdamBuilder as B; B().load()' && echo builtadam; \
@@ -74,7 +96,69 @@ bg)
   # where the background work stands (any time while the machine is warm)
   cat /tmp/logs/stage_bg.log; for f in /tmp/logs/bg/*.log; do echo "== $f"; tail -6 $f; done
   cat /tmp/logs/bg/rows.md 2>/dev/null
+  [ -f /tmp/logs/suite/suite.log ] && { echo "== suite"; tail -c 600 /tmp/logs/suite/suite.log; }
   tar -czf "$OUT/bg.tgz" -C /tmp/logs bg
+  ;;
+suite)
+  # The test suite as CI runs it, on this machine's CPU (the GPU hidden; hidden GPUs are declared as fake ones), from
+  # a copy of the tree (the next call's transfer replaces this one), in its own session so it outlives the call.
+  wait_for builtadam
+  rm -rf /tmp/suiterepo /tmp/logs/suite; mkdir -p /tmp/suiterepo /tmp/logs/suite
+  tar --exclude='./.carry*' --exclude=./.whl --exclude=./.device-carry --exclude=./.old --exclude=./.git -cf - . \
+    | tar -xf - -C /tmp/suiterepo
+  ( cd /tmp/suiterepo && export CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu BENCH_RESULTS=/tmp/logs/suite/rows.md \
+      PYTHONPATH=/tmp/site:$(printf '/tmp/suiterepo/packages/%s/src:' hybrid-core hybrid-engines hybrid-algos hybrid-cli)
+    env -u RAY_AUTH_MODE setsid nohup bash -c "s=\$(date +%s); $PY -m pytest -n ${SUITE_WORKERS:-8} --dist loadfile \
+      -p no:randomly -q --timeout 900 > /tmp/logs/suite/suite.log 2>&1; echo \"suite rc=\$? in \$(( \$(date +%s) - s )) s\" \
+      >> /tmp/logs/suite/suite.log" < /dev/null > /dev/null 2>&1 & )
+  echo "suite started: $(lscpu | grep -E 'Model name|^CPU\(s\)' | tr -s ' ' | paste -sd';')"
+  ;;
+suitelog)
+  tail -c 3000 /tmp/logs/suite/suite.log; tar -czf "$OUT/suite.tgz" -C /tmp/logs suite
+  ;;
+e)
+  # ZeRO-3 + reference (issue 17's second figure): the same code ran 0.79-1.11 s/step across calls, phases moving
+  # together, so TRL and ours take turns twice in one call and the ratio is of the medians of both turns each.
+  wait_for built357; wait_for builtadam; cleanup; monitor
+  lscpu | grep -E "Model name|NUMA|MHz" | tr -s ' '; nvidia-smi topo -m 2>/dev/null | head -3
+  for turn in 1 2; do
+    trl 357m_$turn /tmp/peer/model vllm --steps 6; cleanup
+    ours z3i$turn --size 357m --steps 10 --warmup 2; cleanup
+  done
+  kill $MON 2>/dev/null
+  $PY - $OUT <<'PY'
+import glob, json, statistics, sys
+out = sys.argv[1]
+trl = [json.loads(open(f).read().split("RESULT", 1)[-1])["median_step_s_after_first"]
+       for f in sorted(glob.glob(f"{out}/trl_357m_*.json")) if open(f).read().strip()]
+ours = [json.load(open(f))["step_s"] for f in sorted(glob.glob(f"{out}/e2e-*z3i*.json"))]
+print("TRL per turn", trl, "ours per turn", ours)
+if trl and ours:
+    print(f"speedup vs TRL ZeRO-3+ref x = {statistics.median(trl) / statistics.median(ours):.3f} "
+          f"(TRL {statistics.median(trl):.3f} s / ours {statistics.median(ours):.3f} s)")
+PY
+  pack e
+  ;;
+f)
+  # issue 21: --async_train against the synchronous auto plan on the 1.5B workload, one GPU, same call
+  wait_for built15; wait_for builtadam; cleanup; monitor
+  OUT=$LOGS timeout 575 $PY bench/async_gpu.py --size 1.5b --workdir /tmp/peer-1.5b --sync_plans auto --steps 4 \
+    --warmup 1 --record > $LOGS/async.log 2>&1
+  echo "async rc=$?"; grep -E "^\[|async speedup|appended" $LOGS/async.log | tail -8; cp $LOGS/async-*.json $OUT/ 2>/dev/null
+  kill $MON 2>/dev/null; cat $LOGS/rows.md 2>/dev/null
+  pack f
+  ;;
+g)
+  # issue 17's generate overhead (recorded), then issue 22's agent rollouts with and without prefix caching
+  wait_for built357; cleanup; monitor
+  OUT=$LOGS timeout 300 $PY bench/generate_overhead.py --model /tmp/peer/model --repeats 10 --record \
+    > $LOGS/genoverhead.log 2>&1
+  echo "generate overhead rc=$?"; grep -E "^\[|^[A-H] |variant|load average|appended" $LOGS/genoverhead.log | tail -24
+  cp $LOGS/genoverhead.json $OUT/ 2>/dev/null; cleanup
+  OUT=$LOGS timeout $(left 585) $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
+  echo "agents rc=$?"; tail -14 $LOGS/agent.log; cp $LOGS/agent_gpu.json $OUT/ 2>/dev/null
+  kill $MON 2>/dev/null; cat $LOGS/rows.md 2>/dev/null
+  pack g
   ;;
 smoke)
   wait_for built357; wait_for builtadam
