@@ -74,6 +74,10 @@ sg1)
   # SGLang's own pins (transformers 5.12.1) first, only for the SGLang processes; vLLM runs on /tmp/site alone.
   PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout 540 $PY bench/sglang_gpu.py > $LOGS/sglang_gpu.log 2>&1
   echo "sglang_gpu rc=$?"; grep -A16 "^sglang_gpu" $LOGS/sglang_gpu.log; grep -m5 '"errors"\|!!' $LOGS/sglang_gpu.log
+  if [ "$(left 585)" -gt 240 ] && [ -n "${SG1_THEN:-}" ]; then  # room left: a GPU bench that had to wait (SG1_THEN)
+    RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29561 timeout $(left 585) $SG1_THEN \
+      > $LOGS/then.log 2>&1; echo "then rc=$?"; tail -14 $LOGS/then.log
+  fi
   pack sg1
   ;;
 sg2)

@@ -7,7 +7,7 @@ part=${1:?usage: _assemble.sh .carry-sglang/pNN [--install]}
 mkdir -p /tmp/stage-sglang && find "$part" -name "*.part[0-9][0-9][0-9]" -exec cp {} /tmp/stage-sglang/ \;
 echo "staged $(ls /tmp/stage-sglang | wc -l) part files so far"
 if [ "${2:-}" = "--install" ]; then
-  ldd --version | head -1   # the sglang / sglang-kernel wheels are manylinux_2_34: glibc >= 2.34
+  ldd --version 2>&1 | head -1 || true   # (head closes the pipe: no pipefail exit) the sglang / sglang-kernel wheels are manylinux_2_34: glibc >= 2.34
   mkdir -p /tmp/wheels-sglang
   for first in /tmp/stage-sglang/*.part000; do
     base=$(basename "$first" .part000)

@@ -360,7 +360,9 @@ def main(argv=None) -> int:
     p.add_argument("--dry", action="store_true", help="CPU: logic check, no SGLang / vLLM / GPU")
     p.add_argument("--record", action="store_true", help="append the metric rows to bench/RESULTS.md (GPU runs only)")
     p.add_argument("--size", choices=sorted(eg.SIZES), default="medium")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    # bfloat16: SGLang 0.5.16's rmsnorm kernel refuses float32, and a scheduler that fails makes SGLang SIGQUIT its
+    # parent -- this process -- so there is no falling back from float32 within one run
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--gpu-mem", type=float, default=0.3, help="SGLang mem_fraction_static / vLLM gpu_memory_utilization")
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
