@@ -81,7 +81,7 @@ sg1)
   pack sg1
   ;;
 sg2)
-  OUT=$LOGS timeout 270 $PY bench/e2e_gpu.py --algo grpo --steps 10 --warmup 2 > $LOGS/e2e_vllm.log 2>&1
+  OUT=$LOGS timeout 300 $PY bench/e2e_gpu.py --algo grpo --steps 10 --warmup 2 > $LOGS/e2e_vllm.log 2>&1
   echo "vllm grpo rc=$?"; tail -12 $LOGS/e2e_vllm.log
   PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout $(left 585) $PY bench/e2e_gpu.py --algo grpo --steps 10 \
     --warmup 2 --backend sglang --tag sglang > $LOGS/e2e_sglang.log 2>&1

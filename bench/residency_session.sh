@@ -20,6 +20,7 @@
 #                                            # with the machine's load sampled every 10 s
 #   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU
 #   bash bench/residency_session.sh g        # generate overhead (recorded), then issue 22's agent rollouts
+#   bash bench/residency_session.sh h        # issue 22's agent rollouts, issue 19's demo on SGLang, the suite's log
 # Timed phases wait until the background work is done ("bg-all-done"): nothing else runs beside a timing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -213,5 +214,16 @@ d)
   ours zero3ref2 --size 357m --steps 10 --warmup 2
   ours 7b --size 7b --steps 3 --warmup 1 --gpu_util 0.2 --micro 4
   pack d
+  ;;
+h)
+  # issue 22's agent rollouts (vLLM), then issue 19's built-in demo on SGLang (SGLang carry staged), then the suite's log
+  wait_for built357; cleanup
+  OUT=$LOGS timeout 200 $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
+  echo "agents rc=$?"; tail -14 $LOGS/agent.log; cp $LOGS/agent_gpu.json $OUT/ 2>/dev/null; cleanup
+  PYTHONPATH=/tmp/site-sglang:$PYTHONPATH timeout $(left 480) $PY -m hybrid_cli grpo --backend sglang \
+    --vllm_gpu_memory_utilization 0.3 --save_path /tmp/demo_sglang_h > $LOGS/demo_sglang.log 2>&1; echo "demo rc=$?"
+  cp /tmp/demo_sglang_h/metrics.jsonl $LOGS/demo_metrics.jsonl 2>/dev/null; tail -4 $LOGS/demo_sglang.log
+  cat $LOGS/rows.md 2>/dev/null; tail -c 1500 /tmp/logs/suite/suite.log; cp -r /tmp/logs/suite $LOGS/ 2>/dev/null
+  pack h
   ;;
 esac
