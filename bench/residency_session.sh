@@ -22,6 +22,9 @@
 #   bash bench/residency_session.sh g        # generate overhead (recorded), then issue 22's agent rollouts
 #   bash bench/residency_session.sh h        # issue 22's agent rollouts, issue 19's demo on SGLang, the suite's log
 # Timed phases wait until the background work is done ("bg-all-done"): nothing else runs beside a timing.
+# The machine goes back 30 s after a call ends: chain the calls (staging parts back to back), think between phases
+# only while a long one runs. Start `suite` only where no timed phase follows on that machine (it takes ~20 min of
+# 16 cores at -n 6 and slowed the GPU runs beside it by 1.5-2x on 2026-11-24).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src
@@ -107,7 +110,13 @@ suite)
   rm -rf /tmp/suiterepo /tmp/logs/suite; mkdir -p /tmp/suiterepo /tmp/logs/suite
   tar --exclude='./.carry*' --exclude=./.whl --exclude=./.device-carry --exclude=./.old --exclude=./.git -cf - . \
     | tar -xf - -C /tmp/suiterepo
+  # Its own TORCH_EXTENSIONS_DIR: DeepSpeed's CPU accelerator builds its Adam under the CUDA op's name (fused_adam),
+  # and in the GPU runs' /tmp/tx it replaced their CUDA kernel -- a GPU actor then died in Adam_Optimizer::Step_AVX.
+  # The packages are on PYTHONPATH, not installed: a `hybrid` shim stands in for the console script.
+  mkdir -p /tmp/suitebin && printf '#!/bin/sh\nexec %s -m hybrid_cli "$@"\n' "$(command -v $PY)" > /tmp/suitebin/hybrid
+  chmod +x /tmp/suitebin/hybrid
   ( cd /tmp/suiterepo && export CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu BENCH_RESULTS=/tmp/logs/suite/rows.md \
+      TORCH_EXTENSIONS_DIR=/tmp/tx-cpu PATH=/tmp/suitebin:$PATH \
       PYTHONPATH=/tmp/site:$(printf '/tmp/suiterepo/packages/%s/src:' hybrid-core hybrid-engines hybrid-algos hybrid-cli)
     env -u RAY_AUTH_MODE setsid nohup bash -c "s=\$(date +%s); $PY -m pytest -n ${SUITE_WORKERS:-8} --dist loadfile \
       -p no:randomly -q --timeout 900 > /tmp/logs/suite/suite.log 2>&1; echo \"suite rc=\$? in \$(( \$(date +%s) - s )) s\" \
@@ -218,7 +227,7 @@ d)
 h)
   # issue 22's agent rollouts (vLLM), then issue 19's built-in demo on SGLang (SGLang carry staged), then the suite's log
   wait_for built357; cleanup
-  OUT=$LOGS timeout 200 $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
+  OUT=$LOGS timeout 300 $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
   echo "agents rc=$?"; tail -14 $LOGS/agent.log; cp $LOGS/agent_gpu.json $OUT/ 2>/dev/null; cleanup
   PYTHONPATH=/tmp/site-sglang:$PYTHONPATH timeout $(left 480) $PY -m hybrid_cli grpo --backend sglang \
     --vllm_gpu_memory_utilization 0.3 --save_path /tmp/demo_sglang_h > $LOGS/demo_sglang.log 2>&1; echo "demo rc=$?"

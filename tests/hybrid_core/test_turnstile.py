@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 
+from hybrid_core.cluster import gpus_hidden_as_fakes
 from hybrid_core.errors import ConfigError, TurnTimeout
 from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.remote import get_with_timeout
@@ -197,7 +198,8 @@ def test_random_concurrent_schedule_keeps_one_role_per_gpu():
 # ---- the Ray actor --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
+    with gpus_hidden_as_fakes(4):  # GPUs hidden for a CPU run: Ray refuses fakes otherwise
+        ray.init(address="local", num_cpus=2, num_gpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -304,7 +306,8 @@ def test_workers_sit_on_their_shared_fake_gpus(placed_workers):
     plan, placed, _, workers, _, _ = placed_workers
     for (name, rank), worker in workers.items():
         first = plan.roles[name].workers[rank].gpus[0]
-        assert get_with_timeout(worker.gpu_ids.remote(), TIMEOUT, "gpu ids") == [placed.device(first).gpu_id]
+        found = get_with_timeout(worker.gpu_ids.remote(), TIMEOUT, "gpu ids")
+        assert [str(g) for g in found] == [str(placed.device(first).gpu_id)]  # fake GPUs' ids come back as text
 
 
 def test_random_wake_sleep_schedule_never_has_two_roles_awake_on_a_gpu(placed_workers):

@@ -3,6 +3,7 @@ their GPUs with an actor role, a real gloo weight-sync group with this test proc
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -10,6 +11,7 @@ import ray
 import torch
 from transformers import LlamaConfig
 
+from hybrid_core.cluster import gpus_hidden_as_fakes
 from hybrid_core.errors import ConfigError, RemoteTimeout, RoleFailure
 from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.weight_sync import TensorMeta, WeightSender, create_sync_group
@@ -31,9 +33,14 @@ def ids(outputs):
     return [[o.token_ids for o in per_prompt] for per_prompt in outputs]
 
 
+NODE_VIEW: dict[str, str | None] = {}  # the node's CUDA_VISIBLE_DEVICES when it started
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    with gpus_hidden_as_fakes(4):  # GPUs hidden for a CPU run: Ray refuses fakes otherwise
+        ray.init(address="local", num_gpus=4, num_cpus=4, include_dashboard=False, log_to_driver=False)
+        NODE_VIEW["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES")  # what the node's workers inherit
     yield
     ray.shutdown()
 
@@ -68,7 +75,7 @@ def test_each_engine_runs_on_the_gpu_its_plan_slot_names(engines, placed):
         expected = [str(placed.device(g).gpu_id) for g in slot.gpus]
         assert info["gpu_ids"] == expected
         # under NOSET the built-in engine keeps the node-wide view (it picks cuda:<index of its GPU> itself)
-        assert info["cuda_visible_devices"] is None
+        assert info["cuda_visible_devices"] == NODE_VIEW["CUDA_VISIBLE_DEVICES"]
     assert where[0]["gpu_ids"] != where[1]["gpu_ids"]
 
 

@@ -116,7 +116,7 @@ def test_changelog_has_an_entry_for_the_version(dist: str) -> None:
 
 
 @pytest.mark.slow
-def test_sdists_and_wheels_carry_what_a_release_needs(tmp_path: Path) -> None:
+def test_sdists_and_wheels_carry_what_a_release_needs(tmp_path: Path, package_index) -> None:
     """Build as the release command does (``python -m build``: the sdist, then the wheel from that sdist)."""
     pytest.importorskip("build")
     for dist, module in PACKAGES.items():

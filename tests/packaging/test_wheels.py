@@ -31,7 +31,7 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory) -> Path:
+def wheelhouse(tmp_path_factory, package_index) -> Path:
     out = tmp_path_factory.mktemp("wheels")
     for dist in PACKAGES:
         _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT / "packages" / dist)])

@@ -8,18 +8,26 @@ import pytest
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hybrid_core.cluster import gpus_hidden_as_fakes
 from hybrid_core.errors import PlacementError
 from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.placement.ray_groups import GpuDevice, order_devices
 from hybrid_core.remote import get_with_timeout
 
 CLUSTER_GPUS = 48
+
+
+def as_text(gpu_ids) -> list[str]:
+    """Ray answers ids as ints or strings depending on the node's CUDA_VISIBLE_DEVICES (fake GPUs of a CPU run on a
+    GPU machine are "-1", "-2", ...); the placement keeps numeric ones as ints. Compare them as text."""
+    return [str(g) for g in gpu_ids]
 TIMEOUT = 60
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(address="local", num_cpus=4, num_gpus=CLUSTER_GPUS, include_dashboard=False, log_to_driver=False)
+    with gpus_hidden_as_fakes(CLUSTER_GPUS):  # GPUs hidden for a CPU run: Ray refuses fakes otherwise
+        ray.init(address="local", num_cpus=4, num_gpus=CLUSTER_GPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -76,7 +84,7 @@ def test_workers_land_on_their_planned_gpus_whatever_the_creation_order(cluster)
         answers = get_with_timeout([w.where.remote() for w in workers], TIMEOUT, "role workers: where")
         for name, rank, gpu_ids, visible in answers:
             first_gpu = plan.roles[name].workers[rank].gpus[0]
-            assert gpu_ids == [placed.device(first_gpu).gpu_id], (name, rank)
+            assert as_text(gpu_ids) == as_text([placed.device(first_gpu).gpu_id]), (name, rank)
             assert visible == str(placed.device(first_gpu).gpu_id)
 
         # A tensor-parallel engine's other GPUs: the engine places its extra workers there by bundle index, with
@@ -87,7 +95,7 @@ def test_workers_land_on_their_planned_gpus_whatever_the_creation_order(cluster)
             refs = [gpu_ids_here.options(num_gpus=engine.num_gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placed.placement_group, b)).remote() for b in bundles[1:]]
             found = get_with_timeout(refs, TIMEOUT, "engine bundles")
-            assert found == [[placed.device(g).gpu_id] for g in engine.gpus[1:]]
+            assert [as_text(f) for f in found] == [as_text([placed.device(g).gpu_id]) for g in engine.gpus[1:]]
 
         # Same options in another order, as tasks once the actors are gone: same devices.
         for w in workers:
@@ -95,7 +103,7 @@ def test_workers_land_on_their_planned_gpus_whatever_the_creation_order(cluster)
         random.Random(8).shuffle(slots)
         refs = [gpu_ids_here.options(**placed.actor_options(name, rank)).remote() for name, rank in slots]
         for (name, rank), gpu_ids in zip(slots, get_with_timeout(refs, TIMEOUT, "tasks")):
-            assert gpu_ids == [placed.device(plan.roles[name].workers[rank].gpus[0]).gpu_id]
+            assert as_text(gpu_ids) == as_text([placed.device(plan.roles[name].workers[rank].gpus[0]).gpu_id])
     finally:
         placed.remove()
         ray.kill(blocker)

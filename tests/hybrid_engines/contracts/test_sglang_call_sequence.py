@@ -109,10 +109,26 @@ def test_server_arguments_and_raw_logprobs(make):
     e = make(enforce_eager=True, enable_prefix_caching=False, max_model_len=512)
     kw = e.engine.kwargs
     assert kw["disable_cuda_graph"] is True  # eager = CUDA graphs off (the seed project had this negated)
-    assert kw["disable_radix_cache"] is True and kw["context_length"] == 512 and kw["enable_memory_saver"] is True
+    # SGLang keeps 6 tokens of context_length back from every input: max_model_len is prompt + completion as vLLM's
+    assert kw["disable_radix_cache"] is True and kw["context_length"] == 512 + 6 and kw["enable_memory_saver"] is True
     assert kw["model_path"] == "/nonexistent/model" and kw["mem_fraction_static"] == 0.5
     assert os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
     assert isinstance(e, InferenceEngine)
+
+
+def test_context_length_leaves_sglang_its_reserve_within_the_models_positions(tmp_path):
+    """A 3-token prompt with max_model_len 5 (the built-in demo) failed on the GPU: SGLang took context_length 5 and
+    then allowed inputs of at most -1 tokens. The reserve is added, capped by the model's own positions."""
+    import json
+
+    from hybrid_engines.sglang_engine import SGLANG_CONTEXT_RESERVE, sglang_context_length
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    assert sglang_context_length(tmp_path, 5) == 5 + SGLANG_CONTEXT_RESERVE
+    assert sglang_context_length(tmp_path, 5) - 1 - 5 > 3  # SGLang's input bound then admits the demo's prompt
+    assert sglang_context_length(tmp_path, 255) == 256  # never past the positions (SGLang refuses a longer context)
+    assert sglang_context_length(tmp_path, None) is None
+    assert sglang_context_length("org/hub-name", 100) == 100 + SGLANG_CONTEXT_RESERVE
 
 
 def test_scaled_logprobs_setting_is_refused(make, monkeypatch):

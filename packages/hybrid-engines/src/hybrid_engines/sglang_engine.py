@@ -50,6 +50,7 @@ refused by the training loop's plan check (:meth:`SGLangEngine.placement_refusal
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -105,8 +106,26 @@ SGLANG_PAUSE = {"pause": ("pause_generation", "PauseGenerationReqInput", {"mode"
 SGLANG_STREAM_ARGS = ("input_ids", "sampling_params", "return_logprob", "stream")
 #: Seconds a pause waits, once SGLang reports it, for tokens already on their way out of the scheduler.
 PAUSE_DRAIN_S = 0.05
+#: Tokens SGLang keeps back from ``context_length``: its scheduler accepts an input only when shorter than
+#: ``context_length - 1 - 5`` (srt/managers/tp_worker.py: max_req_len, then max_req_len - 5 for the input), where
+#: vLLM's ``max_model_len`` bounds prompt + completion exactly. A tiny demo (3-token prompts, max_model_len 5) found it.
+SGLANG_CONTEXT_RESERVE = 6
 #: The SGLang versions this adapter was checked against (contract tests on CPU; 0.5.16 also run on a GPU).
 TESTED_VERSIONS = ("0.5.16", "0.5.23")
+
+
+def sglang_context_length(model: Any, max_model_len: int | None) -> int | None:
+    """SGLang's ``context_length`` for a vLLM-style ``max_model_len`` (prompt + completion): that many tokens more
+    than SGLang keeps back, but never past the model's own positions (SGLang refuses a longer context)."""
+    if max_model_len is None:
+        return None
+    wanted = max_model_len + SGLANG_CONTEXT_RESERVE
+    try:
+        with open(os.path.join(str(model), "config.json")) as f:
+            positions = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        positions = None  # a hub name or no config: SGLang checks the length itself
+    return min(wanted, positions) if isinstance(positions, int) and positions > 0 else wanted
 
 
 class SGLangEngine:
@@ -167,7 +186,7 @@ class SGLangEngine:
         ours = dict(model=model, tensor_parallel_size=tensor_parallel_size,
                     gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
                     weights_cpu_backup=weights_cpu_backup, enforce_eager=enforce_eager, dtype=dtype, seed=seed,
-                    max_model_len=max_model_len,
+                    max_model_len=sglang_context_length(model, max_model_len),
                     enable_prefix_caching=not enable_prefix_caching,  # SGLang's field is disable_radix_cache
                     deterministic=deterministic, base_gpu_id=base_gpu_id)
         kwargs = {SGLANG_SERVER_ARGS[k]: v for k, v in ours.items()}

@@ -16,6 +16,7 @@ got, for the run's logs.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -229,8 +230,10 @@ def _probe_task():
 
 
 def _as_id(value: Any) -> GpuId:
+    """Numeric ids as ints (the fake GPUs of a CPU run on a GPU machine are -1, -2, ...: cluster.py), others (UUIDs)
+    as text."""
     text = str(value)
-    return int(text) if text.isdigit() else text
+    return int(text) if re.fullmatch(r"-?[0-9]+", text) else text
 
 
 def _id_key(gpu_id: GpuId) -> tuple[int, int, str]:
