@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Issue 18: verl 0.9.1 itself beside `hybrid grpo` on one lent GPU, phase by phase (each phase fits one device call,
+# < 10 min; logs in $OUT/verl_<phase>.tgz, JSONs in $OUT, a summary on stdout).
+# On a machine already staged by bench/residency_session.sh (stage, then the vLLM .carry parts), while it is warm:
+#
+#   bash bench/verl_session.sh stage   # carry [".carry-verl"]: verl + what the image lacks -> /tmp/site-verl; imports
+#                                      # verl's run path there (vLLM included) and composes its config with our overrides
+#   bash bench/verl_session.sh a       # 357M, no reference, KL 0: verl | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
+#   bash bench/verl_session.sh a2      # 357M, reference + low-var KL loss: verl | ours (e2e_gpu.py default set-up)
+#
+# Each pair prints the comparison table. To record it, run here (not on the device: its repo copy is thrown away)
+#   python bench/verl_peer.py compare --verl FILES/verl-357m-matched.json \
+#       --ours FILES/e2e-grpo-357m-colocated-verl.json --record
+# which writes rows only for what completed, and the speedup only when both runs of the call completed.
+# VERL_ARGS (e.g. "--legacy" for verl's deprecated main_ppo_v0 trainer) is passed to verl_peer.py in a and a2.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_EXTENSIONS_DIR=/tmp/tx NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+PHASE=${1:-}; case "$PHASE" in stage|a|a2) ;; *) echo "usage: bash bench/verl_session.sh stage|a|a2"; exit 2;; esac
+OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/verl_$PHASE; mkdir -p "$OUT" "$LOGS"
+PY=${PY:-python3}   # PY, VERL_SITE, EXTRA_PYTHONPATH, VERL_STAGE_DRY: for checking this script off the device
+SITE=${VERL_SITE:-/tmp/site-verl}   # verl and what it needs beside /tmp/site
+VERL_ARGS=${VERL_ARGS:-}
+t0=$(date +%s)
+left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
+pack() { tar -czf "$OUT/verl_$1.tgz" -C /tmp/logs "verl_$1" 2>/dev/null; }
+wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done
+             echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/residency_session.sh stage first)"; return 1; }
+gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }
+gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
+peer() {  # $1 label, $2 seconds, then verl_peer.py arguments
+  local label=$1 budget=$2; shift 2
+  # shellcheck disable=SC2086
+  OUT=$LOGS timeout $((budget + 60)) $PY bench/verl_peer.py --site $SITE --timeout $budget "$@" $VERL_ARGS \
+    > $LOGS/verl_$label.log 2>&1
+  echo "verl $label rc=$?"
+  grep -E "median step|^(gen|reward|old_log_prob|ref|adv|update_actor|update_weights) |FAILED|PARTIAL|reward per step" \
+    $LOGS/verl_$label.log | tail -10
+  grep -q FAILED $LOGS/verl_$label.log && sed -n '/---- last traceback ----/,$p' $LOGS/verl_$label.log | tail -70 | cut -c1-600
+  cp $LOGS/verl-*.json $OUT/ 2>/dev/null; cp /tmp/peer*/verl-*.log /tmp/peer*/verl-*.metrics.jsonl $LOGS/ 2>/dev/null
+  # What verl's run left on the GPU (a run stopped at its time limit): these PIDs are its own, started above.
+  sleep 3; local left_over; left_over=$(gpu_apps)
+  if [ -n "$left_over" ]; then
+    echo "left on the GPU after verl: $left_over"
+    for pid in $(echo "$left_over" | cut -d, -f1); do kill "$pid" 2>/dev/null; done; sleep 5
+    for pid in $(gpu_apps | cut -d, -f1); do kill -9 "$pid" 2>/dev/null; done
+  fi
+  # Ray's workers and vLLM's engine process exit on their own once the driver is gone: wait for the memory.
+  for i in $(seq 30); do [ "$(gpu_used)" -lt 2000 ] 2>/dev/null && break; sleep 2; done
+  echo "GPU memory in use before our run: $(gpu_used) MiB"
+}
+ours() {  # $1 label, then e2e_gpu.py arguments
+  local label=$1; shift
+  rm -rf /tmp/peer*/runs/*-$label   # a fresh run folder: the JSON must describe this call's run only
+  OUT=$LOGS timeout $(left 570) $PY bench/e2e_gpu.py --tag $label "$@" > $LOGS/ours_$label.log 2>&1
+  echo "ours $label rc=$?"; grep -E "median step|^(generate|infer|train|sync) " $LOGS/ours_$label.log | tail -6
+  cp $LOGS/e2e-*$label.json $OUT/ 2>/dev/null
+}
+pair() {  # $1 verl JSON, $2 ours JSON: the table (not recorded here)
+  $PY bench/verl_peer.py compare --verl "$OUT/$1" --ours "$OUT/$2"
+}
+
+case "$PHASE" in
+stage)
+  [ -d .carry-verl ] || { echo "carry .carry-verl with this call"; exit 1; }
+  ls .carry-verl/*.whl | sed 's#.*/#  #'
+  if [ -z "${VERL_STAGE_DRY:-}" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .carry-verl/*.whl \
+      || exit 1
+    # TransferQueue's wheel also installs its examples and tests as top-level packages: not part of the library.
+    rm -rf $SITE/recipe $SITE/scripts $SITE/tests $SITE/tutorial
+  fi
+  # Pre-flight, no GPU taken: every module of verl's run path (vLLM's server included) imports, with versions ...
+  PYTHONPATH=$SITE:$PYTHONPATH $PY bench/verl_stage.py --check-imports 2>&1 | grep -v "^WARNING\|UserWarning\|warnings.warn" \
+    | cut -c1-400
+  # ... and verl's own Hydra config accepts our overrides, and its agent loop renders our prompts token for token.
+  for a in "--setup matched" "--setup lowvar"; do
+    # shellcheck disable=SC2086
+    $PY bench/verl_peer.py --site $SITE --dry $a 2>&1 | grep -E "^verl|^prompt|^the rendered|Error|refused" \
+      | tail -25 | cut -c1-1500
+  done
+  pack stage
+  ;;
+a)
+  wait_for built357 && wait_for builtadam || exit 1
+  peer 357m 300 --size 357m --setup matched --steps 10 --warmup 2
+  ours verl --size 357m --steps 10 --warmup 2 --kl 0 --zero_stage 1 --micro 64
+  pair verl-357m-matched.json e2e-grpo-357m-colocated-verl.json
+  pack a
+  ;;
+a2)
+  wait_for built357 && wait_for builtadam || exit 1
+  peer 357m_ref 300 --size 357m --setup lowvar --steps 10 --warmup 2
+  ours verlref --size 357m --steps 10 --warmup 2
+  pair verl-357m-lowvar.json e2e-grpo-357m-colocated-verlref.json
+  pack a2
+  ;;
+esac
