@@ -151,7 +151,9 @@ def main() -> int:
             sampler.terminate()
     result = {"tag": tag, "rc": proc.returncode, "wall_s": time.time() - start, "command": shlex.join(cmd)}
     metrics = os.path.join(save, "metrics.jsonl")
-    if os.path.exists(metrics):
+    if os.path.exists(metrics) and os.path.getsize(metrics) == 0:
+        print(f"\n{tag}: the run wrote no step (exit {proc.returncode}): nothing to time; its error is above")
+    elif os.path.exists(metrics):
         result.update(summarize(metrics, args.warmup))
         prompts, samples, _, _, _ = WORKLOADS[args.size]
         result["tokens_per_s"] = prompts * samples * result["response_len"] / result["step_s"]
@@ -162,7 +164,7 @@ def main() -> int:
         for p, v in result["phases_s"].items():
             print(f"{p:<10} {v:>10.3f}")
         print("reward per step:", " ".join(f"{r:.3f}" for r in result["rewards"]))
-    if sampler is not None and os.path.exists(os.path.join(save, "residency.json")):
+    if sampler is not None and "step_s" in result and os.path.exists(os.path.join(save, "residency.json")):
         result["peaks"] = peak_error(save, samples_csv, args.warmup)
         for phase, r in result["peaks"]["phases"].items():
             print(f"peak {phase:<12} predicted {r['predicted_gib']:6.2f} GiB  measured {r['measured_gib']:6.2f} GiB  "
