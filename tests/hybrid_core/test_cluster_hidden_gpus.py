@@ -71,6 +71,6 @@ def test_the_demo_runs_on_the_cpu_of_a_machine_whose_gpus_are_hidden(tmp_path, r
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     layout = json.loads((run / "logs" / "placement.json").read_text())
     devices = [d for node in layout["nodes"].values() for d in node["device_ids"]]
-    assert devices == ["-1"]  # the declared GPU, not a real one
+    assert [str(d) for d in devices] == ["-1"]  # the declared GPU (id -1), not a real one
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2
