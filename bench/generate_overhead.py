@@ -50,9 +50,12 @@ def _tokens(out) -> int:
     return total
 
 
-def _stamp(what: str, t0=time.time()) -> None:
+_START = time.time()
+
+
+def _stamp(what: str) -> None:
     """Where the time goes (a run stopped at its call's limit still says how far it got)."""
-    print(f"[{time.time() - t0:7.1f} s] {what}", flush=True)
+    print(f"[{time.time() - _START:7.1f} s] {what}", flush=True)
 
 
 def _summary(times: dict, tokens: dict) -> dict:

@@ -34,11 +34,9 @@ import json
 import os
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -166,57 +164,11 @@ def run(cmd: list[str], env: dict, log_path: str, timeout: float, expected_steps
     Once every expected step is logged it gets ``grace`` seconds to save and exit; after that (or at ``timeout``)
     the whole group is stopped: the timing is already in the log.
     """
-    start = time.time()
-    lines: list[tuple[float, str]] = []
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            errors="replace", start_new_session=True)
-    import threading
+    sys.path.insert(0, HERE)
+    from _peer_process import run_peer
 
-    def pump():
-        with open(log_path, "w") as log:
-            for line in proc.stdout:
-                lines.append((time.time(), line.rstrip("\n")))
-                log.write(line)
-                log.flush()
-                if "Global step" in line or "Error" in line or "Traceback" in line:
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    stopped = None
-    last_step_seen = None
-    while proc.poll() is None:
-        time.sleep(1)
-        if last_step_seen is None and len(parse_log(lines)) >= expected_steps:
-            last_step_seen = time.time()
-        if last_step_seen is not None and time.time() - last_step_seen > grace:
-            stopped = "after_last_step"
-        elif time.time() - start > timeout:
-            stopped = "timeout"
-        if stopped:
-            _stop_group(proc)
-            break
-    proc.wait()
-    try:  # what the run left behind in its own process group (a crashed driver's helpers) holds our pipe open
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    reader.join(timeout=10)
-    return {"rc": proc.returncode, "stopped": stopped, "wall_s": time.time() - start, "lines": lines}
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    return run_peer(cmd, env, log_path, timeout=timeout, expected_steps=expected_steps, grace=grace,
+                    count_steps=lambda lines: len(parse_log(lines)), echo=("Global step", "Error", "Traceback"))
 
 
 PARSE_CHECK = r"""

@@ -26,10 +26,7 @@ SITE=${ORL_SITE:-/tmp/site-orl}   # OpenRLHF and what it needs beside /tmp/site
 t0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
 pack() { tar -czf "$OUT/orl_$1.tgz" -C /tmp/logs "orl_$1" 2>/dev/null; }
-wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done
-             echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/residency_session.sh stage first)"; return 1; }
-gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }
-gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
+source bench/_peer_session.sh   # wait_for, gpu_apps, gpu_used, free_gpu_after, ours
 orl() {  # $1 label, $2 seconds, then openrlhf_peer.py arguments
   local label=$1 budget=$2; shift 2
   OUT=$LOGS timeout $((budget + 60)) $PY bench/openrlhf_peer.py --site $SITE --timeout $budget "$@" > $LOGS/orl_$label.log 2>&1
@@ -37,23 +34,7 @@ orl() {  # $1 label, $2 seconds, then openrlhf_peer.py arguments
   grep -E "median step|^(generation|make_experience|ppo_train|broadcast) |FAILED|reward per step" $LOGS/orl_$label.log | tail -8
   grep -q FAILED $LOGS/orl_$label.log && sed -n '/---- last traceback ----/,$p' $LOGS/orl_$label.log | tail -70
   cp $LOGS/openrlhf-*.json $OUT/ 2>/dev/null; cp /tmp/peer*/openrlhf-*.log $LOGS/ 2>/dev/null
-  # What OpenRLHF's run left on the GPU (a run stopped at its time limit): these PIDs are its own, started above.
-  sleep 3; local left_over; left_over=$(gpu_apps)
-  if [ -n "$left_over" ]; then
-    echo "left on the GPU after OpenRLHF: $left_over"
-    for pid in $(echo "$left_over" | cut -d, -f1); do kill "$pid" 2>/dev/null; done; sleep 5
-    for pid in $(gpu_apps | cut -d, -f1); do kill -9 "$pid" 2>/dev/null; done
-  fi
-  # Ray's workers and vLLM's engine process exit on their own once the driver is gone: wait for the memory.
-  for i in $(seq 30); do [ "$(gpu_used)" -lt 2000 ] 2>/dev/null && break; sleep 2; done
-  echo "GPU memory in use before our run: $(gpu_used) MiB"
-}
-ours() {  # $1 label, then e2e_gpu.py arguments
-  local label=$1; shift
-  rm -rf /tmp/peer*/runs/*-$label   # a fresh run folder: the JSON must describe this call's run only
-  OUT=$LOGS timeout $(left 570) $PY bench/e2e_gpu.py --tag $label "$@" > $LOGS/ours_$label.log 2>&1
-  echo "ours $label rc=$?"; grep -E "median step|^(generate|infer|train|sync) " $LOGS/ours_$label.log | tail -6
-  cp $LOGS/e2e-*$label.json $OUT/ 2>/dev/null
+  free_gpu_after OpenRLHF
 }
 pair() {  # $1 OpenRLHF JSON, $2 ours JSON: the table (not recorded here)
   $PY bench/openrlhf_peer.py compare --openrlhf "$OUT/$1" --ours "$OUT/$2"

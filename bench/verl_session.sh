@@ -27,10 +27,7 @@ VERL_ARGS=${VERL_ARGS:-}
 t0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
 pack() { tar -czf "$OUT/verl_$1.tgz" -C /tmp/logs "verl_$1" 2>/dev/null; }
-wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done
-             echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/residency_session.sh stage first)"; return 1; }
-gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }
-gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
+source bench/_peer_session.sh   # wait_for, gpu_apps, gpu_used, free_gpu_after, ours
 peer() {  # $1 label, $2 seconds, then verl_peer.py arguments
   local label=$1 budget=$2; shift 2
   # shellcheck disable=SC2086
@@ -41,23 +38,7 @@ peer() {  # $1 label, $2 seconds, then verl_peer.py arguments
     $LOGS/verl_$label.log | tail -10
   grep -q FAILED $LOGS/verl_$label.log && sed -n '/---- last traceback ----/,$p' $LOGS/verl_$label.log | tail -70 | cut -c1-600
   cp $LOGS/verl-*.json $OUT/ 2>/dev/null; cp /tmp/peer*/verl-*.log /tmp/peer*/verl-*.metrics.jsonl $LOGS/ 2>/dev/null
-  # What verl's run left on the GPU (a run stopped at its time limit): these PIDs are its own, started above.
-  sleep 3; local left_over; left_over=$(gpu_apps)
-  if [ -n "$left_over" ]; then
-    echo "left on the GPU after verl: $left_over"
-    for pid in $(echo "$left_over" | cut -d, -f1); do kill "$pid" 2>/dev/null; done; sleep 5
-    for pid in $(gpu_apps | cut -d, -f1); do kill -9 "$pid" 2>/dev/null; done
-  fi
-  # Ray's workers and vLLM's engine process exit on their own once the driver is gone: wait for the memory.
-  for i in $(seq 30); do [ "$(gpu_used)" -lt 2000 ] 2>/dev/null && break; sleep 2; done
-  echo "GPU memory in use before our run: $(gpu_used) MiB"
-}
-ours() {  # $1 label, then e2e_gpu.py arguments
-  local label=$1; shift
-  rm -rf /tmp/peer*/runs/*-$label   # a fresh run folder: the JSON must describe this call's run only
-  OUT=$LOGS timeout $(left 570) $PY bench/e2e_gpu.py --tag $label "$@" > $LOGS/ours_$label.log 2>&1
-  echo "ours $label rc=$?"; grep -E "median step|^(generate|infer|train|sync) " $LOGS/ours_$label.log | tail -6
-  cp $LOGS/e2e-*$label.json $OUT/ 2>/dev/null
+  free_gpu_after verl
 }
 pair() {  # $1 verl JSON, $2 ours JSON: the table (not recorded here)
   $PY bench/verl_peer.py compare --verl "$OUT/$1" --ours "$OUT/$2"

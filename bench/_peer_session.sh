@@ -1,0 +1,24 @@
+# Sourced by bench/openrlhf_session.sh and bench/verl_session.sh (after LOGS, OUT, PY and left are set): waiting for
+# the staged models, freeing the GPU after a peer's run, and our run of the same workload.
+wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done
+             echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/residency_session.sh stage first)"; return 1; }
+gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }
+gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
+free_gpu_after() {  # $1 the peer's name: what its run left on the GPU (a run stopped at its time limit) is its own
+  sleep 3; local left_over; left_over=$(gpu_apps)
+  if [ -n "$left_over" ]; then
+    echo "left on the GPU after $1: $left_over"
+    for pid in $(echo "$left_over" | cut -d, -f1); do kill "$pid" 2>/dev/null; done; sleep 5
+    for pid in $(gpu_apps | cut -d, -f1); do kill -9 "$pid" 2>/dev/null; done
+  fi
+  # Ray's workers and vLLM's engine process exit on their own once the driver is gone: wait for the memory.
+  for i in $(seq 30); do [ "$(gpu_used)" -lt 2000 ] 2>/dev/null && break; sleep 2; done
+  echo "GPU memory in use before our run: $(gpu_used) MiB"
+}
+ours() {  # $1 label, then e2e_gpu.py arguments
+  local label=$1; shift
+  rm -rf /tmp/peer*/runs/*-$label   # a fresh run folder: the JSON must describe this call's run only
+  OUT=$LOGS timeout $(left 570) $PY bench/e2e_gpu.py --tag $label "$@" > $LOGS/ours_$label.log 2>&1
+  echo "ours $label rc=$?"; grep -E "median step|^(generate|infer|train|sync) " $LOGS/ours_$label.log | tail -6
+  cp $LOGS/e2e-*$label.json $OUT/ 2>/dev/null
+}
