@@ -10,16 +10,19 @@
 #   bash bench/residency_session.sh smoke    # KV-cache release on vLLM; a short auto run
 #   bash bench/residency_session.sh a        # 357M: TRL | ours TRL-matched | ours ZeRO-3 + reference
 #   bash bench/residency_session.sh b        # ~1.5B, 32 x 8, <= 1024 tokens: TRL | ours (auto)
-#   bash bench/residency_session.sh c        # ~7B: ours (auto) | TRL; the CPU learning tests beside it
+#   bash bench/residency_session.sh c        # ~7B: ours (auto) | TRL, nothing beside them (CPU Adam needs the host)
 #   bash bench/residency_session.sh z        # ZeRO-3 + reference: the code of commit ab94ac3 vs today's (carry .old: an
 #                                            # ignored folder holding that commit's packages/ and bench/)
 #   bash bench/residency_session.sh d        # generate overhead alone (its engines take ~2.5 min to build), then 7B
 #   bash bench/residency_session.sh suite    # the whole test suite on the machine's CPU, in the background (issue 23);
-#                                            # `bg` reports it, `suitelog` brings its log back
+#                                            # `bg` reports it, `suitelog` brings its log back; SUITE_CPUS=8-15 pins it
+#                                            # (then run the GPU phases beside it under `taskset -c 0-7`)
 #   bash bench/residency_session.sh e        # ZeRO-3 + reference against TRL, interleaved twice (TRL, ours, TRL, ours)
-#                                            # with the machine's load sampled every 10 s
+#                                            # with the machine's load sampled every 10 s; E_TURNS="1" or "2" runs one
+#                                            # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
+#                                            # first turn's (issue 19: next to the vLLM figure of the same call)
 #   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU
-#   bash bench/residency_session.sh g        # generate overhead (recorded), then issue 22's agent rollouts
+#   bash bench/residency_session.sh g        # generate overhead (recorded), then issue 22's agent rollouts (G_AGENTS=0: not)
 #   bash bench/residency_session.sh h        # issue 22's agent rollouts, issue 19's demo on SGLang, the suite's log
 # Timed phases wait until the background work is done ("bg-all-done"): nothing else runs beside a timing.
 # The machine goes back 30 s after a call ends: chain the calls (staging parts back to back), think between phases
@@ -40,8 +43,10 @@ wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/
 # Rows a bench appends on the device go to this call's copy of RESULTS.md, which the next call's transfer replaces:
 # send them to the phase's logs instead (they come back in <phase>.tgz and are appended here by hand).
 export BENCH_RESULTS=$LOGS/rows.md
+suite_running() { [ -f /tmp/logs/suite/suite.log ] && ! grep -q "^suite rc=" /tmp/logs/suite/suite.log; }
 cleanup() {  # nothing of an earlier run may share the machine with a timing: stray Ray clusters and GPU processes
-  ray stop --force > /dev/null 2>&1
+  # (`ray stop` kills every Ray cluster of the machine: not while the test suite's own clusters run beside us)
+  suite_running || ray stop --force > /dev/null 2>&1
   for pid in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
   sleep 2; echo "before the timings: load $(cut -d' ' -f1-3 /proc/loadavg), GPU memory in use" \
     "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null)"
@@ -106,7 +111,6 @@ bg)
 suite)
   # The test suite as CI runs it, on this machine's CPU (the GPU hidden; hidden GPUs are declared as fake ones), from
   # a copy of the tree (the next call's transfer replaces this one), in its own session so it outlives the call.
-  wait_for builtadam
   rm -rf /tmp/suiterepo /tmp/logs/suite; mkdir -p /tmp/suiterepo /tmp/logs/suite
   tar --exclude='./.carry*' --exclude=./.whl --exclude=./.device-carry --exclude=./.old --exclude=./.git -cf - . \
     | tar -xf - -C /tmp/suiterepo
@@ -118,22 +122,32 @@ suite)
   ( cd /tmp/suiterepo && export CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu BENCH_RESULTS=/tmp/logs/suite/rows.md \
       TORCH_EXTENSIONS_DIR=/tmp/tx-cpu PATH=/tmp/suitebin:$PATH \
       PYTHONPATH=/tmp/site:$(printf '/tmp/suiterepo/packages/%s/src:' hybrid-core hybrid-engines hybrid-algos hybrid-cli)
-    env -u RAY_AUTH_MODE setsid nohup bash -c "s=\$(date +%s); $PY -m pytest -n ${SUITE_WORKERS:-8} --dist loadfile \
+    # SUITE_CPUS (e.g. 8-15): the suite on those cores only, so GPU runs pinned to the others beside it keep theirs
+    env -u RAY_AUTH_MODE setsid nohup ${SUITE_CPUS:+taskset -c $SUITE_CPUS} bash -c "s=\$(date +%s); $PY -m pytest -n ${SUITE_WORKERS:-8} --dist loadfile \
       -p no:randomly -q --timeout 900 > /tmp/logs/suite/suite.log 2>&1; echo \"suite rc=\$? in \$(( \$(date +%s) - s )) s\" \
       >> /tmp/logs/suite/suite.log" < /dev/null > /dev/null 2>&1 & )
   echo "suite started: $(lscpu | grep -E 'Model name|^CPU\(s\)' | tr -s ' ' | paste -sd';')"
   ;;
 suitelog)
+  # SUITE_WAIT=N: wait up to N s for the suite to finish first
+  for i in $(seq $(( ${SUITE_WAIT:-0} / 10 ))); do suite_running || break; sleep 10; done
   tail -c 3000 /tmp/logs/suite/suite.log; tar -czf "$OUT/suite.tgz" -C /tmp/logs suite
   ;;
 e)
   # ZeRO-3 + reference (issue 17's second figure): the same code ran 0.79-1.11 s/step across calls, phases moving
   # together, so TRL and ours take turns twice in one call and the ratio is of the medians of both turns each.
-  wait_for built357; wait_for builtadam; cleanup; monitor
+  wait_for bg-all-done; cleanup; monitor
   lscpu | grep -E "Model name|NUMA|MHz" | tr -s ' '; nvidia-smi topo -m 2>/dev/null | head -3
-  for turn in 1 2; do
+  for turn in ${E_TURNS:-1 2}; do
     trl 357m_$turn /tmp/peer/model vllm --steps 6; cleanup
     ours z3i$turn --size 357m --steps 10 --warmup 2; cleanup
+    if [ "${E_SGLANG:-0}" = 1 ] && [ "$turn" = "$(echo ${E_TURNS:-1 2} | cut -d' ' -f1)" ]; then
+      # issue 19: the same set-up on SGLang, next to this call's vLLM figure (SGLang carry staged)
+      PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout $(left 585) $PY bench/e2e_gpu.py --algo grpo --size 357m \
+        --steps 10 --warmup 2 --backend sglang --tag sglang > $LOGS/e2e_sglang.log 2>&1
+      echo "sglang grpo rc=$?"; grep -E "median step|^(generate|infer|train|sync) " $LOGS/e2e_sglang.log | tail -6
+      cp $LOGS/e2e-*sglang*.json $OUT/ 2>/dev/null; cleanup
+    fi
   done
   kill $MON 2>/dev/null
   $PY - $OUT <<'PY'
@@ -160,13 +174,15 @@ f)
   ;;
 g)
   # issue 17's generate overhead (recorded), then issue 22's agent rollouts with and without prefix caching
-  wait_for built357; cleanup; monitor
+  wait_for bg-all-done; cleanup; monitor
   OUT=$LOGS timeout 300 $PY bench/generate_overhead.py --model /tmp/peer/model --repeats 10 --record \
     > $LOGS/genoverhead.log 2>&1
   echo "generate overhead rc=$?"; grep -E "^\[|^[A-H] |variant|load average|appended" $LOGS/genoverhead.log | tail -24
   cp $LOGS/genoverhead.json $OUT/ 2>/dev/null; cleanup
-  OUT=$LOGS timeout $(left 585) $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
-  echo "agents rc=$?"; tail -14 $LOGS/agent.log; cp $LOGS/agent_gpu.json $OUT/ 2>/dev/null
+  if [ "${G_AGENTS:-1}" = 1 ]; then
+    OUT=$LOGS timeout $(left 585) $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
+    echo "agents rc=$?"; tail -14 $LOGS/agent.log; cp $LOGS/agent_gpu.json $OUT/ 2>/dev/null
+  fi
   kill $MON 2>/dev/null; cat $LOGS/rows.md 2>/dev/null
   pack g
   ;;
@@ -192,12 +208,11 @@ b)
   pack b
   ;;
 c)
-  wait_for built7
-  ( cd /tmp && CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu OMP_NUM_THREADS=2 timeout 560 $PY -m pytest -q -p no:randomly -x -n 4 \
-      $OLDPWD/tests/hybrid_algos/train/test_learning.py > $LOGS/cpu_learning.log 2>&1; echo "cpu learning rc=$?" >> $LOGS/cpu_learning.log ) &
+  # nothing beside it: the 7B plan keeps the actor's Adam state in host memory (CPU Adam needs the cores and ~97 GiB)
+  wait_for bg-all-done; cleanup; monitor; free -g | head -2
   ours 7b --size 7b --steps 3 --warmup 1 --gpu_util 0.2 --micro 4
   trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps 2 --gpu_util 0.2
-  wait; tail -5 $LOGS/cpu_learning.log
+  kill $MON 2>/dev/null; free -g | head -2
   pack c
   ;;
 z)
