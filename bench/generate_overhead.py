@@ -7,7 +7,7 @@ that drift of the machine (clocks, other processes' CPU) falls on every variant 
 
     A  vllm.LLM.generate, n=8 per prompt, unseeded (vLLM alone, as a user would call it)
     D  our VLLMEngine.generate in this process, unseeded (what the adapter adds)
-    E  our EngineGroup.generate through a Ray actor (what the training loop calls)
+    E  our EngineGroup.generate through a Ray actor (what the training loop calls; the actor pauses the GC per call)
     F  the same actor, timed inside it (E - F: Ray's transfer and scheduling; F - D: what running in a Ray worker
        process costs the engine itself)
     G  F with 8 torch CPU threads during the call (Ray gives a fractional-GPU actor 1)

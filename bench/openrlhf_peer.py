@@ -212,6 +212,11 @@ def check(cmd: list[str], env: dict) -> dict:
 
 # ---- the comparison rows -------------------------------------------------------------------------------------------
 
+#: our flags that change how the step runs, named in the speedup row when our run used them (OpenRLHF's own packing
+#: needs flash-attn, which the device machine does not have)
+OUR_EXTRA_FLAGS = ("--packing_samples", "--use_dynamic_batch", "--async_train", "--partial_rollout")
+
+
 def compare(orl: dict, ours: dict) -> tuple[list, list[str]]:
     """Rows for bench/RESULTS.md from one OpenRLHF JSON and our e2e JSON of the same call; speedups only when both
     runs completed. Returns ``(rows, problems)``."""
@@ -248,9 +253,11 @@ def compare(orl: dict, ours: dict) -> tuple[list, list[str]]:
         name = "speedup vs OpenRLHF x" if size == "357m" else f"speedup vs OpenRLHF {size.upper()} x"
         if setup != "matched":
             name = name[:-2] + f" {setup} x"
+        extra = [f for f in OUR_EXTRA_FLAGS if f in ours.get("command", "").split()]
         rows.append(Row(name, orl["step_s"] / ours["step_s"],
                         f"x (OpenRLHF {orl['step_s']:.3f} s / ours {ours['step_s']:.3f} s, same call, same model "
-                        f"folder; goal 1.5)"))
+                        f"folder" + (f"; ours with {' '.join(extra)}" if extra else "")
+                        + f"; ours median of {ours.get('steady_steps', '?')} step(s) after warm-up; goal 1.5)"))
         if ours["phases_s"].get("sync"):
             rows.append(Row(f"weight sync speedup vs OpenRLHF{sfx} x", ph["broadcast"] / ours["phases_s"]["sync"],
                             f"x (OpenRLHF {ph['broadcast']:.3f} s / ours {ours['phases_s']['sync']:.3f} s)"))

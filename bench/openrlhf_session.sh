@@ -90,7 +90,9 @@ b)
   wait_for built15 || exit 1
   # the peer and ours in one call: OpenRLHF gets ~380 s (start-up, 1 warm-up step + 2 measured), ours the rest
   orl 1.5b 380 --size 1.5b --setup matched --steps 3 --warmup 1 --grace 30
-  ours orl15 --size 1.5b --steps 3 --warmup 1 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3
+  # B_OURS_STEPS / B_OURS_EXTRA (hybrid flags, e.g. "--packing_samples --use_dynamic_batch"): our side of the pair
+  ours orl15 --size 1.5b --steps ${B_OURS_STEPS:-3} --warmup 1 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3 \
+    ${B_OURS_EXTRA:+-- $B_OURS_EXTRA}
   pair openrlhf-1.5b-matched.json e2e-grpo-1.5b-colocated-orl15.json
   pack b
   ;;

@@ -112,6 +112,8 @@ suite)
   # The test suite as CI runs it, on this machine's CPU (the GPU hidden; hidden GPUs are declared as fake ones), from
   # a copy of the tree (the next call's transfer replaces this one), in its own session so it outlives the call.
   rm -rf /tmp/suiterepo /tmp/logs/suite; mkdir -p /tmp/suiterepo /tmp/logs/suite
+  # the packages staged so far, frozen for the suite (vLLM installed into /tmp/site later must not change it mid-run)
+  rm -rf /tmp/site-suite; cp -r /tmp/site /tmp/site-suite
   tar --exclude='./.carry*' --exclude=./.whl --exclude=./.device-carry --exclude=./.old --exclude=./.git -cf - . \
     | tar -xf - -C /tmp/suiterepo
   # Its own TORCH_EXTENSIONS_DIR: DeepSpeed's CPU accelerator builds its Adam under the CUDA op's name (fused_adam),
@@ -121,7 +123,7 @@ suite)
   chmod +x /tmp/suitebin/hybrid
   ( cd /tmp/suiterepo && export CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu BENCH_RESULTS=/tmp/logs/suite/rows.md \
       TORCH_EXTENSIONS_DIR=/tmp/tx-cpu PATH=/tmp/suitebin:$PATH \
-      PYTHONPATH=/tmp/site:$(printf '/tmp/suiterepo/packages/%s/src:' hybrid-core hybrid-engines hybrid-algos hybrid-cli)
+      PYTHONPATH=/tmp/site-suite:$(printf '/tmp/suiterepo/packages/%s/src:' hybrid-core hybrid-engines hybrid-algos hybrid-cli)
     # SUITE_CPUS (e.g. 8-15): the suite on those cores only, so GPU runs pinned to the others beside it keep theirs
     env -u RAY_AUTH_MODE setsid nohup ${SUITE_CPUS:+taskset -c $SUITE_CPUS} bash -c "s=\$(date +%s); $PY -m pytest -n ${SUITE_WORKERS:-8} --dist loadfile \
       -p no:randomly -q --timeout 900 > /tmp/logs/suite/suite.log 2>&1; echo \"suite rc=\$? in \$(( \$(date +%s) - s )) s\" \

@@ -136,10 +136,31 @@ def command(args, model: str, data: str) -> list[str]:
     return [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(args, model, data)]
 
 
+def without_trl(entry: str) -> str:
+    """``entry`` itself, or where it holds a ``trl`` package, a view of it without trl (a folder of links beside it).
+
+    verl 0.9.1 patches trl's value-head model whenever trl is importable (``models/transformers/monkey_patch.py``),
+    and the trl the TRL peer carries (1.16) has none: verl's workers died at start-up with an ImportError on the GPU
+    (2026-11-24). verl does not need trl for GRPO, so its processes do not see it."""
+    if not os.path.isfile(os.path.join(entry, "trl", "__init__.py")):
+        return entry
+    view = entry.rstrip(os.sep) + "-without-trl"
+    os.makedirs(view, exist_ok=True)
+    for name in os.listdir(entry):
+        link = os.path.join(view, name)
+        hidden = name == "trl" or (name.startswith("trl-") and name.endswith(".dist-info"))
+        if hidden or os.path.lexists(link):
+            continue
+        os.symlink(os.path.join(entry, name), link)
+    return view
+
+
 def environment(site: str, metrics_path: str | None = None) -> dict:
-    """The run's environment: verl's packages first, then what the session already set."""
+    """The run's environment: verl's packages first, then what the session already set (trl hidden: see
+    :func:`without_trl`)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH", "")) if p)
+    rest = [without_trl(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([site, *rest] if site else rest)
     # verl drives vLLM's AsyncLLM as its authors run it: the engine core in its own process.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",

@@ -197,6 +197,27 @@ def test_environment_puts_verl_first_and_leaves_vllm_multiprocessing_to_verl(mon
     assert env["HF_HUB_OFFLINE"] == "1" and env["WANDB_MODE"] == "disabled"
 
 
+def test_verl_runs_without_the_trl_beside_it(monkeypatch, tmp_path):
+    # verl 0.9.1 patches trl's value-head model whenever trl imports; the TRL peer's trl 1.16 has none (GPU, 2026-11-24)
+    site = tmp_path / "site"
+    for pkg in ("trl", "ray"):
+        (site / pkg).mkdir(parents=True)
+        (site / pkg / "__init__.py").write_text("")
+    (site / "trl-1.16.0.dist-info").mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), "/elsewhere"]))
+    env = peer.environment(str(tmp_path / "site-verl"))
+    entries = env["PYTHONPATH"].split(os.pathsep)
+    assert entries[0] == str(tmp_path / "site-verl") and entries[2] == "/elsewhere"
+    view = Path(entries[1])
+    assert sorted(p.name for p in view.iterdir()) == ["ray"]
+    from importlib.machinery import PathFinder  # what an import through that PYTHONPATH entry finds
+
+    assert PathFinder.find_spec("trl", [str(view)]) is None and PathFinder.find_spec("ray", [str(view)]) is not None
+    (site / "vllm").mkdir()  # installed after the first run: the next run's view has it
+    peer.environment("")
+    assert (view / "vllm").exists()
+
+
 def test_reward_is_copy_first_of_the_decoded_response():
     prompt = "t5 t9 t5 t1"
     extra = peer.rows([prompt])[0]

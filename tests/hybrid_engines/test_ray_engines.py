@@ -168,3 +168,47 @@ def test_cuda_visibility_rule():
     assert local_device_index("3", None) == 3
     assert local_device_index("3", "2,3") == 1
     assert local_device_index(5, "") == 5
+
+
+def test_generate_runs_with_the_garbage_collector_paused_and_restores_it():
+    import gc
+    import threading
+
+    from hybrid_engines.ray_engines import EngineActor, GcPause
+
+    seen = []
+
+    class Recorder:  # what the engine sees of the collector during the actor's generate
+        def generate(self, prompts, params):
+            seen.append(gc.isenabled())
+            return [[None]]
+
+    actor = object.__new__(EngineActor)  # the actor's own wrapper, without starting an engine
+    actor.role, actor.rank, actor.engine, actor._gc_pause = "rollout", 0, Recorder(), GcPause()
+    assert gc.isenabled()
+    actor.generate([[1]], SamplingParams())
+    assert seen == [False] and gc.isenabled()
+
+    pause, inside, release = GcPause(), threading.Event(), threading.Event()
+
+    def long_call():
+        with pause:
+            inside.set()
+            release.wait(5)
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    inside.wait(5)
+    with pause:  # a second, shorter call (partial rollouts): the first keeps the collector off after it returns
+        pass
+    assert not gc.isenabled()
+    release.set()
+    t.join(5)
+    assert gc.isenabled()
+    gc.disable()  # a process that had it off keeps it off
+    try:
+        with pause:
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -161,6 +161,30 @@ def test_seeds_need_deterministic_inference(make):
     assert None not in seeds and len(set(seeds)) == 2
 
 
+def test_unseeded_samples_of_one_prompt_differ_in_deterministic_mode(make):
+    # SGLang's deterministic mode seeds every request without a sampling_seed with 42 (sampling_batch_info.py): the
+    # n samples of a prompt would be one sequence n times, and a GRPO group of equal answers learns nothing.
+    e = make()
+    e.generate([[1, 2], [1, 2]], SamplingParams(n=4))
+    first = [sp["sampling_seed"] for sp in e.engine.calls[-1][1]["sampling_params"]]
+    assert None not in first and len(set(first)) == 8
+    e.generate([[1, 2], [1, 2]], SamplingParams(n=4))
+    assert not set(first) & {sp["sampling_seed"] for sp in e.engine.calls[-1][1]["sampling_params"]}
+    e.generate([[1, 2]], SamplingParams(n=2, temperature=0.0))  # greedy needs no seed
+    assert [sp["sampling_seed"] for sp in e.engine.calls[-1][1]["sampling_params"]] == [None, None]
+    fast = make(deterministic=False)  # SGLang's own sampler draws each row from its RNG: no seed to send
+    fast.generate([[1, 2]], SamplingParams(n=2))
+    assert [sp["sampling_seed"] for sp in fast.engine.calls[-1][1]["sampling_params"]] == [None, None]
+
+
+def test_seeded_rows_keep_their_reproducible_seeds_in_deterministic_mode(make):
+    e = make()
+    e.generate([[1, 2]], SamplingParams(n=3, seed=7))
+    once = [sp["sampling_seed"] for sp in e.engine.calls[-1][1]["sampling_params"]]
+    e.generate([[1, 2]], SamplingParams(n=3, seed=7))
+    assert [sp["sampling_seed"] for sp in e.engine.calls[-1][1]["sampling_params"]] == once
+
+
 def test_sleep_and_wake_map_to_sglang_memory_tags(make):
     e = make()
     e.sleep(1)

@@ -16,7 +16,11 @@ Facts this adapter is built on (each one differs from what the seed project assu
 * ``sampling_seed`` is ignored unless the engine runs with ``enable_deterministic_inference`` (``sampling/
   sampling_batch_info.py``). The protocol's seeded sampling is reproducible (the training loop seeds every step), so
   ``deterministic=True`` is the default here (batch-invariant kernels: slower); with ``deterministic=False`` seeded
-  requests are refused.
+  requests are refused. In deterministic mode SGLang gives every request without a seed the seed 42, so the ``n``
+  samples of a prompt would all be the same sequence (a GRPO group with one answer: zero advantage, nothing learnt;
+  seen on the GPU, 2026-11-24): unseeded rows get a fresh seed each here, drawn from the operating system's entropy
+  (so engines of one run, which share ``seed``, do not draw alike). The training loop builds the engine
+  deterministic only when it samples seeded (``--seeded_sampling``).
 * Sleep frees the tags "weights", "kv_cache" and "cuda_graph" (``srt/constants.py``), each paused and resumed on
   its own by torch_memory_saver (``region(tag)`` / ``pause(tag)`` / ``resume(tag)`` in both versions), so weights
   come back before the KV cache. With ``enable_weights_cpu_backup`` the weights come back on resume (buffers such
@@ -52,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import threading
 import time
 from typing import Any, Iterable, Sequence
@@ -197,6 +202,7 @@ class SGLangEngine:
         self.tp = tensor_parallel_size
         self.enable_sleep_mode, self.weights_cpu_backup = enable_sleep_mode, weights_cpu_backup
         self.stop_at_eos, self.deterministic = stop_at_eos, deterministic
+        self._unseeded = random.SystemRandom()  # seeds of unseeded rows in deterministic mode (see the module doc)
         self._asleep: set[str] = set()  # our tags currently released
         self._needs_sync = False  # weights garbage until a weight update (sleep level 2 / no CPU backup)
         self._group_name: str | None = None
@@ -222,12 +228,19 @@ class SGLangEngine:
             raise ConfigError("seed", "SGLang ignores per-request seeds unless the engine runs deterministic "
                               "inference, and this engine was built with deterministic=False.",
                               "Build SGLangEngine(deterministic=True) (the default), or sample with seed=None.")
-        sampling = [sglang_sampling_params(params, seed=r.seed, stop_at_eos=self.stop_at_eos) for r in rows]
+        sampling = [sglang_sampling_params(params, seed=self._row_seed(r.seed, params), stop_at_eos=self.stop_at_eos)
+                    for r in rows]
         if self.pausable:
             return self._generate_streamed(prompts, rows, sampling, params)
         outs = self.engine.generate(input_ids=[prompts[r.prompt] for r in rows], sampling_params=sampling,
                                     return_logprob=params.logprobs)
         return self._outputs(prompts, rows, outs, params)
+
+    def _row_seed(self, seed: int | None, params: SamplingParams) -> int | None:
+        """The row's ``sampling_seed``: its own, or in deterministic mode a fresh one (SGLang would use 42 for all)."""
+        if seed is not None or not self.deterministic or params.greedy:
+            return seed
+        return self._unseeded.getrandbits(63)
 
     def _outputs(self, prompts, rows, outs, params: SamplingParams) -> list[list[GenerationOutput]]:
         """SGLang's answers per row as ``GenerationOutput`` per prompt and sample; a streamed row (partial rollouts)

@@ -395,6 +395,8 @@ class TrainingSession:
         cfg = self.config
         kwargs: dict[str, Any] = {"model": self.prep.model_path, "seed": cfg.seed,
                                   "trust_remote_code": cfg.trust_remote_code}  # vLLM / SGLang take it as is
+        if cfg.backend == "sglang":  # SGLang honours seeds only in its slower deterministic mode: only when seeding
+            kwargs["deterministic"] = self.seeded_sampling()
         if cfg.backend == "hf":
             kwargs["dtype"] = "bfloat16" if cfg.bf16 else "float32"
         elif cfg.partial_rollout:  # vLLM / SGLang generate through their pausable paths (see their adapters)
@@ -424,16 +426,22 @@ class TrainingSession:
             raise
 
     # ---- the steps -------------------------------------------------------------------------------------------------
+    def seeded_sampling(self) -> bool:
+        """A seed per sample? ``--seeded_sampling``, or where it is cheap (the built-in engine): vLLM / SGLang sample
+        seeded requests one by one, and are seeded once from --seed instead."""
+        from hybrid_engines.registry import engine_spec
+
+        seeded = self.config.seeded_sampling
+        if seeded is None:
+            seeded = bool(getattr(engine_spec(self.config.backend), "CHEAP_SEEDED_SAMPLING", False))
+        return seeded
+
     def sampling(self, step: int):
         from hybrid_engines.protocol import SamplingParams
 
-        from hybrid_engines.registry import engine_spec
-
         cfg = self.config
         eos = self.prep.tokenizer.eos_token_id
-        seeded = cfg.seeded_sampling
-        if seeded is None:  # vLLM / SGLang sample seeded requests one by one; they are seeded once from --seed
-            seeded = bool(getattr(engine_spec(cfg.backend), "CHEAP_SEEDED_SAMPLING", False))
+        seeded = self.seeded_sampling()
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=self.prep.max_new_tokens, n=cfg.n_samples_per_prompt,
                               stop_token_ids=(eos,) if eos is not None else (),

@@ -1,0 +1,45 @@
+"""What the loop asks of its engines: SGLang runs its (slower) deterministic mode only when the loop seeds samples.
+
+An SGLang engine in deterministic mode without per-sample seeds is where the n samples of a prompt came out equal on
+the GPU (2026-11-24); the adapter now seeds those rows itself, and the loop no longer asks for that mode unless
+``--seeded_sampling`` does.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hybrid_algos.train.config import GRPOConfig
+from hybrid_algos.train.loop import TrainingSession
+
+
+def session(**overrides):
+    config = GRPOConfig(**overrides)
+    plan = SimpleNamespace(shared_gpus=lambda role: [0])
+    prep = SimpleNamespace(model_path="/models/m", max_model_len=256, plan=plan)
+    stand_in = SimpleNamespace(config=config, prep=prep)
+    stand_in.seeded_sampling = lambda: TrainingSession.seeded_sampling(stand_in)
+    return stand_in
+
+
+@pytest.mark.parametrize("flag, deterministic", [(None, False), (True, True), (False, False)])
+def test_sglang_is_deterministic_only_when_samples_are_seeded(flag, deterministic):
+    s = session(backend="sglang", seeded_sampling=flag)
+    kwargs = TrainingSession._engine_kwargs(s)
+    assert kwargs["deterministic"] is deterministic
+    assert (TrainingSession.sampling(_with_tokenizer(s), 3).seed is not None) is deterministic
+
+
+@pytest.mark.parametrize("backend, seeded", [("hf", True), ("vllm", False)])
+def test_other_engines_get_no_deterministic_flag(backend, seeded):
+    s = session(backend=backend)
+    assert "deterministic" not in TrainingSession._engine_kwargs(s)
+    assert TrainingSession.seeded_sampling(s) is seeded
+
+
+def _with_tokenizer(s):
+    s.prep.tokenizer = SimpleNamespace(eos_token_id=2)
+    s.prep.max_new_tokens = 8
+    return s
