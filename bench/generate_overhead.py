@@ -6,6 +6,9 @@ temperature 1, CUDA graphs on). Both engines (this process's and one Ray actor's
 that drift of the machine (clocks, other processes' CPU) falls on every variant alike. Median per variant:
 
     A  vllm.LLM.generate, n=8 per prompt, unseeded (vLLM alone, as a user would call it)
+    B  A with the sampled token's log-prob per token (logprobs=0, flat), which RL needs and A does not ask for
+    C  exactly our adapter's requests (one per sample, n=1, log-probs), straight into vllm.LLM.generate:
+       B - A is the log-probs' cost, C - B one request per sample, D - C what the adapter does with the outputs
     D  our VLLMEngine.generate in this process, unseeded (what the adapter adds)
     E  our EngineGroup.generate through a Ray actor (what the training loop calls; the actor pauses the GC per call)
     F  the same actor, timed inside it (E - F: Ray's transfer and scheduling; F - D: what running in a Ray worker
@@ -130,7 +133,14 @@ def main() -> int:
     req = [{"prompt_token_ids": p} for p in prompts]
     plain = vllm.SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new, stop_token_ids=[eos],
                                 detokenize=False)
+    with_logprobs = vllm.SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new,
+                                        stop_token_ids=[eos], detokenize=False, logprobs=0, flat_logprobs=True)
     ours = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, n=args.samples, stop_token_ids=(eos,))
+    from hybrid_engines.sampling_map import expand_rows, vllm_sampling_kwargs
+
+    rows = expand_rows(prompts, ours)  # what VLLMEngine.generate sends (unseeded: one SamplingParams for every row)
+    row_requests = [{"prompt_token_ids": prompts[r.prompt]} for r in rows]
+    row_params = vllm.SamplingParams(**vllm_sampling_kwargs(ours, seed=None, stop_at_eos=True))
 
     class TimedEngineActor(EngineActor):
         def timed_generate(self, prompt_token_ids, params, gc_off: bool = False, threads: int | None = None):
@@ -166,6 +176,8 @@ def main() -> int:
 
     variants = {
         "A vllm n=8": lambda: llm.generate(req, plain, use_tqdm=False),
+        "B vllm n=8 logprobs": lambda: llm.generate(req, with_logprobs, use_tqdm=False),
+        "C vllm our requests": lambda: llm.generate(row_requests, row_params, use_tqdm=False),
         "D adapter in-process": lambda: engine.generate(prompts, ours),
         "E ray group": lambda: group.generate(prompts, ours),
         "F in-actor": inside(),
@@ -206,7 +218,9 @@ def main() -> int:
                   f"% (median of {args.repeats} round-robin calls: our EngineGroup.generate through its Ray actor "
                   f"{ray_group:.3f} s vs vllm.LLM.generate n={args.samples} alone {base:.3f} s; in-process adapter "
                   f"{results['D adapter in-process']['median_s']:.3f} s, in-actor "
-                  f"{results['F in-actor']['median_s']:.3f} s; goal <= 5)")
+                  f"{results['F in-actor']['median_s']:.3f} s; vLLM alone with log-probs "
+                  f"{results['B vllm n=8 logprobs']['median_s']:.3f} s, our requests straight into vLLM "
+                  f"{results['C vllm our requests']['median_s']:.3f} s; goal <= 5)")
         print(f"appended {append_results([row], _device())} row to bench/RESULTS.md")
     return 0
 
