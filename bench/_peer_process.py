@@ -1,16 +1,25 @@
 """Running a peer framework's trainer (OpenRLHF, verl) as a child process group for a benchmark: its output teed to
 a log with the arrival time of every line, stopped once its steps are logged (a grace period to exit) or at a
-timeout, and everything it left in its group killed so that nothing holds the GPU or our pipe afterwards."""
+timeout, and everything it left in its group killed so that nothing holds the GPU or our pipe afterwards. Also what
+both peers' scripts share around it: the workloads, the per-step summary, the reading of a failure, versions and
+the GPU's name."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping, Sequence
+
+#: size -> (prompts per step, samples, max new tokens, prompt max len, micro rollout batch); = bench/e2e_gpu.py
+WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16)}
+#: size -> (train micro batch, gradient checkpointing, vLLM memory fraction); = bench/residency_session.sh
+DEFAULTS = {"357m": (64, False, 0.35), "1.5b": (8, True, 0.3)}
 
 
 def run_peer(cmd: list[str], env: dict, log_path: str, *, timeout: float, expected_steps: int, grace: float,
@@ -69,3 +78,54 @@ def stop_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def summarize_steps(steps: list[dict], warmup: int, *, step: str, phase: str, phases: Sequence[str],
+                    response_len: str, reward: str) -> dict:
+    """Median per-step times after ``warmup`` steps (all steps if there are no more than that). ``steps`` are
+    ``{"step", "status": {metric: value}, "t": arrival time or None}``; the keyword arguments name the peer's metrics
+    (``phase`` is a format string of one phase name)."""
+    steady = steps[warmup:] or steps
+    med = lambda key: statistics.median(s["status"].get(key, 0.0) for s in steady)  # noqa: E731
+    out = {"steps": len(steps), "steady_steps": len(steady), "step_s": med(step),
+           "phases_s": {p: med(phase.format(p)) for p in phases},
+           "response_len": med(response_len),
+           "rewards": [s["status"].get(reward) for s in steps],
+           "step_times": [s["status"].get(step) for s in steps]}
+    arrivals = [s["t"] for s in steps if s["t"] is not None]
+    if len(arrivals) == len(steps) and len(steps) > warmup + 1:
+        gaps = [b - a for a, b in zip(arrivals[warmup:], arrivals[warmup + 1:])]
+        out["wall_step_s"] = statistics.median(gaps)
+    return out
+
+
+def failure(log_lines: list[str], keep: int = 60) -> dict:
+    """What stopped a run: the last Python traceback in its log (Ray prints the actors' too) and the log's tail."""
+    tail = log_lines[-keep:]
+    tb_start = max((i for i, l in enumerate(log_lines) if "Traceback (most recent call last)" in l), default=None)
+    traceback = []
+    if tb_start is not None:
+        for line in log_lines[tb_start:tb_start + 80]:
+            traceback.append(line)
+            if traceback and re.match(r"^(\(\w+ pid=\d+\)\s*)?[A-Za-z_.]+(Error|Exception|Exit)\b", line.strip()):
+                break
+    errors = [l for l in log_lines if re.search(r"\b[A-Z]\w*(Error|Exception)\b", l)][-5:]
+    return {"traceback": traceback, "error_lines": errors, "log_tail": tail}
+
+
+def installed_version(name: str, env: Mapping[str, str]) -> str | None:
+    """The version of ``name`` as the run's environment sees it (its own site folder first)."""
+    proc = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
+                          env=dict(env), capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi (not torch: a CUDA context here would hold memory beside the run)."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+    except (OSError, subprocess.TimeoutExpired):
+        return "cpu"
+    names = [n.strip() for n in names if n.strip()]
+    return names[0] if len(names) == 1 else (f"{len(names)}x {names[0]}" if names else "cpu")

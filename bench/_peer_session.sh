@@ -1,5 +1,15 @@
-# Sourced by bench/openrlhf_session.sh and bench/verl_session.sh (after LOGS, OUT, PY and left are set): waiting for
+# Sourced by bench/openrlhf_session.sh and bench/verl_session.sh from the repository root, with PEER (the log folders'
+# prefix) and PHASE set: the environment of every run, OUT / LOGS / PY, the phase clock (left) and pack, waiting for
 # the staged models, freeing the GPU after a peer's run, and our run of the same workload.
+export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_EXTENSIONS_DIR=/tmp/tx NCCL_NVLS_ENABLE=0 \
+  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/${PEER}_$PHASE; mkdir -p "$OUT" "$LOGS"
+PY=${PY:-python3}   # PY, EXTRA_PYTHONPATH and the scripts' *_SITE / *_STAGE_DRY: for checking them off the device
+t0=$(date +%s)
+left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
+pack() { tar -czf "$OUT/${PEER}_$1.tgz" -C /tmp/logs "${PEER}_$1" 2>/dev/null; }
 wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done
              echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/residency_session.sh stage first)"; return 1; }
 gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }

@@ -34,21 +34,19 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _peer_process import DEFAULTS, WORKLOADS, failure, gpu_name, installed_version, run_peer  # noqa: E402,F401
+from _peer_process import summarize_steps  # noqa: E402
 STANDIN = os.path.join(HERE, "openrlhf_standin")
 REWARD_FILE = os.path.join(HERE, "openrlhf_reward.py")
 #: where bench/openrlhf_session.sh installs OpenRLHF and the packages it carries (kept apart from /tmp/site: the
 #: OpenRLHF wheel also installs a top-level ``tests`` package)
 DEFAULT_SITE = "/tmp/site-orl"
-#: size -> (prompts per step, samples, max new tokens, prompt max len, micro rollout batch); = bench/e2e_gpu.py
-WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16)}
-#: size -> (train micro batch, gradient checkpointing, vLLM memory fraction); = bench/residency_session.sh
-DEFAULTS = {"357m": (64, False, 0.35), "1.5b": (8, True, 0.3)}
 PHASES = ("generation", "make_experience", "ppo_train", "broadcast")
 STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})\s*$")
 NUMBER_ITEM = re.compile(r"'([^']+)':\s*(?:np\.float\d*\()?(-?[0-9.]+(?:e[-+]?\d+)?|nan|inf)")
@@ -128,32 +126,8 @@ def parse_log(lines) -> list[dict]:
 
 def summarize(steps: list[dict], warmup: int) -> dict:
     """Median per-step times after ``warmup`` steps (all steps if there are no more than that)."""
-    steady = steps[warmup:] or steps
-    med = lambda key: statistics.median(s["status"].get(key, 0.0) for s in steady)  # noqa: E731
-    out = {"steps": len(steps), "steady_steps": len(steady), "step_s": med("timing/step_total"),
-           "phases_s": {p: med(f"timing/{p}") for p in PHASES},
-           "response_len": med("rollout/response_length_mean"),
-           "rewards": [s["status"].get("rollout/reward_mean") for s in steps],
-           "step_times": [s["status"].get("timing/step_total") for s in steps]}
-    arrivals = [s["t"] for s in steps if s["t"] is not None]
-    if len(arrivals) == len(steps) and len(steps) > warmup + 1:
-        gaps = [b - a for a, b in zip(arrivals[warmup:], arrivals[warmup + 1:])]
-        out["wall_step_s"] = statistics.median(gaps)
-    return out
-
-
-def failure(log_lines: list[str], keep: int = 60) -> dict:
-    """What stopped a run: the last Python traceback in its log (Ray prints the actors' too) and the log's tail."""
-    tail = log_lines[-keep:]
-    tb_start = max((i for i, l in enumerate(log_lines) if "Traceback (most recent call last)" in l), default=None)
-    traceback = []
-    if tb_start is not None:
-        for line in log_lines[tb_start:tb_start + 80]:
-            traceback.append(line)
-            if traceback and re.match(r"^(\(\w+ pid=\d+\)\s*)?[A-Za-z_.]+(Error|Exception|Exit)\b", line.strip()):
-                break
-    errors = [l for l in log_lines if re.search(r"\b[A-Z]\w*(Error|Exception)\b", l)][-5:]
-    return {"traceback": traceback, "error_lines": errors, "log_tail": tail}
+    return summarize_steps(steps, warmup, step="timing/step_total", phase="timing/{}", phases=PHASES,
+                           response_len="rollout/response_length_mean", reward="rollout/reward_mean")
 
 
 # ---- running it ----------------------------------------------------------------------------------------------------
@@ -164,9 +138,6 @@ def run(cmd: list[str], env: dict, log_path: str, timeout: float, expected_steps
     Once every expected step is logged it gets ``grace`` seconds to save and exit; after that (or at ``timeout``)
     the whole group is stopped: the timing is already in the log.
     """
-    sys.path.insert(0, HERE)
-    from _peer_process import run_peer
-
     return run_peer(cmd, env, log_path, timeout=timeout, expected_steps=expected_steps, grace=grace,
                     count_steps=lambda lines: len(parse_log(lines)), echo=("Global step", "Error", "Traceback"))
 
@@ -220,7 +191,6 @@ OUR_EXTRA_FLAGS = ("--packing_samples", "--use_dynamic_batch", "--async_train", 
 def compare(orl: dict, ours: dict) -> tuple[list, list[str]]:
     """Rows for bench/RESULTS.md from one OpenRLHF JSON and our e2e JSON of the same call; speedups only when both
     runs completed. Returns ``(rows, problems)``."""
-    sys.path.insert(0, HERE)
     from _common import Row
 
     problems = []
@@ -274,7 +244,6 @@ def compare_main(argv: list[str]) -> int:
     orl = json.load(open(a.openrlhf))
     ours = json.load(open(a.ours)) if os.path.exists(a.ours) else {"rc": None}
     rows, problems = compare(orl, ours)
-    sys.path.insert(0, HERE)
     from _common import append_results, print_table
 
     for p in problems:
@@ -318,7 +287,6 @@ def main() -> int:
     args.gpu_util = args.gpu_util or util
     args.workdir = args.workdir or ("/tmp/peer" if args.size == "357m" else f"/tmp/peer-{args.size}")
 
-    sys.path.insert(0, HERE)
     from peer_workload import build
 
     if args.dry or args.check:  # the parser does not open them: no need to build a model for that
@@ -355,7 +323,7 @@ def main() -> int:
 
     log_path = os.path.join(args.workdir, f"{tag}.log")
     result = {"tag": tag, "size": args.size, "setup": args.setup, "warmup": args.warmup, "command": shlex.join(cmd),
-              "openrlhf": _version("openrlhf", env), "device": _device()}
+              "openrlhf": installed_version("openrlhf", env), "device": gpu_name()}
     r = run(cmd, env, log_path, args.timeout, args.steps, args.grace)
     result.update(rc=r["rc"], stopped=r["stopped"], wall_s=r["wall_s"], log=log_path)
     steps = parse_log(r["lines"])
@@ -391,23 +359,6 @@ def main() -> int:
         with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
     return 0 if "error" not in result else 3
-
-
-def _version(name: str, env: dict) -> str | None:
-    proc = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
-                          env=env, capture_output=True, text=True)
-    return proc.stdout.strip() or None
-
-
-def _device() -> str:
-    """The GPU's name from nvidia-smi (not torch: a CUDA context here would hold memory beside the run)."""
-    try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=30).stdout.split("\n")
-    except (OSError, subprocess.TimeoutExpired):
-        return "cpu"
-    names = [n.strip() for n in names if n.strip()]
-    return names[0] if len(names) == 1 else (f"{len(names)}x {names[0]}" if names else "cpu")
 
 
 if __name__ == "__main__":

@@ -15,18 +15,10 @@
 # which writes rows only for what completed, and speedups only when both runs of the call completed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_EXTENSIONS_DIR=/tmp/tx NCCL_NVLS_ENABLE=0 \
-  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 PHASE=${1:-}; case "$PHASE" in stage|a|a2|b) ;; *) echo "usage: bash bench/openrlhf_session.sh stage|a|a2|b"; exit 2;; esac
-OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/orl_$PHASE; mkdir -p "$OUT" "$LOGS"
-PY=${PY:-python3}   # PY, ORL_SITE, EXTRA_PYTHONPATH, ORL_STAGE_DRY: for checking this script off the device
+PEER=orl   # the log folders' prefix
+source bench/_peer_session.sh   # environment, OUT, LOGS, PY, left, pack, wait_for, free_gpu_after, ours
 SITE=${ORL_SITE:-/tmp/site-orl}   # OpenRLHF and what it needs beside /tmp/site
-t0=$(date +%s)
-left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
-pack() { tar -czf "$OUT/orl_$1.tgz" -C /tmp/logs "orl_$1" 2>/dev/null; }
-source bench/_peer_session.sh   # wait_for, gpu_apps, gpu_used, free_gpu_after, ours
 orl() {  # $1 label, $2 seconds, then openrlhf_peer.py arguments
   local label=$1 budget=$2; shift 2
   OUT=$LOGS timeout $((budget + 60)) $PY bench/openrlhf_peer.py --site $SITE --timeout $budget "$@" > $LOGS/orl_$label.log 2>&1
@@ -95,8 +87,5 @@ b)
     ${B_OURS_EXTRA:+-- $B_OURS_EXTRA}
   pair openrlhf-1.5b-matched.json e2e-grpo-1.5b-colocated-orl15.json
   pack b
-  ;;
-*)
-  echo "usage: bash bench/openrlhf_session.sh stage|a|a2|b"; exit 2
   ;;
 esac

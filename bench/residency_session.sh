@@ -140,10 +140,11 @@ e)
   # together, so TRL and ours take turns twice in one call and the ratio is of the medians of both turns each.
   wait_for bg-all-done; cleanup; monitor
   lscpu | grep -E "Model name|NUMA|MHz" | tr -s ' '; nvidia-smi topo -m 2>/dev/null | head -3
+  sglang=${E_SGLANG:-0}
   for turn in ${E_TURNS:-1 2}; do
     trl 357m_$turn /tmp/peer/model vllm --steps 6; cleanup
     ours z3i$turn --size 357m --steps 10 --warmup 2; cleanup
-    if [ "${E_SGLANG:-0}" = 1 ] && [ "$turn" = "$(echo ${E_TURNS:-1 2} | cut -d' ' -f1)" ]; then
+    if [ "$sglang" = 1 ]; then sglang=0
       # issue 19: the same set-up on SGLang, next to this call's vLLM figure (SGLang carry staged)
       PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout $(left 585) $PY bench/e2e_gpu.py --algo grpo --size 357m \
         --steps 10 --warmup 2 --backend sglang --tag sglang > $LOGS/e2e_sglang.log 2>&1

@@ -37,20 +37,18 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _peer_process import DEFAULTS, WORKLOADS, failure, gpu_name, installed_version, run_peer  # noqa: E402,F401
+from _peer_process import summarize_steps  # noqa: E402
 REWARD_FILE = os.path.join(HERE, "verl_reward.py")
 #: where bench/verl_session.sh installs verl and what it carries (its own target, beside /tmp/site)
 DEFAULT_SITE = "/tmp/site-verl"
 RELEASE = "0.9.1"
-#: size -> (prompts per step, samples, max new tokens, prompt max len, micro rollout batch); = bench/e2e_gpu.py
-WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16)}
-#: size -> (train micro batch, gradient checkpointing, vLLM memory fraction); = bench/residency_session.sh
-DEFAULTS = {"357m": (64, False, 0.35), "1.5b": (8, True, 0.3)}
 SETUPS = ("matched", "lowvar")
 PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
 #: renders the chat messages' contents verbatim: the prompt's tokens are exactly the row's text, nothing added
@@ -231,26 +229,8 @@ def parse_metrics_file(path: str) -> list[dict]:
 
 def summarize(steps: list[dict], warmup: int) -> dict:
     """Median per-step times after ``warmup`` steps (all steps if there are no more than that)."""
-    steady = steps[warmup:] or steps
-    med = lambda key: statistics.median(s["status"].get(key, 0.0) for s in steady)  # noqa: E731
-    out = {"steps": len(steps), "steady_steps": len(steady), "step_s": med("timing_s/step"),
-           "phases_s": {p: med(f"timing_s/{p}") for p in PHASES},
-           "response_len": med("response_length/mean"),
-           "rewards": [s["status"].get("critic/score/mean") for s in steps],
-           "step_times": [s["status"].get("timing_s/step") for s in steps]}
-    arrivals = [s["t"] for s in steps if s["t"] is not None]
-    if len(arrivals) == len(steps) and len(steps) > warmup + 1:
-        gaps = [b - a for a, b in zip(arrivals[warmup:], arrivals[warmup + 1:])]
-        out["wall_step_s"] = statistics.median(gaps)
-    return out
-
-
-def failure(log_lines: list[str], keep: int = 60) -> dict:
-    """What stopped a run: the last traceback and the error lines (bench/openrlhf_peer.py's reader)."""
-    sys.path.insert(0, HERE)
-    from openrlhf_peer import failure as read_failure
-
-    return read_failure(log_lines, keep)
+    return summarize_steps(steps, warmup, step="timing_s/step", phase="timing_s/{}", phases=PHASES,
+                           response_len="response_length/mean", reward="critic/score/mean")
 
 
 # ---- running it ----------------------------------------------------------------------------------------------------
@@ -261,9 +241,6 @@ def run(cmd: list[str], env: dict, log_path: str, timeout: float, expected_steps
     Once every expected step is logged it gets ``grace`` seconds to exit; after that (or at ``timeout``) the whole
     group is stopped: the timing is already in the log.
     """
-    sys.path.insert(0, HERE)
-    from _peer_process import run_peer
-
     return run_peer(cmd, env, log_path, timeout=timeout, expected_steps=expected_steps, grace=grace,
                     count_steps=lambda lines: len(parse_log(lines)), echo=("timing_s/step", "Error", "Traceback"),
                     echo_width=400)
@@ -343,7 +320,6 @@ def check(cmd: list[str], env: dict) -> dict:
 def compare(peer: dict, ours: dict) -> tuple[list, list[str]]:
     """Rows for bench/RESULTS.md from one verl JSON and our e2e JSON of the same call; the speedup only when both
     runs completed. Returns ``(rows, problems)``."""
-    sys.path.insert(0, HERE)
     from _common import Row
 
     problems = []
@@ -393,7 +369,6 @@ def compare_main(argv: list[str]) -> int:
     peer = json.load(open(a.verl)) if os.path.exists(a.verl) else {"error": f"{a.verl} missing"}
     ours = json.load(open(a.ours)) if os.path.exists(a.ours) else {"rc": None}
     rows, problems = compare(peer, ours)
-    sys.path.insert(0, HERE)
     from _common import append_results, print_table
 
     for p in problems:
@@ -411,7 +386,6 @@ def compare_main(argv: list[str]) -> int:
 def _prompts_for(args) -> str:
     """Our prompts file; for --dry without a built workload, the same prompts from a tiny model's build (prompts do
     not depend on the model's width), so the real model folder is never made with the wrong shape."""
-    sys.path.insert(0, HERE)
     from peer_workload import build
 
     data = os.path.join(args.workdir, "prompts.jsonl")
@@ -449,7 +423,6 @@ def main() -> int:
     args.workdir = args.workdir or ("/tmp/peer" if args.size == "357m" else f"/tmp/peer-{args.size}")
     prompts = WORKLOADS[args.size][0]
 
-    sys.path.insert(0, HERE)
     if args.dry:
         model, prompts_jsonl = os.path.join(args.workdir, "model"), _prompts_for(args)
     else:
@@ -486,7 +459,7 @@ def main() -> int:
     if os.path.exists(metrics_path):
         os.remove(metrics_path)  # this call's run only
     result = {"tag": tag, "size": args.size, "setup": args.setup, "warmup": args.warmup, "legacy": args.legacy,
-              "command": shlex.join(cmd), "verl": _version("verl", env), "device": _device()}
+              "command": shlex.join(cmd), "verl": installed_version("verl", env), "device": gpu_name()}
     r = run(cmd, env, log_path, args.timeout, args.steps, args.grace)
     result.update(rc=r["rc"], stopped=r["stopped"], wall_s=r["wall_s"], log=log_path)
     steps, result["metrics_source"] = parse_log(r["lines"]), "console"
@@ -524,19 +497,6 @@ def main() -> int:
         with open(os.path.join(out_dir, f"{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
     return 0 if "error" not in result else 3
-
-
-def _version(name: str, env: dict) -> str | None:
-    proc = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
-                          env=env, capture_output=True, text=True)
-    return proc.stdout.strip() or None
-
-
-def _device() -> str:
-    sys.path.insert(0, HERE)
-    from openrlhf_peer import _device as device
-
-    return device()
 
 
 if __name__ == "__main__":

@@ -15,19 +15,11 @@
 # VERL_ARGS (e.g. "--legacy" for verl's deprecated main_ppo_v0 trainer) is passed to verl_peer.py in a and a2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_EXTENSIONS_DIR=/tmp/tx NCCL_NVLS_ENABLE=0 \
-  TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 PHASE=${1:-}; case "$PHASE" in stage|a|a2) ;; *) echo "usage: bash bench/verl_session.sh stage|a|a2"; exit 2;; esac
-OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/verl_$PHASE; mkdir -p "$OUT" "$LOGS"
-PY=${PY:-python3}   # PY, VERL_SITE, EXTRA_PYTHONPATH, VERL_STAGE_DRY: for checking this script off the device
+PEER=verl   # the log folders' prefix
+source bench/_peer_session.sh   # environment, OUT, LOGS, PY, left, pack, wait_for, free_gpu_after, ours
 SITE=${VERL_SITE:-/tmp/site-verl}   # verl and what it needs beside /tmp/site
 VERL_ARGS=${VERL_ARGS:-}
-t0=$(date +%s)
-left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
-pack() { tar -czf "$OUT/verl_$1.tgz" -C /tmp/logs "verl_$1" 2>/dev/null; }
-source bench/_peer_session.sh   # wait_for, gpu_apps, gpu_used, free_gpu_after, ours
 peer() {  # $1 label, $2 seconds, then verl_peer.py arguments
   local label=$1 budget=$2; shift 2
   # shellcheck disable=SC2086

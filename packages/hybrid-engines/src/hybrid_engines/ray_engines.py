@@ -35,6 +35,7 @@ import gc
 import inspect
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -67,8 +68,6 @@ class GcPause:
     the end of the call. Counted, so concurrent calls (partial rollouts) keep it off until the last one returns."""
 
     def __init__(self):
-        import threading
-
         self._lock, self._depth, self._was_enabled = threading.Lock(), 0, False
 
     def __enter__(self):
