@@ -271,3 +271,25 @@ def test_dynamic_sampling_over_conversations(tiny):
     assert rollout.batch_size == 16 and (rollout.action_mask.sum(-1) >= 1).all()
     _, mask, _ = shape_rewards(cfg, out.outputs, out.scores, 14)
     assert mask is None
+
+
+def test_a_batch_is_ordered_by_sample_not_by_arrival(tiny):
+    """Two samples with the same context in one turn get different completions (row seeds count repeats within a
+    call); which one gets which must not depend on which environment answered first."""
+    engine, _ = tiny
+    from hybrid_algos.train.agents.batcher import TurnBatcher
+
+    context = [5, 6, 7]
+
+    async def turn(order):
+        batcher = TurnBatcher(engine, _sampling(n=1, budget=6, seed=13))
+        batcher.add_samples(2)
+        calls = {}
+        for sample in order:  # arrival order; the flush happens when both are waiting
+            calls[sample] = asyncio.ensure_future(batcher.generate(context, 6, sample=sample))
+            await asyncio.sleep(0)
+        return {sample: (await call).token_ids for sample, call in calls.items()}
+
+    forward, backward = asyncio.run(turn([0, 1])), asyncio.run(turn([1, 0]))
+    assert forward[0] != forward[1]  # the same context, two different samples
+    assert forward == backward

@@ -5,9 +5,11 @@ to the engines when *every* sample still running is waiting for a turn; until th
 environment step (which all run concurrently). So the n-th batch holds exactly the samples' n-th turns, whatever
 the timing of the environments:
 
-* reproducible: a batch's contents and seed depend on the samples, not on which environment answered first, and
-  the engines key each row's randomness on its prompt and its repeats within the call (hybrid_engines'
-  ``row_seed``), so identical contexts in one batch (the n samples of a prompt in turn 1) still differ;
+* reproducible: a batch's contents, order and seed depend on the samples, not on which environment answered first
+  (requests are ordered by their sample's index, not by arrival), and the engines key each row's randomness on its
+  prompt and its repeats within the call (hybrid_engines' ``row_seed``), so identical contexts in one batch (the n
+  samples of a prompt in turn 1, or two samples whose turns so far are the same) still differ -- and each sample
+  gets the same one of them in every run;
 * efficient on a batch engine: one call per turn, split over the engines by EngineGroup. Each conversation is
   sent whole every turn; vLLM's prefix cache (``--enable_prefix_caching``) finds the turns before in its cache.
 
@@ -52,6 +54,7 @@ class Flush:
 
 @dataclass
 class _Request:
+    key: tuple[int, int]  # (the sample's index, or the arrival order when none is given; arrival) -- the batch order
     context: list[int]
     cap: int
     sampling: TurnSampling
@@ -68,6 +71,7 @@ class TurnBatcher:
         self.flushes: list[Flush] = []
         self._waiting: list[_Request] = []
         self._busy = False
+        self._arrivals = 0
 
     @property
     def busy(self) -> bool:
@@ -90,8 +94,10 @@ class TurnBatcher:
         p = self.params
         return TurnSampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens)
 
-    async def generate(self, context: list[int], cap: int, sampling: TurnSampling | None = None) -> GenerationOutput:
-        """The next turn of one sample: at most ``cap`` new tokens after ``context``."""
+    async def generate(self, context: list[int], cap: int, sampling: TurnSampling | None = None, *,
+                       sample: int | None = None) -> GenerationOutput:
+        """The next turn of one sample: at most ``cap`` new tokens after ``context``. ``sample``: the sample's index
+        in the step, which orders the batch (without it, arrival does, and timing may change the results)."""
         if cap < 1:
             raise ValueError(f"a turn needs room for at least one new token (cap {cap})")
         if self.context_limit is not None:
@@ -100,13 +106,15 @@ class TurnBatcher:
                 raise ValueError(f"the context ({len(context)} tokens) fills the model's {self.context_limit} "
                                  "positions")
         future = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Request(list(context), cap, sampling or self.default_sampling(), future))
+        self._arrivals += 1
+        key = (self._arrivals if sample is None else sample, self._arrivals)
+        self._waiting.append(_Request(key, list(context), cap, sampling or self.default_sampling(), future))
         self._maybe_flush()
         return await future
 
     def _maybe_flush(self) -> None:
         if self._waiting and not self._busy and len(self._waiting) >= self.live:
-            batch, self._waiting = self._waiting, []
+            batch, self._waiting = sorted(self._waiting, key=lambda r: r.key), []
             self._busy = True
             asyncio.get_running_loop().create_task(self._flush(batch))
 

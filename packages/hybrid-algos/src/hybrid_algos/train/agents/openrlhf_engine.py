@@ -102,7 +102,8 @@ class AgentEngine:
             return self._answer(context, [], [], "length", sampling_params)
         out = await self.batcher.generate(context, cap, TurnSampling(
             float(_get(sampling_params, "temperature", 1.0)), float(_get(sampling_params, "top_p", 1.0)),
-            _top_k(_get(sampling_params, "top_k", -1)), int(_get(sampling_params, "min_tokens", 0) or 0)))
+            _top_k(_get(sampling_params, "top_k", -1)), int(_get(sampling_params, "min_tokens", 0) or 0)),
+            sample=self.state.index)
         logprobs = list(out.logprobs) if out.logprobs is not None else [0.0] * len(out.token_ids)
         versions = list(out.weight_versions) if out.weight_versions is not None else None
         self.generations.append(Generation(len(context), list(out.token_ids), logprobs, versions))

@@ -261,7 +261,7 @@ class AgentRollout:
             while True:
                 left = budget - len(conv.response)
                 out = await batcher.generate(conv.prompt_ids + conv.response,
-                                             min(left, settings.turn_tokens or left))
+                                             min(left, settings.turn_tokens or left), sample=state.index)
                 state.turns = conv.turns = conv.turns + 1
                 conv.add_turn(out.token_ids, out.logprobs, out.weight_versions)
                 conv.finish_reason = out.finish_reason
