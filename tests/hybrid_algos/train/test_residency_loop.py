@@ -181,4 +181,7 @@ def test_refinement_catches_memory_that_keeps_growing_and_never_shrinks_the_over
     assert owner.plan.fits()
     import json
 
-    assert json.loads((tmp_path / "residency.json").read_text())["overhead"]["0"] == pytest.approx(0.85 * budget)
+    written = json.loads((tmp_path / "residency.json").read_text())
+    assert written["overhead"]["0"] == pytest.approx(0.85 * budget)
+    assert owner.plan.host == plan.host is not None  # the refined plan checks the same host memory
+    assert written["host"]["available"] == plan.host.bytes and "0" in written["host"]["nodes"]

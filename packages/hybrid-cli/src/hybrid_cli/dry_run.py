@@ -2,8 +2,9 @@
 
 Prints the placement plan (GPU x roles), the prompt set (records read, dropped), and the residency plan: per phase
 and per group of identical GPUs, what each role keeps resident and the predicted peak against the GPU's capacity
-(the planner and memory model of :mod:`hybrid_core.residency`, called exactly as the run calls them). A plan that
-does not fit fails with the GPU, the phase and the numbers (exit status 2).
+(the planner and memory model of :mod:`hybrid_core.residency`, called exactly as the run calls them), and what it
+keeps in each node's host memory against what the node has. A plan that does not fit fails with the GPU, the phase
+and the numbers, or with the node and its host memory (exit status 2).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from hybrid_core.errors import ConfigError, PlacementError
 from hybrid_core.residency import GiB
 
 
-def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[str] = (),
-            console: Console | None = None) -> int:
+def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: float | None = None,
+            notes: Sequence[str] = (), console: Console | None = None) -> int:
     """Validate ``config`` (already ``validate()``-d) all the way, print both plans; 0 when it fits."""
     from hybrid_algos.train.loop import rollout_lengths
     from hybrid_algos.train.model_files import check_model_folder
-    from hybrid_algos.train.placement import build_residency, gpu_memory
+    from hybrid_algos.train.placement import build_residency, gpu_memory, host_memory
     from rich.markup import escape
 
     console = console or Console(width=None if _is_terminal() else 132, highlight=False)
@@ -48,12 +49,19 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, notes: Sequence[
         raise PlacementError("gpu_memory_gb", f"must be > 0, got {gpu_memory_gb}.")
     if gpu_memory_gb is not None:
         config = config.replace(gpu_memory_gb=gpu_memory_gb)
+    if host_memory_gb is not None and host_memory_gb <= 0:
+        raise ConfigError("host_memory_gb", f"must be > 0, got {host_memory_gb}.", "E.g. --host_memory_gb 1000.")
+    if host_memory_gb is not None:
+        config = config.replace(host_memory_gb=host_memory_gb)
     gpu_bytes, source = gpu_memory(config)
+    host = host_memory(config, plan.gpus_per_node)
     prompt_len, generate_len = rollout_lengths(config, prompts)
     residency, run_config = build_residency(config, plan, config.pretrain, prompt_len=prompt_len,
-                                            generate_len=generate_len, gpu_bytes=gpu_bytes)
+                                            generate_len=generate_len, gpu_bytes=gpu_bytes, host=host)
     console.print(f"GPU memory: {gpu_bytes / GiB:.1f} GiB per GPU ({source}); sequences up to {prompt_len} + "
                   f"{generate_len} tokens")
+    console.print("host memory: " + (f"{host.bytes / GiB:.1f} GiB per node ({host.source})" if host.bytes is not None
+                                     else f"not checked ({host.source}; set --host_memory_gb)"), markup=False)
     console.print(residency.render(), markup=False)
     if run_config.adam_offload and not config.adam_offload:
         console.print("note: the optimizer state stays in host memory (DeepSpeed CPU Adam), as if --adam_offload")

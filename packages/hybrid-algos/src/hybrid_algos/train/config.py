@@ -91,6 +91,7 @@ class RLConfig:
     residency: str = "auto"  # auto: planned from the memory budget | all-sleep: every shared role moves | manual: only the sleep flags
     residency_pins: dict[str, str] | None = None  # fix single decisions, e.g. actor.optimizer=offload rollout.kv_cache=release
     gpu_memory_gb: float | None = None  # GPU memory the plan may use per GPU; None = the GPU's own (80 without a GPU)
+    host_memory_gb: float | None = None  # host memory (RAM) the plan may fill per node; None = this machine's available memory
     gpu_memory_usable: float = 0.92  # fraction of it a phase may fill (the rest absorbs fragmentation, workspaces)
     gpu_context_gb: float = 0.5  # what each process holds on its GPU whatever it keeps (CUDA context, workspaces)
     residency_overlap: bool = True  # start moves early where the memory allows (off: every move waits for its phase)
@@ -558,6 +559,10 @@ class RLConfig:
                                   + "; ".join(f"{s}: {'/'.join(m)}" for s, m in STATE_MOVES.items()) + ").")
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
             raise ConfigError("gpu_memory_gb", f"must be > 0, got {self.gpu_memory_gb}.", "E.g. --gpu_memory_gb 80.")
+        if self.host_memory_gb is not None and not self.host_memory_gb > 0:
+            raise ConfigError("host_memory_gb", f"must be > 0, got {self.host_memory_gb}.",
+                              "Give each node's host memory in GiB, e.g. --host_memory_gb 1000 (or leave it out: this "
+                              "machine's available memory).")
         if not 0 <= self.gpu_context_gb < 64:
             raise ConfigError("gpu_context_gb", f"must be in [0, 64), got {self.gpu_context_gb}.",
                               "E.g. --gpu_context_gb 0.5 (CUDA context and library workspaces of one process).")

@@ -544,7 +544,7 @@ class TrainingSession:
         grown = max(overhead[g] - plan.overhead.get(g, 0.0) for g in overhead)
         if plan.overhead and grown < 0.01 * plan.gpu_bytes:  # nothing worth a new plan (the readings jitter)
             return {"residency/overhead_gib": max(overhead.values()) / 2**30, "residency/replanned": 0.0}
-        refined = replan(self.config, plan.layout, plan.gpu_bytes, overhead=overhead)
+        refined = replan(self.config, plan.layout, plan.gpu_bytes, overhead=overhead, host=plan.host)
         changed = refined.moves != plan.moves
         notes = [n for n in plan.notes if not n.startswith("refined after step")]
         refined.notes = notes + [f"refined after step {after_step}: measured {max(overhead.values()) / 2**30:.2f} GiB "

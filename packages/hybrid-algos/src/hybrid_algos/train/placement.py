@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from hybrid_core.placement import PlacementPlan, PlacementSpec
-from hybrid_core.residency import GiB, ModelShape, ResidencyPlan, Workload, build_layout, model_shape, plan_residency
+from hybrid_core.residency import (GiB, HostBudget, ModelShape, ResidencyPlan, Workload, build_layout, local_budget,
+                                   model_shape, plan_residency)
 from hybrid_core.residency.planner import check_sleepers
 
 from .config import RLConfig
@@ -66,14 +67,25 @@ def gpu_memory(cfg: RLConfig) -> tuple[float, str]:
     return DEFAULT_GPU_GIB * GiB, f"no local GPU: {DEFAULT_GPU_GIB:g} GiB assumed (set --gpu_memory_gb)"
 
 
+def host_memory(cfg: RLConfig, gpus_per_node: int | None = None) -> HostBudget:
+    """The host memory each node may fill: --host_memory_gb, else what this machine has available now (Linux
+    MemAvailable; unknown elsewhere, and then the plan says it did not check)."""
+    if cfg.host_memory_gb is not None:
+        return HostBudget(cfg.host_memory_gb * GiB, "--host_memory_gb", gpus_per_node)
+    return local_budget(gpus_per_node)
+
+
 def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | None, *, prompt_len: int,
-                    generate_len: int, gpu_bytes: float | None = None) -> tuple[ResidencyPlan, RLConfig]:
+                    generate_len: int, gpu_bytes: float | None = None,
+                    host: HostBudget | None = None) -> tuple[ResidencyPlan, RLConfig]:
     """The residency plan for this run, and the config the roles are built with (the planner may keep an optimizer
-    in host memory: then ``adam_offload`` is on). ``prompt_len`` + ``generate_len``: the longest sequence."""
+    in host memory: then ``adam_offload`` is on). ``prompt_len`` + ``generate_len``: the longest sequence. ``host``:
+    each node's host memory (default: :func:`host_memory`); ``plan.check()`` refuses a plan that overfills it."""
     if gpu_bytes is None:
         gpu_bytes, _ = gpu_memory(cfg)
+    if host is None:
+        host = host_memory(cfg, placement.gpus_per_node)
     shapes = role_models(cfg, list(placement.roles), model_path)
-    settings = cfg.residency_settings()
     notes = []
     trainers = [placement.roles[r] for r in ("actor", "critic") if r in placement.roles]
     if cfg.zero_stage == 3 and all(t.world_size == 1 for t in trainers):
@@ -82,23 +94,23 @@ def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | N
         cfg = cfg.replace(zero_stage=1)
         notes.append("--zero_stage 3 with one rank per trainer partitions nothing: running ZeRO-1 (the same bytes "
                      "per GPU, without ZeRO-3's per-layer gather and release)")
-    plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, settings)
+    plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
     if any(m == "host" for (_, s), m in plan.moves.items() if s == "optimizer") and not cfg.adam_offload:
         cfg = cfg.replace(adam_offload=True)  # DeepSpeed's CPU Adam: the optimizer state never enters the GPU
         notes += plan.notes
-        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, settings)
+        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
     plan.notes[:0] = notes
     return plan, cfg
 
 
-def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, settings) -> ResidencyPlan:
+def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host) -> ResidencyPlan:
     layout = build_layout(placement, shapes, workload(cfg, prompt_len, generate_len), gpu_bytes)
-    return replan(cfg, layout, gpu_bytes)
+    return replan(cfg, layout, gpu_bytes, host=host)
 
 
-def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None) -> ResidencyPlan:
+def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None, host: HostBudget | None = None) -> ResidencyPlan:
     """The plan for a sized layout under this config's residency settings (``overhead``: bytes measured per GPU
-    beyond the model, by a run's first step)."""
+    beyond the model, by a run's first step; ``host``: each node's host memory, shown and checked by the plan)."""
     settings = cfg.residency_settings()
     present = {s.role for shares in layout.values() for s in shares}
     pins = {k: v for k, v in settings["flag_pins"].items() if k[0] in present}  # the flags speak for both trainers
@@ -110,7 +122,7 @@ def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None) -> ResidencyP
         return plan_residency(layout, gpu_bytes, mode=settings["mode"], pins=pins, sleep_roles=sleeping,
                               engine_sleep_level=settings["engine_sleep_level"],
                               usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1, overhead=overhead,
-                              sleep_fields=SLEEP_FLAGS)
+                              sleep_fields=SLEEP_FLAGS, host=host)
 
     # --async_train on shared GPUs: first the plan that keeps the engines next to the trainer in every phase (they
     # then generate while it trains); where that does not fit, the usual plan (synchronous turns: async_rollout.py)

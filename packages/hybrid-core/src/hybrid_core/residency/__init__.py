@@ -8,9 +8,10 @@ carried out by one owner.
     owner.enter("generate"); ...; owner.enter("reward"); ...
 
 :mod:`.steps` names the states, moves and phases; :mod:`.memory` sizes them; :mod:`.planner` chooses;
-:mod:`.plan` describes the choice; :mod:`.owner` executes it, guarded by :mod:`.wake_guard`.
+:mod:`.plan` describes the choice (and :mod:`.host` what it keeps in each node's host memory); :mod:`.owner` executes it, guarded by :mod:`.wake_guard`.
 """
 
+from .host import PROCESS_BYTES, HostBudget, HostUse, host_use, local_budget
 from .memory import GiB, ModelShape, RoleSize, Workload, model_shape, size_role
 from .owner import ResidencyOwner, RoleHandle
 from .plan import GpuShare, ResidencyPlan
@@ -19,7 +20,8 @@ from .steps import KIND_STATES, MOVES, STATE_MOVES, STEP, Phase, step_phases
 from .wake_guard import WakeGuard
 
 __all__ = [
-    "DEFAULT_USABLE", "GiB", "GpuShare", "KIND_STATES", "MODES", "MOVES", "ModelShape", "Phase", "ResidencyOwner",
-    "ResidencyPlan", "RoleHandle", "RoleSize", "STATE_MOVES", "STEP", "WakeGuard", "Workload", "build_layout",
-    "model_shape", "plan_residency", "size_role", "sleep_move", "step_phases",
+    "DEFAULT_USABLE", "GiB", "GpuShare", "HostBudget", "HostUse", "KIND_STATES", "MODES", "MOVES", "ModelShape",
+    "PROCESS_BYTES", "Phase", "ResidencyOwner", "ResidencyPlan", "RoleHandle", "RoleSize", "STATE_MOVES", "STEP",
+    "WakeGuard", "Workload", "build_layout", "host_use", "local_budget", "model_shape", "plan_residency", "size_role",
+    "sleep_move", "step_phases",
 ]

@@ -23,6 +23,10 @@ Engines, per GPU of an engine of TP GPUs:
                  KV cache = the rest of the pool; nothing else grows while they generate.
     hf (built-in): weights = b P / TP; while it generates, the KV cache of its share of the rollout
                  (ceil(samples / engines) sequences of S tokens, 2 L kv b / TP per token) + the last logits.
+Host memory (per worker, :mod:`.host` sums it per node): with adam_offload, DeepSpeed's CPU Adam keeps fp32 master
+    weights, Adam m, v and fp32 gradients of the rank's partition in host memory for the whole run,
+    16 P / (N if z >= 1 else 1) (``RoleSize.host``); ``RoleSize.host_optimizer`` is the same number for a trainer
+    without adam_offload, what the planner's ``host`` move would put there.
 Every worker process also holds CONTEXT_BYTES (CUDA context, NCCL and cuBLAS workspaces), whatever it keeps.
 During the sync, each side holds one weight-sync bucket.
 
@@ -40,6 +44,10 @@ from .steps import KIND_STATES, kind_of
 
 GiB = 1024**3
 CONTEXT_BYTES = GiB // 2
+#: DeepSpeed CPU Adam's host bytes per parameter of a rank's partition: fp32 master weights (4), Adam m and v (4 + 4),
+#: fp32 gradients (4).
+CPU_ADAM_BYTES = 16
+CPU_ADAM = "cpu_adam"  # its item in RoleSize.host
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,12 @@ class RoleSize:
     #: states whose bytes are exact, not estimated: a vLLM / SGLang pool is the fraction of the GPU it was told to
     #: take, so the safety margin of the estimates does not apply to it
     exact: frozenset[str] = frozenset()
+    #: what one worker keeps in host memory for the whole run, whatever the plan (item -> bytes): CPU Adam's state
+    #: with adam_offload (``"cpu_adam"``)
+    host: dict[str, float] = field(default_factory=dict)
+    #: the bytes CPU Adam would keep in host memory for one worker, should the plan keep its optimizer there (the
+    #: ``host`` move); 0 for roles without an optimizer
+    host_optimizer: float = 0.0
 
     def working_total(self, phase: str) -> float:
         return sum(self.working.get(phase, {}).values())
@@ -181,6 +195,7 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
         size = RoleSize(role, kind, {"params": b * shape.num_params}, working, work.context_bytes)
         return _with_cache(size)
     k = 0 if work.adam_offload else (12 if work.bf16 else 8)
+    cpu_adam = CPU_ADAM_BYTES * shape.num_params / (n if z >= 1 else 1)
     states = {"params": b * shape.num_params / (n if z == 3 else 1),
               "grads": b * shape.num_params / (n if z >= 2 else 1),
               "optimizer": k * shape.num_params / (n if z >= 1 else 1)}
@@ -201,7 +216,8 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
         # actor_train also runs the old-log-prob pass; the larger of the two is the phase's working memory
         working = {"actor_train": max(train, infer, key=lambda d: sum(d.values())),
                    "sync": {"sync_bucket": _bucket(work, shape), **gather}}
-    return _with_cache(RoleSize(role, kind, states, working, work.context_bytes))
+    return _with_cache(RoleSize(role, kind, states, working, work.context_bytes,
+                                host={CPU_ADAM: cpu_adam} if work.adam_offload else {}, host_optimizer=cpu_adam))
 
 
 def _with_cache(size: RoleSize) -> RoleSize:

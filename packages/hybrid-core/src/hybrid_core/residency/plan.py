@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import PlacementError
+from .host import HostBudget, HostUse, check_host, host_dict, host_notes, host_use, render_host
 from .memory import GiB, RoleSize
 from .steps import Phase, absent_runs, needed_in
 
@@ -51,6 +52,8 @@ class ResidencyPlan:
     #: gpu -> bytes a run measured beyond what the model counts (contexts, library buffers, fragmentation); added to
     #: every phase of that GPU (see hybrid_algos.train.loop's refinement after steps 1, 2, 4, 8, ...)
     overhead: dict[int, float] = field(default_factory=dict)
+    #: the host memory each node may fill (see :mod:`.host`); None: not checked (a plan built without one)
+    host: HostBudget | None = None
 
     # ---- what is where ---------------------------------------------------------------------------------------------
     @property
@@ -135,9 +138,11 @@ class ResidencyPlan:
         return all(self.fits_phase(g, p.name) for g in self.layout for p in self.phases)
 
     def check(self) -> None:
-        """Raise a :class:`PlacementError` naming the GPU, the phase and the numbers when the plan does not fit."""
+        """Raise a :class:`PlacementError` naming the GPU, the phase and the numbers when the plan does not fit --
+        on a GPU, or in a node's host memory (:func:`.host.check_host`)."""
         gpu, phase, total = self.worst()
         if self.fits_phase(gpu, phase):
+            check_host(self)
             return
         items = self.breakdown(gpu, phase)
         parts = ", ".join(f"{role} {item} {v / GiB:.1f}" for (role, item), v in
@@ -159,6 +164,14 @@ class ResidencyPlan:
                     present = frozenset(p.name for p in self.phases if self.present(share.role, state, p.name))
                     total += 2 * nbytes * share.workers * absent_runs(self.phases, present)
         return total
+
+    def host_use(self) -> dict[int, HostUse]:
+        """Node -> what the plan keeps in its host memory (offloaded states, CPU Adam, the processes' estimate)."""
+        return host_use(self.layout, self.moves, self.host.gpus_per_node if self.host else None)
+
+    def all_notes(self) -> list[str]:
+        """The plan's notes and what it says about host memory (computed, so a replanned copy says it afresh)."""
+        return [*self.notes, *host_notes(self)]
 
     def move_count(self) -> int:
         return sum(1 for m in self.moves.values() if m in MOVING)
@@ -194,7 +207,8 @@ class ResidencyPlan:
                 seen_text = f", measured {seen / GiB:.2f}" if seen else ""
                 lines.append(f"  {phase.name:<13} peak {peak / GiB:7.2f} GiB {flag:<4}{seen_text}  "
                              f"resident: {' '.join(resident) or '-'}")
-        lines.extend(f"note: {n}" for n in self.notes)
+        lines.extend(render_host(self))
+        lines.extend(f"note: {n}" for n in self.all_notes())
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,7 +218,8 @@ class ResidencyPlan:
             "peaks": {str(g): {p.name: self.peak(g, p.name) for p in self.phases} for g in self.layout},
             "overhead": {str(g): v for g, v in self.overhead.items()},
             "bytes_moved_per_step": {str(g): self.bytes_moved(g) for g in self.layout},
-            "notes": list(self.notes),
+            "host": host_dict(self),
+            "notes": self.all_notes(),
         }
 
     # ---- internals -----------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from ..errors import ConfigError, PlacementError
+from .host import HostBudget
 from .memory import ModelShape, Workload, size_role
 from .plan import GpuShare, ResidencyPlan, tracked
 from .steps import STATE_MOVES, Phase, absent_runs, needed_in, step_phases
@@ -66,10 +67,12 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
                    usable: float = DEFAULT_USABLE, allow_host: bool = True,
                    phases: tuple[Phase, ...] | None = None,
                    overhead: Mapping[int, float] | None = None,
-                   sleep_fields: Mapping[str, str] | None = None) -> ResidencyPlan:
+                   sleep_fields: Mapping[str, str] | None = None,
+                   host: HostBudget | None = None) -> ResidencyPlan:
     """The residency plan for ``layout`` on GPUs of ``gpu_bytes`` (see the module docstring). ``overhead``: GPU ->
     bytes measured beyond the model (a run's refinements after steps 1, 2, 4, 8, ...), held in every phase. ``sleep_fields``:
-    role -> the user's setting that asked it to sleep (named by the error when such a role shares no GPU)."""
+    role -> the user's setting that asked it to sleep (named by the error when such a role shares no GPU). ``host``:
+    each node's host memory (the plan shows and checks what it keeps there, see :mod:`.host`)."""
     if mode not in MODES:
         raise ConfigError("residency", f"unknown mode {mode!r}.", f"Use one of: {', '.join(MODES)}.")
     if not 0 < usable <= 1:
@@ -87,12 +90,13 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
     overhead = {g: float(v) for g, v in (overhead or {}).items() if v}
     if mode != "auto":
         moves = {key: options[0] for key, options in choices.items()}
-        return ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes, overhead=overhead)
+        return ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes, overhead=overhead,
+                             host=host)
     moves = _cheapest_fit(layout, phases, choices, capacity, gpu_bytes, overhead)
     if moves is None:  # nothing fits: return the plan that moves the most, so the error shows the smallest peak
         moves = {key: _most_moving(options) for key, options in choices.items()}
         notes.append("no plan fits the GPUs; this one moves everything it can")
-    plan = ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes, overhead=overhead)
+    plan = ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes, overhead=overhead, host=host)
     for (role, state), move in moves.items():
         if move == "host":
             plan.notes.append(f"{role}'s optimizer state stays in host memory (CPU Adam): it does not fit on the "

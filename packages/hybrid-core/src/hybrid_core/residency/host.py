@@ -1,0 +1,242 @@
+"""Host memory: what a residency plan keeps in each node's RAM, and whether that fits.
+
+A plan puts three things in host memory, per node (a plan GPU's node is ``gpu // gpus_per_node``; all GPUs are one
+node when the run does not say how large a node is):
+
+* offloaded states: every (role, state) whose move is ``offload`` keeps a host copy of its bytes for each worker
+  (pinned copies of a trainer's params / grads / optimizer state, of a frozen model's params, and an engine's weights
+  on a level-1 sleep, which vLLM backs up to host). They are counted all at once, not per phase: torch's pinned
+  memory allocator keeps its buffers cached after a state goes back to the GPU. ``discard`` and ``release`` keep
+  nothing on host;
+* the optimizer in host memory (DeepSpeed CPU Adam: the planner's ``host`` move, or ``--adam_offload``): fp32 master
+  weights, Adam m and v, and fp32 gradients, 16 bytes per parameter of the rank's ZeRO partition (the memory model's
+  ``RoleSize.host`` / ``RoleSize.host_optimizer``);
+* the processes: every worker, and the driver on node 0, is a Python process with torch and the CUDA libraries
+  loaded, ``PROCESS_BYTES`` each (an estimate).
+
+The first two are what the plan decides: a plan whose states exceed a node's memory is refused before anything
+starts (the kernel's OOM killer would otherwise end the run minutes into start-up without a word). The process
+estimate only adds a note when the total comes near the capacity.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..errors import PlacementError
+from .memory import CPU_ADAM, GiB
+
+if TYPE_CHECKING:
+    from .plan import GpuShare, ResidencyPlan
+
+#: Host memory of one worker process whatever the plan keeps there: the Python interpreter, torch, the CUDA runtime,
+#: cuBLAS / cuDNN / NCCL mapped in, Ray's worker machinery. An estimate (about 1.5-3 GiB resident for a CUDA torch
+#: process); it is shown, and only makes a note near the capacity, never a refusal.
+PROCESS_BYTES = 2 * GiB
+#: Above this fraction of a node's capacity (states + the process estimate), the plan says the run is tight.
+NEAR_FULL = 0.9
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """The host memory each node may fill, and where the number comes from."""
+
+    bytes: float | None  # per node; None: unknown (nothing is checked, the plan's notes say so)
+    source: str  # shown with the number: "--host_memory_gb", "MemAvailable of this machine", or why it is unknown
+    gpus_per_node: int | None = None  # plan GPU -> node; None: one node
+    local: bool = False  # read from this machine: other nodes are assumed to have as much
+
+
+@dataclass
+class HostUse:
+    """What one node's host memory holds under a plan."""
+
+    node: int
+    #: (role, item) -> bytes; item: CPU_ADAM (the optimizer in host memory) or the name of an offloaded state
+    items: dict[tuple[str, str], float] = field(default_factory=dict)
+    processes: int = 0
+
+    @property
+    def optimizer(self) -> float:
+        """CPU Adam's state (fp32 master, m, v, fp32 grads) of the ranks on this node."""
+        return sum(v for (_, item), v in self.items.items() if item == CPU_ADAM)
+
+    @property
+    def offloaded(self) -> float:
+        return sum(v for (_, item), v in self.items.items() if item != CPU_ADAM)
+
+    @property
+    def states(self) -> float:
+        """What the plan decides to keep here (the refusal compares this with the capacity)."""
+        return self.optimizer + self.offloaded
+
+    @property
+    def process_bytes(self) -> float:
+        return self.processes * PROCESS_BYTES
+
+    @property
+    def total(self) -> float:
+        return self.states + self.process_bytes
+
+
+def host_use(layout: Mapping[int, tuple[GpuShare, ...]], moves: Mapping[tuple[str, str], str],
+             gpus_per_node: int | None = None, *, driver: bool = True) -> dict[int, HostUse]:
+    """Node -> what its host memory holds: offloaded states x workers, CPU Adam's partitions, one process per worker
+    (and the driver on node 0 unless ``driver`` is off). A pure function of the layout and the moves."""
+    nodes: dict[int, HostUse] = {}
+    for gpu, shares in sorted(layout.items()):
+        node = gpu // gpus_per_node if gpus_per_node else 0
+        use = nodes.setdefault(node, HostUse(node))
+        for share in shares:
+            size, n = share.size, share.workers
+            held = {state: nbytes for state, nbytes in size.states.items()
+                    if nbytes and moves.get((size.role, state), "resident") == "offload"}
+            held.update(size.host)  # kept there for the whole run (CPU Adam with --adam_offload)
+            if moves.get((size.role, "optimizer")) == "host" and CPU_ADAM not in size.host:
+                held[CPU_ADAM] = size.host_optimizer  # the planner keeps the optimizer there
+            for item, nbytes in held.items():
+                if nbytes:
+                    use.items[(size.role, item)] = use.items.get((size.role, item), 0.0) + nbytes * n
+            use.processes += n
+    if driver and nodes:
+        nodes[min(nodes)].processes += 1
+    return nodes
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> float | None:
+    """This machine's available memory in bytes (Linux ``MemAvailable``: free memory plus what the kernel can reclaim
+    without swapping), or None where it cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def local_budget(gpus_per_node: int | None = None, *, meminfo: str = "/proc/meminfo") -> HostBudget:
+    """The default budget: what this machine has available now."""
+    found = available_memory(meminfo)
+    if found is None:
+        reason = f"this machine's available memory could not be read ({meminfo} has no MemAvailable)" \
+            if os.path.exists(meminfo) else f"this machine's available memory is unknown (no {meminfo})"
+        return HostBudget(None, reason, gpus_per_node, local=True)
+    return HostBudget(found, "MemAvailable of this machine", gpus_per_node, local=True)
+
+
+# ---- the check, the notes and the lines --------------------------------------------------------------------------
+def check_host(plan: ResidencyPlan) -> None:
+    """Raise a :class:`PlacementError` naming the node, the numbers, the largest items and a fix when the states the
+    plan keeps in a node's host memory exceed its capacity."""
+    budget = plan.host
+    if budget is None or budget.bytes is None:
+        return
+    for node, use in sorted(plan.host_use().items()):
+        if use.states <= budget.bytes:
+            continue
+        parts = ", ".join(f"{_item(role, item)} {v / GiB:.1f}" for (role, item), v in _largest(use)[:4])
+        raise PlacementError(
+            "host_memory_gb",
+            f"node {node}: the plan keeps {use.states / GiB:.1f} GiB in host memory > {budget.bytes / GiB:.1f} GiB "
+            f"available ({budget.source}): {parts} GiB; the {use.processes} processes need about "
+            f"{use.process_bytes / GiB:.0f} GiB more (an estimate). The run would be killed for memory at start-up.",
+            _fix(use, budget))
+
+
+def host_notes(plan: ResidencyPlan) -> list[str]:
+    """What the plan says about host memory: a node near its capacity, capacity unknown, other nodes assumed alike."""
+    budget = plan.host
+    if budget is None:
+        return []
+    uses = plan.host_use()
+    notes = []
+    if budget.bytes is None:
+        most = max((u.states for u in uses.values()), default=0.0)
+        notes.append(f"host memory not checked: {budget.source} (the plan keeps up to {most / GiB:.1f} GiB of states "
+                     "in one node's host memory); set --host_memory_gb to check it")
+        return notes
+    if budget.local and len(uses) > 1:
+        others = sorted(uses)[1:]
+        which = f"node {others[0]} is" if len(others) == 1 else f"nodes {_span(others)} are"
+        notes.append(f"host memory: {which} assumed to have as much available as this machine "
+                     f"({budget.bytes / GiB:.1f} GiB); set --host_memory_gb if they differ")
+    for node, use in sorted(uses.items()):
+        if use.states <= budget.bytes < use.total / NEAR_FULL:
+            less = ("keep fewer states there (--residency_pins)" if use.states > use.process_bytes else
+                    "run fewer worker processes per node (each role on a GPU is a process)")
+            notes.append(f"host (node {node}): {use.states / GiB:.1f} GiB of states + ~{use.process_bytes / GiB:.0f} "
+                         f"GiB for {use.processes} processes (an estimate) = {use.total / GiB:.1f} GiB, over "
+                         f"{NEAR_FULL:.0%} of the {budget.bytes / GiB:.1f} GiB available ({budget.source}): the "
+                         f"run may be killed for memory; free host memory, or {less}")
+    return notes
+
+
+def render_host(plan: ResidencyPlan) -> list[str]:
+    """One line per group of nodes holding the same: what is in host memory against what is available."""
+    budget, uses = plan.host, plan.host_use()
+    groups: dict[tuple, list[int]] = {}
+    for node, use in sorted(uses.items()):
+        groups.setdefault((round(use.optimizer), round(use.offloaded), use.processes), []).append(node)
+    lines = []
+    for nodes in groups.values():
+        use = uses[nodes[0]]
+        where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {_span(nodes)}, each"
+        if budget is None or budget.bytes is None:
+            capacity, source = "(available memory unknown: not checked)", ""
+        else:
+            flag = "OVER" if use.states > budget.bytes else "tight" if use.total > NEAR_FULL * budget.bytes else "ok"
+            capacity, source = f"of {budget.bytes / GiB:.1f} GiB available, {flag}", f"; available: {budget.source}"
+        lines.append(f"host ({where}): {use.total / GiB:.1f} GiB {capacity}: optimizer (CPU Adam) "
+                     f"{use.optimizer / GiB:.1f}, offloaded {use.offloaded / GiB:.1f}, processes "
+                     f"~{use.process_bytes / GiB:.0f} ({use.processes} x {PROCESS_BYTES / GiB:g} GiB, estimated)"
+                     + source)
+    return lines
+
+
+def host_dict(plan: ResidencyPlan) -> dict[str, Any]:
+    """The numbers of :func:`render_host` for ``residency.json`` (bytes)."""
+    budget, uses = plan.host, plan.host_use()
+    return {
+        "available": budget.bytes if budget else None, "source": budget.source if budget else None,
+        "process_bytes_estimate": PROCESS_BYTES,
+        "nodes": {str(node): {"optimizer_cpu_adam": u.optimizer, "offloaded": u.offloaded, "states": u.states,
+                              "processes": u.processes, "process_bytes": u.process_bytes, "total": u.total,
+                              "items": {f"{role}.{item}": v for (role, item), v in u.items.items()}}
+                  for node, u in sorted(uses.items())},
+    }
+
+
+def _largest(use: HostUse) -> list[tuple[tuple[str, str], float]]:
+    return sorted(use.items.items(), key=lambda kv: -kv[1])
+
+
+def _item(role: str, item: str) -> str:
+    return f"{role} optimizer (CPU Adam)" if item == CPU_ADAM else f"{role} {item} (offloaded)"
+
+
+def _fix(use: HostUse, budget: HostBudget) -> str:
+    (role, item), _ = _largest(use)[0]
+    if item == CPU_ADAM:
+        fix = (f"The {role}'s optimizer is in host memory (CPU Adam: 16 bytes per parameter of each rank's ZeRO "
+               "partition). Give it room on the GPUs so it stays there: more GPUs for the role with --zero_stage 3 "
+               "(each rank holds 1/N of the states) or larger GPUs, and no --adam_offload; or spread its ranks over "
+               "more nodes (a node holds only its own ranks' partitions; ZeRO-0 would keep the whole optimizer on "
+               "every rank).")
+    elif role == "rollout" and item == "weights":
+        fix = ("Let the engines drop their weights instead of backing them up to host (--residency_pins "
+               "rollout.weights=discard, or --engine_sleep_level 2: the sync refills them after each update).")
+    else:
+        fix = (f"Keep fewer states in host memory: --residency_pins {role}.{item}=resident where the GPU has room, "
+               "or colocate fewer roles on the GPUs.")
+    more = " (they are not this machine? say how much they have with --host_memory_gb N)" if budget.local else ""
+    return f"{fix} Or run on nodes with more host memory{more}."
+
+
+def _span(nodes) -> str:
+    from ..placement.ranges import format_gpus
+
+    return format_gpus(nodes)

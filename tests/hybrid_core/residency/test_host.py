@@ -1,0 +1,175 @@
+"""What a residency plan keeps in host memory, per node, as a pure function of the layout and the moves; the refusal
+of a plan that overfills a node, and the notes near the capacity."""
+
+import pytest
+
+from hybrid_core.errors import PlacementError
+from hybrid_core.placement import PlacementSpec
+from hybrid_core.residency import (PROCESS_BYTES, GiB, GpuShare, HostBudget, RoleSize, Workload, build_layout,
+                                   host_use, local_budget, model_shape, plan_residency, size_role)
+from hybrid_core.residency.host import NEAR_FULL, available_memory
+
+
+def size(role, kind, states, host_optimizer=0.0, **host):
+    return RoleSize(role, kind, {k: v * GiB for k, v in states.items()}, {}, 0.0,
+                    host={k: v * GiB for k, v in host.items()}, host_optimizer=host_optimizer * GiB)
+
+
+ACTOR = size("actor", "trainer", {"params": 2, "grads": 3, "optimizer": 12, "cache": 1}, host_optimizer=16)
+REFERENCE = size("reference", "frozen", {"params": 5, "cache": 1})
+ROLLOUT = size("rollout", "engine", {"weights": 7, "kv_cache": 20})
+
+
+def test_offloaded_states_count_discarded_and_released_ones_do_not():
+    layout = {0: (GpuShare(ACTOR), GpuShare(REFERENCE), GpuShare(ROLLOUT))}
+    moves = {("actor", "params"): "offload", ("actor", "grads"): "resident", ("actor", "optimizer"): "offload",
+             ("actor", "cache"): "release", ("reference", "params"): "offload", ("reference", "cache"): "release",
+             ("rollout", "weights"): "discard", ("rollout", "kv_cache"): "release"}
+    (node,) = host_use(layout, moves).values()
+    assert node.items == {("actor", "params"): 2 * GiB, ("actor", "optimizer"): 12 * GiB,
+                          ("reference", "params"): 5 * GiB}
+    assert node.offloaded == 19 * GiB and node.optimizer == 0 and node.states == 19 * GiB
+    assert node.processes == 3 + 1  # three workers and the driver
+    assert node.total == 19 * GiB + 4 * PROCESS_BYTES
+    # a level-1 engine sleep backs its weights up to host; everything resident keeps nothing there
+    level1 = host_use(layout, {**moves, ("rollout", "weights"): "offload"})[0]
+    assert level1.offloaded == 26 * GiB and level1.items[("rollout", "weights")] == 7 * GiB
+    assert host_use(layout, {})[0].states == 0
+
+
+def test_cpu_adam_is_sixteen_bytes_per_parameter_of_the_rank_s_zero_partition():
+    from transformers import LlamaConfig
+
+    shape = model_shape(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    P = shape.num_params
+
+    def actor(zero_stage, adam_offload, ranks=4):
+        work = Workload(bf16=True, zero_stage=zero_stage, adam_offload=adam_offload, prompt_len=16, generate_len=16)
+        return size_role("actor", shape, work, ranks=ranks, tp=1, gpu_bytes=80 * GiB)
+
+    offloaded = actor(3, True)
+    assert offloaded.host == {"cpu_adam": 16 * P / 4} and offloaded.states["optimizer"] == 0  # nothing on the GPU
+    assert actor(1, True).host["cpu_adam"] == 16 * P / 4  # ZeRO-1 partitions the optimizer too
+    assert actor(0, True).host["cpu_adam"] == 16 * P  # ZeRO-0: every rank holds all of it
+    on_gpu = actor(2, False)
+    assert on_gpu.host == {} and on_gpu.host_optimizer == 16 * P / 4  # what the planner's "host" move would cost
+    assert size_role("reference", shape, Workload(), ranks=4, tp=1, gpu_bytes=80 * GiB).host_optimizer == 0
+    # the plan counts it under adam_offload whatever the moves, and under the planner's "host" move
+    layout = {0: (GpuShare(offloaded),)}
+    assert host_use(layout, {})[0].optimizer == 16 * P / 4
+    layout = {0: (GpuShare(on_gpu),)}
+    assert host_use(layout, {("actor", "optimizer"): "host"})[0].items == {("actor", "cpu_adam"): 16 * P / 4}
+    assert host_use(layout, {("actor", "optimizer"): "offload"})[0].items == {("actor", "optimizer"): 12 * P / 4}
+
+
+def test_workers_multiply_and_nodes_split_by_gpus_per_node():
+    layout = {g: (GpuShare(ACTOR), GpuShare(REFERENCE, workers=2)) for g in range(4)}
+    moves = {("actor", "optimizer"): "host", ("reference", "params"): "offload"}
+    one = host_use(layout, moves)  # no node size: one node
+    assert list(one) == [0] and one[0].optimizer == 4 * 16 * GiB and one[0].offloaded == 4 * 2 * 5 * GiB
+    assert one[0].processes == 4 * 3 + 1
+    two = host_use(layout, moves, gpus_per_node=2)
+    assert sorted(two) == [0, 1]
+    for node in two.values():  # GPUs 0-1 on node 0, 2-3 on node 1
+        assert node.optimizer == 2 * 16 * GiB and node.offloaded == 2 * 2 * 5 * GiB
+    assert (two[0].processes, two[1].processes) == (7, 6)  # the driver runs on node 0
+    assert host_use(layout, moves, gpus_per_node=2, driver=False)[0].processes == 6
+
+
+def test_a_real_layout_over_two_nodes_holds_each_node_s_own_ranks_partitions():
+    from transformers import LlamaConfig
+
+    shape = model_shape(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2))
+    placement = PlacementSpec.from_ranges({"actor": "0-7", "rollout": "0-7"}, gpus_per_node=4).plan()
+    work = Workload(bf16=True, zero_stage=3, adam_offload=True, prompt_len=16, generate_len=16)
+    layout = build_layout(placement, {"actor": shape, "rollout": shape}, work, 80 * GiB)
+    plan = plan_residency(layout, 80 * GiB, host=HostBudget(64 * GiB, "--host_memory_gb", placement.gpus_per_node))
+    uses = plan.host_use()
+    assert sorted(uses) == [0, 1]
+    for use in uses.values():  # 4 of the 8 ranks each: half of the 16 bytes per parameter
+        assert use.optimizer == pytest.approx(4 * 16 * shape.num_params / 8)
+
+
+def _tight_plan(capacity_gib, **budget):
+    """One GPU too small for the actor's 60 GiB optimizer: the planner keeps it in host memory (CPU Adam, 80 GiB)."""
+    actor = size("actor", "trainer", {"params": 4, "grads": 4, "optimizer": 60, "cache": 0}, host_optimizer=80)
+    layout = {0: (GpuShare(actor), GpuShare(size("rollout", "engine", {"weights": 4, "kv_cache": 10})))}
+    host = HostBudget(capacity_gib * GiB if capacity_gib is not None else None, budget.pop("source", "--host_memory_gb"),
+                      **budget)
+    plan = plan_residency(layout, 40 * GiB, usable=1.0, host=host)
+    assert plan.move("actor", "optimizer") == "host" and plan.fits()
+    return plan
+
+
+def test_a_plan_that_overfills_host_memory_is_refused_with_the_numbers_and_a_fix():
+    plan = _tight_plan(64)
+    with pytest.raises(PlacementError) as err:
+        plan.check()
+    text = str(err.value)
+    assert err.value.field == "host_memory_gb"
+    assert "node 0: the plan keeps 80.0 GiB in host memory > 64.0 GiB available (--host_memory_gb)" in text
+    assert "actor optimizer (CPU Adam) 80.0" in text and "3 processes" in text
+    assert "Fix:" in text and "--zero_stage 3" in text and "more host memory" in text
+    assert "host (node 0): 86.0 GiB of 64.0 GiB available, OVER: optimizer (CPU Adam) 80.0, offloaded 0.0" \
+        in plan.render()
+    # the states fit: no refusal (the process estimate alone never refuses)
+    _tight_plan(80.5).check()
+
+
+def test_offloaded_states_over_the_capacity_name_the_pin_that_frees_them():
+    layout = {0: (GpuShare(ACTOR), GpuShare(ROLLOUT))}
+    plan = plan_residency(layout, 80 * GiB, mode="all-sleep", engine_sleep_level=1,
+                          host=HostBudget(10 * GiB, "MemAvailable of this machine", local=True))
+    assert plan.move("rollout", "weights") == "offload"
+    with pytest.raises(PlacementError) as err:
+        plan.check()
+    text = str(err.value)
+    assert "the plan keeps 24.0 GiB" in text and "actor optimizer (offloaded) 12.0" in text
+    assert "rollout weights (offloaded) 7.0" in text
+    assert "--residency_pins actor.optimizer=resident" in text and "--host_memory_gb N" in text  # local: say so
+
+
+def test_near_the_capacity_with_the_processes_is_a_note_not_a_refusal():
+    plan = _tight_plan(83)  # 80 GiB of states + ~6 GiB for three processes > 90 % of 83
+    plan.check()
+    (note,) = [n for n in plan.all_notes() if n.startswith("host (node 0)")]
+    assert "80.0 GiB of states + ~6 GiB for 3 processes (an estimate) = 86.0 GiB" in note
+    assert f"over {NEAR_FULL:.0%} of the 83.0 GiB available" in note
+    assert "tight" in plan.render() and f"note: {note}" in plan.render()
+    roomy = _tight_plan(200)
+    assert not any(n.startswith("host") for n in roomy.all_notes()) and ", ok:" in roomy.render()
+    data = plan.to_dict()
+    assert data["host"]["available"] == 83 * GiB and data["host"]["source"] == "--host_memory_gb"
+    node = data["host"]["nodes"]["0"]
+    assert node["optimizer_cpu_adam"] == 80 * GiB and node["offloaded"] == 0 and node["processes"] == 3
+    assert node["process_bytes"] == 3 * PROCESS_BYTES and node["items"] == {"actor.cpu_adam": 80 * GiB}
+    assert note in data["notes"]
+
+
+def test_unknown_capacity_and_other_nodes_are_said():
+    unknown = _tight_plan(None, source="this machine's available memory is unknown (no /proc/meminfo)")
+    unknown.check()  # nothing to check against
+    assert any(n.startswith("host memory not checked") and "80.0 GiB" in n for n in unknown.all_notes())
+    assert "not checked" in unknown.render()
+    layout = {g: (GpuShare(ACTOR),) for g in range(16)}
+    local = plan_residency(layout, 80 * GiB, host=HostBudget(500 * GiB, "MemAvailable of this machine", 8, local=True))
+    assert any("node 1 is assumed to have as much available as this machine" in n for n in local.all_notes())
+    given = plan_residency(layout, 80 * GiB, host=HostBudget(500 * GiB, "--host_memory_gb", 8))
+    assert not any("assumed" in n for n in given.all_notes())
+    assert "host (node 0):" in given.render() and "host (node 1):" in given.render()
+    # a plan made without a budget still says what it keeps, and that it did not check
+    assert "host (node 0): " in plan_residency(layout, 80 * GiB).render()
+
+
+def test_memavailable_is_read_from_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   125829120 kB\n")
+    assert available_memory(str(meminfo)) == 125829120 * 1024
+    budget = local_budget(8, meminfo=str(meminfo))
+    assert budget.bytes == 120 * GiB and budget.local and budget.gpus_per_node == 8
+    missing = local_budget(meminfo=str(tmp_path / "absent"))
+    assert missing.bytes is None and "unknown" in missing.source
+    meminfo.write_text("MemTotal: 1 kB\n")  # an old kernel without MemAvailable
+    assert local_budget(meminfo=str(meminfo)).bytes is None
