@@ -16,6 +16,10 @@ that drift of the machine (clocks, other processes' CPU) falls on every variant 
     G  F with 8 torch CPU threads during the call (Ray gives a fractional-GPU actor 1)
     H  F with Python's garbage collector off during the call
 
+With ``--vllm_mp`` only A-D run, with vLLM's engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``,
+vLLM's default, which our engines turn off): whether the way users call vLLM overlaps its output processing with the
+next step enough to matter, and what our adapter costs there (writes ``genoverhead-mp.json``; records nothing).
+
 ``generate overhead vs vLLM alone %`` = (E - A) / A; the loop's own generate phase (``bench/e2e_gpu.py``, same call)
 against A is the figure the issue asks for. The load average and the busiest processes are recorded before and after:
 a timing taken while something else keeps the CPUs busy is not comparable.
@@ -96,10 +100,15 @@ def main() -> int:
     ap.add_argument("--gpu_util", type=float, default=0.18, help="each of the 2 engines' share of the GPU")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--record", action="store_true", help="append the row to bench/RESULTS.md")
+    ap.add_argument("--vllm_mp", action="store_true",
+                    help="A-D only, vLLM's engine core in its own process (vLLM's default; ours runs it in-process)")
     args = ap.parse_args()
+    if args.vllm_mp and args.record:
+        ap.error("--vllm_mp times vLLM's multi-process mode beside our adapter; it records no row (drop --record)")
     _stamp("start")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.vllm_mp else os.environ.get(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     import json as _json
     import random
@@ -161,6 +170,30 @@ def main() -> int:
                 gc.enable()
                 torch.set_num_threads(before)
 
+    variants = {
+        "A vllm n=8": lambda: llm.generate(req, plain, use_tqdm=False),
+        "B vllm n=8 logprobs": lambda: llm.generate(req, with_logprobs, use_tqdm=False),
+        "C vllm our requests": lambda: llm.generate(row_requests, row_params, use_tqdm=False),
+        "D adapter in-process": lambda: engine.generate(prompts, ours),
+    }
+    out = os.environ.get("OUT")
+    name = "genoverhead-mp.json" if args.vllm_mp else "genoverhead.json"
+
+    def checkpoint(partial: dict) -> None:
+        if out:
+            with open(os.path.join(out, name), "w") as f:
+                json.dump({**partial, "partial": True}, f, indent=1)
+
+    if args.vllm_mp:
+        results = round_robin(variants, args.repeats, checkpoint)
+        results["machine_load"] = {"before": load_before, "after": machine_load()}
+        engine.shutdown()
+        _print_table(results, load_before)
+        if out:
+            with open(os.path.join(out, name), "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
+
     # One engine actor, as the loop starts it (Ray's share of the GPU, one CPU thread); G and H change one thing each
     # for the length of their call, so no second engine has to be built (each takes ~40 s).
     cluster = connect(num_gpus=1)
@@ -174,23 +207,12 @@ def main() -> int:
     def inside(gc_off=False, threads=None):
         return lambda: ray.get(actor.timed_generate.remote(prompts, ours, gc_off, threads), timeout=600)
 
-    variants = {
-        "A vllm n=8": lambda: llm.generate(req, plain, use_tqdm=False),
-        "B vllm n=8 logprobs": lambda: llm.generate(req, with_logprobs, use_tqdm=False),
-        "C vllm our requests": lambda: llm.generate(row_requests, row_params, use_tqdm=False),
-        "D adapter in-process": lambda: engine.generate(prompts, ours),
+    variants.update({
         "E ray group": lambda: group.generate(prompts, ours),
         "F in-actor": inside(),
         "G in-actor 8 threads": inside(threads=8),
         "H in-actor gc off": inside(gc_off=True),
-    }
-    out = os.environ.get("OUT")
-
-    def checkpoint(partial: dict) -> None:
-        if out:
-            with open(os.path.join(out, "genoverhead.json"), "w") as f:
-                json.dump({**partial, "partial": True}, f, indent=1)
-
+    })
     results = round_robin(variants, args.repeats, checkpoint)
     results["machine_load"] = {"before": load_before, "after": machine_load()}
     ray.get(actor.shutdown.remote(), timeout=120)
@@ -200,15 +222,9 @@ def main() -> int:
     engine.shutdown()
 
     base = results["A vllm n=8"]["median_s"]
-    print(f"\nload average before {load_before['loadavg']}, after {results['machine_load']['after']['loadavg']} "
-          f"({load_before['cpus']} CPUs)")
-    print(f"{'variant':<26}{'median s':>10}{'min s':>9}{'tokens':>8}{'vs A %':>9}")
-    for name, r in results.items():
-        if name != "machine_load":
-            print(f"{name:<26}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['tokens']:>8}"
-                  f"{100 * (r['median_s'] / base - 1):>9.1f}")
+    _print_table(results, load_before)
     if out:
-        with open(os.path.join(out, "genoverhead.json"), "w") as f:
+        with open(os.path.join(out, name), "w") as f:
             json.dump(results, f, indent=1)
     if args.record:
         from _common import Row, append_results
@@ -223,6 +239,18 @@ def main() -> int:
                   f"{results['C vllm our requests']['median_s']:.3f} s; goal <= 5)")
         print(f"appended {append_results([row], _device())} row to bench/RESULTS.md")
     return 0
+
+
+def _print_table(results: dict, load_before: dict) -> None:
+    base = results["A vllm n=8"]["median_s"]
+    print(f"\nload average before {load_before['loadavg']}, after {results['machine_load']['after']['loadavg']} "
+          f"({load_before['cpus']} CPUs); vLLM engine core "
+          f"{'in its own process' if os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '1' else 'in-process'}")
+    print(f"{'variant':<26}{'median s':>10}{'min s':>9}{'tokens':>8}{'vs A %':>9}")
+    for name, r in results.items():
+        if name != "machine_load":
+            print(f"{name:<26}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['tokens']:>8}"
+                  f"{100 * (r['median_s'] / base - 1):>9.1f}")
 
 
 def _device() -> str:

@@ -22,7 +22,7 @@
 #                                            # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
 #                                            # first turn's (issue 19: next to the vLLM figure of the same call)
 #   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU
-#   bash bench/residency_session.sh g        # generate overhead (recorded), then issue 22's agent rollouts (G_AGENTS=0: not)
+#   bash bench/residency_session.sh g        # generate overhead (recorded), the same with vLLM multi-process (G_MP=0: not), then issue 22's agent rollouts (G_AGENTS=0: not)
 #   bash bench/residency_session.sh h        # issue 22's agent rollouts, issue 19's demo on SGLang, the suite's log
 # Timed phases wait until the background work is done ("bg-all-done"): nothing else runs beside a timing.
 # The machine goes back 30 s after a call ends: chain the calls (staging parts back to back), think between phases
@@ -182,6 +182,13 @@ g)
     > $LOGS/genoverhead.log 2>&1
   echo "generate overhead rc=$?"; grep -E "^\[|^[A-H] |variant|load average|appended" $LOGS/genoverhead.log | tail -24
   cp $LOGS/genoverhead.json $OUT/ 2>/dev/null; cleanup
+  if [ "${G_MP:-1}" = 1 ]; then  # the same A-D with vLLM's engine core in its own process (vLLM's default)
+    OUT=$LOGS timeout 200 $PY bench/generate_overhead.py --model /tmp/peer/model --repeats 10 --vllm_mp \
+      > $LOGS/genoverhead-mp.log 2>&1
+    echo "generate overhead (vLLM multi-process) rc=$?"; grep -E "^\[|^[A-D] |variant|load average" \
+      $LOGS/genoverhead-mp.log | tail -10
+    cp $LOGS/genoverhead-mp.json $OUT/ 2>/dev/null; cleanup
+  fi
   if [ "${G_AGENTS:-1}" = 1 ]; then
     OUT=$LOGS timeout $(left 585) $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
     echo "agents rc=$?"; tail -14 $LOGS/agent.log; cp $LOGS/agent_gpu.json $OUT/ 2>/dev/null
