@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..errors import ConfigError, PlacementError
+from ..errors import ConfigError
 from .host import HostBudget
 from .memory import ModelShape, Workload, size_role
 from .plan import GpuShare, ResidencyPlan, tracked
