@@ -23,7 +23,7 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
     """Validate ``config`` (already ``validate()``-d) all the way, print both plans; 0 when it fits."""
     from hybrid_algos.train.loop import rollout_lengths
     from hybrid_algos.train.model_files import check_model_folder
-    from hybrid_algos.train.placement import build_residency, gpu_memory, host_memory
+    from hybrid_algos.train.placement import build_residency, gpu_memory
     from rich.markup import escape
 
     console = console or Console(width=None if _is_terminal() else 132, highlight=False)
@@ -49,15 +49,13 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
         raise PlacementError("gpu_memory_gb", f"must be > 0, got {gpu_memory_gb}.")
     if gpu_memory_gb is not None:
         config = config.replace(gpu_memory_gb=gpu_memory_gb)
-    if host_memory_gb is not None and host_memory_gb <= 0:
-        raise ConfigError("host_memory_gb", f"must be > 0, got {host_memory_gb}.", "E.g. --host_memory_gb 1000.")
     if host_memory_gb is not None:
-        config = config.replace(host_memory_gb=host_memory_gb)
+        config = config.replace(host_memory_gb=host_memory_gb).validate()  # the config's own check names the flag
     gpu_bytes, source = gpu_memory(config)
-    host = host_memory(config, plan.gpus_per_node)
     prompt_len, generate_len = rollout_lengths(config, prompts)
     residency, run_config = build_residency(config, plan, config.pretrain, prompt_len=prompt_len,
-                                            generate_len=generate_len, gpu_bytes=gpu_bytes, host=host)
+                                            generate_len=generate_len, gpu_bytes=gpu_bytes)
+    host = residency.host  # the run's own default: --host_memory_gb, else this machine's available memory
     console.print(f"GPU memory: {gpu_bytes / GiB:.1f} GiB per GPU ({source}); sequences up to {prompt_len} + "
                   f"{generate_len} tokens")
     console.print("host memory: " + (f"{host.bytes / GiB:.1f} GiB per node ({host.source})" if host.bytes is not None
