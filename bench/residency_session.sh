@@ -22,8 +22,10 @@
 #                                            # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
 #                                            # first turn's (issue 19: next to the vLLM figure of the same call)
 #   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU
-#   bash bench/residency_session.sh g        # generate overhead (recorded), the same with vLLM multi-process (G_MP=0: not), then issue 22's agent rollouts (G_AGENTS=0: not)
-#   bash bench/residency_session.sh h        # issue 22's agent rollouts, issue 19's demo on SGLang, the suite's log
+#   bash bench/residency_session.sh g        # generate overhead (recorded; G_REC=0: not), the same with vLLM multi-process
+#                                            # (G_MP=0: not), then issue 22's agent rollouts (G_AGENTS=0: not)
+#   bash bench/residency_session.sh h        # issue 22's agent rollouts (H_AGENTS=0: not), issue 19's demo on SGLang, the
+#                                            # suite's log
 # Timed phases wait until the background work is done ("bg-all-done"): nothing else runs beside a timing.
 # The machine goes back 30 s after a call ends: chain the calls (staging parts back to back), think between phases
 # only while a long one runs. Start `suite` only where no timed phase follows on that machine (it takes ~20 min of
@@ -178,10 +180,12 @@ f)
 g)
   # issue 17's generate overhead (recorded), then issue 22's agent rollouts with and without prefix caching
   wait_for bg-all-done; cleanup; monitor
-  OUT=$LOGS timeout 300 $PY bench/generate_overhead.py --model /tmp/peer/model --repeats 10 --record \
-    > $LOGS/genoverhead.log 2>&1
-  echo "generate overhead rc=$?"; grep -E "^\[|^[A-H] |variant|load average|appended" $LOGS/genoverhead.log | tail -24
-  cp $LOGS/genoverhead.json $OUT/ 2>/dev/null; cleanup
+  if [ "${G_REC:-1}" = 1 ]; then  # G_REC=0: only the multi-process variant below
+    OUT=$LOGS timeout 300 $PY bench/generate_overhead.py --model /tmp/peer/model --repeats 10 --record \
+      > $LOGS/genoverhead.log 2>&1
+    echo "generate overhead rc=$?"; grep -E "^\[|^[A-H] |variant|load average|appended" $LOGS/genoverhead.log | tail -24
+    cp $LOGS/genoverhead.json $OUT/ 2>/dev/null; cleanup
+  fi
   if [ "${G_MP:-1}" = 1 ]; then  # the same A-D with vLLM's engine core in its own process (vLLM's default)
     OUT=$LOGS timeout 200 $PY bench/generate_overhead.py --model /tmp/peer/model --repeats 10 --vllm_mp \
       > $LOGS/genoverhead-mp.log 2>&1
@@ -252,8 +256,10 @@ d)
 h)
   # issue 22's agent rollouts (vLLM), then issue 19's built-in demo on SGLang (SGLang carry staged), then the suite's log
   wait_for built357; cleanup
-  OUT=$LOGS timeout 300 $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
-  echo "agents rc=$?"; tail -14 $LOGS/agent.log; cp $LOGS/agent_gpu.json $OUT/ 2>/dev/null; cleanup
+  if [ "${H_AGENTS:-1}" = 1 ]; then  # H_AGENTS=0: the SGLang demo only
+    OUT=$LOGS timeout 300 $PY bench/agent_gpu.py --model /tmp/peer/model --record > $LOGS/agent.log 2>&1
+    echo "agents rc=$?"; tail -14 $LOGS/agent.log; cp $LOGS/agent_gpu.json $OUT/ 2>/dev/null; cleanup
+  fi
   PYTHONPATH=/tmp/site-sglang:$PYTHONPATH timeout $(left 480) $PY -m hybrid_cli grpo --backend sglang \
     --vllm_gpu_memory_utilization 0.3 --save_path /tmp/demo_sglang_h > $LOGS/demo_sglang.log 2>&1; echo "demo rc=$?"
   cp /tmp/demo_sglang_h/metrics.jsonl $LOGS/demo_metrics.jsonl 2>/dev/null; tail -4 $LOGS/demo_sglang.log
