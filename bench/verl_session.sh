@@ -3,8 +3,12 @@
 # < 10 min; logs in $OUT/verl_<phase>.tgz, JSONs in $OUT, a summary on stdout).
 # On a machine already staged by bench/residency_session.sh (stage, then the vLLM .carry parts), while it is warm:
 #
-#   bash bench/verl_session.sh stage   # carry [".carry-verl"]: verl + what the image lacks -> /tmp/site-verl; imports
-#                                      # verl's run path there (vLLM included) and composes its config with our overrides
+#   bash bench/verl_session.sh stage   # carry [".carry-verl"]: verl + what the image lacks -> /tmp/site-verl (a
+#                                      # wheel only where its modules are missing: nothing already there is shadowed);
+#                                      # composes verl's config with our overrides; imports verl's run path if vLLM is
+#                                      # staged (else says so)
+#   bash bench/verl_session.sh check   # (no carry, no GPU taken) the import pre-flight alone: verl's run path, vLLM's
+#                                      # OpenAI server included -- run it after the vLLM carry, before a
 #   bash bench/verl_session.sh a       # 357M, no reference, KL 0: verl | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
 #   bash bench/verl_session.sh a2      # 357M, reference + low-var KL loss: verl | ours (e2e_gpu.py default set-up)
 #
@@ -15,7 +19,8 @@
 # VERL_ARGS (e.g. "--legacy" for verl's deprecated main_ppo_v0 trainer) is passed to verl_peer.py in a and a2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PHASE=${1:-}; case "$PHASE" in stage|a|a2) ;; *) echo "usage: bash bench/verl_session.sh stage|a|a2"; exit 2;; esac
+PHASE=${1:-}
+case "$PHASE" in stage|check|a|a2) ;; *) echo "usage: bash bench/verl_session.sh stage|check|a|a2"; exit 2;; esac
 PEER=verl   # the log folders' prefix
 source bench/_peer_session.sh   # environment, OUT, LOGS, PY, left, pack, wait_for, free_gpu_after, ours
 SITE=${VERL_SITE:-/tmp/site-verl}   # verl and what it needs beside /tmp/site
@@ -32,6 +37,12 @@ peer() {  # $1 label, $2 seconds, then verl_peer.py arguments
   cp $LOGS/verl-*.json $OUT/ 2>/dev/null; cp /tmp/peer*/verl-*.log /tmp/peer*/verl-*.metrics.jsonl $LOGS/ 2>/dev/null
   free_gpu_after verl
 }
+preflight() {  # every module of verl's run path (vLLM's server included) imports, with versions; no GPU taken.
+  # verl's processes see /tmp/site without trl (bench/verl_peer.py's without_trl): so does this check.
+  local path; path=$(cd bench && $PY -c "from verl_peer import environment; print(environment('$SITE')['PYTHONPATH'])")
+  PYTHONPATH=$path $PY bench/verl_stage.py --check-imports 2>&1 | grep -v "^WARNING\|UserWarning\|warnings.warn" \
+    | cut -c1-400
+}
 pair() {  # $1 verl JSON, $2 ours JSON: the table (not recorded here)
   $PY bench/verl_peer.py compare --verl "$OUT/$1" --ours "$OUT/$2"
 }
@@ -39,16 +50,23 @@ pair() {  # $1 verl JSON, $2 ours JSON: the table (not recorded here)
 case "$PHASE" in
 stage)
   [ -d .carry-verl ] || { echo "carry .carry-verl with this call"; exit 1; }
-  ls .carry-verl/*.whl | sed 's#.*/#  #'
+  mkdir -p $SITE
   if [ -z "${VERL_STAGE_DRY:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .carry-verl/*.whl \
-      || exit 1
+    # Each carried wheel only where the environment verl runs under lacks its modules: a package the image or
+    # /tmp/site already has is never shadowed by another version (the script prints what it installed and skipped).
+    PYTHONPATH=$SITE:$PYTHONPATH $PY bench/verl_stage.py --install-absent .carry-verl/*.whl --target $SITE || exit 1
     # TransferQueue's wheel also installs its examples and tests as top-level packages: not part of the library.
     rm -rf $SITE/recipe $SITE/scripts $SITE/tests $SITE/tutorial
+  else
+    ls .carry-verl/*.whl | sed 's#.*/#  #'
   fi
-  # Pre-flight, no GPU taken: every module of verl's run path (vLLM's server included) imports, with versions ...
-  PYTHONPATH=$SITE:$PYTHONPATH $PY bench/verl_stage.py --check-imports 2>&1 | grep -v "^WARNING\|UserWarning\|warnings.warn" \
-    | cut -c1-400
+  # Pre-flight, no GPU taken: verl's run path imports vLLM (its OpenAI server too), so only once vLLM is staged ...
+  if PYTHONPATH=$SITE:$PYTHONPATH $PY bench/verl_stage.py --vllm-staged; then
+    preflight
+  else
+    echo "vLLM not staged yet: the vLLM-dependent imports are checked by \`bash bench/verl_session.sh check\`" \
+      "after the vLLM carry"
+  fi
   # ... and verl's own Hydra config accepts our overrides, and its agent loop renders our prompts token for token.
   for a in "--setup matched" "--setup lowvar"; do
     # shellcheck disable=SC2086
@@ -56,6 +74,9 @@ stage)
       | tail -25 | cut -c1-1500
   done
   pack stage
+  ;;
+check)
+  preflight; exit $?
   ;;
 a)
   wait_for built357 && wait_for builtadam || exit 1
