@@ -53,14 +53,46 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--small", action="store_true", help="2-layer model, --backend hf, short runs (CPU)")
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
+    ap.add_argument("--async_under_mps", action="store_true",
+                    help="run the asynchronous colocated run under CUDA MPS (a private nvidia-cuda-mps-control daemon "
+                         "started for that run and stopped after it; the synchronous runs stay without): without "
+                         "MPS the engine's and the trainer's kernels take turns on the GPU")
     args = ap.parse_args()
     if args.small:
         args.backend, args.steps, args.warmup, args.size = "hf", 3, 1, "357m"
     return args
 
 
+class MPS:
+    """A private CUDA MPS control daemon for one run (its own pipe and log folders, quit afterwards): kernels of
+    the processes sharing the GPU can then run at the same time instead of taking turns. Changes no GPU setting."""
+
+    def __init__(self, root: str = "/tmp/hybrid-mps"):
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": f"{root}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{root}/log"}
+
+    def __enter__(self) -> dict:
+        import shutil
+
+        if shutil.which("nvidia-cuda-mps-control") is None:
+            raise SystemExit("--async_under_mps: nvidia-cuda-mps-control is not on PATH here")
+        for d in self.env.values():
+            os.makedirs(d, exist_ok=True)
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env}, check=True, timeout=30)
+        time.sleep(1)
+        print(f"[mps] control daemon started ({self.env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
+        return self.env
+
+    def __exit__(self, *exc) -> None:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **self.env},
+                       timeout=60)
+        time.sleep(2)
+        log = os.path.join(self.env["CUDA_MPS_LOG_DIRECTORY"], "control.log")
+        if os.path.exists(log):
+            print("[mps] control.log tail:\n" + "".join(open(log).readlines()[-6:]), flush=True)
+
+
 def run(args, model: str, data: str, name: str, *, split: bool, residency: str = "auto",
-        extra: tuple[str, ...] = ()) -> dict:
+        extra: tuple[str, ...] = (), env_extra: dict | None = None) -> dict:
     e2e = SimpleNamespace(size=args.size, algo="grpo", backend=args.backend, zero_stage=1 if args.small else 3,
                           micro=32, steps=args.steps, lr=1e-6, kl=0.001, gpu_util=args.gpu_util, residency=residency,
                           sleep_level=0, ckpt=False, split=split, enforce_eager=False, extra=[])
@@ -71,7 +103,7 @@ def run(args, model: str, data: str, name: str, *, split: bool, residency: str =
                 "--train_batch_size", "8", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [*(str(ROOT / "packages" / p / "src") for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")),
-         os.environ.get("PYTHONPATH", "")])}
+         os.environ.get("PYTHONPATH", "")]), **(env_extra or {})}
     print(f"[{name}] {shlex.join(cmd)}", flush=True)
     start = time.time()
     proc = subprocess.run(cmd, env=env)
@@ -111,12 +143,18 @@ def main() -> int:
         results[f"sync-colocated-{residency}"] = run(args, model, data, f"sync-colocated-{residency}", split=False,
                                                      residency=residency)
     best = min((r["step_s"], k) for k, r in results.items())
-    results["async-colocated"] = run(args, model, data, "async-colocated", split=False, extra=("--async_train",))
+    if args.async_under_mps:
+        with MPS() as mps_env:
+            results["async-colocated"] = run(args, model, data, "async-colocated-mps", split=False,
+                                             extra=("--async_train",), env_extra=mps_env)
+    else:
+        results["async-colocated"] = run(args, model, data, "async-colocated", split=False, extra=("--async_train",))
     fell_back = results["async-colocated"]["async"] != "async"
     rows.append(Row("async speedup colocated x", best[0] / results["async-colocated"]["step_s"],
                     f"x (sync: {best[1]} {best[0]:.2f} s/step, of {'/'.join(args.sync_plans)}; "
                     f"async {results['async-colocated']['step_s']:.2f} "
-                    f"s/step{'; FELL BACK to synchronous turns' if fell_back else ''}; goal >= 1.3)",
+                    f"s/step{' under CUDA MPS (synchronous runs without)' if args.async_under_mps else ''}"
+                    f"{'; FELL BACK to synchronous turns' if fell_back else ''}; goal >= 1.3)",
                     record=not fell_back))
     if args.gpus == 2:
         results["sync-split"] = run(args, model, data, "sync-split", split=True)

@@ -21,7 +21,8 @@
 #                                            # with the machine's load sampled every 10 s; E_TURNS="1" or "2" runs one
 #                                            # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
 #                                            # first turn's (issue 19: next to the vLLM figure of the same call)
-#   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU
+#   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU (F_MPS=1:
+#                                            # the async run under CUDA MPS)
 #   bash bench/residency_session.sh g        # generate overhead (recorded; G_REC=0: not), the same with vLLM multi-process
 #                                            # (G_MP=0: not), then issue 22's agent rollouts (G_AGENTS=0: not)
 #   bash bench/residency_session.sh h        # issue 22's agent rollouts (H_AGENTS=0: not), issue 19's demo on SGLang, the
@@ -171,9 +172,10 @@ PY
 f)
   # issue 21: --async_train against the synchronous auto plan on the 1.5B workload, one GPU, same call
   wait_for built15; wait_for builtadam; cleanup; monitor
+  # F_MPS=1: the asynchronous run under CUDA MPS (a private control daemon for that run; the sync run without)
   OUT=$LOGS timeout 575 $PY bench/async_gpu.py --size 1.5b --workdir /tmp/peer-1.5b --sync_plans auto --steps 4 \
-    --warmup 1 --record > $LOGS/async.log 2>&1
-  echo "async rc=$?"; grep -E "^\[|async speedup|appended" $LOGS/async.log | tail -8; cp $LOGS/async-*.json $OUT/ 2>/dev/null
+    --warmup 1 --record ${F_MPS:+--async_under_mps} > $LOGS/async.log 2>&1
+  echo "async rc=$?"; grep -E "^\[|async speedup|appended|mps" $LOGS/async.log | tail -8; cp $LOGS/async-*.json $OUT/ 2>/dev/null
   kill $MON 2>/dev/null; cat $LOGS/rows.md 2>/dev/null
   pack f
   ;;
