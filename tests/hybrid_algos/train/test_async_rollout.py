@@ -5,6 +5,7 @@ turns where they do not fit."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -110,3 +111,15 @@ def test_shared_gpus_too_small_for_both_fall_back_to_turns():
     # without --async_train the same GPU lets the engine sleep if that is cheaper: the pins are asked only for async
     config, placement, residency = _plan(gpu_memory_gb=2.0, **{**base, "async_train": False})
     assert residency.fits() and async_mode(config, placement, residency)[0] == "off"
+
+
+def test_the_shared_mode_says_whether_cuda_mps_lets_both_run_at_once(tmp_path, monkeypatch):
+    """Without MPS the two processes' kernels take turns on the GPU (measured: 1.16x on one H100 vs 1.31x under MPS),
+    so the run's note says which case it is in."""
+    config, placement, residency = _plan(async_train=True)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    mode, note = async_mode(config, placement, residency)
+    assert mode == "shared" and "CUDA MPS is not running" in note and "take turns" in note
+    os.mkfifo(tmp_path / "control")  # what a running control daemon leaves in its pipe folder
+    mode, note = async_mode(config, placement, residency)
+    assert mode == "shared" and f"CUDA MPS is running ({tmp_path})" in note

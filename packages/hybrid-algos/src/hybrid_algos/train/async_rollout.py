@@ -87,8 +87,11 @@ def async_mode(cfg: Any, placement: Any, residency: Any) -> tuple[str, str]:
     if not placement.shared_gpus("rollout"):
         return "split", "asynchronous: the engines generate the next batch on their own GPUs while the trainer trains"
     if not residency.sleeps("rollout"):
+        from hybrid_core.mps import mps_note
+
         return "shared", ("asynchronous on shared GPUs: the residency plan keeps the engines' weights and KV cache "
-                          "resident next to the trainer, so the next batch is generated while this one trains")
+                          "resident next to the trainer, so the next batch is generated while this one trains; "
+                          + mps_note())
     return "sync", ("--async_train: the engines share the trainer's GPUs and their weights and KV cache do not fit "
                     "next to the trainer in every phase (the residency plan moves them), so the run takes "
                     "synchronous turns")
