@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from hybrid_core.errors import HybridError
+from hybrid_core.mps import mps_note
 
 from .dynamic_sampling import Sampled
 
@@ -87,8 +88,6 @@ def async_mode(cfg: Any, placement: Any, residency: Any) -> tuple[str, str]:
     if not placement.shared_gpus("rollout"):
         return "split", "asynchronous: the engines generate the next batch on their own GPUs while the trainer trains"
     if not residency.sleeps("rollout"):
-        from hybrid_core.mps import mps_note
-
         return "shared", ("asynchronous on shared GPUs: the residency plan keeps the engines' weights and KV cache "
                           "resident next to the trainer, so the next batch is generated while this one trains; "
                           + mps_note())
