@@ -5,23 +5,25 @@ temperature 1, CUDA graphs on). Both engines (this process's and one Ray actor's
 (each takes ``--gpu_util`` of the GPU); then the variants run round-robin, one call each per round, for ``--repeats`` rounds after a warm-up round, so
 that drift of the machine (clocks, other processes' CPU) falls on every variant alike. Median per variant:
 
-    A  vllm.LLM.generate, n=8 per prompt, unseeded (vLLM alone, as a user would call it)
-    B  A with the sampled token's log-prob per token (logprobs=0, flat), which RL needs and A does not ask for
-    C  exactly our adapter's requests (one per sample, n=1, log-probs), straight into vllm.LLM.generate:
-       B - A is the log-probs' cost, C - B one request per sample, D - C what the adapter does with the outputs
-    D  our VLLMEngine.generate in this process, unseeded (what the adapter adds)
-    E  our EngineGroup.generate through a Ray actor (what the training loop calls; the actor pauses the GC per call)
-    F  the same actor, timed inside it (E - F: Ray's transfer and scheduling; F - D: what running in a Ray worker
-       process costs the engine itself)
-    G  F with 8 torch CPU threads during the call (Ray gives a fractional-GPU actor 1)
-    H  F with Python's garbage collector off during the call
+    A   vllm.LLM.generate, n=8 per prompt, unseeded (vLLM alone, as a user would call it)
+    B   A with the sampled token's log-prob per token (logprobs=0, flat), which the rollout correction needs
+    C   one request per sample (n=1, log-probs) straight into vllm.LLM.generate: what the adapter sent until
+        2026-11-24 (C - B: the rows' cost; the adapter now sends unseeded calls as B does)
+    D   our VLLMEngine.generate in this process, with log-probs (D - B: what the adapter adds)
+    D0  the same without log-probs (D0 - A)
+    E   our EngineGroup.generate through a Ray actor, with log-probs: the training loop's generate phase by default
+    E0  the same without log-probs: the loop's with the rollout correction off (no one asks for them then)
+    F   the actor's own generate (collector paused), timed inside the actor; per call also the Ray hop (the driver's
+        wall time minus the actor's) and what leaving the paused collector costs
+    G   F with Ray's one torch thread (what the actor had before it took its GPU's share of the cores)
 
 With ``--vllm_mp`` only A-D run, with vLLM's engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``,
 vLLM's default, which our engines turn off): whether the way users call vLLM overlaps its output processing with the
 next step enough to matter, and what our adapter costs there (writes ``genoverhead-mp.json``; records nothing).
 
-``generate overhead vs vLLM alone %`` = (E - A) / A; the loop's own generate phase (``bench/e2e_gpu.py``, same call)
-against A is the figure the issue asks for. The load average and the busiest processes are recorded before and after:
+``generate overhead vs vLLM alone %`` is recorded twice, each against vLLM asked for the same thing: (E0 - A) / A
+(no log-probs) and (E - B) / B (with them); (E - A) / A, the default loop against plain vLLM, is in the notes of the
+second row: it holds vLLM's own cost of the log-probs. The load average and the busiest processes are recorded before and after:
 a timing taken while something else keeps the CPUs busy is not comparable.
 
     python bench/generate_overhead.py --model /tmp/peer/model          # prints a table, writes $OUT/genoverhead.json
@@ -30,6 +32,7 @@ a timing taken while something else keeps the CPUs busy is not comparable.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -151,30 +154,31 @@ def main() -> int:
     row_requests = [{"prompt_token_ids": prompts[r.prompt]} for r in rows]
     row_params = vllm.SamplingParams(**vllm_sampling_kwargs(ours, seed=None, stop_at_eos=True))
 
-    class TimedEngineActor(EngineActor):
-        def timed_generate(self, prompt_token_ids, params, gc_off: bool = False, threads: int | None = None):
-            import gc
+    no_lp = dataclasses.replace(ours, logprobs=False)
 
+    class TimedEngineActor(EngineActor):
+        def timed_generate(self, prompt_token_ids, params, threads: int | None = None):
+            """(seconds of the engine's generate, seconds until the collector is back on, outputs)."""
             import torch
 
             before = torch.get_num_threads()
             if threads:
                 torch.set_num_threads(threads)
-            if gc_off:
-                gc.disable()
             try:
                 start = time.perf_counter()
-                out = self.engine.generate(prompt_token_ids, params)
-                return time.perf_counter() - start, out
+                with self._gc_pause:
+                    out = self.engine.generate(prompt_token_ids, params)
+                    generated = time.perf_counter()
+                return generated - start, time.perf_counter() - start, out
             finally:
-                gc.enable()
                 torch.set_num_threads(before)
 
     variants = {
         "A vllm n=8": lambda: llm.generate(req, plain, use_tqdm=False),
         "B vllm n=8 logprobs": lambda: llm.generate(req, with_logprobs, use_tqdm=False),
-        "C vllm our requests": lambda: llm.generate(row_requests, row_params, use_tqdm=False),
+        "C vllm rows logprobs": lambda: llm.generate(row_requests, row_params, use_tqdm=False),
         "D adapter in-process": lambda: engine.generate(prompts, ours),
+        "D0 adapter no logprobs": lambda: engine.generate(prompts, no_lp),
     }
     out = os.environ.get("OUT")
     name = "genoverhead-mp.json" if args.vllm_mp else "genoverhead.json"
@@ -204,17 +208,31 @@ def main() -> int:
     group = EngineGroup("rollout", "vllm", [actor], [1], timeout_s=600)
     _stamp("engine actor built")
 
-    def inside(gc_off=False, threads=None):
-        return lambda: ray.get(actor.timed_generate.remote(prompts, ours, gc_off, threads), timeout=600)
+    hops: dict[str, list[float]] = {}
+    gc_exits: dict[str, list[float]] = {}
+
+    def inside(name, threads=None):
+        def call():
+            start = time.perf_counter()
+            generated, with_exit, out = ray.get(actor.timed_generate.remote(prompts, ours, threads), timeout=600)
+            hops.setdefault(name, []).append(time.perf_counter() - start - with_exit)
+            gc_exits.setdefault(name, []).append(with_exit - generated)
+            return generated, out
+        return call
 
     variants.update({
         "E ray group": lambda: group.generate(prompts, ours),
-        "F in-actor": inside(),
-        "G in-actor 8 threads": inside(threads=8),
-        "H in-actor gc off": inside(gc_off=True),
+        "E0 ray group no logprobs": lambda: group.generate(prompts, no_lp),
+        "F in-actor": inside("F in-actor"),
+        "G in-actor 1 thread": inside("G in-actor 1 thread", threads=1),
     })
+    threads = ray.get(actor.where.remote(), timeout=60)["torch_threads"]
     results = round_robin(variants, args.repeats, checkpoint)
     results["machine_load"] = {"before": load_before, "after": machine_load()}
+    for name in hops:  # the warm-up round's call is dropped, as for the timings
+        results[name]["ray_hop_median_s"] = statistics.median(hops[name][1:])
+        results[name]["gc_exit_median_s"] = statistics.median(gc_exits[name][1:])
+    results["engine_actor_torch_threads"] = threads
     ray.get(actor.shutdown.remote(), timeout=120)
     ray.kill(actor)
     placed.remove()
@@ -229,15 +247,24 @@ def main() -> int:
     if args.record:
         from _common import Row, append_results
 
-        ray_group = results["E ray group"]["median_s"]
-        row = Row("generate overhead vs vLLM alone %", 100 * (ray_group / base - 1),
-                  f"% (median of {args.repeats} round-robin calls: our EngineGroup.generate through its Ray actor "
-                  f"{ray_group:.3f} s vs vllm.LLM.generate n={args.samples} alone {base:.3f} s; in-process adapter "
-                  f"{results['D adapter in-process']['median_s']:.3f} s, in-actor "
-                  f"{results['F in-actor']['median_s']:.3f} s; vLLM alone with log-probs "
-                  f"{results['B vllm n=8 logprobs']['median_s']:.3f} s, our requests straight into vLLM "
-                  f"{results['C vllm our requests']['median_s']:.3f} s; goal <= 5)")
-        print(f"appended {append_results([row], _device())} row to bench/RESULTS.md")
+        med = {name: r["median_s"] for name, r in results.items() if isinstance(r, dict) and "median_s" in r}
+        pct = lambda a, b: 100 * (med[a] / med[b] - 1)  # noqa: E731
+        hop = results["F in-actor"]["ray_hop_median_s"]
+        rows = [
+            Row("generate overhead vs vLLM alone %", pct("E0 ray group no logprobs", "A vllm n=8"),
+                f"% (no log-probs on either side: our EngineGroup.generate through its Ray actor "
+                f"{med['E0 ray group no logprobs']:.3f} s vs vllm.LLM.generate n={args.samples} alone "
+                f"{med['A vllm n=8']:.3f} s, median of {args.repeats} round-robin calls; in-process adapter "
+                f"{med['D0 adapter no logprobs']:.3f} s; the loop's generate with the rollout correction off; goal <= 5)"),
+            Row("generate overhead vs vLLM alone %", pct("E ray group", "B vllm n=8 logprobs"),
+                f"% (with the sampled tokens' log-probs on both sides: ours {med['E ray group']:.3f} s vs vLLM alone "
+                f"{med['B vllm n=8 logprobs']:.3f} s; the loop's default generate (the rollout correction needs "
+                f"them) against plain vLLM: {pct('E ray group', 'A vllm n=8'):+.1f} %, of which vLLM's own log-prob "
+                f"cost {pct('B vllm n=8 logprobs', 'A vllm n=8'):+.1f} %; in-actor {med['F in-actor']:.3f} s, Ray hop "
+                f"{hop * 1000:.0f} ms, engine actor on {threads} torch threads (1: {med['G in-actor 1 thread']:.3f} s); "
+                f"goal <= 5)"),
+        ]
+        print(f"appended {append_results(rows, _device())} rows to bench/RESULTS.md")
     return 0
 
 
@@ -248,9 +275,11 @@ def _print_table(results: dict, load_before: dict) -> None:
           f"{'in its own process' if os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '1' else 'in-process'}")
     print(f"{'variant':<26}{'median s':>10}{'min s':>9}{'tokens':>8}{'vs A %':>9}")
     for name, r in results.items():
-        if name != "machine_load":
+        if isinstance(r, dict) and "median_s" in r:
+            extra = (f"   hop {1000 * r['ray_hop_median_s']:.1f} ms, collector back on {1000 * r['gc_exit_median_s']:.1f} ms"
+                     if "ray_hop_median_s" in r else "")
             print(f"{name:<26}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['tokens']:>8}"
-                  f"{100 * (r['median_s'] / base - 1):>9.1f}")
+                  f"{100 * (r['median_s'] / base - 1):>9.1f}{extra}")
 
 
 def _device() -> str:

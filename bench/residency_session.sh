@@ -185,7 +185,7 @@ g)
   if [ "${G_REC:-1}" = 1 ]; then  # G_REC=0: only the multi-process variant below
     OUT=$LOGS timeout 300 $PY bench/generate_overhead.py --model /tmp/peer/model --repeats 10 --record \
       > $LOGS/genoverhead.log 2>&1
-    echo "generate overhead rc=$?"; grep -E "^\[|^[A-H] |variant|load average|appended" $LOGS/genoverhead.log | tail -24
+    echo "generate overhead rc=$?"; grep -E "^\[|^[A-H]0? |variant|load average|appended" $LOGS/genoverhead.log | tail -26
     cp $LOGS/genoverhead.json $OUT/ 2>/dev/null; cleanup
   fi
   if [ "${G_MP:-1}" = 1 ]; then  # the same A-D with vLLM's engine core in its own process (vLLM's default)

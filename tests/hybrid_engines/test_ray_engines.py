@@ -17,7 +17,7 @@ from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.weight_sync import TensorMeta, WeightSender, create_sync_group
 from hybrid_engines import SamplingParams
 from hybrid_engines.hf_engine import HFEngine
-from hybrid_engines.ray_engines import (cuda_visibility, engine_placement, launch_engines,
+from hybrid_engines.ray_engines import (cuda_visibility, engine_placement, engine_threads, launch_engines,
                                         local_device_index, split_prompts)
 
 CONFIG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -168,6 +168,26 @@ def test_cuda_visibility_rule():
     assert local_device_index("3", None) == 3
     assert local_device_index("3", "2,3") == 1
     assert local_device_index(5, "") == 5
+
+
+def test_engine_threads_rule():
+    # a GPU engine takes its GPU's share of the node's cores (the roles on it take turns), at most 8
+    assert engine_threads("vllm", 16, 1) == 8 and engine_threads("sglang", 16, 8) == 2
+    assert engine_threads("vllm", 2, 4) == 1 and engine_threads("vllm", 6, 0) == 6
+    assert engine_threads("hf", 16, 1) is None  # the built-in engine keeps Ray's count (CPU numerics)
+    assert engine_threads("hf", 16, 1, "3") == 3 and engine_threads("vllm", 16, 1, "12") == 12
+    for bad in ("0", "two", "-1"):
+        with pytest.raises(ConfigError, match="HYBRID_ENGINE_THREADS"):
+            engine_threads("vllm", 16, 1, bad)
+
+
+def test_engine_actors_run_with_the_threads_asked_for(placed):
+    group = launch_engines(placed, "rollout", backend="hf", engine_kwargs={"model": CONFIG, "seed": 0},
+                           timeout_s=TIMEOUT, env_vars={"HYBRID_ENGINE_THREADS": "3"})
+    try:
+        assert [w["torch_threads"] for w in group.call("where")] == [3, 3]
+    finally:
+        group.shutdown()
 
 
 def test_generate_runs_with_the_garbage_collector_paused_and_restores_it():

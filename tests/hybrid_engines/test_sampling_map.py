@@ -10,8 +10,8 @@ import pytest
 from hybrid_core.errors import ConfigError, RoleFailure
 from hybrid_engines.protocol import SamplingParams
 from hybrid_engines.sampling_map import (
-    SGLANG_SAMPLING_FIELDS, VLLM_SAMPLING_FIELDS, check_prompts, expand_rows, finish_reason, row_seed,
-    sampled_logprobs, sglang_sampling_params, vllm_sampling_kwargs,
+    SGLANG_SAMPLING_FIELDS, VLLM_SAMPLING_FIELDS, check_prompts, expand_rows, finish_reason, per_prompt_requests,
+    row_seed, sampled_logprobs, sglang_sampling_params, vllm_sampling_kwargs,
 )
 
 #: A second value for every SamplingParams field, each different from the default.
@@ -125,6 +125,28 @@ def test_sampled_logprobs_from_flat_lists():
 
     flat = Flat([0, 2], [4, 9, 2], [-0.5, -0.1, -2.0])
     assert sampled_logprobs([4, 2], flat) == [-0.5, -2.0]
+
+
+def test_sampled_logprobs_take_the_flat_list_whole_when_it_holds_only_the_sampled_tokens():
+    class Flat(list):
+        def __init__(self, starts, ids, values):
+            super().__init__(range(len(starts)))
+            self.start_indices, self.token_ids, self.logprobs = starts, ids, values
+
+    assert sampled_logprobs([4, 2, 7], Flat([0, 1, 2], [4, 2, 7], [-0.5, -2.0, -0.25])) == [-0.5, -2.0, -0.25]
+
+
+def test_one_request_per_prompt_only_for_unseeded_sampled_calls():
+    unseeded = SamplingParams(n=4, temperature=0.7)
+    assert per_prompt_requests(expand_rows([[1], [2]], unseeded), unseeded)
+    for params in (SamplingParams(n=4, seed=3), SamplingParams(n=4, temperature=0.0), SamplingParams(n=1)):
+        assert not per_prompt_requests(expand_rows([[1], [2]], params), params)
+    assert vllm_sampling_kwargs(unseeded, seed=None, stop_at_eos=True, n=4)["n"] == 4
+    with pytest.raises(ConfigError, match="n > 1"):
+        vllm_sampling_kwargs(SamplingParams(n=4, seed=3), seed=3, stop_at_eos=True, n=4)
+    with pytest.raises(ConfigError, match="n > 1"):
+        vllm_sampling_kwargs(SamplingParams(n=4, temperature=0.0), seed=None, stop_at_eos=True, n=4)
+
 
 def test_finish_reasons():
     assert finish_reason("stop", engine="vllm") == "stop"

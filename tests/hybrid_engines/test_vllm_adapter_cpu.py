@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybrid_core.errors import ConfigError
+from hybrid_core.errors import ConfigError, RoleFailure
 from hybrid_core.weight_sync import IpcBucketSender, TensorMeta, WeightSender, create_sync_group
 from hybrid_engines.hf_engine import EngineStateError
 from hybrid_engines.protocol import InferenceEngine, SamplingParams
@@ -93,11 +93,14 @@ class FakeLLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         outs = []
         for p, sp in zip(prompts, params):
-            base = sum(p["prompt_token_ids"]) + (sp.kw["seed"] or 0) % 7
-            ids = [(base + k) % 50 for k in range(sp.kw["max_tokens"])]
-            steps = [{t: SimpleNamespace(logprob=-0.5 * k)} for k, t in enumerate(ids)]
-            done = SimpleNamespace(token_ids=ids, logprobs=steps, finish_reason="length")
-            outs.append(SimpleNamespace(outputs=[done]))
+            assert sp.kw["n"] == 1 or sp.kw["seed"] is None  # what vLLM needs of n > 1 (children seed, seed + 1, ..)
+            children = []
+            for j in range(sp.kw["n"]):  # vLLM's fan-out: n children of one request
+                base = sum(p["prompt_token_ids"]) + (sp.kw["seed"] or 0) % 7 + 11 * j
+                ids = [(base + k) % 50 for k in range(sp.kw["max_tokens"])]
+                steps = [{t: SimpleNamespace(logprob=-0.5 * k)} for k, t in enumerate(ids)]
+                children.append(SimpleNamespace(token_ids=ids, logprobs=steps, finish_reason="length"))
+            outs.append(SimpleNamespace(outputs=children))
         return outs
 
     def sleep(self, level):
@@ -167,6 +170,35 @@ def test_generate_maps_rows_back_to_prompts_with_the_sampled_tokens_logprobs(eng
     assert out[0][0].token_ids != out[1][0].token_ids  # prompt order kept
     greedy = engine.generate([[1, 2]], SamplingParams(temperature=0.0, n=2, max_new_tokens=2, logprobs=False))
     assert greedy[0][0].token_ids == greedy[0][1].token_ids and greedy[0][0].logprobs is None
+
+
+def test_unseeded_sampling_is_one_request_per_prompt_and_seeded_or_greedy_one_per_sample(engine):
+    prompts = [[1, 2], [3], [4, 4]]
+    out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=2, temperature=0.8))
+    assert engine.llm.calls[-1] == ("generate", 3)  # vLLM fans each prompt out into its n samples
+    assert [len(o) for o in out] == [3, 3, 3]
+    for prompt, per_prompt in zip(prompts, out):
+        assert all(o.prompt_token_ids == prompt and o.logprobs == [0.0, -0.5] for o in per_prompt)
+        assert len({tuple(o.token_ids) for o in per_prompt}) == 3  # each child is its own sample
+    engine.generate(prompts, SamplingParams(n=3, max_new_tokens=2, seed=5))
+    assert engine.llm.calls[-1] == ("generate", 9)  # seeded: a request (and a seed) per sample
+    engine.generate(prompts, SamplingParams(n=3, max_new_tokens=2, temperature=0.0))
+    assert engine.llm.calls[-1] == ("generate", 9)  # greedy n > 1: vLLM refuses it as one request
+    no_lp = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=2, logprobs=False))
+    assert all(o.logprobs is None for per_prompt in no_lp for o in per_prompt)
+
+
+def test_a_prompt_missing_samples_fails_loudly(engine, monkeypatch):
+    real = engine.llm.generate
+
+    def short(prompts, sampling_params, use_tqdm):
+        outs = real(prompts, sampling_params, use_tqdm)
+        outs[0].outputs.pop()
+        return outs
+
+    monkeypatch.setattr(engine.llm, "generate", short)
+    with pytest.raises(RoleFailure, match="came back with 1 samples, not n=2"):
+        engine.generate([[1], [2]], SamplingParams(n=2, max_new_tokens=2))
 
 
 def test_weights_arrive_through_the_worker_into_the_fused_parameter(engine):

@@ -47,6 +47,8 @@ from hybrid_core.remote import get_all_with_timeout
 from .protocol import GenerationOutput, SamplingParams
 
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+#: the torch CPU threads of every engine actor, whatever the backend (default: :func:`engine_threads` decides)
+ENGINE_THREADS_ENV = "HYBRID_ENGINE_THREADS"
 _RAY_STEP = 10_000  # Ray accounts GPU fractions in steps of 1e-4
 
 
@@ -57,6 +59,37 @@ def cuda_visibility(backend: str, tp_size: int, noset: bool, ray_gpu_ids: Sequen
     if noset and backend != "hf" and ray_gpu_ids:
         return "set", ",".join(str(g) for g in ray_gpu_ids)
     return "keep", None
+
+
+def engine_threads(backend: str, cpus: int, gpus_on_node: int, override: str | None = None) -> int | None:
+    """The torch CPU threads an engine actor runs with, or None to keep Ray's (``OMP_NUM_THREADS``: 1 for an actor
+    holding a share of a GPU).
+
+    vLLM's in-process engine core prepares every decode step with torch CPU ops: with Ray's one thread a 357M model's
+    generate call took ~9 % longer on an H100 (``bench/generate_overhead.py`` variant G, 2026-11-24). The roles on a
+    GPU take turns, so while the engine generates its GPU's share of the node's cores is free: ``cpus // GPUs of the
+    node``, at most 8. The built-in engine keeps Ray's count: on CPU its numerics depend on the thread count, and two
+    runs of one config must agree. ``HYBRID_ENGINE_THREADS=k`` sets ``k`` for every backend."""
+    if override:
+        try:
+            threads = int(override)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ConfigError(ENGINE_THREADS_ENV, f"must be a whole number >= 1, got {override!r}.",
+                              "Unset it to let hybrid choose, or give the threads per engine.")
+        return threads
+    if backend == "hf":
+        return None
+    return max(1, min(8, cpus // max(1, gpus_on_node)))
+
+
+def _node_gpus() -> int:
+    """GPUs Ray counts on this actor's node."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    return int(next((n.get("Resources", {}).get("GPU", 0) for n in ray.nodes() if n.get("NodeID") == node), 0))
 
 
 class GcPause:
@@ -120,6 +153,11 @@ class EngineActor:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         if backend == "hf" and "device" not in kwargs and gpu_ids and _cuda_available():
             kwargs["device"] = f"cuda:{local_device_index(gpu_ids[0], os.environ.get('CUDA_VISIBLE_DEVICES'))}"
+        threads = engine_threads(backend, len(os.sched_getaffinity(0)), _node_gpus(), os.environ.get(ENGINE_THREADS_ENV))
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
         self.engine = make_engine(backend, **kwargs)
         # Engines' sleep paths run gc.collect() (vLLM's CuMemAllocator does); with torch, transformers and the engine
         # imported, each full collection walks millions of objects (~0.8 s on a CPU core). Freezing what set-up built
@@ -134,9 +172,11 @@ class EngineActor:
     def where(self) -> dict[str, Any]:
         import ray
 
+        import torch
+
         return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
-                "device": str(getattr(self.engine, "device", ""))}
+                "device": str(getattr(self.engine, "device", "")), "torch_threads": torch.get_num_threads()}
 
     def generate(self, prompt_token_ids, params):
         maybe_inject(self.role, "generate", self.rank)

@@ -1,8 +1,9 @@
 """Our :class:`SamplingParams` in vLLM's and SGLang's own words (pure functions: no engine is imported here).
 
-Both adapters send one request per completion ("row"): prompt ``i`` becomes ``n`` requests with ``n=1``. That is
-what both engines do internally for ``n > 1`` anyway (vLLM 0.26 ``v1/engine/parallel_sampling.py`` fans a request
-out into ``n`` children; their KV is shared only through the prefix cache), and it lets each row carry its own seed:
+Seeded and greedy calls go out as one request per completion ("row"): prompt ``i`` becomes ``n`` requests with
+``n=1``. Both engines fan an ``n > 1`` request out into ``n`` children internally (vLLM 0.26
+``v1/engine/parallel_sampling.py``; their KV is shared only through the prefix cache), but rows let each completion
+carry its own seed:
 
 * vLLM gives child ``j`` the seed ``seed + j``, so two equal prompts in one batch with one seed would draw the same
   samples; SGLang (``layers/sampler.py``, deterministic mode) hashes ``(seed, position)``, so its ``n`` children with
@@ -11,6 +12,10 @@ out into ``n`` children; their KV is shared only through the prefix cache), and 
   call): reproducible whatever else is in the batch, different across samples and across repeated prompts.
 * vLLM refuses greedy requests with ``n > 1`` (``sampling_params.py::_verify_greedy_sampling``); as rows, greedy
   ``n > 1`` just returns ``n`` equal completions, as the built-in engine does.
+
+An unseeded, sampled call needs none of that, and the vLLM adapter sends it as one request per prompt with ``n``
+(:func:`per_prompt_requests`): on an H100 the rows cost ~7 % of a 64 x 128-token generate call against vLLM's own
+fan-out (``bench/generate_overhead.py``, 2026-11-24).
 
 Stop tokens: with ``stop_at_eos`` (the default of every backend) a completion ends at ``stop_token_ids`` or the
 model's EOS, and the stop token is included in the output ids (vLLM: ``v1/core/sched/utils.py::check_stop``
@@ -83,6 +88,12 @@ def expand_rows(prompts: Sequence[Sequence[int]], params: SamplingParams) -> lis
     return rows
 
 
+def per_prompt_requests(rows: Sequence[Row], params: SamplingParams) -> bool:
+    """Whether a call can go out as one request per prompt with ``n`` (vLLM's own fan-out): sampled, unseeded, n > 1.
+    Seeded rows need a request each (their own seed); vLLM refuses greedy ``n > 1``."""
+    return params.n > 1 and not params.greedy and all(r.seed is None for r in rows)
+
+
 def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """Prompts as lists of ints; a clear error for an empty prompt or a non-integer id (engines fail obscurely)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
@@ -99,13 +110,18 @@ def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def vllm_sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_at_eos: bool) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for one row (``n=1``), per vLLM 0.26 ``sampling_params.py``."""
+def vllm_sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_at_eos: bool,
+                         n: int = 1) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one row (``n=1``), or for one prompt's ``n`` unseeded samples
+    (see :func:`per_prompt_requests`), per vLLM 0.26 ``sampling_params.py``."""
     if not params.greedy and params.temperature > VLLM_MAX_TEMPERATURE:
         raise ConfigError("temperature", f"vLLM accepts at most {VLLM_MAX_TEMPERATURE}, got {params.temperature}.",
                           "Lower the temperature (or use the built-in engine).")
+    if n > 1 and (seed is not None or params.greedy):
+        raise ConfigError("n", "one vLLM request with n > 1 samples unseeded and at a temperature only (vLLM seeds "
+                          "its children seed, seed + 1, ... and refuses greedy n > 1).", "Send one request per sample.")
     return {
-        "n": 1,
+        "n": n,
         # temperature < 1e-5 is vLLM's greedy switch; top_k=1 with a temperature is greedy too, so say it plainly.
         "temperature": 0.0 if params.greedy else params.temperature,
         "top_p": params.top_p,
@@ -157,6 +173,8 @@ def sampled_logprobs(token_ids: Sequence[int], step_logprobs: Sequence[Any]) -> 
     starts = getattr(step_logprobs, "start_indices", None)
     if starts is not None:
         ids, values = step_logprobs.token_ids, step_logprobs.logprobs
+        if len(values) == len(token_ids) and list(ids) == list(token_ids):  # one entry per position: the sampled one
+            return [float(v) for v in values]
         if all(ids[s] == t for s, t in zip(starts, token_ids)):
             return [float(values[s]) for s in starts]
     return [float(step[tok].logprob) for tok, step in zip(token_ids, step_logprobs)]

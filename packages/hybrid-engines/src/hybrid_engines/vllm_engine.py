@@ -1,7 +1,7 @@
 """vLLM adapter: :class:`~hybrid_engines.protocol.InferenceEngine` on ``vllm.LLM`` (written against vLLM 0.26.0).
 
 * Generation: token-id prompts (``{"prompt_token_ids": ids}``, vLLM's ``TokensPrompt``), one request per completion
-  (:mod:`hybrid_engines.sampling_map`), logprobs of the sampled tokens under the raw model
+  when samples are seeded or greedy, else one per prompt with ``n`` (:mod:`hybrid_engines.sampling_map`), logprobs of the sampled tokens under the raw model
   (``logprobs_mode="raw_logprobs"``: before temperature / top-k / top-p and logits processors).
 * Sleep: ``LLM(enable_sleep_mode=True)``; ``sleep(1)`` offloads weights to host memory and drops the KV cache,
   ``sleep(2)`` drops both. ``wake_up(["weights"])`` and ``wake_up(["kv_cache"])`` map to vLLM's tags one to one, so
@@ -47,13 +47,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from hybrid_core.errors import ConfigError, RemoteTimeout
+from hybrid_core.errors import ConfigError, RemoteTimeout, RoleFailure
 from hybrid_core.stats import TransferStats
 
 from .hf_engine import EngineStateError
 from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
 from .sampling_map import (
-    check_prompts, expand_rows, finish_reason, sampled_logprobs, vllm_sampling_kwargs,
+    check_prompts, expand_rows, finish_reason, per_prompt_requests, sampled_logprobs, vllm_sampling_kwargs,
 )
 
 WORKER_EXTENSION = "hybrid_engines.vllm_worker.HybridWorkerExtension"
@@ -178,6 +178,8 @@ class VLLMEngine:
         prompts = check_prompts(prompt_token_ids)
         rows = expand_rows(prompts, params)
         make = self._vllm.SamplingParams
+        if per_prompt_requests(rows, params) and not self.pausable:  # vLLM fans each prompt out into n samples
+            return self._generate_per_prompt(prompts, make, params)
         if all(r.seed is None for r in rows):  # one object for every row
             sampling: Any = make(**vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos))
         else:
@@ -188,14 +190,27 @@ class VLLMEngine:
         outputs = self.llm.generate(prompts=requests, sampling_params=sampling, use_tqdm=False)
         results: list[list[Any]] = [[None] * params.n for _ in prompts]
         for row, out in zip(rows, outputs, strict=True):
-            done = out.outputs[0]
-            ids = list(done.token_ids)
-            results[row.prompt][row.sample] = GenerationOutput(
-                prompt_token_ids=prompts[row.prompt], token_ids=ids,
-                logprobs=sampled_logprobs(ids, done.logprobs) if params.logprobs else None,
-                finish_reason=finish_reason(done.finish_reason, engine="vllm"),
-                weight_versions=[self._version] * len(ids))
+            results[row.prompt][row.sample] = self._output(prompts[row.prompt], out.outputs[0], params)
         return results
+
+    def _generate_per_prompt(self, prompts, make, params: SamplingParams) -> list[list[GenerationOutput]]:
+        sampling = make(**vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos, n=params.n))
+        outputs = self.llm.generate(prompts=[{"prompt_token_ids": p} for p in prompts], sampling_params=sampling,
+                                    use_tqdm=False)
+        results = []
+        for prompt, out in zip(prompts, outputs, strict=True):
+            if len(out.outputs) != params.n:
+                raise RoleFailure(f"vllm generate: a prompt came back with {len(out.outputs)} samples, not n="
+                                  f"{params.n}.")
+            results.append([self._output(prompt, done, params) for done in out.outputs])
+        return results
+
+    def _output(self, prompt: list[int], done: Any, params: SamplingParams) -> GenerationOutput:
+        ids = list(done.token_ids)
+        return GenerationOutput(prompt_token_ids=prompt, token_ids=ids,
+                                logprobs=sampled_logprobs(ids, done.logprobs) if params.logprobs else None,
+                                finish_reason=finish_reason(done.finish_reason, engine="vllm"),
+                                weight_versions=[self._version] * len(ids))
 
     # ---- partial rollouts: one stepping loop shared by every generate call ------------------------------------
     def _generate_stepping(self, prompts, rows, requests, sampling, params: SamplingParams):

@@ -45,9 +45,10 @@ class Sampled:
         """The trainer's batch. Multi-turn samples (``extra["action_mask"]``) start from their own prompt ids (an
         environment may rewrite the prompt) and mask the environment's tokens out."""
         multi_turn = any("action_mask" in o.extra for outs in self.outputs for o in outs)
+        asked = any(o.logprobs is not None for outs in self.outputs for o in outs)  # else the engines were not asked
         return Rollout.from_generations(
             [p.prompt_ids for p in self.prompts], [[o.token_ids for o in outs] for outs in self.outputs], pad_id,
-            logprobs=[[o.logprobs or [0.0] * len(o.token_ids) for o in outs] for outs in self.outputs],
+            logprobs=[[o.logprobs or [0.0] * len(o.token_ids) for o in outs] for outs in self.outputs] if asked else None,
             action_masks=[[o.extra.get("action_mask") for o in outs] for outs in self.outputs] if multi_turn else None,
             sample_prompts=[[o.prompt_token_ids for o in outs] for outs in self.outputs] if multi_turn else None)
 

@@ -445,7 +445,8 @@ class TrainingSession:
         return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                               max_new_tokens=self.prep.max_new_tokens, n=cfg.n_samples_per_prompt,
                               stop_token_ids=(eos,) if eos is not None else (),
-                              seed=cfg.seed * 1_000_003 + step if seeded else None)
+                              seed=cfg.seed * 1_000_003 + step if seeded else None,
+                              logprobs=cfg.wants_engine_logprobs)
 
     def prompts_for(self, step: int) -> list:
         """Step ``step``'s prompts: episode-seeded shuffles of the prompt set, so a resumed run sees the same order."""
