@@ -1,4 +1,4 @@
-"""--dry-run and host memory: a ~7B model whose optimizer the planner keeps in host memory (CPU Adam, ~97 GiB) is
+"""--dry-run and host memory: a ~7B model whose optimizer the planner keeps in host memory (CPU Adam, ~109 GiB: it was measured at 108 GiB on the GPU) is
 refused when the node has less, with the numbers; --host_memory_gb is validated; the default is this machine's."""
 
 import os
@@ -27,14 +27,17 @@ def test_a_7b_optimizer_in_host_memory_is_refused_on_a_small_node(capsys):
     assert main(["grpo", "--dry-run", *SEVEN_B, "--host_memory_gb", "1"]) == 2
     captured = capsys.readouterr()
     err = captured.err
-    assert "host_memory_gb: node 0: the plan keeps 96." in err and "GiB in host memory > 1.0 GiB available" in err
-    assert "actor optimizer (CPU Adam) 96." in err and "Fix:" in err and "more host memory" in err
+    assert "host_memory_gb: node 0: the plan keeps 108.6" in err and "GiB in host memory > 1.0 GiB available" in err
+    assert "actor optimizer (CPU Adam) 108.6" in err and "Fix:" in err and "more host memory" in err
     assert "host memory: 1.0 GiB per node (--host_memory_gb)" in captured.out
-    assert "host (node 0): " in captured.out and "OVER: optimizer (CPU Adam) 96." in captured.out
-    # the same run on a node with 125 GiB fits, and the plan says what it keeps there
-    assert main(["grpo", "--dry-run", *SEVEN_B, "--host_memory_gb", "125"]) == 0
+    assert "host (node 0): " in captured.out and "OVER: optimizer (CPU Adam) 108.6" in captured.out
+    # the lent H100's 125 GiB host less Ray's 5 % reserve: the states fit, not with the processes beside them
+    assert main(["grpo", "--dry-run", *SEVEN_B, "--host_memory_gb", "117.9"]) == 2
+    assert "120.6 GiB > 117.9 GiB available" in capsys.readouterr().err
+    # a node with 150 GiB fits, and the plan says what it keeps there
+    assert main(["grpo", "--dry-run", *SEVEN_B, "--host_memory_gb", "150"]) == 0
     out = capsys.readouterr().out
-    assert "of 125.0 GiB available, ok: optimizer (CPU Adam) 96." in out and "fits:" in out
+    assert "120.6 GiB of 150.0 GiB available, ok: optimizer (CPU Adam) 108.6" in out and "fits:" in out
 
 
 def test_host_memory_flag_is_validated(capsys):
@@ -48,7 +51,7 @@ def test_host_memory_flag_is_validated(capsys):
 def test_the_default_is_this_machine_s_available_memory_and_tiny_runs_fit(capsys):
     budget = host_memory(GRPOConfig())
     if os.path.exists("/proc/meminfo"):
-        assert budget.local and budget.bytes > 0 and budget.source == "MemAvailable of this machine"
+        assert budget.local and budget.bytes > 0 and budget.source.startswith("MemAvailable of this machine")
     assert host_memory(GRPOConfig(host_memory_gb=64), 8).bytes == 64 * 2**30
     assert main(["grpo", "--dry-run"]) == 0  # the demo keeps kilobytes in host memory
     out = capsys.readouterr().out

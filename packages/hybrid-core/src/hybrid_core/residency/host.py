@@ -9,14 +9,16 @@ node when the run does not say how large a node is):
   memory allocator keeps its buffers cached after a state goes back to the GPU. ``discard`` and ``release`` keep
   nothing on host;
 * the optimizer in host memory (DeepSpeed CPU Adam: the planner's ``host`` move, or ``--adam_offload``): fp32 master
-  weights, Adam m and v, and fp32 gradients, 16 bytes per parameter of the rank's ZeRO partition (the memory model's
-  ``RoleSize.host`` / ``RoleSize.host_optimizer``);
+  weights, Adam m and v, and fp32 gradients, 16 bytes per parameter of the rank's ZeRO partition, plus a model-dtype
+  copy under ZeRO-1/2 (the memory model's ``RoleSize.host`` / ``RoleSize.host_optimizer``);
 * the processes: every worker, and the driver on node 0, is a Python process with torch and the CUDA libraries
   loaded, ``PROCESS_BYTES`` each (an estimate).
 
 The first two are what the plan decides: a plan whose states exceed a node's memory is refused before anything
-starts (the kernel's OOM killer would otherwise end the run minutes into start-up without a word). The process
-estimate only adds a note when the total comes near the capacity.
+starts (the kernel's or Ray's OOM killer would otherwise end the run minutes into start-up), and so is one whose
+states (a GiB or more) and processes together exceed it; the process estimate alone never refuses a plan, and adds a
+note when the total comes near the capacity. The capacity of this machine leaves out the share of its memory Ray's
+memory monitor keeps (it kills a worker above 95 % of the total in use).
 """
 
 from __future__ import annotations
@@ -32,9 +34,12 @@ if TYPE_CHECKING:
     from .plan import GpuShare, ResidencyPlan
 
 #: Host memory of one worker process whatever the plan keeps there: the Python interpreter, torch, the CUDA runtime,
-#: cuBLAS / cuDNN / NCCL mapped in, Ray's worker machinery. An estimate (about 1.5-3 GiB resident for a CUDA torch
-#: process); it is shown, and only makes a note near the capacity, never a refusal.
-PROCESS_BYTES = 2 * GiB
+#: cuBLAS / cuDNN / NCCL mapped in, Ray's worker machinery. An estimate: a 6.5B model's run on one H100 held ~12 GiB
+#: besides its CPU Adam state, for four processes and Ray's own (2026-11-24). It refuses a plan only together with
+#: states the plan keeps in host memory (:data:`STATES_THAT_COUNT`), never alone.
+PROCESS_BYTES = 3 * GiB
+#: Plans keeping less than this in a node's host memory are never refused for the process estimate.
+STATES_THAT_COUNT = 1 * GiB
 #: Above this fraction of a node's capacity (states + the process estimate), the plan says the run is tight.
 NEAR_FULL = 0.9
 
@@ -118,14 +123,47 @@ def available_memory(meminfo: str = "/proc/meminfo") -> float | None:
     return None
 
 
-def local_budget(gpus_per_node: int | None = None, *, meminfo: str = "/proc/meminfo") -> HostBudget:
-    """The default budget: what this machine has available now."""
+def total_memory(meminfo: str = "/proc/meminfo") -> float | None:
+    """This machine's ``MemTotal`` in bytes, or None."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def ray_kill_threshold(environ: Mapping[str, str] | None = None) -> float:
+    """The fraction of a node's memory above which Ray's memory monitor kills workers (``RAY_memory_usage_threshold``,
+    0.95 by default; 1.0 when the monitor is off, ``RAY_memory_monitor_refresh_ms=0``)."""
+    environ = os.environ if environ is None else environ
+    if environ.get("RAY_memory_monitor_refresh_ms", "").strip() == "0":
+        return 1.0
+    try:
+        return min(1.0, max(0.0, float(environ.get("RAY_memory_usage_threshold", "0.95"))))
+    except ValueError:
+        return 0.95
+
+
+def local_budget(gpus_per_node: int | None = None, *, meminfo: str = "/proc/meminfo",
+                 environ: Mapping[str, str] | None = None) -> HostBudget:
+    """The default budget: what this machine has available now, less the share of its memory that Ray's memory
+    monitor never lets workers use (it kills one above ``threshold x MemTotal`` in use: the 7B run of 2026-11-24
+    was killed at 95 % with 4 GiB still free)."""
     found = available_memory(meminfo)
     if found is None:
         reason = f"this machine's available memory could not be read ({meminfo} has no MemAvailable)" \
             if os.path.exists(meminfo) else f"this machine's available memory is unknown (no {meminfo})"
         return HostBudget(None, reason, gpus_per_node, local=True)
-    return HostBudget(found, "MemAvailable of this machine", gpus_per_node, local=True)
+    total, threshold = total_memory(meminfo), ray_kill_threshold(environ)
+    if total is None or threshold >= 1.0:
+        return HostBudget(found, "MemAvailable of this machine", gpus_per_node, local=True)
+    reserve = (1.0 - threshold) * total
+    return HostBudget(max(0.0, found - reserve), f"MemAvailable of this machine less the {reserve / GiB:.1f} GiB Ray's "
+                      f"memory monitor keeps (it kills workers above {threshold:.0%} of MemTotal)", gpus_per_node,
+                      local=True)
 
 
 # ---- the check, the notes and the lines --------------------------------------------------------------------------
@@ -136,15 +174,17 @@ def check_host(plan: ResidencyPlan) -> None:
     if budget is None or budget.bytes is None:
         return
     for node, use in sorted(plan.host_use().items()):
-        if use.states <= budget.bytes:
+        if use.states <= budget.bytes and (use.states < STATES_THAT_COUNT or use.total <= budget.bytes):
             continue
         parts = ", ".join(f"{_item(role, item)} {v / GiB:.1f}" for (role, item), v in _largest(use)[:4])
-        raise PlacementError(
-            "host_memory_gb",
-            f"node {node}: the plan keeps {use.states / GiB:.1f} GiB in host memory > {budget.bytes / GiB:.1f} GiB "
-            f"available ({budget.source}): {parts} GiB; the {use.processes} processes need about "
-            f"{use.process_bytes / GiB:.0f} GiB more (an estimate). The run would be killed for memory at start-up.",
-            _fix(use, budget))
+        over = (f"the plan keeps {use.states / GiB:.1f} GiB in host memory > {budget.bytes / GiB:.1f} GiB available "
+                f"({budget.source}): {parts} GiB; the {use.processes} processes need about "
+                f"{use.process_bytes / GiB:.0f} GiB more (an estimate)" if use.states > budget.bytes else
+                f"the plan keeps {use.states / GiB:.1f} GiB in host memory ({parts} GiB) and its {use.processes} "
+                f"processes need about {use.process_bytes / GiB:.0f} GiB more (an estimate): "
+                f"{use.total / GiB:.1f} GiB > {budget.bytes / GiB:.1f} GiB available ({budget.source})")
+        raise PlacementError("host_memory_gb", f"node {node}: {over}. The run would be killed for memory at start-up.",
+                             _fix(use, budget))
 
 
 def host_notes(plan: ResidencyPlan) -> list[str]:
@@ -221,7 +261,7 @@ def _item(role: str, item: str) -> str:
 def _fix(use: HostUse, budget: HostBudget) -> str:
     (role, item), _ = _largest(use)[0]
     if item == CPU_ADAM:
-        fix = (f"The {role}'s optimizer is in host memory (CPU Adam: 16 bytes per parameter of each rank's ZeRO "
+        fix = (f"The {role}'s optimizer is in host memory (CPU Adam: 16-18 bytes per parameter of each rank's ZeRO "
                "partition). Give it room on the GPUs so it stays there: more GPUs for the role with --zero_stage 3 "
                "(each rank holds 1/N of the states) or larger GPUs, and no --adam_offload; or spread its ranks over "
                "more nodes (a node holds only its own ranks' partitions; ZeRO-0 would keep the whole optimizer on "

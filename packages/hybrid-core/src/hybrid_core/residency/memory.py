@@ -24,8 +24,8 @@ Engines, per GPU of an engine of TP GPUs:
     hf (built-in): weights = b P / TP; while it generates, the KV cache of its share of the rollout
                  (ceil(samples / engines) sequences of S tokens, 2 L kv b / TP per token) + the last logits.
 Host memory (per worker, :mod:`.host` sums it per node): with adam_offload, DeepSpeed's CPU Adam keeps fp32 master
-    weights, Adam m, v and fp32 gradients of the rank's partition in host memory for the whole run,
-    16 P / (N if z >= 1 else 1) (``RoleSize.host``); ``RoleSize.host_optimizer`` is the same number for a trainer
+    weights, Adam m, v and fp32 gradients of the rank's partition in host memory for the whole run, and ZeRO-1/2 a
+    model-dtype copy of it: (16 + b if z < 3 else 16) P / (N if z >= 1 else 1) (``RoleSize.host``); ``RoleSize.host_optimizer`` is the same number for a trainer
     without adam_offload, what the planner's ``host`` move would put there.
 Every worker process also holds CONTEXT_BYTES (CUDA context, NCCL and cuBLAS workspaces), whatever it keeps.
 During the sync, each side holds one weight-sync bucket.
@@ -45,7 +45,10 @@ from .steps import KIND_STATES, kind_of
 GiB = 1024**3
 CONTEXT_BYTES = GiB // 2
 #: DeepSpeed CPU Adam's host bytes per parameter of a rank's partition: fp32 master weights (4), Adam m and v (4 + 4),
-#: fp32 gradients (4).
+#: fp32 gradients (4). ZeRO-1/2 also keep a model-dtype copy of the partition there, which the updated weights pass
+#: through on their way back to the GPU (``stage_1_and_2.py``: ``param_buffer_of_bit16_for_cpu_offload_groups``):
+#: + 2 bytes in bf16. Missing that (16 instead of 18) let a 6.5B model's plan pass on a 125 GiB host where DeepSpeed's
+#: set-up then took 108 GiB in one process and Ray's memory monitor killed it (H100, 2026-11-24).
 CPU_ADAM_BYTES = 16
 CPU_ADAM = "cpu_adam"  # its item in RoleSize.host
 
@@ -195,7 +198,7 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
         size = RoleSize(role, kind, {"params": b * shape.num_params}, working, work.context_bytes)
         return _with_cache(size)
     k = 0 if work.adam_offload else (12 if work.bf16 else 8)
-    cpu_adam = CPU_ADAM_BYTES * shape.num_params / (n if z >= 1 else 1)
+    cpu_adam = (CPU_ADAM_BYTES + (b if z < 3 else 0)) * shape.num_params / (n if z >= 1 else 1)
     states = {"params": b * shape.num_params / (n if z == 3 else 1),
               "grads": b * shape.num_params / (n if z >= 2 else 1),
               "optimizer": k * shape.num_params / (n if z >= 1 else 1)}
