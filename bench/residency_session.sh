@@ -20,7 +20,8 @@
 #   bash bench/residency_session.sh e        # ZeRO-3 + reference against TRL, interleaved twice (TRL, ours, TRL, ours)
 #                                            # with the machine's load sampled every 10 s; E_TURNS="1" or "2" runs one
 #                                            # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
-#                                            # first turn's (issue 19: next to the vLLM figure of the same call)
+#                                            # first turn's (issue 19: next to the vLLM figure of the same call);
+#                                            # E_THREADS1=1 adds ours with the engine on one torch thread
 #   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU (F_MPS=1:
 #                                            # the async run under CUDA MPS)
 #   bash bench/residency_session.sh g        # generate overhead (recorded; G_REC=0: not), the same with vLLM multi-process
@@ -147,6 +148,9 @@ e)
   for turn in ${E_TURNS:-1 2}; do
     trl 357m_$turn /tmp/peer/model vllm --steps 6; cleanup
     ours z3i$turn --size 357m --steps 10 --warmup 2; cleanup
+    if [ "${E_THREADS1:-0}" = 1 ]; then  # the same run with the engine actor on Ray's one torch thread (A/B)
+      HYBRID_ENGINE_THREADS=1 ours z3t1_$turn --size 357m --steps 10 --warmup 2; cleanup
+    fi
     if [ "$sglang" = 1 ]; then sglang=0
       # issue 19: the same set-up on SGLang, next to this call's vLLM figure (SGLang carry staged)
       PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout $(left 585) $PY bench/e2e_gpu.py --algo grpo --size 357m \
