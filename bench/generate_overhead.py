@@ -229,9 +229,9 @@ def main() -> int:
     threads = ray.get(actor.where.remote(), timeout=60)["torch_threads"]
     results = round_robin(variants, args.repeats, checkpoint)
     results["machine_load"] = {"before": load_before, "after": machine_load()}
-    for name in hops:  # the warm-up round's call is dropped, as for the timings
-        results[name]["ray_hop_median_s"] = statistics.median(hops[name][1:])
-        results[name]["gc_exit_median_s"] = statistics.median(gc_exits[name][1:])
+    for variant in hops:  # the warm-up round's call is dropped, as for the timings
+        results[variant]["ray_hop_median_s"] = statistics.median(hops[variant][1:])
+        results[variant]["gc_exit_median_s"] = statistics.median(gc_exits[variant][1:])
     results["engine_actor_torch_threads"] = threads
     ray.get(actor.shutdown.remote(), timeout=120)
     ray.kill(actor)
