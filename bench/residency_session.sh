@@ -21,7 +21,8 @@
 #                                            # with the machine's load sampled every 10 s; E_TURNS="1" or "2" runs one
 #                                            # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
 #                                            # first turn's (issue 19: next to the vLLM figure of the same call);
-#                                            # E_THREADS1=1 adds ours with the engine on one torch thread
+#                                            # E_THREADS1=1 adds ours with the engine on one torch thread,
+#                                            # E_MICRO64=1 ours in TRL's micro-batch of 64
 #   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU (F_MPS=1:
 #                                            # the async run under CUDA MPS)
 #   bash bench/residency_session.sh g        # generate overhead (recorded; G_REC=0: not), the same with vLLM multi-process
@@ -151,6 +152,9 @@ e)
     if [ "${E_THREADS1:-0}" = 1 ]; then  # the same run with the engine actor on Ray's one torch thread (A/B)
       HYBRID_ENGINE_THREADS=1 ours z3t1_$turn --size 357m --steps 10 --warmup 2; cleanup
     fi
+    if [ "${E_MICRO64:-0}" = 1 ]; then  # the same set-up trained in TRL's micro-batch (64 completions, one per step)
+      ours z3m64_$turn --size 357m --steps 10 --warmup 2 --micro 64; cleanup
+    fi
     if [ "$sglang" = 1 ]; then sglang=0
       # issue 19: the same set-up on SGLang, next to this call's vLLM figure (SGLang carry staged)
       PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout $(left 585) $PY bench/e2e_gpu.py --algo grpo --size 357m \
@@ -166,10 +170,14 @@ out = sys.argv[1]
 trl = [json.loads(open(f).read().split("RESULT", 1)[-1])["median_step_s_after_first"]
        for f in sorted(glob.glob(f"{out}/trl_357m_*.json")) if open(f).read().strip()]
 ours = [json.load(open(f))["step_s"] for f in sorted(glob.glob(f"{out}/e2e-*z3i*.json"))]
-print("TRL per turn", trl, "ours per turn", ours)
+m64 = [json.load(open(f))["step_s"] for f in sorted(glob.glob(f"{out}/e2e-*z3m64*.json"))]
+print("TRL per turn", trl, "ours per turn", ours, "ours in micro-batches of 64", m64)
 if trl and ours:
     print(f"speedup vs TRL ZeRO-3+ref x = {statistics.median(trl) / statistics.median(ours):.3f} "
           f"(TRL {statistics.median(trl):.3f} s / ours {statistics.median(ours):.3f} s)")
+if trl and m64:
+    print(f"speedup vs TRL ZeRO-3+ref x, TRL's micro-batch = {statistics.median(trl) / statistics.median(m64):.3f} "
+          f"(TRL {statistics.median(trl):.3f} s / ours {statistics.median(m64):.3f} s)")
 PY
   pack e
   ;;
