@@ -153,7 +153,8 @@ class EngineActor:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         if backend == "hf" and "device" not in kwargs and gpu_ids and _cuda_available():
             kwargs["device"] = f"cuda:{local_device_index(gpu_ids[0], os.environ.get('CUDA_VISIBLE_DEVICES'))}"
-        threads = engine_threads(backend, len(os.sched_getaffinity(0)), _node_gpus(), os.environ.get(ENGINE_THREADS_ENV))
+        threads = engine_threads(backend, len(os.sched_getaffinity(0)), _node_gpus(),
+                                 os.environ.get(ENGINE_THREADS_ENV))
         if threads is not None:
             import torch
 
@@ -171,7 +172,6 @@ class EngineActor:
 
     def where(self) -> dict[str, Any]:
         import ray
-
         import torch
 
         return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],

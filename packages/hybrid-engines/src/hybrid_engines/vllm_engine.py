@@ -1,8 +1,9 @@
 """vLLM adapter: :class:`~hybrid_engines.protocol.InferenceEngine` on ``vllm.LLM`` (written against vLLM 0.26.0).
 
 * Generation: token-id prompts (``{"prompt_token_ids": ids}``, vLLM's ``TokensPrompt``), one request per completion
-  when samples are seeded or greedy, else one per prompt with ``n`` (:mod:`hybrid_engines.sampling_map`), logprobs of the sampled tokens under the raw model
-  (``logprobs_mode="raw_logprobs"``: before temperature / top-k / top-p and logits processors).
+  when samples are seeded or greedy, else one per prompt with ``n`` (:mod:`hybrid_engines.sampling_map`), logprobs
+  of the sampled tokens under the raw model (``logprobs_mode="raw_logprobs"``: before temperature / top-k / top-p and
+  logits processors).
 * Sleep: ``LLM(enable_sleep_mode=True)``; ``sleep(1)`` offloads weights to host memory and drops the KV cache,
   ``sleep(2)`` drops both. ``wake_up(["weights"])`` and ``wake_up(["kv_cache"])`` map to vLLM's tags one to one, so
   weights can be refreshed before the KV cache takes its memory back. After a level-2 sleep ``generate`` is refused

@@ -233,7 +233,7 @@ class RLConfig:
     @property
     def wants_engine_logprobs(self) -> bool:
         """Whether the engines are asked for the sampled tokens' log-probs: the correction needs them, and
-        ``--engine_logprobs`` adds the mismatch metrics without it. They cost the engine (vLLM 0.26: ~24 % of a 357M
+        ``--engine_logprobs`` adds the mismatch metrics without it. They cost the engine (vLLM 0.26: ~22-24 % of a 357M
         model's generate call on an H100), so nothing asks for them that does not use them."""
         return self.enable_vllm_is_correction if self.engine_logprobs is None else self.engine_logprobs
 
