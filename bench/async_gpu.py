@@ -78,7 +78,15 @@ class MPS:
         for d in self.env.values():
             os.makedirs(d, exist_ok=True)
         subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env}, check=True, timeout=30)
-        time.sleep(1)
+        from hybrid_core.mps import mps_pipe_directory  # what the run's own note reads: the daemon's pipe
+
+        for _ in range(50):
+            if mps_pipe_directory(self.env):
+                break
+            time.sleep(0.2)
+        else:
+            raise SystemExit("--async_under_mps: no MPS control pipe in "
+                             f"{self.env['CUDA_MPS_PIPE_DIRECTORY']} after 10 s")
         print(f"[mps] control daemon started ({self.env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
         return self.env
 

@@ -8,7 +8,7 @@
 #                                      # composes verl's config with our overrides; imports verl's run path if vLLM is
 #                                      # staged (else says so)
 #   bash bench/verl_session.sh check   # (no carry, no GPU taken) the import pre-flight alone: verl's run path, vLLM's
-#                                      # OpenAI server included -- run it after the vLLM carry, before a
+#                                      # OpenAI server included -- run it after the vLLM carry, before a / a2
 #   bash bench/verl_session.sh a       # 357M, no reference, KL 0: verl | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
 #   bash bench/verl_session.sh a2      # 357M, reference + low-var KL loss: verl | ours (e2e_gpu.py default set-up)
 #

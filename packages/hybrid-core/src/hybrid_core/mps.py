@@ -18,7 +18,7 @@ DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 def mps_pipe_directory(env: Mapping[str, str] | None = None) -> str | None:
     """The MPS control daemon's pipe folder when one is running there for this environment, else None."""
     env = os.environ if env is None else env
-    folder = env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY  # module global: read per call
+    folder = env.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIRECTORY
     try:
         mode = os.stat(os.path.join(folder, "control")).st_mode
     except OSError:

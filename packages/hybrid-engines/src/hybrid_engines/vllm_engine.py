@@ -180,7 +180,7 @@ class VLLMEngine:
         rows = expand_rows(prompts, params)
         make = self._vllm.SamplingParams
         if per_prompt_requests(rows, params) and not self.pausable:  # vLLM fans each prompt out into n samples
-            return self._generate_per_prompt(prompts, make, params)
+            return self._generate_per_prompt(prompts, params)
         if all(r.seed is None for r in rows):  # one object for every row
             sampling: Any = make(**vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos))
         else:
@@ -194,8 +194,9 @@ class VLLMEngine:
             results[row.prompt][row.sample] = self._output(prompts[row.prompt], out.outputs[0], params)
         return results
 
-    def _generate_per_prompt(self, prompts, make, params: SamplingParams) -> list[list[GenerationOutput]]:
-        sampling = make(**vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos, n=params.n))
+    def _generate_per_prompt(self, prompts, params: SamplingParams) -> list[list[GenerationOutput]]:
+        sampling = self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos,
+                                                                    n=params.n))
         outputs = self.llm.generate(prompts=[{"prompt_token_ids": p} for p in prompts], sampling_params=sampling,
                                     use_tqdm=False)
         results = []

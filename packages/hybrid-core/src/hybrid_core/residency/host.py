@@ -110,29 +110,27 @@ def host_use(layout: Mapping[int, tuple[GpuShare, ...]], moves: Mapping[tuple[st
     return nodes
 
 
-def available_memory(meminfo: str = "/proc/meminfo") -> float | None:
-    """This machine's available memory in bytes (Linux ``MemAvailable``: free memory plus what the kernel can reclaim
-    without swapping), or None where it cannot be read."""
+def _meminfo(field: str, meminfo: str) -> float | None:
+    """One ``/proc/meminfo`` field in bytes, or None where it cannot be read."""
     try:
         with open(meminfo) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return float(line.split()[1]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         return None
     return None
 
 
+def available_memory(meminfo: str = "/proc/meminfo") -> float | None:
+    """This machine's available memory in bytes (Linux ``MemAvailable``: free memory plus what the kernel can reclaim
+    without swapping), or None where it cannot be read."""
+    return _meminfo("MemAvailable", meminfo)
+
+
 def total_memory(meminfo: str = "/proc/meminfo") -> float | None:
     """This machine's ``MemTotal`` in bytes, or None."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return _meminfo("MemTotal", meminfo)
 
 
 def ray_kill_threshold(environ: Mapping[str, str] | None = None) -> float:
