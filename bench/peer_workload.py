@@ -60,7 +60,10 @@ def build(root: str, *, size: str = "357m", layers: int | None = None, hidden: i
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = LlamaForCausalLM(cfg)
+            # PEER_BUILD_DEVICE=cuda: initialise on the GPU (seconds for 7B, against ~9 min on the CPU) where nothing
+            # else runs beside the build
+            with torch.device(os.environ.get("PEER_BUILD_DEVICE", "cpu")):
+                model = LlamaForCausalLM(cfg)
         finally:
             torch.set_default_dtype(previous)
         model.save_pretrained(model_dir)

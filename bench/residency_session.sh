@@ -11,6 +11,8 @@
 #   bash bench/residency_session.sh a        # 357M: TRL | ours TRL-matched | ours ZeRO-3 + reference
 #   bash bench/residency_session.sh b        # ~1.5B, 32 x 8, <= 1024 tokens: TRL | ours (auto)
 #   bash bench/residency_session.sh c        # ~7B: ours (auto) | TRL, nothing beside them (CPU Adam needs the host)
+#   bash bench/residency_session.sh c7       # ~7B in bf16 master weights + Adam state (TRL's precision) on 80 GB: the
+#                                            # model built on the GPU, then ours (C7_TRL=1: TRL too; else phase c7t)
 #   bash bench/residency_session.sh z        # ZeRO-3 + reference: the code of commit ab94ac3 vs today's (carry .old: an
 #                                            # ignored folder holding that commit's packages/ and bench/)
 #   bash bench/residency_session.sh d        # generate overhead alone (its engines take ~2.5 min to build), then 7B
@@ -22,7 +24,9 @@
 #                                            # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
 #                                            # first turn's (issue 19: next to the vLLM figure of the same call);
 #                                            # E_THREADS1=1 adds ours with the engine on one torch thread,
-#                                            # E_MICRO64=1 ours in TRL's micro-batch of 64
+#                                            # E_MICRO64=1 ours in TRL's micro-batch of 64, E_PROFILE=1 that run
+#                                            # again with step 6 under the profilers (--profile_step), E_EXTRA="FLAGS"
+#                                            # ours in TRL's micro-batch with those hybrid flags (an A/B variant)
 #   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU (F_MPS=1:
 #                                            # the async run under CUDA MPS)
 #   bash bench/residency_session.sh g        # generate overhead (recorded; G_REC=0: not), the same with vLLM multi-process
@@ -75,6 +79,7 @@ ours() {  # $1 label, then e2e_gpu.py arguments
   for run in /tmp/peer*/runs/*$label; do  # what the offline analysis needs: phases, plan, metrics, memory samples
     mkdir -p $LOGS/run_$label; cp $run/metrics.jsonl $run/timeline.jsonl $run/residency.json $LOGS/run_$label/ 2>/dev/null
     cp $(dirname $(dirname $run))/mem-*$label*.csv $LOGS/run_$label/ 2>/dev/null
+    cp -r $run/profile $LOGS/run_$label/ 2>/dev/null  # --profile_step's tables and traces
   done
 }
 
@@ -155,6 +160,12 @@ e)
     if [ "${E_MICRO64:-0}" = 1 ]; then  # the same set-up trained in TRL's micro-batch (64 completions, one per step)
       ours z3m64_$turn --size 357m --steps 10 --warmup 2 --micro 64; cleanup
     fi
+    if [ -n "${E_EXTRA:-}" ]; then  # an A/B variant: TRL's micro-batch with these hybrid flags added
+      ours z3x_$turn --size 357m --steps 10 --warmup 2 --micro 64 -- $E_EXTRA; cleanup
+    fi
+    if [ "${E_PROFILE:-0}" = 1 ]; then  # TRL's micro-batch again, step 6 under the profilers (--profile_step)
+      ours z3prof_$turn --size 357m --steps 8 --warmup 2 --micro 64 -- --profile_step 6; cleanup
+    fi
     if [ "$sglang" = 1 ]; then sglang=0
       # issue 19: the same set-up on SGLang, next to this call's vLLM figure (SGLang carry staged)
       PYTHONPATH=/tmp/site-sglang:$PYTHONPATH OUT=$LOGS timeout $(left 585) $PY bench/e2e_gpu.py --algo grpo --size 357m \
@@ -171,6 +182,10 @@ trl = [json.loads(open(f).read().split("RESULT", 1)[-1])["median_step_s_after_fi
        for f in sorted(glob.glob(f"{out}/trl_357m_*.json")) if open(f).read().strip()]
 ours = [json.load(open(f))["step_s"] for f in sorted(glob.glob(f"{out}/e2e-*z3i*.json"))]
 m64 = [json.load(open(f))["step_s"] for f in sorted(glob.glob(f"{out}/e2e-*z3m64*.json"))]
+x = [json.load(open(f))["step_s"] for f in sorted(glob.glob(f"{out}/e2e-*z3x_*.json"))]
+if trl and x:
+    print(f"variant (E_EXTRA) in TRL's micro-batch: {statistics.median(trl) / statistics.median(x):.3f} "
+          f"(TRL {statistics.median(trl):.3f} s / ours {statistics.median(x):.3f} s)")
 print("TRL per turn", trl, "ours per turn", ours, "ours in micro-batches of 64", m64)
 if trl and ours:
     print(f"speedup vs TRL ZeRO-3+ref x = {statistics.median(trl) / statistics.median(ours):.3f} "
@@ -242,6 +257,28 @@ c)
   trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps 2 --gpu_util 0.2
   kill $MON 2>/dev/null; free -g | head -2
   pack c
+  ;;
+c7)
+  # ~7B with ZeRO-3 + reference + vLLM on one 80 GB GPU, trained in bf16 (master weights and Adam state, as TRL
+  # trains it; C7_FLAGS): the model is built on the GPU first (nothing runs beside it), then ours (auto plan).
+  # C7_TRL=1: TRL on the same folder after ours, in the same call (or run `c7t` in the next call).
+  cleanup; monitor; free -g | head -2
+  if [ ! -f /tmp/peer-7b/model/config.json ]; then
+    PEER_BUILD_DEVICE=cuda timeout 300 $PY bench/peer_workload.py /tmp/peer-7b 7b > $LOGS/build7b.log 2>&1
+    echo "7b build rc=$? in $(( $(date +%s) - t0 )) s"; cleanup
+  fi
+  ours 7bbf16 --size 7b --steps ${C7_STEPS:-3} --warmup 1 --gpu_util 0.2 --micro 4 -- ${C7_FLAGS---bf16_master_weights --bf16_optimizer_states}
+  grep -E "^(generate|infer|train|sync|sleep|wake) |residency|peak error|Error|error:" $LOGS/ours_7bbf16.log | tail -14
+  if [ "${C7_TRL:-0}" = 1 ]; then cleanup
+    trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps 2 --gpu_util 0.2
+  fi
+  kill $MON 2>/dev/null; free -g | head -2
+  pack c7
+  ;;
+c7t)
+  # TRL on c7's 7B folder (the same machine, the next call)
+  cleanup; trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps 2 --gpu_util 0.2
+  pack c7t
   ;;
 z)
   # the ZeRO-3 + reference set-up: yesterday's code (.old, commit ab94ac3: 0.69 s/step on an H100) against today's,

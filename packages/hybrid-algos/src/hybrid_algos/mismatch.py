@@ -154,8 +154,9 @@ def rollout_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
     neutral = rho.new_ones(())
     stats = {
         "ratio_mean": torch.where(valid, rho, 0.0).sum() / denom,
-        "ratio_min": torch.where(valid, rho, torch.inf).amin() if n > 0 else neutral,
-        "ratio_max": torch.where(valid, rho, -torch.inf).amax() if n > 0 else neutral,
+        # no valid token: 1 (neutral); chosen on the device, so the stats never wait for the GPU
+        "ratio_min": torch.where(n > 0, torch.where(valid, rho, torch.inf).amin(), neutral),
+        "ratio_max": torch.where(n > 0, torch.where(valid, rho, -torch.inf).amax(), neutral),
         "weight_mean": weights.sum() / denom,
         "clipped_frac": (clipped & keep).sum() / denom,
         "masked_frac": (valid & rejected).sum() / denom,

@@ -457,14 +457,16 @@ class VLLMEngine:
 
     def update_weights_from_ipc(self, bucket: Any) -> TransferStats:
         """Load one CUDA-IPC bucket (``IpcBucket``) of a trainer on this engine's GPU, or a list of buckets, one per
-        GPU of a TP > 1 engine (each worker takes the one on its GPU). Returns once copied; resets the prefix cache."""
+        GPU of a TP > 1 engine (each worker takes the one on its GPU). Returns once copied; the sync's last delivery
+        resets the prefix cache (once per sync, not per bucket)."""
         if self.weight_loading == "layerwise":
             raise ConfigError("weight_loading", "the IPC path loads bucket by bucket, which layerwise reload cannot do "
                               "(a bucket may hold part of a layer).", "Use update_weights (broadcast) for layerwise.")
         self._require_weights_on_device("update_weights_from_ipc")
         self._require_not_stepping("update_weights_from_ipc")
         buckets = list(bucket) if isinstance(bucket, (list, tuple)) else [bucket]
-        return self._after_update(self._rpc("hybrid_load_ipc", buckets), "vllm weight sync ipc")
+        return self._after_update(self._rpc("hybrid_load_ipc", buckets), "vllm weight sync ipc",
+                                  reset=any(getattr(b, "last", True) for b in buckets))
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (their KV was computed with the old weights). With requests paused in flight
@@ -514,11 +516,12 @@ class VLLMEngine:
     def _free_bytes(self) -> int:
         return sum(self._rpc("hybrid_free_bytes"))
 
-    def _after_update(self, results: list[dict[str, Any]], what: str) -> TransferStats:
+    def _after_update(self, results: list[dict[str, Any]], what: str, *, reset: bool = True) -> TransferStats:
         if self._missing[0]:
             worst = max(results, key=lambda r: r["missing_count"])
             self._missing = (worst["missing_count"], worst["missing"])
-        self.reset_prefix_cache()
+        if reset:
+            self.reset_prefix_cache()
         return TransferStats(results[0]["bytes"], max(r["seconds"] for r in results), what)
 
     def _require_open(self, what: str) -> None:

@@ -182,6 +182,7 @@ class RLConfig:
     overwrite: bool = False  # a new run may replace an earlier run in --save_path (its files are deleted first)
     trust_checkpoint: bool = False  # skip the check that DeepSpeed's checkpoint pickles hold only known objects
     logging_steps: int = 1
+    profile_step: int = 0  # profile this step (1-based): torch profiler on the trainer workers, cProfile on the driver
     use_wandb: str | None = None
     wandb_project: str = "hybrid"
     wandb_run_name: str | None = None
@@ -328,6 +329,9 @@ class RLConfig:
             _positive(name, getattr(self, name))
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps)
+        if isinstance(self.profile_step, bool) or not isinstance(self.profile_step, int) or self.profile_step < 0:
+            raise ConfigError("profile_step", f"must be a step number >= 1 (0: no profile), got {self.profile_step!r}.",
+                              "E.g. --profile_step 5 profiles the fifth step (after the warm-up of the first ones).")
         if isinstance(self.vllm_num_engines, bool) or not isinstance(self.vllm_num_engines, int) \
                 or self.vllm_num_engines < 0:
             raise ConfigError("vllm_num_engines", f"must be a whole number >= 0, got {self.vllm_num_engines!r}.",

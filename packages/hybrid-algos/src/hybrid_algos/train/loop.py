@@ -121,6 +121,9 @@ def prepare(config: RLConfig) -> Prepared:
     total = steps_per_episode * config.num_episodes
     if config.max_steps is not None:
         total = min(total, config.max_steps)
+    if config.profile_step > total:
+        raise ConfigError("profile_step", f"step {config.profile_step} is past the run's last step ({total}).",
+                          f"Profile a step from 1 to {total} (the first ones include warm-up).")
     # What stays on each GPU, from the memory budget; a plan that cannot fit fails here, before Ray starts.
     residency, config = build_residency(config, plan, model_path, prompt_len=longest_prompt,
                                         generate_len=max_new_tokens)
@@ -469,10 +472,19 @@ class TrainingSession:
         for step in range(self.start_step, total):
             self.owner.tag = step
             if self.runner is not None and self.runner.has(step):
-                metrics = self.runner.step(step)
+                def one_step(step=step):
+                    return self.runner.step(step)
             else:
-                metrics, _ = self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
-                                                                               self.sampling(step)))
+                def one_step(step=step):
+                    return self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
+                                                                             self.sampling(step)))[0]
+            if step + 1 == cfg.profile_step:
+                from .profiling import profile_folder, profiled_step
+
+                with profiled_step(self.groups, profile_folder(self.prep.run_dir, step + 1)):
+                    metrics = one_step()
+            else:
+                metrics = one_step()
             if _refines_after(step - self.start_step):
                 metrics.update(self.guarded("refining the residency plan", lambda: self.refine_residency(step + 1)))
                 self._recheck_async()

@@ -70,6 +70,20 @@ class RoleWorker:
         gc.collect()
         gc.freeze()
 
+    # ---- --profile_step ---------------------------------------------------------------------------------------------
+    def start_profile(self) -> None:
+        from ..profiling import WorkerProfiler
+
+        self._profiler = WorkerProfiler()
+        self._profiler.start()
+
+    def stop_profile(self, folder: str) -> str:
+        """Write this worker's profile of the step into ``folder``; returns the table's path."""
+        profiler, self._profiler = getattr(self, "_profiler", None), None
+        if profiler is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: stop_profile without start_profile")
+        return profiler.stop(folder, f"{self.role}-{self.rank}")
+
     # ---- residency -------------------------------------------------------------------------------------------------
     def set_residency(self, trim_cache: bool) -> None:
         """What the residency plan asks of this role besides moves: trim its allocator cache after each phase."""

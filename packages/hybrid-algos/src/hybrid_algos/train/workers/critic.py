@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_critic, response_values
 from .base import RoleWorker
-from .policy import attn_implementation, forward_micro_batches, lr_schedule, train_micro_batches
+from .policy import DeviceMeans, attn_implementation, forward_micro_batches, lr_schedule, train_micro_batches
 
 
 class CriticWorker(RoleWorker):
@@ -52,7 +51,7 @@ class CriticWorker(RoleWorker):
         actor's: fixed size, or by token budget with --use_dynamic_batch)."""
         cfg = self.config
         self.engine.train()
-        stats: dict[str, list[float]] = defaultdict(list)
+        stats = DeviceMeans()
         gen = torch.Generator().manual_seed(cfg.seed * 100019 + step * 137 + self.rank)
         per_update = cfg.train_batch_size // self.world_size
         by_tokens = cfg.value_agg_mode == "token-mean"
@@ -75,10 +74,10 @@ class CriticWorker(RoleWorker):
                         self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
                         self.engine.backward(loss * weight, scale_wrt_gas=False)
                     self.engine.step()
-                    stats["critic/value_loss"].append(loss.item())
-                    stats["critic/clip_frac"].append(float(info.get("clip_frac", 0.0)))
-        stats["critic/lr"].append(self.engine.get_lr()[0])
-        return {k: sum(v) / len(v) for k, v in stats.items()}
+                    stats.add("critic/value_loss", loss)
+                    stats.add("critic/clip_frac", info.get("clip_frac", 0.0))
+        stats.add("critic/lr", self.engine.get_lr()[0])
+        return stats.result()
 
     def save_checkpoint(self, path: str, tag: str) -> None:
         self.engine.save_checkpoint(path, tag=tag, save_latest=False)

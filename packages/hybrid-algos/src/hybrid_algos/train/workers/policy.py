@@ -92,8 +92,8 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                              "rollout has none (the engine returned no logprobs); turn it off with "
                              "--no_enable_vllm_is_correction")
         need_raw = self._needs_raw_logprobs()
-        stats: dict[str, list[float]] = defaultdict(list)
-        kl_sums: dict[str, float] = {}
+        stats = DeviceMeans()  # read once at the end: a read per micro-batch would stall the backward's launch
+        kl_sums = DeviceMeans()
         mismatch = MismatchStats()
         gen = torch.Generator().manual_seed(cfg.seed * 100003 + step * 131 + self.rank)
         per_update = cfg.train_batch_size // self.world_size
@@ -132,27 +132,27 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                                                      clip_low=low, clip_high=high, dual_clip=cfg.dual_clip,
                                                      agg_mode=agg_mode, norm_len=cfg.generate_max_len,
                                                      is_weights=is_weights)
-                    stats["actor/pg_loss"].append(loss.item())
-                    stats["actor/clip_frac"].append(float(info["clip_frac"]) if "clip_frac" in info else 0.0)
-                    stats["actor/approx_kl"].append(float(info["approx_kl"]))
+                    stats.add("actor/pg_loss", loss)
+                    stats.add("actor/clip_frac", info.get("clip_frac", 0.0))
+                    stats.add("actor/approx_kl", info["approx_kl"])
                     if cfg.use_kl_loss and mb.ref_logprobs is not None:
                         kl = kl_estimate(logp, mb.ref_logprobs, cfg.kl_estimator, mask=mask)
                         kl_loss = aggregate_loss(kl, mask, agg_mode, norm_len=cfg.generate_max_len)
                         loss = loss + kl_coef * kl_loss
-                        stats["actor/kl_loss"].append(kl_loss.item())
+                        stats.add("actor/kl_loss", kl_loss)
                     if scores.entropy is not None:
                         ent = aggregate_loss(scores.entropy, mask, agg_mode, norm_len=cfg.generate_max_len)
                         loss = loss - cfg.entropy_loss_coef * ent
-                        stats["actor/entropy"].append(ent.item())
+                        stats.add("actor/entropy", ent)
                     if weight is None:  # fixed micro-batches: DeepSpeed averages them over its accumulation steps
                         self.engine.backward(loss)
                     else:  # token-budget micro-batches: this one's share of the update, and the boundary is ours
                         self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
                         self.engine.backward(loss * weight, scale_wrt_gas=False)
                     self.engine.step()
-                stats["actor/micro_batches"].append(float(len(plan)))
-        stats["actor/lr"].append(self.engine.get_lr()[0])
-        return {**{k: sum(v) / len(v) for k, v in stats.items()}, **mismatch.result(self.device), **kl_sums}
+                stats.add("actor/micro_batches", len(plan))
+        stats.add("actor/lr", self.engine.get_lr()[0])
+        return {**stats.result(), **mismatch.result(self.device), **kl_sums.sums()}
 
     def _needs_raw_logprobs(self) -> bool:
         """The engines report log-probs at temperature 1; the trainer's are tempered unless the temperature is 1."""
@@ -301,47 +301,81 @@ def sample_keys(rollout: Rollout) -> list[bytes]:
 
 
 class MismatchStats:
-    """The rollout-correction statistics of a step: token-weighted means, min / max, over micro-batches and ranks."""
+    """The rollout-correction statistics of a step: token-weighted means, min / max, over micro-batches and ranks.
+
+    Kept as device tensors until :meth:`result`: reading a value after every micro-batch's forward would stall the
+    host until the GPU catches up, instead of letting it queue the backward pass meanwhile."""
 
     MEANS = ("ratio_mean", "weight_mean", "clipped_frac", "masked_frac", "kl", "k3_kl")
 
     def __init__(self) -> None:
-        self.sums = {k: 0.0 for k in self.MEANS}
-        self.tokens = 0.0
-        self.low, self.high = float("inf"), float("-inf")
+        self.sums: torch.Tensor | None = None  # float64: the MEANS weighted by tokens, then the tokens
+        self.extremes: torch.Tensor | None = None  # float64: -min, max of the ratio (over micro-batches with tokens)
 
     def add(self, stats: dict[str, torch.Tensor]) -> None:
-        n = float(stats["tokens"])
-        if n == 0:
-            return
-        for k in self.MEANS:
-            self.sums[k] += float(stats[k]) * n
-        self.tokens += n
-        self.low = min(self.low, float(stats["ratio_min"]))
-        self.high = max(self.high, float(stats["ratio_max"]))
+        n = stats["tokens"].detach().to(torch.float64)
+        sums = torch.stack([*(stats[k].detach().to(torch.float64) * n for k in self.MEANS), n])
+        extremes = torch.stack([-stats["ratio_min"].detach(), stats["ratio_max"].detach()]).to(torch.float64)
+        extremes = torch.where(n > 0, extremes, torch.full_like(extremes, -torch.inf))  # no tokens: no extremes
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.extremes = extremes if self.extremes is None else torch.maximum(self.extremes, extremes)
 
     def result(self, device) -> dict[str, float]:
         import torch.distributed as dist
 
-        sums = torch.tensor([*(self.sums[k] for k in self.MEANS), self.tokens], dtype=torch.float64, device=device)
-        extremes = torch.tensor([-self.low, self.high], dtype=torch.float64, device=device)
+        sums = (torch.zeros(len(self.MEANS) + 1, dtype=torch.float64, device=device) if self.sums is None
+                else self.sums.to(device))
+        extremes = (torch.full((2,), -torch.inf, dtype=torch.float64, device=device) if self.extremes is None
+                    else self.extremes.to(device))
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-        tokens = float(sums[-1])
+        values = sums.tolist()
+        tokens = values[-1]
         if tokens == 0:
             return {}
-        out = {f"mismatch/{k}": float(v) / tokens for k, v in zip(self.MEANS, sums[:-1].tolist())}
-        out["mismatch/ratio_min"], out["mismatch/ratio_max"] = -float(extremes[0]), float(extremes[1])
+        out = {f"mismatch/{k}": v / tokens for k, v in zip(self.MEANS, values[:-1])}
+        low, high = extremes.tolist()
+        out["mismatch/ratio_min"], out["mismatch/ratio_max"] = -low, high
         return out
 
 
-def _add_k1_sums(sums: dict[str, float], logp: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+class DeviceMeans:
+    """Per-key means of per-micro-batch values that stay on the device until :meth:`result` reads them all at once
+    (one host sync per step instead of several per micro-batch)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list] = defaultdict(list)
+
+    def add(self, key: str, value) -> None:
+        self.values[key].append(value.detach().float() if isinstance(value, torch.Tensor) else float(value))
+
+    def sums(self) -> dict[str, float]:
+        return self._read(sum)
+
+    def result(self) -> dict[str, float]:
+        return self._read(lambda xs: sum(xs) / len(xs))
+
+    def _read(self, reduce) -> dict[str, float]:
+        keys = [k for k, v in self.values.items() if v]
+        flat = [x for k in keys for x in self.values[k]]
+        on_device = [x.reshape(()) for x in flat if isinstance(x, torch.Tensor)]
+        read = iter(torch.stack(on_device).tolist() if on_device else [])  # every value of the worker's device
+        host = [next(read) if isinstance(x, torch.Tensor) else x for x in flat]
+        out, i = {}, 0
+        for k in keys:
+            n = len(self.values[k])
+            out[k] = reduce(host[i:i + n])
+            i += n
+        return out
+
+
+def _add_k1_sums(sums: DeviceMeans, logp: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
     """Accumulate what step._metrics needs for the k1 KL(actor || reference): its sum, tokens and sequences."""
     kl_tokens = (logp.float() - ref_logprobs.float()) * mask
-    sums["_kl_sum"] = sums.get("_kl_sum", 0.0) + kl_tokens.sum().item()
-    sums["_kl_tokens"] = sums.get("_kl_tokens", 0.0) + mask.sum().item()
-    sums["_kl_seqs"] = sums.get("_kl_seqs", 0.0) + float(mask.size(0))
+    sums.add("_kl_sum", kl_tokens.sum())
+    sums.add("_kl_tokens", mask.sum())
+    sums.add("_kl_seqs", float(mask.size(0)))
 
 
 def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
