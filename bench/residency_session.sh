@@ -11,6 +11,7 @@
 #   bash bench/residency_session.sh a        # 357M: TRL | ours TRL-matched | ours ZeRO-3 + reference
 #   bash bench/residency_session.sh b        # ~1.5B, 32 x 8, <= 1024 tokens: TRL | ours (auto)
 #   bash bench/residency_session.sh c        # ~7B: ours (auto) | TRL, nothing beside them (CPU Adam needs the host)
+#   bash bench/residency_session.sh prof     # 357M ZeRO-3 + reference, step 6 under the profilers (--profile_step)
 #   bash bench/residency_session.sh c7       # ~7B in bf16 master weights + Adam state (TRL's precision) on 80 GB: the
 #                                            # model built on the GPU, then ours (C7_TRL=1: TRL too; else phase c7t)
 #   bash bench/residency_session.sh z        # ZeRO-3 + reference: the code of commit ab94ac3 vs today's (carry .old: an
@@ -257,6 +258,14 @@ c)
   trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps 2 --gpu_util 0.2
   kill $MON 2>/dev/null; free -g | head -2
   pack c
+  ;;
+prof)
+  # the ZeRO-3 + reference set-up in TRL's micro-batch, step 6 under the profilers (--profile_step): where the
+  # seconds of train, reference and sync go (tables and traces in prof.tgz)
+  wait_for built357; wait_for builtadam; cleanup
+  ours z3prof --size 357m --steps 7 --warmup 2 --micro 64 -- --profile_step 6 ${PROF_EXTRA:-}
+  for f in $LOGS/run_z3prof/profile/step6/*.txt; do echo "== $f"; head -${PROF_LINES:-30} $f; done
+  pack prof
   ;;
 c7)
   # ~7B with ZeRO-3 + reference + vLLM on one 80 GB GPU, trained in bf16 (master weights and Adam state, as TRL
