@@ -95,12 +95,17 @@ def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | N
         notes.append("--zero_stage 3 with one rank per trainer partitions nothing: running ZeRO-1 (the same bytes "
                      "per GPU, without ZeRO-3's per-layer gather and release)")
     plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
-    if any(m == "host" for (_, s), m in plan.moves.items() if s == "optimizer") and not cfg.adam_offload:
+    if _cpu_adam(plan) and not cfg.adam_offload:
         cfg = cfg.replace(adam_offload=True)  # DeepSpeed's CPU Adam: the optimizer state never enters the GPU
         notes += plan.notes
         plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
     plan.notes[:0] = notes
     return plan, cfg
+
+
+def _cpu_adam(plan: ResidencyPlan) -> bool:
+    """Whether the plan keeps some trainer's optimizer in host memory (DeepSpeed's CPU Adam)."""
+    return any(m == "host" for (_, s), m in plan.moves.items() if s == "optimizer")
 
 
 def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host) -> ResidencyPlan:
@@ -164,7 +169,12 @@ def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
 
     from .models import LOGITS_CHUNK_BYTES
 
+    # an update of some trainer spans several micro-batches (ZeRO-2's CPU Adam then buffers gradients in host memory)
+    ranks = min([cfg.actor_world_size] + ([cfg.critic_world_size] if cfg.uses_critic else []))
+    accumulates = cfg.use_dynamic_batch or cfg.train_batch_size > cfg.micro_train_batch_size * ranks
     return Workload(bf16=cfg.bf16, zero_stage=cfg.zero_stage, adam_offload=cfg.adam_offload,
+                    bf16_master_weights=cfg.bf16_master_weights, bf16_optimizer_states=cfg.bf16_optimizer_states,
+                    gradient_accumulation=accumulates,
                     gradient_checkpointing=cfg.gradient_checkpointing,
                     micro_train_batch_size=cfg.micro_train_batch_size,
                     micro_rollout_batch_size=cfg.micro_rollout_batch_size, prompt_len=prompt_len,
