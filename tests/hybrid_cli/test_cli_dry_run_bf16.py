@@ -1,6 +1,6 @@
-"""--dry-run with --bf16_master_weights --bf16_optimizer_states: a ~7B model with a reference and vLLM on one 80 GiB GPU,
-whose fp32-master optimizer (12 bytes per parameter) goes to host memory, keeps its 6-byte bf16 optimizer on the GPU;
-the plan says so, with the precision note, and bad combinations stop with the flag named."""
+"""--dry-run with --bf16_master_weights --bf16_optimizer_states: a ~7B model with a reference and vLLM on one 80 GiB
+GPU, whose fp32-master optimizer (12 bytes per parameter) goes to host memory, keeps its 6-byte bf16 optimizer on the
+GPU; the plan says so, with the precision note, and bad combinations stop with the flag named."""
 
 import json
 

@@ -1,6 +1,6 @@
-"""--dry-run and host memory: a ~7B model whose optimizer the planner keeps in host memory (CPU Adam, ~109 GiB at set-up:
-it was measured at 108 GiB on the GPU; ZeRO-2 adds ~12 GiB of gradient accumulation buffers at the first step) is
-refused when the node has less, with the numbers; --host_memory_gb is validated; the default is this machine's."""
+"""--dry-run and host memory: a ~7B model whose optimizer the planner keeps in host memory (CPU Adam, ~109 GiB at
+set-up: it was measured at 108 GiB on the GPU; ZeRO-2 adds ~12 GiB of gradient accumulation buffers at the first step)
+is refused when the node has less, with the numbers; --host_memory_gb is validated; the default is this machine's."""
 
 import os
 
