@@ -36,9 +36,12 @@ The optimizer's bytes per parameter of a rank's ZeRO partition (bf16 model; m = 
     ``single_partition_of_fp32_groups``; ZeRO-3 ``fp32_partitioned_groups_flat``: even when both are bf16 it is a
     separate copy, DeepSpeed's alias test compares a tensor's device with a device *name*), and FusedAdam's m, v are
     ``zeros_like`` the master partition: they follow its dtype, which is why DeepSpeed refuses bf16 master weights
-    with fp32 moments unless CPU Adam holds them. At the step, the flat gradient partition is made in the master
-    dtype (the ``fp32_grads`` / ``bf16_grads`` buffer above; with bf16 master weights it is the flattened bf16
-    gradients themselves, no second copy).
+    with fp32 moments unless CPU Adam holds them. At the step, the rank's gradients are flattened into one partition
+    in the master dtype, beside the model's gradients until it is made (the ``fp32_grads`` / ``bf16_grads`` buffer
+    above: with fp32 master weights the flattened bf16 copy is converted and dropped at once, only the fp32 one is
+    counted; with bf16 master weights the flattened copy is the buffer). ZeRO-1/2 flatten the whole partition at once,
+    ZeRO-3 one sub-group at a time -- on one rank with a bf16 optimizer, that difference decides whether a 6.5B model's
+    optimizer fits an 80 GB GPU beside a reference and vLLM (the training loop keeps one-rank ZeRO-3 for it).
   * in host memory (DeepSpeedCPUAdam, ``fp32_optimizer_states`` off with bf16_optimizer_states): the master
     partition (m), its gradient in the master dtype (m), Adam's m, v (s), and a model-dtype partition (b): under
     ZeRO-1/2 the buffer the updated weights pass through on their way back to the GPU
