@@ -37,31 +37,38 @@ def test_offloaded_states_count_discarded_and_released_ones_do_not():
     assert host_use(layout, {})[0].states == 0
 
 
-def test_cpu_adam_is_sixteen_bytes_per_parameter_of_the_rank_s_zero_partition_plus_a_bf16_copy_under_zero_1_2():
+def test_cpu_adam_is_eighteen_bytes_per_parameter_of_the_rank_s_zero_partition_plus_deepspeed_s_buffers():
     from transformers import LlamaConfig
 
     shape = model_shape(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
     P = shape.num_params
+    staging = 2 * 1000 * 64  # ZeRO-1/2: one bf16 host buffer of the largest parameter (the embeddings)
 
-    def actor(zero_stage, adam_offload, ranks=4):
-        work = Workload(bf16=True, zero_stage=zero_stage, adam_offload=adam_offload, prompt_len=16, generate_len=16)
+    def actor(zero_stage, adam_offload, ranks=4, **kw):
+        work = Workload(bf16=True, zero_stage=zero_stage, adam_offload=adam_offload, prompt_len=16, generate_len=16,
+                        **kw)
         return size_role("actor", shape, work, ranks=ranks, tp=1, gpu_bytes=80 * GiB)
 
+    # fp32 master weights and their fp32 gradients, Adam m and v, and a bf16 partition: the gradient partitions under
+    # ZeRO-3, under ZeRO-1/2 the copy the updated weights pass through (param_buffer_of_bit16_for_cpu_offload_groups:
+    # what a 6.5B model's run was killed for on a 125 GiB host) -- tests/hybrid_algos/train/test_bf16_optimizer.py
+    # measures them on a real DeepSpeed engine
     offloaded = actor(3, True)
-    assert offloaded.host == {"cpu_adam": 16 * P / 4} and offloaded.states["optimizer"] == 0  # nothing on the GPU
-    # ZeRO-1 partitions the optimizer too; ZeRO-1/2 keep the partition's bf16 copy in host memory as well (DeepSpeed's
-    # param_buffer_of_bit16_for_cpu_offload_groups: what a 6.5B model's run was killed for on a 125 GiB host)
-    assert actor(1, True).host["cpu_adam"] == 18 * P / 4
+    assert offloaded.host == {"cpu_adam": 18 * P / 4} and offloaded.states["optimizer"] == 0  # nothing on the GPU
+    assert actor(1, True).host["cpu_adam"] == 18 * P / 4 + staging
+    # ZeRO-2 accumulates an update's micro-batches in one more bf16 host buffer per parameter
+    assert actor(2, True).host["cpu_adam"] == 20 * P / 4 + staging
+    assert actor(2, True, gradient_accumulation=False).host["cpu_adam"] == 18 * P / 4 + staging
     assert actor(0, True).host["cpu_adam"] == 18 * P  # ZeRO-0: every rank holds all of it
     on_gpu = actor(2, False)
-    assert on_gpu.host == {} and on_gpu.host_optimizer == 18 * P / 4  # what the planner's "host" move would cost
+    assert on_gpu.host == {} and on_gpu.host_optimizer == 20 * P / 4 + staging  # what the "host" move would cost
     assert size_role("reference", shape, Workload(), ranks=4, tp=1, gpu_bytes=80 * GiB).host_optimizer == 0
     # the plan counts it under adam_offload whatever the moves, and under the planner's "host" move
     layout = {0: (GpuShare(offloaded),)}
-    assert host_use(layout, {})[0].optimizer == 16 * P / 4
+    assert host_use(layout, {})[0].optimizer == 18 * P / 4
     layout = {0: (GpuShare(on_gpu),)}
-    assert host_use(layout, {("actor", "optimizer"): "host"})[0].items == {("actor", "cpu_adam"): 18 * P / 4}
+    assert host_use(layout, {("actor", "optimizer"): "host"})[0].items == {("actor", "cpu_adam"): on_gpu.host_optimizer}
     assert host_use(layout, {("actor", "optimizer"): "offload"})[0].items == {("actor", "optimizer"): 12 * P / 4}
 
 
@@ -90,8 +97,8 @@ def test_a_real_layout_over_two_nodes_holds_each_node_s_own_ranks_partitions():
     plan = plan_residency(layout, 80 * GiB, host=HostBudget(64 * GiB, "--host_memory_gb", placement.gpus_per_node))
     uses = plan.host_use()
     assert sorted(uses) == [0, 1]
-    for use in uses.values():  # 4 of the 8 ranks each: half of the 16 bytes per parameter
-        assert use.optimizer == pytest.approx(4 * 16 * shape.num_params / 8)
+    for use in uses.values():  # 4 of the 8 ranks each: half of the 18 bytes per parameter
+        assert use.optimizer == pytest.approx(4 * 18 * shape.num_params / 8)
 
 
 def _tight_plan(capacity_gib, **budget):

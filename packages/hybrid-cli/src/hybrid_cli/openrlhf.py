@@ -116,6 +116,11 @@ HELP = {
     "enforce_eager": "no CUDA graphs in the engines",
     "enable_prefix_caching": "prefix caching in the engines",
     "zero_stage": "DeepSpeed ZeRO stage (0-3)", "bf16": "bf16 mixed precision", "adam_offload": "Adam states on the CPU",
+    "bf16_master_weights": "the ZeRO optimizer keeps its master weights and gradients in bf16, not fp32 (DeepSpeed's "
+                           "bf16_master_weights_and_grads; needs --bf16, ZeRO 1-3, and --bf16_optimizer_states or "
+                           "--adam_offload)",
+    "bf16_optimizer_states": "Adam's m and v in bf16 too (needs --bf16_master_weights): 6 bytes of optimizer state "
+                             "per parameter on the GPU instead of 12, as a pure-bf16 trainer keeps it",
     "gradient_checkpointing": "recompute activations in the backward pass",
     "packing_samples": "pack samples without padding", "flash_attn": "flash attention 2 in the trainers",
     "actor_learning_rate": "actor learning rate", "critic_learning_rate": "critic learning rate",

@@ -72,6 +72,8 @@ class RLConfig:
     zero_stage: int = 2
     bf16: bool = False
     adam_offload: bool = False
+    bf16_master_weights: bool = False  # the ZeRO optimizer's master weights and gradients in bf16 (2 bytes, not 4)
+    bf16_optimizer_states: bool = False  # Adam's m, v in bf16 too (with --bf16_master_weights): 6 bytes per parameter
     gradient_checkpointing: bool = False
     packing_samples: bool = False  # trainers' forward passes concatenate samples without padding (one row, position ids)
     use_dynamic_batch: bool = False  # micro-batches by token budget instead of a fixed number of samples
@@ -343,6 +345,7 @@ class RLConfig:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.",
                               "Use --zero_stage 2 (the default) or 3 for models that do not fit one GPU.")
+        self._validate_precision()
         if self.deepspeed_enable_sleep and self.zero_stage == 0:
             raise ConfigError("deepspeed_enable_sleep", "DeepSpeed can only offload/reload its states with ZeRO 1-3.",
                               "Use --zero_stage 1, 2 or 3, or drop --deepspeed_enable_sleep.")
@@ -403,6 +406,30 @@ class RLConfig:
                               f"vllm_tensor_parallel_size = {self.vllm_tensor_parallel_size}.",
                               "Use --vllm_tensor_parallel_size 1 with --backend hf, or --backend vllm / sglang.")
         return self
+
+    def _validate_precision(self) -> None:
+        """What DeepSpeed (0.19.8) would assert on for bf16 master weights / optimizer states, said before it starts."""
+        asked = [n for n in ("bf16_master_weights", "bf16_optimizer_states") if getattr(self, n)]
+        if not asked:
+            return
+        if not self.bf16:
+            raise ConfigError(asked[0], "bf16 master weights and optimizer states are for a model trained in bf16, "
+                              "and this one trains in fp32 (no --bf16).", f"Add --bf16, or drop --{asked[0]}.")
+        if self.zero_stage == 0:
+            raise ConfigError(asked[0], "DeepSpeed keeps master weights and optimizer states in bf16 only in its "
+                              "ZeRO optimizer (stages 1-3), and --zero_stage is 0.",
+                              f"Use --zero_stage 1, 2 or 3, or drop --{asked[0]}.")
+        if self.bf16_optimizer_states and not self.bf16_master_weights:
+            raise ConfigError("bf16_optimizer_states", "Adam's moments in bf16 need the master weights in bf16 too "
+                              "(DeepSpeed steps the moments in the master weights' dtype).",
+                              "Add --bf16_master_weights, or drop --bf16_optimizer_states.")
+        if self.bf16_master_weights and not self.bf16_optimizer_states and not self.adam_offload:
+            raise ConfigError("bf16_master_weights", "bf16 master weights with fp32 Adam moments are only possible "
+                              "with the optimizer in host memory (DeepSpeed's CPU Adam); on the GPU its moments take "
+                              "the master weights' dtype.",
+                              "Add --bf16_optimizer_states (bf16 master weights and moments on the GPU, 6 bytes per "
+                              "parameter, as a pure-bf16 trainer keeps them), or --adam_offload (CPU Adam: 14 bytes "
+                              "per parameter in host memory).")
 
     def _validate_estimator(self) -> None:
         from hybrid_algos.advantages import list_advantage_estimators

@@ -33,7 +33,12 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
 def deepspeed_config(*, zero_stage: int, bf16: bool, micro_batch: int, grad_accum: int, lr: float,
                      betas: tuple[float, float], weight_decay: float, max_norm: float, adam_offload: bool,
                      warmup_steps: int = 0, num_params: int | None = None, lr_scheduler: str = "constant_with_warmup",
-                     total_updates: int = 0, min_lr_ratio: float = 0.1) -> dict[str, Any]:
+                     total_updates: int = 0, min_lr_ratio: float = 0.1, bf16_master_weights: bool = False,
+                     bf16_optimizer_states: bool = False) -> dict[str, Any]:
+    """The DeepSpeed config of a trained role. ``bf16_master_weights`` / ``bf16_optimizer_states``: the ZeRO
+    optimizer keeps its master weights and gradients (and Adam's m, v) in bf16 -- DeepSpeed's
+    ``bf16.bf16_master_weights_and_grads`` / ``bf16.bf16_optimizer_states`` (``RLConfig`` checks the combinations
+    DeepSpeed accepts; under CPU Adam, DeepSpeed then builds it with ``fp32_optimizer_states`` off by itself)."""
     # Communication buckets no larger than the model: DeepSpeed allocates them whole (5e8 elements = 2 GB in fp32).
     # (rounded up to a multiple of 4096: DeepSpeed wants multiples of its alignment factor).
     bucket = int(min(5e8, -(-num_params // 4096) * 4096)) if num_params else int(5e8)
@@ -48,7 +53,9 @@ def deepspeed_config(*, zero_stage: int, bf16: bool, micro_batch: int, grad_accu
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "zero_optimization": zero,
-        "bf16": {"enabled": bool(bf16)},
+        "bf16": {"enabled": bool(bf16),
+                 **({"bf16_master_weights_and_grads": True} if bf16_master_weights else {}),
+                 **({"bf16_optimizer_states": True} if bf16_optimizer_states else {})},
         "gradient_clipping": max_norm,
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "weight_decay": weight_decay}},
         "steps_per_print": 1 << 30,

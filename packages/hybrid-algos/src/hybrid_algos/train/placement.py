@@ -88,19 +88,52 @@ def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | N
     shapes = role_models(cfg, list(placement.roles), model_path)
     notes = []
     trainers = [placement.roles[r] for r in ("actor", "critic") if r in placement.roles]
+    plan = None
     if cfg.zero_stage == 3 and all(t.world_size == 1 for t in trainers):
         # ZeRO-3 splits states across ranks; with one rank there is nothing to split, the same bytes stay on the GPU,
         # and every layer is still gathered and released around each use (measured: train 0.96 s vs 0.27 s at 357M).
-        cfg = cfg.replace(zero_stage=1)
-        notes.append("--zero_stage 3 with one rank per trainer partitions nothing: running ZeRO-1 (the same bytes "
-                     "per GPU, without ZeRO-3's per-layer gather and release)")
-    plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
-    if any(m == "host" for (_, s), m in plan.moves.items() if s == "optimizer") and not cfg.adam_offload:
+        demoted = cfg.replace(zero_stage=1)
+        plan = _plan(demoted, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
+        kept = None
+        if _cpu_adam(plan) and not cfg.adam_offload:
+            # ZeRO-1's optimizer step flattens all the gradients into a second copy at once, ZeRO-3's one sub-group
+            # at a time: where that keeps the optimizer on the GPU, ZeRO-3's gathers cost less than CPU Adam's steps
+            kept = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
+            kept = kept if kept.fits() and not _cpu_adam(kept) else None
+        if kept is None:
+            cfg = demoted
+            notes.append("--zero_stage 3 with one rank per trainer partitions nothing: running ZeRO-1 (the same bytes "
+                         "per GPU, without ZeRO-3's per-layer gather and release)")
+        else:
+            plan = kept
+            notes.append("--zero_stage 3 with one rank per trainer: kept, although it partitions nothing (ZeRO-1 "
+                         "would keep the optimizer in host memory: its step holds a flat copy of all the gradients "
+                         "at once, ZeRO-3's one sub-group at a time)")
+    if plan is None:
+        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
+    if cfg.bf16_master_weights:
+        notes.append(bf16_update_note(cfg))
+    if _cpu_adam(plan) and not cfg.adam_offload:
         cfg = cfg.replace(adam_offload=True)  # DeepSpeed's CPU Adam: the optimizer state never enters the GPU
         notes += plan.notes
         plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
     plan.notes[:0] = notes
     return plan, cfg
+
+
+def bf16_update_note(cfg: RLConfig) -> str:
+    """What bf16 master weights cost in precision, with this run's learning rate."""
+    rates = [cfg.actor_learning_rate] + ([cfg.critic_learning_rate] if cfg.uses_critic else [])
+    lr = min(rates)
+    return (f"--bf16_master_weights: the optimizer updates the weights in bf16, so a step smaller than half of bf16's "
+            f"spacing at a weight (1/512 to 1/256 of its magnitude) is rounded away; Adam's steps are about the "
+            f"learning rate ({lr:g}), so weights above ~{256 * lr:.1e}-{512 * lr:.1e} in magnitude barely move (as "
+            "in any pure-bf16 trainer). The default fp32 master weights keep every step.")
+
+
+def _cpu_adam(plan: ResidencyPlan) -> bool:
+    """Whether the plan keeps some trainer's optimizer in host memory (DeepSpeed's CPU Adam)."""
+    return any(m == "host" for (_, s), m in plan.moves.items() if s == "optimizer")
 
 
 def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host) -> ResidencyPlan:
@@ -164,7 +197,12 @@ def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
 
     from .models import LOGITS_CHUNK_BYTES
 
+    # an update of some trainer spans several micro-batches (ZeRO-2's CPU Adam then buffers gradients in host memory)
+    ranks = min([cfg.actor_world_size] + ([cfg.critic_world_size] if cfg.uses_critic else []))
+    accumulates = cfg.use_dynamic_batch or cfg.train_batch_size > cfg.micro_train_batch_size * ranks
     return Workload(bf16=cfg.bf16, zero_stage=cfg.zero_stage, adam_offload=cfg.adam_offload,
+                    bf16_master_weights=cfg.bf16_master_weights, bf16_optimizer_states=cfg.bf16_optimizer_states,
+                    gradient_accumulation=accumulates,
                     gradient_checkpointing=cfg.gradient_checkpointing,
                     micro_train_batch_size=cfg.micro_train_batch_size,
                     micro_rollout_batch_size=cfg.micro_rollout_batch_size, prompt_len=prompt_len,

@@ -26,7 +26,7 @@ ESSENTIALS = ("algorithm", "uses_critic", "actor_world_size", "critic_world_size
 NOTED = ("actor_learning_rate", "critic_learning_rate", "init_kl_coef", "kl_estimator", "use_kl_loss",
          "n_samples_per_prompt", "rollout_batch_size", "train_batch_size", "max_epochs", "temperature", "seed",
          "pretrain", "reward_pretrain", "reward_fn", "prompt_data", "task", "task_length", "bf16", "max_steps",
-         "lr_scheduler", "min_lr_ratio", "lr_warmup_ratio")
+         "lr_scheduler", "min_lr_ratio", "lr_warmup_ratio", "bf16_master_weights", "bf16_optimizer_states")
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ node when the run does not say how large a node is):
   on a level-1 sleep, which vLLM backs up to host). They are counted all at once, not per phase: torch's pinned
   memory allocator keeps its buffers cached after a state goes back to the GPU. ``discard`` and ``release`` keep
   nothing on host;
-* the optimizer in host memory (DeepSpeed CPU Adam: the planner's ``host`` move, or ``--adam_offload``): fp32 master
-  weights, Adam m and v, and fp32 gradients, 16 bytes per parameter of the rank's ZeRO partition, plus a model-dtype
-  copy under ZeRO-1/2 (the memory model's ``RoleSize.host`` / ``RoleSize.host_optimizer``);
+* the optimizer in host memory (DeepSpeed CPU Adam: the planner's ``host`` move, or ``--adam_offload``): master
+  weights and their gradients, Adam m and v, and a model-dtype partition: 18 bytes per parameter of the rank's ZeRO
+  partition (fp32 master weights and moments), 14 with bf16 master weights, 10 with bf16 moments too, plus DeepSpeed's
+  staging buffers (the memory model's ``cpu_adam_bytes``, ``RoleSize.host`` / ``RoleSize.host_optimizer``);
 * the processes: every worker, and the driver on node 0, is a Python process with torch and the CUDA libraries
   loaded, ``PROCESS_BYTES`` each (an estimate).
 
@@ -259,11 +260,12 @@ def _item(role: str, item: str) -> str:
 def _fix(use: HostUse, budget: HostBudget) -> str:
     (role, item), _ = _largest(use)[0]
     if item == CPU_ADAM:
-        fix = (f"The {role}'s optimizer is in host memory (CPU Adam: 16-18 bytes per parameter of each rank's ZeRO "
-               "partition). Give it room on the GPUs so it stays there: more GPUs for the role with --zero_stage 3 "
-               "(each rank holds 1/N of the states) or larger GPUs, and no --adam_offload; or spread its ranks over "
-               "more nodes (a node holds only its own ranks' partitions; ZeRO-0 would keep the whole optimizer on "
-               "every rank).")
+        fix = (f"The {role}'s optimizer is in host memory (CPU Adam: 18 bytes per parameter of each rank's ZeRO "
+               "partition, 10 in bf16). Give it room on the GPUs so it stays there: more GPUs for the role with "
+               "--zero_stage 3 (each rank holds 1/N of the states) or larger GPUs, and no --adam_offload; or keep it "
+               "in bf16, if not already (--bf16_master_weights --bf16_optimizer_states: 6 bytes per parameter on the "
+               "GPU instead of 12, 10 in host memory); or spread its ranks over more nodes (a node holds only its own "
+               "ranks' partitions; ZeRO-0 would keep the whole optimizer on every rank).")
     elif role == "rollout" and item == "weights":
         fix = ("Let the engines drop their weights instead of backing them up to host (--residency_pins "
                "rollout.weights=discard, or --engine_sleep_level 2: the sync refills them after each update).")

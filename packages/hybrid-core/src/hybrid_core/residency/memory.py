@@ -5,17 +5,55 @@ Notation: P parameters of a role's model, N its data-parallel ranks, z the ZeRO 
 bf16 (else 4), L layers, h hidden size, I MLP width, kv = KV heads x head dim, V vocabulary, S the longest sequence
 (prompt_len + generate_len).
 
-Trainers (actor, critic), per GPU -- the ZeRO paper's accounting (Rajbhandari et al. 2020):
+Trainers (actor, critic), per GPU -- the ZeRO paper's accounting (Rajbhandari et al. 2020), with DeepSpeed's own
+buffers as DeepSpeed 0.19.8 allocates them (see "The optimizer's bytes" below):
     params     = b P / (N if z = 3 else 1)
     grads      = b P / (N if z >= 2 else 1)
-    optimizer  = K P / (N if z >= 1 else 1), K = 12 with bf16 (fp32 master + Adam m, v), 8 in fp32 (m, v)
+    optimizer  = K P / (N if z >= 1 else 1), K = m + s with bf16 (the master weights and Adam's m, v), 8 in fp32
+                 (m, v); 0 when the optimizer is in host memory (adam_offload)
     working (training, one micro batch of T = micro_train_batch_size x S tokens): activations, per token per layer
                  A = 5h + 2kv + 4I values (norm inputs, q/k/v, attention output, residual, gate/up/act/product of the
                  MLP; memory-efficient attention, no S^2 term): T L A b, or T (L h + A) b with gradient checkpointing;
                  logits T' V (b + 8) for a policy (model-dtype logits, their fp32 copy and log-softmax; T' = the
                  positions of one chunk when the trainer computes log-probs in chunks of ``logits_chunk_bytes`` of
                  float32 logits, else T), 0 for a value head;
-                 ZeRO-3 gathers 2 layers' weights (the layer in use and the prefetched one)
+                 ZeRO-3 gathers 2 layers' weights (the layer in use and the prefetched one);
+                 DeepSpeed's buffers: the gradient reduce bucket, b min(5e8, P); with bf16 and ZeRO >= 1, the
+                 optimizer step's flat gradient partition in the master dtype, m P / N (``fp32_grads``, or
+                 ``bf16_grads`` with bf16 master weights; ZeRO-3 makes it one sub-group of at most 1e9 elements, plus
+                 the parameter that closes it, at a time); with adam_offload under ZeRO-1/2, a staging buffer of the
+                 largest parameter (b x its size) that gradients pass through on their way to host memory
+
+The optimizer's bytes per parameter of a rank's ZeRO partition (bf16 model; m = master weights, s = Adam m + v):
+
+    mode                                   on the GPU (K = m + s)    in host memory with CPU Adam (adam_offload)
+    default (fp32 master, fp32 m, v)       4 + 8 = 12                4 + 4 + 8 + 2 = 18 (+ 2, ZeRO-2, see below)
+    bf16_master_weights (fp32 m, v)        refused: DeepSpeed        2 + 2 + 8 + 2 = 14
+                                           needs CPU Adam for it
+    + bf16_optimizer_states                2 + 4 = 6                 2 + 2 + 4 + 2 = 10
+
+  * on the GPU (FusedAdam): the master partition is a copy of the rank's bf16 partition in the master dtype (ZeRO-1/2
+    ``single_partition_of_fp32_groups``; ZeRO-3 ``fp32_partitioned_groups_flat``: even when both are bf16 it is a
+    separate copy, DeepSpeed's alias test compares a tensor's device with a device *name*), and FusedAdam's m, v are
+    ``zeros_like`` the master partition: they follow its dtype, which is why DeepSpeed refuses bf16 master weights
+    with fp32 moments unless CPU Adam holds them. At the step, the rank's gradients are flattened into one partition
+    in the master dtype, beside the model's gradients until it is made (the ``fp32_grads`` / ``bf16_grads`` buffer
+    above: with fp32 master weights the flattened bf16 copy is converted and dropped at once, only the fp32 one is
+    counted; with bf16 master weights the flattened copy is the buffer). ZeRO-1/2 flatten the whole partition at once,
+    ZeRO-3 one sub-group at a time -- on one rank with a bf16 optimizer, that difference decides whether a 6.5B model's
+    optimizer fits an 80 GB GPU beside a reference and vLLM (the training loop keeps one-rank ZeRO-3 for it).
+  * in host memory (DeepSpeedCPUAdam, ``fp32_optimizer_states`` off with bf16_optimizer_states): the master
+    partition (m), its gradient in the master dtype (m), Adam's m, v (s), and a model-dtype partition (b): under
+    ZeRO-1/2 the buffer the updated weights pass through on their way back to the GPU
+    (``param_buffer_of_bit16_for_cpu_offload_groups``), under ZeRO-3 the gradient partitions
+    (``grad_partitions_flat_buffer``, in host memory when the optimizer is). ZeRO-2 with fp32 master weights and an
+    update of several micro-batches also accumulates each parameter's gradient in a model-dtype host buffer
+    (``accumulated_grads_in_cpu``; with bf16 master weights those are views of the master gradient): + b. ZeRO-1/2
+    also keep one host staging buffer of the largest parameter (b x its size, per worker, not per parameter).
+    Missing the model-dtype partition (16 instead of 18) let a 6.5B model's plan pass on a 125 GiB host where
+    DeepSpeed's set-up then took 108 GiB in one process and Ray's memory monitor killed it (H100, 2026-11-24).
+  (The fp32 model, without --bf16, is counted as before: K = 8, no master copy and no flat gradient buffer; DeepSpeed
+  0.19.8 in fact keeps a 4-byte master copy there too under ZeRO >= 1.)
 Frozen models (reference, reward) are whole on every rank (they are not sharded): params = b P; working: one
     forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8).
 Engines, per GPU of an engine of TP GPUs:
@@ -23,9 +61,8 @@ Engines, per GPU of an engine of TP GPUs:
                  KV cache = the rest of the pool; nothing else grows while they generate.
     hf (built-in): weights = b P / TP; while it generates, the KV cache of its share of the rollout
                  (ceil(samples / engines) sequences of S tokens, 2 L kv b / TP per token) + the last logits.
-Host memory (per worker, :mod:`.host` sums it per node): with adam_offload, DeepSpeed's CPU Adam keeps fp32 master
-    weights, Adam m, v and fp32 gradients of the rank's partition in host memory for the whole run, and ZeRO-1/2 a
-    model-dtype copy of it: (16 + b if z < 3 else 16) P / (N if z >= 1 else 1) (``RoleSize.host``); ``RoleSize.host_optimizer`` is the same number for a trainer
+Host memory (per worker, :mod:`.host` sums it per node): with adam_offload, CPU Adam's bytes above x P / (N if z >= 1
+    else 1) for the whole run (``RoleSize.host``); ``RoleSize.host_optimizer`` is the same number for a trainer
     without adam_offload, what the planner's ``host`` move would put there.
 Every worker process also holds CONTEXT_BYTES (CUDA context, NCCL and cuBLAS workspaces), whatever it keeps.
 During the sync, each side holds one weight-sync bucket.
@@ -44,13 +81,10 @@ from .steps import KIND_STATES, kind_of
 
 GiB = 1024**3
 CONTEXT_BYTES = GiB // 2
-#: DeepSpeed CPU Adam's host bytes per parameter of a rank's partition: fp32 master weights (4), Adam m and v (4 + 4),
-#: fp32 gradients (4). ZeRO-1/2 also keep a model-dtype copy of the partition there, which the updated weights pass
-#: through on their way back to the GPU (``stage_1_and_2.py``: ``param_buffer_of_bit16_for_cpu_offload_groups``):
-#: + 2 bytes in bf16. Missing that (16 instead of 18) let a 6.5B model's plan pass on a 125 GiB host where DeepSpeed's
-#: set-up then took 108 GiB in one process and Ray's memory monitor killed it (H100, 2026-11-24).
-CPU_ADAM_BYTES = 16
 CPU_ADAM = "cpu_adam"  # its item in RoleSize.host
+#: DeepSpeed's zero_optimization.sub_group_size default (the training loop keeps it): ZeRO-3's optimizer step makes
+#: the flat gradient of one sub-group of parameters at a time.
+ZERO3_SUB_GROUP = int(1e9)
 
 
 @dataclass(frozen=True)
@@ -74,6 +108,11 @@ class ModelShape:
     def layer_activation_values(self) -> int:
         """A: values saved per token by one layer for the backward pass (see the module docstring)."""
         return 5 * self.hidden_size + 2 * self.kv_dim + 4 * self.intermediate_size
+
+    @property
+    def largest_param(self) -> int:
+        """Elements of the largest single parameter tensor: the embeddings (or the LM head), else an MLP matrix."""
+        return max(self.vocab_size, self.intermediate_size) * self.hidden_size
 
     @property
     def layer_params(self) -> int:
@@ -138,6 +177,9 @@ class Workload:
     bf16: bool = True
     zero_stage: int = 2
     adam_offload: bool = False
+    bf16_master_weights: bool = False  # the ZeRO optimizer's master weights and gradients in bf16
+    bf16_optimizer_states: bool = False  # Adam's m, v in bf16 (with bf16_master_weights)
+    gradient_accumulation: bool = True  # an update may take several micro-batches (ZeRO-2 CPU Adam buffers them)
     gradient_checkpointing: bool = False
     micro_train_batch_size: int = 8
     micro_rollout_batch_size: int = 16
@@ -157,6 +199,23 @@ class Workload:
     @property
     def bytes_per_value(self) -> int:
         return 2 if self.bf16 else 4
+
+    @property
+    def master_bytes(self) -> int:
+        """m: bytes per value of the optimizer's master weights and of the gradients it steps with."""
+        return 2 if self.bf16_master_weights else 4
+
+    @property
+    def adam_state_bytes(self) -> int:
+        """s: bytes per parameter of Adam's m and v together."""
+        return 4 if self.bf16_optimizer_states else 8
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """K: the optimizer's bytes per parameter of a rank's partition on the GPU (see the module docstring)."""
+        if self.adam_offload:
+            return 0
+        return self.master_bytes + self.adam_state_bytes if self.bf16 else 8
 
 
 @dataclass(frozen=True)
@@ -197,20 +256,24 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
         working = {role: _forward(shape, work, tokens)}
         size = RoleSize(role, kind, {"params": b * shape.num_params}, working, work.context_bytes)
         return _with_cache(size)
-    k = 0 if work.adam_offload else (12 if work.bf16 else 8)
-    cpu_adam = (CPU_ADAM_BYTES + (b if z < 3 else 0)) * shape.num_params / (n if z >= 1 else 1)
+    part = shape.num_params / (n if z >= 1 else 1)  # parameters of the rank's optimizer partition
     states = {"params": b * shape.num_params / (n if z == 3 else 1),
               "grads": b * shape.num_params / (n if z >= 2 else 1),
-              "optimizer": k * shape.num_params / (n if z >= 1 else 1)}
+              "optimizer": work.optimizer_bytes * part}
     gather = {"zero3_gather": 2 * shape.layer_params * b} if z == 3 else {}
     tokens = work.micro_train_batch_size * seq
     saved = (shape.num_layers * shape.hidden_size + shape.layer_activation_values if work.gradient_checkpointing
              else shape.num_layers * shape.layer_activation_values)
     # DeepSpeed's own buffers: the gradient reduce bucket (reduce_bucket_size elements of the model dtype, capped at
-    # 5e8 as the training loop configures it) and, for the optimizer step, fp32 copies of this rank's gradients.
+    # 5e8 as the training loop configures it) and, for the optimizer step, the flat gradient partition in the master
+    # dtype (or, with CPU Adam under ZeRO-1/2, a GPU staging buffer of the largest parameter).
     ds_buffers = {"reduce_bucket": b * min(5e8, shape.num_params)}
     if work.bf16 and not work.adam_offload and z >= 1:
-        ds_buffers["fp32_grads"] = 4 * shape.num_params / n
+        # ZeRO-3 steps one sub-group (sub_group_size elements, closed after the parameter that reaches it) at a time
+        flat = min(part, ZERO3_SUB_GROUP + shape.largest_param) if z == 3 else part
+        ds_buffers["bf16_grads" if work.bf16_master_weights else "fp32_grads"] = work.master_bytes * flat
+    if work.adam_offload and z in (1, 2):
+        ds_buffers["offload_grad_staging"] = b * shape.largest_param
     train = {"activations": tokens * saved * b, "logits": _logits(shape, work, tokens), **gather, **ds_buffers}
     infer = {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather}
     if role == "critic":
@@ -219,8 +282,21 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
         # actor_train also runs the old-log-prob pass; the larger of the two is the phase's working memory
         working = {"actor_train": max(train, infer, key=lambda d: sum(d.values())),
                    "sync": {"sync_bucket": _bucket(work, shape), **gather}}
+    cpu_adam = cpu_adam_bytes(shape, work, ranks=n)
     return _with_cache(RoleSize(role, kind, states, working, work.context_bytes,
                                 host={CPU_ADAM: cpu_adam} if work.adam_offload else {}, host_optimizer=cpu_adam))
+
+
+def cpu_adam_bytes(shape: ModelShape, work: Workload, *, ranks: int) -> float:
+    """Host bytes DeepSpeed's CPU Adam keeps for one trainer rank for the whole run (the module docstring's table):
+    master weights and their gradients (m each), Adam's m, v (s), a model-dtype partition (b), ZeRO-2's gradient
+    accumulation buffers with fp32 master weights, and ZeRO-1/2's staging buffer of the largest parameter."""
+    b, z = work.bytes_per_value, work.zero_stage
+    per_param = 2 * work.master_bytes + work.adam_state_bytes + b
+    if z == 2 and work.gradient_accumulation and not work.bf16_master_weights:
+        per_param += b  # accumulated_grads_in_cpu (with bf16 master weights: views of the master gradient)
+    staging = b * shape.largest_param if z in (1, 2) else 0
+    return per_param * shape.num_params / (ranks if z >= 1 else 1) + staging
 
 
 def _with_cache(size: RoleSize) -> RoleSize:

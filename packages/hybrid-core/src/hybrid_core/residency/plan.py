@@ -239,7 +239,8 @@ def _fix_for(plan: ResidencyPlan, items: Mapping[tuple[str, str], float]) -> str
     if plan.mode == "auto":
         return {
             "optimizer": f"Use more GPUs for the {role} or --zero_stage 3 across several GPUs (moving the optimizer "
-                         "state off the GPU between phases was not enough).",
+                         "state off the GPU between phases was not enough), or a bf16 optimizer state if not already "
+                         "(--bf16_master_weights --bf16_optimizer_states: 6 bytes per parameter instead of 12).",
             "activations": "Use --gradient_checkpointing or a smaller micro batch size.",
             "logits": "Use a smaller micro batch size (logits are micro batch x length x vocabulary).",
             "kv_cache": "Lower --vllm_gpu_memory_utilization (the engine's pool).",

@@ -35,6 +35,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
             lr=cfg.actor_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
             num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload,
+            bf16_master_weights=cfg.bf16_master_weights, bf16_optimizer_states=cfg.bf16_optimizer_states,
             **lr_schedule(cfg, total_steps)))
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
