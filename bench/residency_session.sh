@@ -267,6 +267,11 @@ prof)
   for f in $LOGS/run_z3prof/profile/step6/*.txt; do echo "== $f"; head -${PROF_LINES:-30} $f; done
   pack prof
   ;;
+build7b)
+  # the ~7B model folder, initialised on the GPU (nothing else runs: seconds, against ~9 min on the CPU)
+  cleanup; [ -f /tmp/peer-7b/model/config.json ] || PEER_BUILD_DEVICE=cuda timeout 500 $PY bench/peer_workload.py \
+    /tmp/peer-7b 7b > $LOGS/build7b.log 2>&1; echo "7b build rc=$? in $(( $(date +%s) - t0 )) s"; du -sh /tmp/peer-7b/model
+  ;;
 c7)
   # ~7B with ZeRO-3 + reference + vLLM on one 80 GB GPU, trained in bf16 (master weights and Adam state, as TRL
   # trains it; C7_FLAGS): the model is built on the GPU first (nothing runs beside it), then ours (auto plan).
