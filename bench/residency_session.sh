@@ -281,7 +281,7 @@ c7)
     PEER_BUILD_DEVICE=cuda timeout 300 $PY bench/peer_workload.py /tmp/peer-7b 7b > $LOGS/build7b.log 2>&1
     echo "7b build rc=$? in $(( $(date +%s) - t0 )) s"; cleanup
   fi
-  ours 7bbf16 --size 7b --steps ${C7_STEPS:-3} --warmup 1 --gpu_util 0.2 --micro 4 -- ${C7_FLAGS---bf16_master_weights --bf16_optimizer_states}
+  ours 7bbf16 --size 7b --steps ${C7_STEPS:-3} --warmup 1 --gpu_util 0.2 --micro 4 -- ${C7_FLAGS---bf16_master_weights --bf16_optimizer_states --no_final_checkpoint}
   grep -E "^(generate|infer|train|sync|sleep|wake) |residency|peak error|Error|error:" $LOGS/ours_7bbf16.log | tail -14
   if [ "${C7_TRL:-0}" = 1 ]; then cleanup
     trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps 2 --gpu_util 0.2
