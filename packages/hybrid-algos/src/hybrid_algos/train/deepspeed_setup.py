@@ -53,7 +53,9 @@ def deepspeed_config(*, zero_stage: int, bf16: bool, micro_batch: int, grad_accu
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "zero_optimization": zero,
-        "bf16": {"enabled": bool(bf16),
+        # check_grad_overflow off: DeepSpeed's scan of every gradient tensor before each step is replaced by one
+        # check per update in the workers (update_guard.py), which ends the run on a NaN/inf instead of skipping
+        "bf16": {"enabled": bool(bf16), **({"check_grad_overflow": False} if bf16 else {}),
                  **({"bf16_master_weights_and_grads": True} if bf16_master_weights else {}),
                  **({"bf16_optimizer_states": True} if bf16_optimizer_states else {})},
         "gradient_clipping": max_norm,

@@ -12,6 +12,7 @@ from ... import clipped_value_loss
 from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_critic, response_values
+from ..update_guard import UpdateGuard
 from .base import RoleWorker
 from .policy import DeviceMeans, attn_implementation, forward_micro_batches, lr_schedule, train_micro_batches
 
@@ -52,6 +53,7 @@ class CriticWorker(RoleWorker):
         actor's: fixed size, or by token budget with --use_dynamic_batch)."""
         cfg = self.config
         self.engine.train()
+        guard = UpdateGuard(self.role, self.rank)  # in place of DeepSpeed's per-tensor overflow scan
         stats = DeviceMeans()
         gen = torch.Generator().manual_seed(cfg.seed * 100019 + step * 137 + self.rank)
         per_update = cfg.train_batch_size // self.world_size
@@ -69,12 +71,13 @@ class CriticWorker(RoleWorker):
                     loss, info = clipped_value_loss(values, mb.values, mb.returns, mb.action_mask,
                                                     clip=cfg.value_clip, agg_mode=cfg.value_agg_mode,
                                                     norm_len=cfg.generate_max_len)
+                    guard.add_loss(loss)
                     if weight is None:
                         self.engine.backward(loss)
                     else:
                         self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
                         self.engine.backward(loss * weight, scale_wrt_gas=False)
-                    self.engine.step()
+                    guard.step(self.engine, step)
                     stats.add("critic/value_loss", loss)
                     stats.add("critic/clip_frac", info.get("clip_frac", 0.0))
         stats.add("critic/lr", self.engine.get_lr()[0])

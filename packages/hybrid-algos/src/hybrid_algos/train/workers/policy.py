@@ -14,6 +14,7 @@ from ... import aggregate_loss, compute_policy_loss, kl_estimate, rollout_correc
 from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_causal_lm, response_token_scores
+from ..update_guard import UpdateGuard
 from .base import RoleWorker
 
 #: With --save_hf_ckpt, each checkpoint's actor folder holds the policy in Hugging Face format here.
@@ -93,6 +94,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                              "rollout has none (the engine returned no logprobs); turn it off with "
                              "--no_enable_vllm_is_correction")
         need_raw = self._needs_raw_logprobs()
+        guard = UpdateGuard(self.role, self.rank)  # in place of DeepSpeed's per-tensor overflow scan
         stats = DeviceMeans()  # read once at the end: a read per micro-batch would stall the backward's launch
         kl_sums = DeviceMeans()
         mismatch = MismatchStats()
@@ -145,12 +147,13 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                         ent = aggregate_loss(scores.entropy, mask, agg_mode, norm_len=cfg.generate_max_len)
                         loss = loss - cfg.entropy_loss_coef * ent
                         stats.add("actor/entropy", ent)
+                    guard.add_loss(loss)
                     if weight is None:  # fixed micro-batches: DeepSpeed averages them over its accumulation steps
                         self.engine.backward(loss)
                     else:  # token-budget micro-batches: this one's share of the update, and the boundary is ours
                         self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
                         self.engine.backward(loss * weight, scale_wrt_gas=False)
-                    self.engine.step()
+                    guard.step(self.engine, step)
                 stats.add("actor/micro_batches", len(plan))
         stats.add("actor/lr", self.engine.get_lr()[0])
         return {**stats.result(), **mismatch.result(self.device), **kl_sums.sums()}
