@@ -41,8 +41,8 @@ def test_grpo_trains_with_a_bf16_optimizer(tmp_path):
     moments = [v for s in zero["base_optimizer_state"]["state"].values() for k, v in s.items()
                if k in ("exp_avg", "exp_avg_sq")]
     assert moments and {t.dtype for t in moments} == {torch.bfloat16}
-    assert saved["ds_config"]["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True,
-                                          "bf16_optimizer_states": True}
+    assert saved["ds_config"]["bf16"] == {"enabled": True, "check_grad_overflow": False,
+                                          "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
     # and the run's plan says what bf16 master weights cost in precision
     notes = json.loads((run / "residency.json").read_text())["notes"]
