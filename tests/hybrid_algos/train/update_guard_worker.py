@@ -13,6 +13,8 @@ from datetime import timedelta
 
 import torch
 
+from bf16_optimizer_worker import full_params as weights  # this folder: the script's sys.path[0]
+
 
 def build(stage: int):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -26,16 +28,6 @@ def build(stage: int):
                               weight_decay=0.0, max_norm=1.0, adam_offload=False,
                               num_params=sum(p.numel() for p in model.parameters()))
     return make_engine(model, config)
-
-
-def weights(engine):
-    import deepspeed
-
-    out = []
-    for p in engine.module.parameters():
-        with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
-            out.append(p.detach().clone())
-    return out
 
 
 def run(stage: int, case: str) -> dict:

@@ -194,8 +194,8 @@ class WeightSync:
                                                self.engine_for_rank[r]))
                     for r, w in enumerate(self.actor.workers)]
             results = get_all_with_timeout(refs, self.timeout_s)
-            stats = TransferStats(sum(r["bytes"] for r in results), max(r["seconds"] for r in results), "sync")
-            return stats  # the engines dropped their prefix caches with the last delivery (the protocol says so)
+            # the engines dropped their prefix caches with the last delivery (the protocol says so)
+            return TransferStats(sum(r["bytes"] for r in results), max(r["seconds"] for r in results), "sync")
         else:
             import ray
 

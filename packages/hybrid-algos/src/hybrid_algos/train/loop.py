@@ -6,6 +6,7 @@ share is here and in :mod:`.step`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -20,6 +21,7 @@ from hybrid_core.errors import HybridError
 from .checkpoint import CheckpointManager
 from .config import RLConfig
 from .placement import build_plan, build_residency, check_sleep_flags
+from .profiling import profile_folder, profiled_step
 from .step import StepContext, run_step
 from .timeline import TimelineWriter
 from .weight_sync import choose_mode as choose_sync_mode
@@ -472,18 +474,12 @@ class TrainingSession:
         for step in range(self.start_step, total):
             self.owner.tag = step
             if self.runner is not None and self.runner.has(step):
-                def one_step(step=step):
-                    return self.runner.step(step)
+                one_step = lambda: self.runner.step(step)  # noqa: E731
             else:
-                def one_step(step=step):
-                    return self.guarded(f"step {step + 1}", lambda: run_step(self.ctx, step, self.prompts_for(step),
-                                                                             self.sampling(step)))[0]
-            if step + 1 == cfg.profile_step:
-                from .profiling import profile_folder, profiled_step
-
-                with profiled_step(self.groups, profile_folder(self.prep.run_dir, step + 1)):
-                    metrics = one_step()
-            else:
+                one_step = lambda: self.guarded(f"step {step + 1}", lambda: run_step(  # noqa: E731
+                    self.ctx, step, self.prompts_for(step), self.sampling(step)))[0]
+            with (profiled_step(self.groups, profile_folder(self.prep.run_dir, step + 1))
+                  if step + 1 == cfg.profile_step else contextlib.nullcontext()):
                 metrics = one_step()
             if _refines_after(step - self.start_step):
                 metrics.update(self.guarded("refining the residency plan", lambda: self.refine_residency(step + 1)))
