@@ -62,11 +62,11 @@ class TinyTrainer(TrainerWeightSource):
         return {"node_ip": "127.0.0.1"}
 
     @staticmethod
-    def free_port() -> int:
+    def free_port(host: str = "127.0.0.1") -> int:
         import socket
 
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             return s.getsockname()[1]
 
 

@@ -1,18 +1,25 @@
-"""Build ``hybrid_cli/data/openrlhf_flags.json``: every flag of OpenRLHF's ``train_ppo_ray`` parser, read from the
-released wheels themselves.
+"""Build ``hybrid_cli/data/openrlhf_flags.json`` (every flag of OpenRLHF's ``train_ppo_ray`` parser) and
+``hybrid_cli/data/openrlhf_defaults_<release>.json`` (each flag's default in the two releases an OpenRLHF command line
+is read as), from the released wheels themselves and from the main branch's parser.
 
-The data file is the one source of what OpenRLHF accepts; ``hybrid_cli.openrlhf_flags`` maps each flag in it to a
-hybrid setting or refuses it. Regenerate it when OpenRLHF releases a new parser::
+The flags file is the one source of what OpenRLHF accepts; ``hybrid_cli.openrlhf_flags`` maps each flag in it to a
+hybrid setting or refuses it. The defaults files are what an OpenRLHF command line gets for the flags it leaves out
+(``hybrid_cli.openrlhf``): the dotted release's (:data:`DOTTED_RELEASE`) for a dotted line, the last flat release's
+(:data:`FLAT_DEFAULTS_RELEASE`) for a flat one. Regenerate them when OpenRLHF releases a new parser::
 
-    for v in 0.3.8 0.4.6 0.5.9.post1 0.6.4 0.7.5 0.8.11 0.9.10 0.10.1.post2 0.11.2; do
+    for v in 0.3.8 0.4.6 0.5.9.post1 0.6.4 0.7.5 0.8.11 0.9.10 0.10.1 0.10.1.post2 0.11.2; do
         pip download "openrlhf==$v" --no-deps -d /tmp/openrlhf-wheels
     done
-    python packages/hybrid-cli/tools/extract_openrlhf_flags.py /tmp/openrlhf-wheels
+    git clone https://github.com/OpenRLHF/OpenRLHF /tmp/OpenRLHF
+    git -C /tmp/OpenRLHF show main:openrlhf/cli/train_ppo_ray.py > /tmp/train_ppo_ray_main.py
+    python packages/hybrid-cli/tools/extract_openrlhf_flags.py /tmp/openrlhf-wheels /tmp/train_ppo_ray_main.py \
+        "$(git -C /tmp/OpenRLHF rev-parse main)"
 
 How a parser is read: the statements of ``openrlhf/cli/train_ppo_ray.py``'s ``__main__`` block that come before
 ``parse_args()`` only build an ``argparse.ArgumentParser``; they are run with ``argparse`` and nothing of OpenRLHF
 imported, and each flag is then read back from argparse's own actions (name, action, type, nargs, choices,
-default). Nothing of OpenRLHF's text (help strings) is kept.
+default). Nothing of OpenRLHF's text (help strings) is kept, and no code: the defaults are argparse's values (what
+``train_ppo_ray`` computes from them after ``parse_args()`` is not a default and is not recorded).
 
 Two spellings: since 0.10.2 the flags are dotted (``--vllm.num_engines``); before, flat (``--vllm_num_engines``).
 The newest release (:data:`DOTTED_RELEASE`) gives the dotted list; every older release gives flat names. A dotted
@@ -21,6 +28,11 @@ last part without ``_enable``), or, where the rename was not mechanical, by :dat
 pairing is checked: the flat flag must exist in a flat release and take the same kind of value. Flat flags that no
 dotted flag continues (removed before 0.10.2) have an empty successor list; each flat flag records the first and
 last of the releases read that had it.
+
+The main branch: OpenRLHF's README and example scripts on ``main`` use flags its last release does not have (the
+correction switch ``--algo.advantage.is_correction_enable`` and ``--algo.advantage.is_correction_type``, which 0.11.2
+spells ``--algo.advantage.is_correction_level`` / ``_mode``). The main branch's parser is read the same way, and its
+flags that the release lacks are recorded as ``main_flags`` (with the commit read), paired with their flat names.
 """
 
 from __future__ import annotations
@@ -40,6 +52,9 @@ import zipfile
 DOTTED_RELEASE = "0.11.2"
 #: The older releases read for flat names: the last flat one and one per minor version back to 0.3.
 FLAT_RELEASES = ("0.3.8", "0.4.6", "0.5.9.post1", "0.6.4", "0.7.5", "0.8.11", "0.9.10", "0.10.1.post2")
+#: The flat release whose defaults a flat command line gets: 0.10.1, the last release before the dotted rename (its
+#: .post1/.post2 fixed bugs elsewhere; their parser is the same, which :func:`main` checks).
+FLAT_DEFAULTS_RELEASE = "0.10.1"
 
 #: dotted name -> its flat name(s), where OpenRLHF's rename was not mechanical (one flat flag may have become
 #: several dotted ones: ``--l2`` set the weight decay of both actor and critic).
@@ -113,6 +128,9 @@ FLAT_NAMES = {
     "ds.ring_attn_head_stride": ("ring_head_stride",),
     "train.agent_func_path": ("agent_func_path",),
     "rollout.vllm_generate_batch_size": ("vllm_generate_batch_size",),
+    # the main branch's spelling of the flat era's correction flags (0.11.2: is_correction_level / _mode)
+    "algo.advantage.is_correction_enable": ("enable_vllm_is_correction",),
+    "algo.advantage.is_correction_type": ("vllm_is_correction_type",),
 }
 #: Flat switches whose dotted successor takes a value (the switch meant one of its values).
 SWITCH_BECAME_VALUE = {("algo.advantage.is_correction_level", "enable_vllm_is_correction")}
@@ -127,7 +145,12 @@ NEW_SINCE_DOTTED = frozenset({
 #: Defaults computed when the parser is built (a timestamp); stored as a pattern, not as one run's value.
 VOLATILE_DEFAULTS = {"logger.wandb.run_name": "ppo_%m%dT%H:%M", "wandb_run_name": "ppo_%m%dT%H:%M"}
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "src", "hybrid_cli", "data", "openrlhf_flags.json")
+DATA = os.path.join(os.path.dirname(__file__), "..", "src", "hybrid_cli", "data")
+OUT = os.path.join(DATA, "openrlhf_flags.json")
+
+
+def defaults_path(release: str) -> str:
+    return os.path.join(DATA, f"openrlhf_defaults_{release}.json")
 
 
 # ---- reading one parser -------------------------------------------------------------------------------------------
@@ -199,7 +222,7 @@ def find_wheels(folder: str) -> dict[str, str]:
     for path in glob.glob(os.path.join(folder, "openrlhf-*.whl")):
         version = os.path.basename(path).split("-")[1]
         wheels[version] = path
-    missing = [v for v in (DOTTED_RELEASE, *FLAT_RELEASES) if v not in wheels]
+    missing = [v for v in (DOTTED_RELEASE, *FLAT_RELEASES, FLAT_DEFAULTS_RELEASE) if v not in wheels]
     if missing:
         sys.exit(f"missing wheels in {folder}: {', '.join(missing)} (pip download openrlhf==VERSION --no-deps)")
     return wheels
@@ -255,15 +278,42 @@ def dumps(data: dict) -> str:
         if isinstance(value, list) and value and isinstance(value[0], dict):
             rows = [json.dumps(v, separators=(", ", ": ")) for v in value]
             lines.append(f"  {json.dumps(key)}: [\n    " + ",\n    ".join(rows) + f"\n  ]{end}")
+        elif isinstance(value, dict) and value:
+            rows = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in value.items()]
+            lines.append(f"  {json.dumps(key)}: {{\n    " + ",\n    ".join(rows) + f"\n  }}{end}")
         else:
             lines.append(f"  {json.dumps(key)}: {json.dumps(value)}{end}")
     return "\n".join(lines) + "\n}\n"
 
 
+def defaults_record(release: str, spelling: str, records: list[dict]) -> dict:
+    """One release's defaults: flag name -> argparse's default (a timestamp default as its pattern)."""
+    return {
+        "about": f"The default of every flag of OpenRLHF {release}'s train_ppo_ray parser (argparse's values, read "
+                 "from the released wheel; what train_ppo_ray derives from them after parse_args() is not recorded). "
+                 "Generated by packages/hybrid-cli/tools/extract_openrlhf_flags.py; do not edit by hand.",
+        "release": release,
+        "spelling": spelling,
+        "defaults": {r["name"]: VOLATILE_DEFAULTS.get(r["name"], r["default"]) for r in records},
+    }
+
+
+def main_branch_flags(source: str, commit: str, release: list[dict], flat: dict[str, dict]) -> list[dict]:
+    """The main branch's flags that the release does not have, paired with their flat names."""
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        sys.exit(f"the main branch's commit must be 40 hex digits, got {commit!r}")
+    names = {r["name"] for r in release}
+    extra = [r for r in read_flags(build_parser(source, "train_ppo_ray.py")) if r["name"] not in names]
+    pairs = pair(extra, flat)
+    return [{**r, "flat": pairs[r["name"]]} for r in extra]
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
+    if len(argv) != 3:
         sys.exit(__doc__)
     wheels = find_wheels(argv[0])
+    with open(argv[1], encoding="utf-8") as f:
+        main_source = f.read()
     with tempfile.TemporaryDirectory():
         dotted = read_flags(build_parser(wheel_parser_source(wheels[DOTTED_RELEASE]), "train_ppo_ray.py"))
         flat: dict[str, dict] = {}
@@ -273,8 +323,13 @@ def main(argv: list[str]) -> int:
                 if version == FLAT_RELEASES[-1] or not seen["releases"]:
                     seen.update({k: v for k, v in record.items()})
                 seen["releases"].append(version)
+        last_flat = read_flags(build_parser(wheel_parser_source(wheels[FLAT_DEFAULTS_RELEASE]), "train_ppo_ray.py"))
+        if last_flat != read_flags(build_parser(wheel_parser_source(wheels[FLAT_RELEASES[-1]]), "train_ppo_ray.py")):
+            sys.exit(f"{FLAT_DEFAULTS_RELEASE} and {FLAT_RELEASES[-1]} have different parsers: pick the flat "
+                     "release whose defaults a flat command line gets (FLAT_DEFAULTS_RELEASE)")
     pairs = pair(dotted, flat)
-    for record in (*dotted, *flat.values()):
+    main_flags = main_branch_flags(main_source, argv[2], dotted, flat)
+    for record in (*dotted, *flat.values(), *main_flags):
         if record["name"] in VOLATILE_DEFAULTS:
             record["default"] = VOLATILE_DEFAULTS[record["name"]]
     data = {
@@ -286,13 +341,22 @@ def main(argv: list[str]) -> int:
         "flat_flags": [{**record, "releases": [record["releases"][0], record["releases"][-1]],
                         "dotted": [d for d, names in pairs.items() if name in names]}
                        for name, record in sorted(flat.items())],
+        "main_commit": argv[2],
+        "main_flags": main_flags,
     }
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w", encoding="utf-8") as f:
-        f.write(dumps(data))
+    outputs = {OUT: data,
+               defaults_path(DOTTED_RELEASE): defaults_record(DOTTED_RELEASE, "dotted", dotted),
+               defaults_path(FLAT_DEFAULTS_RELEASE): defaults_record(FLAT_DEFAULTS_RELEASE, "flat", last_flat)}
+    for path, content in outputs.items():
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(dumps(content))
     removed = sum(not r["dotted"] for r in data["flat_flags"])
     print(f"{len(data['flags'])} flags of {DOTTED_RELEASE}; {len(data['flat_flags'])} flat flags of "
-          f"{FLAT_RELEASES[0]}-{FLAT_RELEASES[-1]}, {removed} of them without a dotted successor -> {os.path.relpath(OUT)}")
+          f"{FLAT_RELEASES[0]}-{FLAT_RELEASES[-1]}, {removed} of them without a dotted successor; "
+          f"{len(main_flags)} of the main branch ({argv[2][:12]}) -> {os.path.relpath(OUT)}; defaults of "
+          f"{DOTTED_RELEASE} and {FLAT_DEFAULTS_RELEASE} -> {os.path.relpath(defaults_path(DOTTED_RELEASE))}, "
+          f"{os.path.relpath(defaults_path(FLAT_DEFAULTS_RELEASE))}")
     return 0
 
 

@@ -1,5 +1,7 @@
-"""Token-budget micro-batches (--use_dynamic_batch): every sample exactly once, the budget kept, the count agreed
-across ranks honoured, and the micro-batches' weighted losses adding up to the loss over the whole update."""
+"""Micro-batches of an update: token-budget ones (--use_dynamic_batch) hold every sample exactly once within the
+budget, honour the count agreed across ranks, and in every batching mode (fixed or token-budget, one rank or several)
+the micro-batches' weighted losses add up to the loss over the whole update (DAPO's token-level mean is over all of
+the update's tokens, not a mean of per-micro-batch means)."""
 
 from __future__ import annotations
 
@@ -68,4 +70,68 @@ def test_weighted_micro_batch_losses_add_up_to_the_update_loss(mode, packed):
     assert len(plan) > 2 and all(w is not None for _, w in plan)
     assert sum(w * loss(mb) for mb, w in plan).item() == pytest.approx(loss(ro).item(), rel=1e-5, abs=1e-7)
     cfg_fixed = cfg.replace(use_dynamic_batch=False, train_max_tokens_per_gpu=None, micro_train_batch_size=4)
-    assert [w for _, w in train_micro_batches(ro, cfg_fixed, torch.device("cpu"))] == [None] * 3
+    fixed = train_micro_batches(ro, cfg_fixed, torch.device("cpu"))
+    assert len(fixed) == 3
+    assert sum(w * loss(mb) for mb, w in fixed).item() == pytest.approx(loss(ro).item(), rel=1e-5, abs=1e-7)
+
+
+def test_fixed_micro_batches_token_mean_is_over_the_update_not_a_mean_of_means():
+    """The issue's example: two micro-batches whose token means differ and whose token counts differ; the update's
+    loss is the mean over all its tokens (0.889 there), not the mean of the two means (0.500 there)."""
+    ro = _rollout(5)
+    cfg = GRPOConfig(n_samples_per_prompt=2, rollout_batch_size=6, train_batch_size=12, micro_train_batch_size=6,
+                     loss_agg_mode="token-mean")
+    per_token = torch.arange(ro.action_mask.numel(), dtype=torch.float32).reshape(ro.action_mask.shape) % 7
+
+    def loss(r: Rollout, rows) -> torch.Tensor:
+        m = r.loss_mask.bool()
+        return (per_token[rows, : r.response_len] * m).sum() / m.sum().clamp(min=1)
+
+    plan = train_micro_batches(ro, cfg, torch.device("cpu"))
+    rows = [torch.arange(0, 6), torch.arange(6, 12)]
+    got = sum(w * loss(mb, r) for (mb, w), r in zip(plan, rows))
+    whole = loss(ro, torch.arange(12))
+    mean_of_means = sum(loss(mb, r) for (mb, _), r in zip(plan, rows)) / 2
+    assert got.item() == pytest.approx(whole.item(), rel=1e-6)
+    assert abs(mean_of_means.item() - whole.item()) > 1e-3  # the rollout is one where the two differ
+
+
+def _two_rank_weights(rank: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ro = _rollout(11 + rank)  # the ranks' shards have different token counts
+        cfg = GRPOConfig(n_samples_per_prompt=2, rollout_batch_size=6, train_batch_size=24, micro_train_batch_size=4,
+                         loss_agg_mode="token-mean")
+        plan = train_micro_batches(ro, cfg, torch.device("cpu"))
+        out.put((rank, [(float(mb.loss_mask.sum()), w) for mb, w in plan], float(ro.loss_mask.sum())))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_token_mean_weights_count_every_data_parallel_rank():
+    """Two real gloo ranks with different token counts: each rank's weighted micro-batch sums, averaged over the
+    ranks as DeepSpeed averages gradients, weigh every token of the update alike (the global token mean)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_two_rank_weights, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict((r, (plan, total)) for r, plan, total in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    all_tokens = got[0][1] + got[1][1]
+    assert got[0][1] != got[1][1]
+    for rank in (0, 1):
+        for tokens, weight in got[rank][0]:
+            # a micro-batch's token-mean loss times its weight, halved by the ranks' average: tokens / all tokens
+            assert weight / 2 == pytest.approx(tokens / all_tokens)

@@ -1,5 +1,6 @@
 """The real actor (PolicyWorker: DeepSpeed, the registry's loss, the chunked head) on one rank: an update made of
-token-budget micro-batches (--use_dynamic_batch, packed or padded) has the gradient of the same update made as one
+token-budget micro-batches (--use_dynamic_batch, packed or padded) or of fixed micro-batches (gradient accumulation,
+whose token counts differ) has the gradient of the same update made as one
 micro-batch -- the loss weights and the optimizer boundary are right -- and steps the optimizer once per update.
 (ZeRO stage 0, so the accumulated gradient can be read off the parameters at the boundary.)
 
@@ -60,8 +61,11 @@ SCRIPT = textwrap.dedent('''
 
     one, one_stats, one_steps = run()
     out = {"one_steps": one_steps, "one_micro": one_stats["actor/micro_batches"]}
-    for label, changes in (("padded", {}), ("packed", {"packing_samples": True})):
-        delta, stats, steps = run(use_dynamic_batch=True, train_max_tokens_per_gpu=24, micro=4, **changes)
+    for label, changes in (("padded", {"use_dynamic_batch": True, "train_max_tokens_per_gpu": 24}),
+                           ("packed", {"use_dynamic_batch": True, "train_max_tokens_per_gpu": 24,
+                                       "packing_samples": True}),
+                           ("fixed", {})):  # four fixed micro-batches of 4 samples: gradient accumulation
+        delta, stats, steps = run(micro=4, **changes)
         diff = max((delta[n] - one[n]).abs().max().item() for n in one)
         moved = max(one[n].abs().max().item() for n in one)
         out[label] = {"micro": stats["actor/micro_batches"], "steps": steps, "max_diff": diff / moved, "moved": moved,
@@ -77,7 +81,7 @@ def test_token_budget_update_equals_one_micro_batch(tmp_path):
     line = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")][-1]
     out = json.loads(line[len("RESULT "):])
     assert out["one_steps"] == 1 and out["one_micro"] == 1
-    for label in ("padded", "packed"):
+    for label in ("padded", "packed", "fixed"):
         r = out[label]
         assert r["micro"] >= 3, out  # the budget really split the update
         assert r["steps"] == 1, out  # ... and the optimizer stepped once, at the update's end

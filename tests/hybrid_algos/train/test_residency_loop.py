@@ -159,9 +159,10 @@ def test_refinement_catches_memory_that_keeps_growing_and_never_shrinks_the_over
         def read(self, gpu):
             return GpuMemory(free=budget - used["bytes"], total=budget)
 
-    owner = SimpleNamespace(plan=plan, guard=Guard(), phase="sync", settle=lambda: None)
+    on_gpu = {r: set(plan.resident_states(r, "sync")) for r in plan.roles}  # the owner's record: all resident
+    owner = SimpleNamespace(plan=plan, guard=Guard(), phase="sync", settle=lambda: None, on_gpu=lambda: on_gpu)
     session = TrainingSession.__new__(TrainingSession)
-    session.owner, session.config = owner, config
+    session.owner, session.config, session.groups = owner, config, []
     session.prep = SimpleNamespace(residency=plan, run_dir=str(tmp_path))
 
     used["bytes"] = held + 0.10 * budget  # step 1: 10 % beyond the model

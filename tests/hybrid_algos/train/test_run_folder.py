@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from hybrid_algos.train import marks
 from hybrid_algos.train.checkpoint import CheckpointManager
 from hybrid_algos.train.run_folder import check_writable, refuse_or_clear
 from hybrid_core.errors import ConfigError
@@ -15,6 +16,7 @@ def _earlier_run(run, ckpt_root=None):
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     (run / "logs").mkdir()
     (run / "notes.txt").write_text("the user's own file")
+    marks.claim(str(run), ["metrics.jsonl", "logs"])  # what a run claims before it writes them
     mgr = CheckpointManager(str(ckpt_root or run / "checkpoints"))
     mgr.save(3, lambda folder: None, {"next_step": 3})
     return mgr
@@ -37,7 +39,7 @@ def test_overwrite_removes_the_earlier_run_and_only_it(tmp_path):
     mgr = _earlier_run(run, ckpt)
     (ckpt / "README").write_text("kept")
     refuse_or_clear(str(run), mgr, overwrite=True, resuming=False)
-    assert sorted(os.listdir(run)) == ["notes.txt"]  # the run's files are gone, the user's stay
+    assert sorted(os.listdir(run)) == [marks.MARKS, "notes.txt"]  # the run's files are gone, the user's stay
     assert mgr.latest() is None and sorted(os.listdir(ckpt)) == ["README"]
 
 
@@ -56,8 +58,9 @@ def test_leftovers_of_a_start_that_recorded_nothing_do_not_block(tmp_path):
     (run / "logs" / "stacks-actor-0.txt").write_text("evidence")
     (run / "metrics.jsonl").write_text("")
     (run / "tiny-model").mkdir()
+    marks.claim(str(run), ["logs", "metrics.jsonl"])
     refuse_or_clear(str(run), CheckpointManager(str(run / "checkpoints")), overwrite=False, resuming=False)
-    assert sorted(os.listdir(run)) == ["logs", "tiny-model"]
+    assert sorted(os.listdir(run)) == [marks.MARKS, "logs", "tiny-model"]
 
 
 def test_folders_that_cannot_hold_files(tmp_path):

@@ -89,6 +89,9 @@ class PolicyLoss:
     agg_mode: str = "token-mean"  # the aggregation used when the caller does not choose one
     uses: tuple[str, ...] = ("clip",)  # of LOSS_SETTINGS
     aliases: tuple[str, ...] = ()
+    #: ``(clip_low, clip_high)`` when the user sets none, and where it comes from (the loss's paper)
+    default_clip: tuple[float, float] = (0.2, 0.2)
+    default_clip_source: str = "PPO's 0.2"
 
     @property
     def summary(self) -> str:
@@ -101,12 +104,16 @@ _ALIASES: dict[str, str] = {}
 
 
 def register_policy_loss(name: str, *, aliases: Sequence[str] = (), agg_mode: str = "token-mean",
-                         uses: Sequence[str] = ("clip",), replace: bool = False) -> Callable[[LossFn], LossFn]:
+                         uses: Sequence[str] = ("clip",), replace: bool = False,
+                         default_clip: tuple[float, float] = (0.2, 0.2),
+                         default_clip_source: str = "PPO's 0.2") -> Callable[[LossFn], LossFn]:
     """Decorator: register ``fn(inputs: PolicyLossInputs) -> (per_token_loss, stats)`` under ``name``.
 
     ``agg_mode`` is the loss's default aggregation; ``uses`` the settings it reads (``"clip"``: ``clip_low`` /
     ``clip_high``; ``"dual_clip"``): setting one it does not read is an error, not a silent no-op. The first line
-    of ``fn``'s docstring is its one-line description. Registering a taken name raises unless ``replace=True``.
+    of ``fn``'s docstring is its one-line description. ``default_clip`` is ``(clip_low, clip_high)`` where the
+    user sets no clip (a loss whose paper clips on another scale than PPO's 0.2 says so here, with its source).
+    Registering a taken name raises unless ``replace=True``.
     """
     check_agg_mode(agg_mode)
     unknown = set(uses) - set(LOSS_SETTINGS)
@@ -125,7 +132,8 @@ def register_policy_loss(name: str, *, aliases: Sequence[str] = (), agg_mode: st
         for n in taken:
             _REGISTRY.pop(n, None)
             _ALIASES.pop(n, None)
-        _REGISTRY[name] = PolicyLoss(name, fn, agg_mode, tuple(uses), tuple(aliases))
+        _REGISTRY[name] = PolicyLoss(name, fn, agg_mode, tuple(uses), tuple(aliases),
+                                     (float(default_clip[0]), float(default_clip[1])), default_clip_source)
         for alias in aliases:
             _ALIASES[alias] = name
         return fn
@@ -161,19 +169,24 @@ def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None, *, l
 
 
 def compute_policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float | None = None,
+                        mask: torch.Tensor, *, clip_low: float | None = None, clip_high: float | None = None,
                         dual_clip: float | None = None, agg_mode: str | None = None, norm_len: float | None = None,
                         is_weights: torch.Tensor | None = None, log_ratio_clamp: float = 20.0
                         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss ``name`` aggregated over valid tokens -> ``(loss, stats)``; gradients flow through ``logprobs``.
 
-    Shapes ``[batch, len]``. ``agg_mode`` defaults to the loss's own (see :func:`register_policy_loss`).
+    Shapes ``[batch, len]``. ``agg_mode`` defaults to the loss's own, and so does the clip range when neither
+    ``clip_low`` nor ``clip_high`` is given (PPO's 0.2; GSPO's paper 3e-4 / 4e-4; see :func:`register_policy_loss`);
+    ``clip_high`` alone keeps the default low bound, ``clip_low`` alone is symmetric.
     ``is_weights``: per-token weights (e.g. :func:`hybrid_algos.rollout_correction`'s), detached and multiplied
     into the per-token loss before aggregation; a weight of 0 removes a token's contribution but not its place in
     the denominator. ``stats`` holds detached scalars over valid tokens: the loss's own (``clip_frac``, ...) plus
     ``approx_kl`` (k3 estimate of KL(old || new)), ``ratio_mean`` and ``ratio_max`` of the token ratios.
     """
     loss_def = get_policy_loss(name)
+    if clip_low is None:
+        clip_low = loss_def.default_clip[0]
+        clip_high = loss_def.default_clip[1] if clip_high is None else clip_high
     clip_high = clip_low if clip_high is None else clip_high
     if dual_clip is not None and "dual_clip" not in loss_def.uses:
         raise AlgoInputError("dual_clip", f"the {loss_def.name!r} policy loss has no dual clip.",
@@ -267,7 +280,10 @@ def dr_grpo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torc
     return _clipped_surrogate(inputs.advantages, inputs.ratio(), inputs)
 
 
-@register_policy_loss("gspo", agg_mode="seq-mean-token-mean")
+# GSPO clips a sequence-level ratio (a geometric mean of token ratios), which stays far closer to 1 than token
+# ratios: its paper's clip range is (3e-4, 4e-4), not PPO's 0.2 (which would almost never clip).
+@register_policy_loss("gspo", agg_mode="seq-mean-token-mean", default_clip=(3e-4, 4e-4),
+                      default_clip_source="GSPO's paper (Zheng et al. 2025, arXiv:2507.18071): 3e-4 / 4e-4")
 def gspo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: one clipped ratio per sequence, the geometric mean of its token ratios."""
     mask = inputs.mask
@@ -280,7 +296,10 @@ def gspo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.T
     return _clipped_surrogate(inputs.advantages, ratio, inputs)
 
 
-@register_policy_loss("cispo")
+# CISPO clips the importance weight from above only: its paper sets no lower bound (clip_low = 1, a weight floor of
+# 0) and tunes the upper one without giving a value; 0.28 is DAPO's clip-higher, the usual choice in its ports.
+@register_policy_loss("cispo", default_clip=(1.0, 0.28),
+                      default_clip_source="CISPO's paper (MiniMax-M1, arXiv:2506.13585): no lower bound; upper 0.28")
 def cispo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: the clipped ratio as a stop-gradient weight on A * log pi (clipped tokens keep their gradient)."""
     ratio = inputs.ratio().detach()

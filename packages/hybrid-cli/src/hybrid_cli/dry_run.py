@@ -4,7 +4,9 @@ Prints the placement plan (GPU x roles), the prompt set (records read, dropped),
 and per group of identical GPUs, what each role keeps resident and the predicted peak against the GPU's capacity
 (the planner and memory model of :mod:`hybrid_core.residency`, called exactly as the run calls them), and what it
 keeps in each node's host memory against what the node has. A plan that does not fit fails with the GPU, the phase
-and the numbers, or with the node and its host memory (exit status 2).
+and the numbers, or with the node and its host memory (exit status 2). The nodes' host memory is ``--host_memory_gb``,
+else this machine's only where it could be one of the run's nodes (:func:`host_budget`): a dry-run on a laptop says
+what the plan needs per node and does not refuse it for the laptop's memory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
             notes: Sequence[str] = (), console: Console | None = None) -> int:
     """Validate ``config`` (already ``validate()``-d) all the way, print both plans; 0 when it fits."""
     from hybrid_algos.train.loop import rollout_lengths
-    from hybrid_algos.train.model_files import check_model_folder
+    from hybrid_algos.train.data import step_count
+    from hybrid_algos.train.model_files import check_model_folder, check_reward_head
     from hybrid_algos.train.placement import build_residency, gpu_memory
     from rich.markup import escape
 
@@ -32,15 +35,28 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
     for name in ("pretrain", "reward_pretrain", "critic_pretrain"):  # a damaged folder is named, not a traceback
         if getattr(config, name) is not None:
             check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
+    if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
+        head = check_reward_head(config.reward_pretrain, random_head=config.reward_random_head,
+                                 trust_remote_code=config.trust_remote_code)
+        if head:
+            console.print("[yellow]note:[/yellow] " + escape(head))
     plan = build_plan(config)
     console.print(f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
                   f"advantage estimator {config.advantage_estimator}")
+    clip = config.clip_note()  # a policy loss's own clip range (GSPO's, CISPO's)
+    if clip:
+        console.print("note: " + clip, markup=False)
     console.print(plan.render(), markup=False)
     console.print(f"weight sync: {describe_sync(config, plan)} (actor -> engines after each update)", markup=False)
+    console.print(_rendezvous_line(plan), markup=False)  # where the groups' stores and sockets listen
+    unused = sync_backend_note(config, plan)
+    if unused:
+        console.print("[yellow]note:[/yellow] " + escape(unused))
     missing = library_missing(config.backend)
     if missing:
         console.print(f"warning: {missing}; the run will stop before it starts unless it is installed.")
     prompts = load_prompts(config, console)
+    console.print(step_count(config, len(prompts)).describe(), markup=False)  # the loop's own count
     console.print(describe_reward(config))
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
         console.print("warning: --use_wandb, but wandb is not installed here; the run will stop before it starts "
@@ -54,8 +70,8 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
     gpu_bytes, source = gpu_memory(config)
     prompt_len, generate_len = rollout_lengths(config, prompts)
     residency, run_config = build_residency(config, plan, config.pretrain, prompt_len=prompt_len,
-                                            generate_len=generate_len, gpu_bytes=gpu_bytes)
-    host = residency.host  # the run's own default: --host_memory_gb, else this machine's available memory
+                                            generate_len=generate_len, gpu_bytes=gpu_bytes, host=host_budget(config, plan))
+    host = residency.host  # --host_memory_gb, else this machine's available memory where it is one of the nodes
     console.print(f"GPU memory: {gpu_bytes / GiB:.1f} GiB per GPU ({source}); sequences up to {prompt_len} + "
                   f"{generate_len} tokens")
     console.print("host memory: " + (f"{host.bytes / GiB:.1f} GiB per node ({host.source})" if host.bytes is not None
@@ -74,6 +90,28 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
     return 0
 
 
+def host_budget(config: Any, plan: Any):
+    """The host memory the plan is checked against: ``--host_memory_gb`` (the run's own), else this machine's only if
+    it has the GPUs one of the run's nodes uses or the run is a local one (a local Ray declaring ``--num_gpus``)."""
+    from hybrid_algos.train.placement import host_memory
+    from hybrid_core.residency.host import planning_budget
+
+    if config.host_memory_gb is not None:
+        return host_memory(config, plan.gpus_per_node)
+    node_gpus = min(plan.gpus_per_node or plan.num_gpus, plan.num_gpus)
+    runs_here = config.num_gpus is not None and not config.address
+    return planning_budget(plan.gpus_per_node, node_gpus, _local_gpus(), runs_here=runs_here)
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # no driver, broken install: no GPU to count
+        return 0
+
+
 def build_plan(config: Any):
     """The placement plan the run would use (the training loop's own function, so the two cannot disagree)."""
     from hybrid_algos.train.placement import build_plan as plan_for_config
@@ -86,6 +124,19 @@ def describe_sync(config: Any, plan: Any) -> str:
     from hybrid_algos.train.weight_sync import describe_sync as describe
 
     return describe(config, plan)
+
+
+def sync_backend_note(config: Any, plan: Any) -> str | None:
+    """An explicit --vllm_sync_backend the chosen path does not use, and why (the note the run starts with)."""
+    from hybrid_algos.train.weight_sync import choose_mode, sync_backend_note as note
+
+    return note(config, choose_mode(config, plan))
+
+
+def _rendezvous_line(plan: Any) -> str:
+    from hybrid_core.rendezvous import for_plan
+
+    return for_plan(plan).describe()
 
 
 def library_missing(backend: str) -> str | None:

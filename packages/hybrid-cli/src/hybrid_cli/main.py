@@ -17,7 +17,7 @@ from hybrid_core.errors import ConfigError, HybridError
 from . import __version__
 from .flags import (FlagParser, add_config_flags, check_leftovers, field_specs, given_config_values, given_openrlhf,
                     merge_layers, translate_openrlhf)
-from .openrlhf import openrlhf_defaults, without_engines
+from .openrlhf import is_openrlhf_command, line_defaults, without_engines
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -78,14 +78,15 @@ def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[s
                     {n for n, s in field_specs(cls).items() if s.kind == "bool"})
     given, dotted, notes = _given_settings(args, cls, argv)
     implied, more = _defaults(cls, args.command, given, dotted)
-    notes += more
+    notes = more + notes  # first: which defaults the line took, and where hybrid differs from OpenRLHF
     values = merge_layers(implied, given)
     for step in (lambda v: without_engines(merge_layers(_field_defaults(cls), v)), resolve_local_paths):
         changes, more = step(values)
         values.update(changes)
         notes += more
-    config = cls(**values)
-    return config.validate(), args, notes
+    config = cls(**values).record_given(given, openrlhf_line=is_openrlhf_command(given, dotted))
+    config.validate()  # a setting given that would do nothing is refused here, or noted (inactive_notes)
+    return config, args, notes + config.inactive_notes()
 
 
 def _given_settings(args: argparse.Namespace, cls: type, argv: Sequence[str]) -> tuple[dict[str, Any], bool, list[str]]:
@@ -112,12 +113,9 @@ def _given_settings(args: argparse.Namespace, cls: type, argv: Sequence[str]) ->
 def _defaults(cls: type, command: str, given: dict[str, Any], dotted: bool) -> tuple[dict[str, Any], list[str]]:
     """What is not given: OpenRLHF's defaults for an OpenRLHF command line, the demo's without a model of one's own
     (see hybrid_cli.openrlhf for why), and a note saying which."""
-    implied = openrlhf_defaults(given, dotted_used=dotted)
-    if implied:
-        return implied, ["this is an OpenRLHF command line, so the settings it does not give take OpenRLHF's defaults "
-                         "(as train_ppo_ray would): " + ", ".join(f"{k}={v}" for k, v in implied.items())
-                         + f". Kept from `hybrid {command}`: the algorithm's hyperparameters and the learning-rate "
-                         "schedule (linear warm-up, then constant; OpenRLHF's default decays it by cosine to 10%)."]
+    if is_openrlhf_command(given, dotted):
+        line = line_defaults(cls, given, dotted_used=dotted)
+        return line.implied, line.notes(cls, command)
     notes = []
     if "pretrain" not in given and "prompt_data" not in given:
         from hybrid_algos.train.config import DEMO_SETTINGS
@@ -191,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         terminated = type(e).__name__ == "Terminated"  # hybrid_algos.train.failures.Terminated: SIGTERM
         what = "terminated (SIGTERM)" if terminated else "interrupted"
-        print(f"hybrid: {what}: the run stopped and its processes were shut down.{_resume_line()}", file=sys.stderr)
+        note = getattr(e, "note", "")  # e.g. why the checkpoint on SIGTERM could not be saved
+        print(f"hybrid: {what}: the run stopped and its processes were shut down.{' ' + note if note else ''}"
+              f"{_resume_line()}", file=sys.stderr)
         return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except Exception as e:  # a bug: show where, then end like every other failure
         import traceback
@@ -204,15 +204,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 #: The config of the training command being run, for the resume hint of an interrupted or failed run.
 _current_config: Any = None
+_started_at: float = 0.0  # when it started (time.time()): a final model older than that is an earlier run's
 
 
 def _resume_line() -> str:
+    """What the run left: its final model when it was saved, the checkpoint to continue from (or that none was)."""
     if _current_config is None:
         return ""
-    from hybrid_algos.train.checkpoint import CheckpointManager
-    from hybrid_algos.train.failures import resume_hint
+    import os
 
-    return " " + resume_hint(CheckpointManager(_current_config.checkpoint_dir))
+    from hybrid_algos.train.checkpoint import CheckpointManager
+    from hybrid_algos.train.failures import saved_hint
+
+    return " " + saved_hint(CheckpointManager(_current_config.checkpoint_dir),
+                            os.path.abspath(_current_config.save_path), since=_started_at)
 
 
 def _run(argv: list[str]) -> int:
@@ -241,9 +246,11 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
     from .metrics import MetricsLogger
     from .progress import ProgressDisplay
 
-    global _current_config
+    import time
+
+    global _current_config, _started_at
     metrics = MetricsLogger.for_config(config)  # fails here (before Ray) when W&B is asked for and missing
-    _current_config = config
+    _current_config, _started_at = config, time.time()
     progress = ProgressDisplay()
     from rich.markup import escape
 
@@ -252,11 +259,39 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
     from hybrid_algos.train import RECIPES  # imported late: the loop pulls in Ray, DeepSpeed and the engines
 
     try:  # the recipe of the command (hybrid ppo -> train_ppo, ...): the same path as the Python API
-        RECIPES[config.algorithm](config, callbacks=[progress, metrics])
+        with _sigterm_ends_the_command():  # until the loop's own handler (preemption) takes over, after Ray starts
+            RECIPES[config.algorithm](config, callbacks=[progress, metrics])
     finally:
         metrics.close()
         progress.close()
     return 0
+
+
+def _sigterm_ends_the_command():
+    """SIGTERM before the run's own handler is installed (loading the model, starting Ray) still ends the command
+    with its ``hybrid: terminated`` line and 143, not silently."""
+    import contextlib
+    import signal
+    import threading
+
+    from hybrid_algos.train.failures import Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        return contextlib.nullcontext()
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the tear-down runs undisturbed
+        raise Terminated()
+
+    @contextlib.contextmanager
+    def installed():
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+    return installed()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,8 +4,10 @@
 it is missing, the run says so at start (a note naming the fix) and writes metrics.jsonl only -- never silently.
 
 One JSON object per step (the step's metrics plus ``wall_time``); non-finite numbers are written as ``null`` so
-every JSON reader accepts the file. A resumed run appends to the file; a new run starts it afresh. The end-of-run
-summary goes to ``summary.json`` beside it.
+every JSON reader accepts the file. A resumed run appends to the file, after cutting it back to the steps before
+its checkpoint (the steps after it are done again: they would be there twice; TensorBoard is told to purge them
+too); a new run starts it afresh. The end-of-run summary goes to ``summary.json`` beside it. No credential is
+written (:mod:`hybrid_algos.train.redact`): W&B gets the config and the command line without its API key.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -42,9 +45,14 @@ class MetricsLogger:
 
     @classmethod
     def for_config(cls, config: Any) -> "MetricsLogger":
+        from hybrid_algos.train.redact import hide_in_argv, redact, secrets_of
+
+        secrets = secrets_of(config)
+        if secrets:  # W&B (and any library) records sys.argv in the run folder: the key is taken out of it
+            hide_in_argv(sys.argv)
         return cls(config.save_path, tensorboard=config.use_tensorboard, wandb_key=config.use_wandb,
                    wandb_project=config.wandb_project, wandb_run_name=config.wandb_run_name,
-                   config=_plain({**config.to_dict(), "use_wandb": "<redacted>" if config.use_wandb else None}))
+                   config=redact(_plain(config.to_dict()), secrets))
 
     def notes(self) -> list[str]:
         """What the user should know about where metrics go (shown before the run starts)."""
@@ -61,10 +69,16 @@ class MetricsLogger:
     def on_start(self, info: dict[str, Any]) -> None:
         self.run_dir = os.path.abspath(info.get("run_dir") or self.run_dir or ".")
         os.makedirs(self.run_dir, exist_ok=True)
-        resumed = int(info.get("start_step") or 0) > 0
+        start_step = int(info.get("start_step") or 0)
+        resumed = start_step > 0
+        if resumed:
+            from hybrid_algos.train.resume import drop_steps_from
+
+            drop_steps_from(self.path, start_step)  # the steps after the checkpoint are done again
         self._jsonl = open(self.path, "a" if resumed else "w", encoding="utf-8")
         if self.tensorboard:
-            self._tb = _tensorboard_writer(os.path.join(self.run_dir, "tensorboard"))
+            self._tb = _tensorboard_writer(os.path.join(self.run_dir, "tensorboard"),
+                                           purge_step=start_step if resumed else None)
         if self.wandb_key:
             wandb = self._wandb_module()
             if self.wandb_key.lower() not in ("true", "1"):  # OpenRLHF passes the API key itself
@@ -90,8 +104,10 @@ class MetricsLogger:
 
     def on_end(self, summary: dict[str, Any]) -> None:
         if self.run_dir:
+            from hybrid_algos.train.redact import redact
+
             with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-                json.dump(_plain(summary), f, indent=2)
+                json.dump(redact(_plain(summary)), f, indent=2)
         self.close()
 
     def close(self) -> None:
@@ -122,13 +138,14 @@ def tensorboard_installed() -> bool:
     return True
 
 
-def _tensorboard_writer(log_dir: str):
+def _tensorboard_writer(log_dir: str, purge_step: int | None = None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch's writer needs the tensorboard package
         log.warning("tensorboard is not installed: metrics go to metrics.jsonl only (pip install tensorboard)")
         return None
-    return SummaryWriter(log_dir=log_dir)
+    # purge_step: TensorBoard discards the events of earlier files at that step and later (a resume does them again)
+    return SummaryWriter(log_dir=log_dir, purge_step=purge_step)
 
 
 def _is_number(value: Any) -> bool:

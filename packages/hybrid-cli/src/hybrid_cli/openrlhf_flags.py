@@ -1,8 +1,11 @@
 """Every flag of OpenRLHF's ``train_ppo_ray``, in both spellings, and what it means here.
 
-``data/openrlhf_flags.json`` lists every flag of OpenRLHF 0.11.2's parser (dotted: ``--vllm.num_engines``) and of the
-flat-era releases before it (``--vllm_num_engines``), read from the released wheels by
-``packages/hybrid-cli/tools/extract_openrlhf_flags.py``. This module gives each of them one :class:`Rule`:
+``data/openrlhf_flags.json`` lists every flag of OpenRLHF 0.11.2's parser (dotted: ``--vllm.num_engines``), of the
+flat-era releases before it (``--vllm_num_engines``), and those of OpenRLHF's main branch that its README and example
+scripts use but no release has yet (``--algo.advantage.is_correction_enable``), read from the released wheels and the
+main branch by ``packages/hybrid-cli/tools/extract_openrlhf_flags.py``; ``data/openrlhf_defaults_<release>.json``
+holds each flag's default in 0.11.2 and in 0.10.1, the last flat release (:func:`release_defaults`). This module gives
+each flag one :class:`Rule`:
 
 * ``same(field)``: the same setting as hybrid's ``--field`` (the flag becomes another name of it);
 * ``convert(fn)``: a value that needs translating (``--ds.param_dtype bf16`` is ``--bf16``);
@@ -45,6 +48,7 @@ class OpenRLHFFlag:
     successors: tuple[str, ...] = ()  # flat flag -> the dotted flag(s) it became
     flat: tuple[str, ...] = ()  # dotted flag -> its flat name(s)
     releases: tuple[str, ...] = ()  # flat flag: first and last release read that had it
+    main_only: bool = False  # a flag of OpenRLHF's main branch that no release has yet
 
     @property
     def is_switch(self) -> bool:
@@ -82,6 +86,9 @@ def openrlhf_flags() -> dict[str, OpenRLHFFlag]:
         flags[r["name"]] = OpenRLHFFlag(r["name"], r["action"], r["type"], r["nargs"], _tuple(r["choices"]),
                                         r["default"], dotted=False, successors=tuple(r["dotted"]),
                                         releases=tuple(r["releases"]))
+    for r in data.get("main_flags", ()):
+        flags[r["name"]] = OpenRLHFFlag(r["name"], r["action"], r["type"], r["nargs"], _tuple(r["choices"]),
+                                        r["default"], dotted=False, flat=tuple(r["flat"]), main_only=True)
     for name, (action, nargs) in UNRELEASED_FLAGS.items():
         flags[name] = OpenRLHFFlag(name, action, "str", nargs, None, None, dotted=False)
     return flags
@@ -89,6 +96,21 @@ def openrlhf_flags() -> dict[str, OpenRLHFFlag]:
 
 def openrlhf_release() -> str:
     return load_data()["release"]
+
+
+#: The flat release whose defaults a flat command line gets: the last one before the dotted rename.
+FLAT_RELEASE = "0.10.1"
+
+
+@functools.lru_cache(maxsize=None)
+def release_defaults(release: str) -> dict[str, Any]:
+    """Flag name -> its default in OpenRLHF ``release``'s parser (0.11.2: dotted names, 0.10.1: flat), as argparse
+    gives it (``data/openrlhf_defaults_<release>.json``; a timestamp default is its strftime pattern)."""
+    path = os.path.join(os.path.dirname(DATA_FILE), f"openrlhf_defaults_{release}.json")
+    if not os.path.exists(path):
+        raise ValueError(f"no defaults recorded for OpenRLHF {release} (have {openrlhf_release()} and {FLAT_RELEASE})")
+    with open(path, encoding="utf-8") as f:
+        return dict(json.load(f)["defaults"])
 
 
 def _tuple(value: Any) -> tuple | None:
@@ -121,6 +143,7 @@ class Context:
 class Rule:
     kind: str  # same | convert | pending | only | note | refuse
     field: str | None = None
+    fields: tuple[str, ...] = ()  # convert: every setting the conversion may set (``field`` is the first)
     fn: Callable[[Any, Context, str], dict[str, Any]] | None = None
     neutral: tuple = ()
     why: str = ""
@@ -132,7 +155,7 @@ def same(name: str) -> Rule:
 
 
 def convert(fn: Callable[[Any, Context, str], dict[str, Any]], *fields: str) -> Rule:
-    return Rule("convert", fn=fn, field=fields[0] if fields else None)
+    return Rule("convert", fn=fn, field=fields[0] if fields else None, fields=tuple(fields))
 
 
 def pending(name: str, *neutral: Any, why: str) -> Rule:
@@ -305,8 +328,9 @@ def _is_level(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     """``--algo.advantage.is_correction_level off|token|seq`` (+ ``_mode mask|clip``) in the flat era's terms:
     ``--enable_vllm_is_correction --vllm_is_correction_type tis|icepop|seq-mask-tis``."""
     level = str(value)
-    if level == "off":
-        return {}
+    if level == "off":  # OpenRLHF's default: no correction (hybrid's own default is on, so it is said)
+        return _pending_values(ctx, flag, {"enable_vllm_is_correction": False},
+                               "importance-sampling correction of the engines' log-probs")
     mode = str(ctx.value("algo.advantage.is_correction_mode", default="mask"))
     kind = {("token", "clip"): "tis", ("token", "mask"): "icepop", ("seq", "mask"): "seq-mask-tis"}.get((level, mode))
     if kind is None:
@@ -329,16 +353,35 @@ def _is_mode(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
 
 
 def _is_threshold(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
+    """The bounds of the correction, given even where they equal OpenRLHF's default (0.5, 5.0): hybrid's own default
+    is each type's (tis: no lower bound, 2.0), so OpenRLHF's must be set. Without a correction OpenRLHF reads no
+    bounds, and neither does hybrid (a note says so)."""
     words = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
     numbers = [float(w) for w in words]
     if len(numbers) == 1:
         numbers = [0.0, numbers[0]]
     if len(numbers) != 2:
         raise ConfigError(flag, f"--{flag} takes HIGH or LOW HIGH, got {value!r}.", "E.g. 0.5 5.0.")
-    if tuple(numbers) == (0.5, 5.0):
-        return {}  # OpenRLHF's default
+    if not correction_on(ctx):
+        ctx.notes.append(f"--{flag} {_show(value)} has no effect without the correction (--algo.advantage."
+                         "is_correction_level token|seq, or --enable_vllm_is_correction), as in OpenRLHF.")
+        return {}
     return _pending_values(ctx, flag, {"vllm_is_truncated_threshold": tuple(numbers)},
                            "importance-sampling correction of the engines' log-probs")
+
+
+def correction_on(ctx: Context) -> bool:
+    """Whether the line turns the correction on, in any of its spellings (0.11.2's level, the main branch's and the
+    flat era's switch, hybrid's own ``--enable_vllm_is_correction``); not said: off, OpenRLHF's default."""
+    level = ctx.value("algo.advantage.is_correction_level")
+    if level is not None:
+        return str(level) != "off"
+    if "enable_vllm_is_correction" in ctx.fields:
+        return bool(ctx.fields["enable_vllm_is_correction"])
+    switch = ctx.value("algo.advantage.is_correction_enable", "enable_vllm_is_correction")
+    if switch is None:
+        return False
+    return switch if isinstance(switch, bool) else str(switch).lower() in ("true", "1", "yes", "on")
 
 
 def _flat_is_type(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
@@ -604,6 +647,13 @@ UNRELEASED_RULES: dict[str, Rule] = {
     "max_global_steps": convert(_max_steps, "max_steps"),
 }
 
+#: Flags of OpenRLHF's main branch that no release has yet (its README and example scripts use them): the flat era's
+#: correction flags in dotted spelling (0.11.2 spells them ``--algo.advantage.is_correction_level`` / ``_mode``).
+MAIN_RULES: dict[str, Rule] = {
+    "algo.advantage.is_correction_enable": FLAT_RULES["enable_vllm_is_correction"],
+    "algo.advantage.is_correction_type": FLAT_RULES["vllm_is_correction_type"],
+}
+
 
 #: OpenRLHF flags spelled like a hybrid setting whose rule is not plainly that setting, and why that is fine:
 #: ``--use_tensorboard DIR`` (OpenRLHF: a folder) is told apart from hybrid's switch by its value (flags.py).
@@ -617,6 +667,8 @@ def rule_for(name: str) -> Rule:
         return FLAT_RULES[name]
     if name in UNRELEASED_RULES:
         return UNRELEASED_RULES[name]
+    if name in MAIN_RULES:
+        return MAIN_RULES[name]
     if name in DOTTED_RULES:
         return DOTTED_RULES[name]
     flag = openrlhf_flags()[name]
@@ -652,8 +704,9 @@ def check_table(config_fields: Iterable[str] = ()) -> list[str]:
     problems += [f"--{n}: successor {s} has no rule" for n, f in flags.items() for s in f.successors
                  if s not in DOTTED_RULES]
     problems += [f"--{n} has no rule" for n, f in flags.items()
-                 if not f.dotted and not f.successors and n not in FLAT_RULES and n not in UNRELEASED_RULES]
-    problems += [f"rule for unknown flag --{n}" for n in (*DOTTED_RULES, *FLAT_RULES) if n not in flags]
+                 if not f.dotted and not f.successors and n not in FLAT_RULES and n not in UNRELEASED_RULES
+                 and n not in MAIN_RULES]
+    problems += [f"rule for unknown flag --{n}" for n in (*DOTTED_RULES, *FLAT_RULES, *MAIN_RULES) if n not in flags]
     return problems
 
 

@@ -60,6 +60,8 @@ class ProgressDisplay:
             self.console.print(residency.render(), markup=False)
         if info.get("run_dir"):
             self.console.print(f"run folder: {info['run_dir']}")
+        for line in info.get("lines") or ():  # the step count and why; flags the run does not use as given
+            self.console.print(line, markup=False)
         if self.live:
             self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
                                       TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),

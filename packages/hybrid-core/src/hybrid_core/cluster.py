@@ -14,6 +14,14 @@ machine down), and it is closed to the network:
   (Ray >= 2.52) with a random token of its own, given to Ray's processes through ``RAY_AUTH_TOKEN`` (so no token file
   is shared between concurrent runs): another user of the same machine cannot use the cluster either.
 
+A new local Ray's processes (GCS, raylet, and so every worker) get **a process group of their own**: SIGTERM to
+the run's process group (``kill -- -PGID``, a terminal's Ctrl-C) reaches the driver only, which then ends the run
+in order -- a checkpoint first on SIGTERM -- instead of Ray's processes dying under it. (They still end with the
+driver: Ray ties them to it with the kernel's parent-death signal, the only case in which this is done.)
+
+Joining a running cluster first checks, within a deadline, that something answers at the address and that it is a
+Ray GCS (``ray.init`` retries a closed port or a port of another service forever, printing nothing useful).
+
 Joining a running cluster (multi-node) changes nothing about how that cluster was started: start it with
 ``RAY_AUTH_MODE=token`` on every node (see the README's multi-node section). hybrid warns when it joins a cluster
 without token authentication.
@@ -26,6 +34,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import socket
 from dataclasses import dataclass
 from typing import Iterator, MutableMapping
 
@@ -67,11 +76,14 @@ def connect(
 
     if ray.is_initialized():
         return _info(started_here=False)
+    given = address
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         if num_gpus is not None:
             raise ConfigError("num_gpus", f"cannot declare GPUs when joining the running cluster at {address}.",
                               "Drop --num_gpus; the cluster's own GPUs are used.")
+        check_gcs(address, source="RAY_ADDRESS" if address == os.environ.get("RAY_ADDRESS") and not given
+                  else "address")
         ray.init(address=address, log_to_driver=True)
         _warn_if_unauthenticated(address)
         return _info(started_here=False)
@@ -85,7 +97,7 @@ def connect(
         os.makedirs(temp_dir, exist_ok=True)
     # address="local": always a new cluster of our own. Without it Ray joins any cluster already running on this
     # machine (found through /tmp/ray), someone else's included.
-    with loopback_only(), gpus_hidden_as_fakes(num_gpus):
+    with loopback_only(), gpus_hidden_as_fakes(num_gpus), own_process_group():
         ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
                  log_to_driver=True, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
     info = _info(started_here=True)
@@ -94,6 +106,112 @@ def connect(
                     "mode, so the run is reachable from the network (token authentication is %s)", info.node_ip,
                     os.environ.get(AUTH_MODE_ENV, "Ray's default"))
     return info
+
+
+#: How long joining a cluster may take to find out that nothing (or no Ray) answers at its address.
+CONNECT_TIMEOUT_S = 20.0
+
+
+def check_gcs(address: str, *, source: str = "address", timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Refuse (a :class:`ConfigError` naming ``source``) an address where nothing answers or no Ray GCS does.
+
+    ``auto`` and Ray Client addresses (``ray://``) are left to Ray."""
+    host, port = _host_port(address)
+    if host is None:
+        return
+    fix = ("Start the cluster first (`ray start --head` on its head node), or give its GCS address (host:6379, "
+           "what `ray start --head` prints); without an address hybrid starts a Ray of its own.")
+    if source == "RAY_ADDRESS":
+        fix = "Unset RAY_ADDRESS (a stale one: hybrid then starts a Ray of its own), or " + fix[0].lower() + fix[1:]
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout_s, 10.0)):
+            pass
+    except OSError as e:
+        raise ConfigError(source, f"nothing answers at {address} ({e.strerror or type(e).__name__}).", fix) from None
+    if not _answers_as_gcs(host, port, timeout_s):
+        raise ConfigError(source, f"{address} answers, but not as a Ray cluster's GCS (no reply to Ray's "
+                          f"CheckAlive within {timeout_s:g} s): another service's port, or the dashboard's (8265).",
+                          fix)
+
+
+def _host_port(address: str) -> tuple[str | None, int]:
+    if address in ("auto", "local") or address.startswith("ray://"):
+        return None, 0
+    rest = address.split("://", 1)[-1].rstrip("/")
+    host, _, port = rest.rpartition(":")
+    if not host or not port.isdigit():
+        return None, 0
+    return host.strip("[]"), int(port)
+
+
+def _answers_as_gcs(host: str, port: int, timeout_s: float) -> bool:
+    """Whether a gRPC server of Ray's GCS answers (a refusal for want of the token counts: it is Ray's)."""
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return True  # a TLS cluster: the plain-text probe cannot tell; Ray's own connect decides
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:
+        return True
+    channel = grpc.insecure_channel(f"{host}:{port}")
+    try:
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).CheckAlive(gcs_service_pb2.CheckAliveRequest(),
+                                                                        timeout=timeout_s)
+        return True
+    except grpc.RpcError as e:
+        return e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+    finally:
+        channel.close()
+
+
+def gcs_answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether the GCS port at ``address`` still accepts connections (a dead GCS makes every Ray call wait)."""
+    host, port = _host_port(address or "")
+    if host is None:
+        return True
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def own_process_group() -> Iterator[None]:
+    """Ray's processes started in the block lead a process group of their own (see the module docstring).
+
+    Only where Ray ties them to the driver with the parent-death signal (Linux): without it Ray's reaper finds
+    them by the driver's process group, which must then stay theirs."""
+    try:
+        from ray._private import services
+        from ray._private.utils import detect_fate_sharing_support
+
+        supported = os.name == "posix" and detect_fate_sharing_support()
+    except (ImportError, AttributeError):
+        supported = False
+    if not supported:
+        yield
+        return
+    original = services.ConsolePopen
+
+    class OwnGroup(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            inner = kwargs.get("preexec_fn")
+
+            def preexec() -> None:
+                os.setpgid(0, 0)
+                if inner is not None:
+                    inner()
+
+            kwargs["preexec_fn"] = preexec
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnGroup
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
 
 
 def use_local_token(environ: MutableMapping[str, str] | None = None) -> None:

@@ -6,15 +6,19 @@ Set ``HYBRID_FAULT`` in the driver's environment (it reaches every worker throug
     HYBRID_FAULT=actor:train:hang          # every actor rank hangs in its first `train` call
     HYBRID_FAULT=actor/1:train:die:2       # actor rank 1 exits (os._exit) in its 2nd `train` call
     HYBRID_FAULT=critic:values:raise,actor:sleep:hang:3   # several faults, comma-separated
+    HYBRID_FAULT=rollout/1:create:die      # engine 1 exits while it is being built (start-up)
 
 ``role[/rank]:phase:action[:nth]``; ``action`` is ``hang`` (sleep forever), ``die`` (exit the process at once, like
-a SIGKILL) or ``raise`` (a RuntimeError); ``nth`` counts the calls of that phase in that process (default 1).
+a SIGKILL, after one line on stderr: what a crashing library leaves) or ``raise`` (a RuntimeError); ``nth`` counts
+the calls of that phase in that process (default 1). A phase is a role worker's method (``train``, ``setup``, ...),
+an engine's ``generate``, or ``create``: the actor's constructor (a role worker or an engine being built).
 Unset (the normal case) costs one dict lookup per call. Never set it outside tests.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -78,6 +82,7 @@ def maybe_inject(role: str, phase: str, rank: int | None = None) -> None:
 
 def _act(fault: Fault, role: str, phase: str, rank: int | None) -> None:
     if fault.action == "die":
+        print(f"injected fault ({ENV}): {role} rank {rank} exits in {phase}", file=sys.stderr, flush=True)
         os._exit(1)  # no clean-up, no exception: what a killed process looks like to the others
     if fault.action == "raise":
         raise RuntimeError(f"injected fault ({ENV}): {role} rank {rank} failed in {phase}")

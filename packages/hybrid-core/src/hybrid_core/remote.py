@@ -65,7 +65,9 @@ def get_with_timeout(refs: Any, timeout_s: float, what: str) -> Any:
     except ray.exceptions.GetTimeoutError as e:
         raise RemoteTimeout(f"{what}: no answer {limit}") from e
     except ray.exceptions.RayActorError as e:
-        raise RoleFailure(f"{what}: the actor died ({type(e).__name__}: {_first_line(e)})") from e
+        from .death_cause import death_cause
+
+        raise RoleFailure(f"{what}: the actor died ({type(e).__name__}: {death_cause(e)})") from e
     except ray.exceptions.RayTaskError as e:
         raise RoleFailure(f"{what}: raised {_first_line(e)}") from e
 
@@ -79,7 +81,9 @@ def get_all_with_timeout(named_refs: Sequence[tuple[str, Any]], timeout_s: float
     pending = {ref: name for name, ref in named_refs}
     while pending:
         left = ends - time.monotonic()
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=max(left, 0.0))
+        # One at a time: a call that failed is raised as soon as it ends, not after the others (which may wait for
+        # it forever: the other ranks of a collective, the other engines of a rendezvous) or the deadline.
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(left, 0.0))
         for ref in ready:
             get_with_timeout(ref, 1.0, pending.pop(ref))  # raise the named error of a failed call at once
         if pending and time.monotonic() >= ends:

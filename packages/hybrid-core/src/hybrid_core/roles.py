@@ -32,7 +32,7 @@ def remote_class(worker_cls: type):
     """The worker class as a Ray actor with a 'control' thread for stack dumps, health and memory checks.
 
     Every other public method is a phase: it first passes :func:`hybrid_core.faults.maybe_inject` (test-only fault
-    injection through ``HYBRID_FAULT``; a no-op when unset)."""
+    injection through ``HYBRID_FAULT``; a no-op when unset), and so does the constructor, as phase ``create``."""
     import ray
 
     members: dict[str, Any] = {name: ray.method(concurrency_group="control")(getattr(worker_cls, name))
@@ -42,12 +42,28 @@ def remote_class(worker_cls: type):
                                                                          staticmethod):
             continue
         members[name] = _phase(name, fn)
+    members["__init__"] = _created(worker_cls.__init__)
     cls = type(worker_cls.__name__, (worker_cls,), members)
     return ray.remote(concurrency_groups={"control": 1})(cls)
 
 
 #: Calls that are not phases of work: no allocator trim after them.
 _NOT_PHASES = ("offload", "reload", "set_residency", "end_phase", "where", "free_port", "setup")
+
+
+def _created(init):
+    @functools.wraps(init)
+    def create(self, role: str, rank: int, *args: Any, **kwargs: Any) -> None:
+        maybe_inject(role, "create", rank)
+        init(self, role, rank, *args, **kwargs)
+
+    return create
+
+
+def gpu_label(gpus: Sequence[int]) -> str:
+    """``GPU 3`` / ``GPUs 2,3``: the plan's GPU numbers (as ``--dry-run`` shows them), for error messages."""
+    gpus = list(gpus)
+    return f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {','.join(str(g) for g in gpus)}"
 
 
 def _phase(name: str, fn):
@@ -76,6 +92,7 @@ class RoleGroup:
         placement = placed.plan.roles[role]
         self.world_size = len(placement.workers)
         self.gpus = sorted({g for w in placement.workers for g in w.gpus})
+        self.rank_gpus = [list(w.gpus) for w in placement.workers]
         actor_cls = remote_class(worker_cls)
         self.workers = [
             actor_cls.options(**placed.actor_options(role, rank), runtime_env=worker_runtime_env(),
@@ -83,8 +100,13 @@ class RoleGroup:
             for rank in range(self.world_size)
         ]
 
+    def name(self, rank: int, method: str) -> str:
+        """How errors name a call: ``actor rank 1: train on GPU 1``."""
+        gpus = self.rank_gpus[rank] if rank < len(self.rank_gpus) else []
+        return f"{self.role} rank {rank}: {method}" + (f" on {gpu_label(gpus)}" if gpus else "")
+
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
-        refs = [(f"{self.role} rank {r}: {method}", getattr(w, method).remote(*args, **kwargs))
+        refs = [(self.name(r, method), getattr(w, method).remote(*args, **kwargs))
                 for r, w in enumerate(self.workers)]
         return self._wait(refs, timeout_s)
 
@@ -92,17 +114,17 @@ class RoleGroup:
                      **kwargs: Any) -> list[Any]:
         if len(shards) != self.world_size:
             raise ValueError(f"{self.role}: {len(shards)} shards for {self.world_size} ranks")
-        refs = [(f"{self.role} rank {r}: {method}", getattr(w, method).remote(shard, *args, **kwargs))
+        refs = [(self.name(r, method), getattr(w, method).remote(shard, *args, **kwargs))
                 for r, (w, shard) in enumerate(zip(self.workers, shards))]
         return self._wait(refs, timeout_s)
 
     # ---- residency (started here, waited for by the owner) ---------------------------------------------------------
     def move_off(self, states: Sequence[str], moves: Any = None) -> list[tuple[str, Any]]:
-        return [(f"{self.role} rank {r}: offload {'+'.join(states)}", w.offload.remote(list(states)))
+        return [(self.name(r, f"offload {'+'.join(states)}"), w.offload.remote(list(states)))
                 for r, w in enumerate(self.workers)]
 
     def move_on(self, states: Sequence[str]) -> list[tuple[str, Any]]:
-        return [(f"{self.role} rank {r}: reload {'+'.join(states)}", w.reload.remote(list(states)))
+        return [(self.name(r, f"reload {'+'.join(states)}"), w.reload.remote(list(states)))
                 for r, w in enumerate(self.workers)]
 
     def _wait(self, named_refs, timeout_s: float | None) -> list[Any]:
@@ -123,7 +145,11 @@ class RoleGroup:
             log.debug("stack dump of %s failed", self.role, exc_info=True)
 
     def kill(self) -> None:
+        """End every worker process now (a dead one is skipped): no call of theirs is waited for."""
         import ray
 
         for w in self.workers:
-            ray.kill(w, no_restart=True)
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already gone, or Ray itself is: the tear-down goes on
+                log.debug("killing a %s worker failed", self.role, exc_info=True)

@@ -143,6 +143,7 @@ class EngineActor:
         from .registry import make_engine
 
         self.role, self.rank, self.backend = role, rank, backend
+        maybe_inject(role, "create", rank)  # HYBRID_FAULT=rollout:create:die: an engine that dies being built
         kwargs = dict(engine_kwargs)
         gpu_ids = list(ray.get_gpu_ids())
         noset = bool(os.environ.get(NOSET_ENV))
@@ -244,6 +245,7 @@ class EngineGroup:
                  gpus: Sequence[int] = ()):
         self.role, self.backend, self.actors, self.tp_sizes, self.timeout_s = role, backend, actors, tp_sizes, timeout_s
         self._gpus = sorted(gpus)
+        self.engine_gpus: list[list[int]] = []  # each engine's plan GPUs (launch_engines): errors name them
 
     @property
     def num_engines(self) -> int:
@@ -264,7 +266,10 @@ class EngineGroup:
 
     # ---- calls -----------------------------------------------------------------------------------------------------
     def _name(self, rank: int, method: str) -> str:
-        return f"{self.role} engine {rank}: {method}"
+        from hybrid_core.roles import gpu_label
+
+        gpus = self.engine_gpus[rank] if rank < len(self.engine_gpus) else []
+        return f"{self.role} engine {rank}: {method}" + (f" on {gpu_label(gpus)}" if gpus else "")
 
     def wait(self, refs: Sequence[Any], method: str, timeout_s: float | None = None,
              ranks: Sequence[int] | None = None) -> list[Any]:
@@ -369,7 +374,10 @@ class EngineGroup:
             self.call("shutdown", timeout_s=timeout_s)
         finally:
             for a in self.actors:
-                ray.kill(a)
+                try:
+                    ray.kill(a)
+                except Exception:  # already gone, or Ray itself is: the others are still ended
+                    pass
             self.actors = []
 
 
@@ -424,7 +432,8 @@ def split_prompts(prompts: Sequence[Sequence[int]], num_engines: int) -> list[li
 
 def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
                    engine_kwargs: Mapping[str, Any] | None = None, timeout_s: float = 600.0,
-                   env_vars: Mapping[str, str] | None = None, max_concurrency: int = 1) -> EngineGroup:
+                   env_vars: Mapping[str, str] | None = None, max_concurrency: int = 1,
+                   reserved_ports: Sequence[Any] = ()) -> EngineGroup:
     """Start one engine per worker of ``role`` in the placed plan and wait until all are built.
 
     ``engine_kwargs`` go to every engine (e.g. ``model``); tensor-parallel engines also get ``placement_group``,
@@ -432,9 +441,14 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
     becomes the group's per-call deadline. ``env_vars`` are added to the actors' environment (on top of the
     variables :mod:`hybrid_core.runtime_env` forwards to every worker). ``max_concurrency`` > 1 lets an engine take
     calls while a ``generate`` runs (partial rollouts: pause, weight update, resume; its engine must implement
-    :class:`~hybrid_engines.protocol.PausableEngine`); 1 (default) runs calls one after another, in order."""
+    :class:`~hybrid_engines.protocol.PausableEngine`); 1 (default) runs calls one after another, in order.
+    Engines that open ports (vLLM, SGLang: ``PORTS_NEEDED``) each get ``ports``, a window of their own on their node,
+    checked against each other, Ray's ports and ``reserved_ports`` (:class:`hybrid_core.ports.Reserved`, e.g. a
+    trainer rendezvous port, or a running group's ``port_windows``) before any actor starts
+    (:func:`hybrid_core.ports.engine_windows`)."""
     import ray
 
+    from hybrid_core.ports import engine_windows
     from hybrid_core.runtime_env import worker_runtime_env
 
     from .registry import engine_class
@@ -462,19 +476,27 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
     if backend != "hf" and (accepts is None or "tensor_parallel_size" in accepts):
         kwargs.setdefault("tensor_parallel_size", tp)
     env = worker_runtime_env(env_vars)
+    windows = engine_windows(placed, role, cls, backend, env["env_vars"], kwargs, reserved_ports)
     remote_cls = ray.remote(EngineActor)
     actors = []
     try:
         for rank in range(len(plan.roles[role].workers)):
             options, placement_kwargs = engine_placement(placed, role, rank, accepts)
+            if windows:
+                placement_kwargs["ports"] = windows[rank]
             actors.append(remote_cls.options(**options, runtime_env=env, max_restarts=0,
                                              max_concurrency=max_concurrency).remote(
                 backend, {**kwargs, **placement_kwargs}, tp_size=tp, role=role, rank=rank))
         group = EngineGroup(role, backend, actors, [tp] * len(actors), timeout_s, gpus=plan.roles[role].gpus)
-        group.wait([a.ready.remote() for a in actors], "start")
+        group.engine_gpus = [list(w.gpus) for w in plan.roles[role].workers]
+        group.port_windows = list(windows or ())  # another group beside it reserves these (Reserved.window)
+        group.wait([a.ready.remote() for a in actors], "start")  # the first engine that dies ends the wait
     except BaseException:
-        for a in actors:
-            ray.kill(a)
+        for a in actors:  # the others too: one still being built holds its GPU (and its child processes) otherwise
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
         raise
     return group
 

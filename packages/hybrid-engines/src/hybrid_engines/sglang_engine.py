@@ -49,6 +49,12 @@ Placement: TP = 1 and TP > 1 without a placement group use ``sglang.Engine`` on 
 (``base_gpu_id`` onwards). TP > 1 with ``placement_group``/``bundle_indices`` uses SGLang's ``RayEngine``, whose
 scheduler actors each take a whole GPU: refused (clear error) when ``gpus_per_worker`` < 1, i.e. GPUs shared, and
 refused by the training loop's plan check (:meth:`SGLangEngine.placement_refusal`).
+
+Ports (``ports``: this engine's :class:`~hybrid_core.ports.PortWindow`, given by ``launch_engines``): the server
+arguments ``port`` and ``nccl_port`` come from the window (:func:`sglang_port_args`), so engines side by side never
+share SGLang's default ``port`` 30000 nor race for a random ``nccl_port``. ``dist_init_addr`` stays SGLang's: unset,
+``sglang.Engine`` initialises torch.distributed at 127.0.0.1:``nccl_port`` and ``RayEngine`` at its rank-0 node's IP
+and ``nccl_port`` (``srt/ray/engine.py``), both inside the window.
 """
 
 from __future__ import annotations
@@ -59,9 +65,10 @@ import os
 import random
 import threading
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from hybrid_core.errors import ConfigError, RoleFailure
+from hybrid_core.ports import PortWindow
 from hybrid_core.stats import TransferStats
 
 from .hf_engine import EngineStateError
@@ -115,6 +122,11 @@ PAUSE_DRAIN_S = 0.05
 #: ``context_length - 1 - 5`` (srt/managers/tp_worker.py: max_req_len, then max_req_len - 5 for the input), where
 #: vLLM's ``max_model_len`` bounds prompt + completion exactly. A tiny demo (3-token prompts, max_model_len 5) found it.
 SGLANG_CONTEXT_RESERVE = 6
+#: ``ServerArgs`` port fields -> offset in the engine's port window (:func:`sglang_port_args`)
+SGLANG_PORT_ARGS = {"port": 0, "nccl_port": 1}
+#: DP attention derives its ZMQ ports from ``port``: ``port + ZMQ_TCP_PORT_DELTA`` (233) and the 6 above it
+#: (``PortArgs.init_new`` in srt/server_args.py), so the window reaches that far
+SGLANG_DERIVED_PORTS = 233 + 7
 #: The SGLang versions this adapter was checked against (contract tests on CPU; 0.5.16 also run on a GPU).
 TESTED_VERSIONS = ("0.5.16", "0.5.23")
 
@@ -142,6 +154,10 @@ class SGLangEngine:
     MEMORY_POOL = True
     #: SGLang samples seeded requests one by one (a per-request generator each decode step); unseeded, in one batch
     CHEAP_SEEDED_SAMPLING = False
+    #: ports each engine's window must hold (``launch_engines`` gives every engine its own window)
+    PORTS_NEEDED = SGLANG_DERIVED_PORTS
+    #: SGLang's ports are server arguments, so no environment variable would put engines on one port
+    PORT_ENV: tuple[str, ...] = ()
 
     @classmethod
     def weight_transport(cls) -> SGLangTransport:
@@ -178,6 +194,7 @@ class SGLangEngine:
         gpus_per_worker: float | None = None,
         pausable: bool = False,
         call_timeout_s: float = 600.0,
+        ports: PortWindow | None = None,
         **extra: Any,
     ):
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
@@ -195,11 +212,14 @@ class SGLangEngine:
                     enable_prefix_caching=not enable_prefix_caching,  # SGLang's field is disable_radix_cache
                     deterministic=deterministic, base_gpu_id=base_gpu_id)
         kwargs = {SGLANG_SERVER_ARGS[k]: v for k, v in ours.items()}
+        if ports is not None:
+            kwargs.update(sglang_port_args(ports, extra))
         kwargs.update(extra)
         if tensor_parallel_size > 1 and placement_group is not None:  # RayEngine pops it (srt/ray/engine.py)
             kwargs["placement_group"] = placement_group
         self.engine = engine_cls(**kwargs)
         self.tp = tensor_parallel_size
+        self.ports = ports
         self.enable_sleep_mode, self.weights_cpu_backup = enable_sleep_mode, weights_cpu_backup
         self.stop_at_eos, self.deterministic = stop_at_eos, deterministic
         self._unseeded = random.SystemRandom()  # seeds of unseeded rows in deterministic mode (see the module doc)
@@ -564,6 +584,21 @@ def _engine_class(tp: int, placement_group: Any, bundle_indices: Sequence[int] |
     from sglang.srt.ray.engine import RayEngine
 
     return RayEngine
+
+
+def sglang_port_args(window: PortWindow, extra: Mapping[str, Any]) -> dict[str, int]:
+    """``port`` and ``nccl_port`` inside ``window`` (see the module docstring); a port argument given too is refused:
+    it would be the same for every engine."""
+    given = [k for k in (*SGLANG_PORT_ARGS, "dist_init_addr") if k in extra]
+    if given:
+        raise ConfigError(given[0], f"is given to every SGLang engine alike, but {window.owner} has a port window of "
+                          "its own and takes its ports from it.", f"Drop {', '.join(given)} from the engine kwargs; "
+                          "move the windows with HYBRID_ENGINE_BASE_PORT=<port>.")
+    if window.size < SGLangEngine.PORTS_NEEDED:
+        raise ConfigError("ports", f"{window} has {window.size} ports; SGLang's layout needs "
+                          f"{SGLangEngine.PORTS_NEEDED}.", "Allocate the windows with size >= "
+                          "SGLangEngine.PORTS_NEEDED (launch_engines does).")
+    return {name: window.port(offset) for name, offset in SGLANG_PORT_ARGS.items()}
 
 
 def _sglang_tags(tags: Iterable[str]) -> list[str]:

@@ -114,7 +114,7 @@ def sglang_trainer_group(master_address: str, master_port: int, world_size: int,
     """Rank 0 (the trainer) of the group SGLang's ``init_weights_update_group`` joins, built the way SGLang's
     ``init_custom_process_group`` builds it (same rendezvous, store prefix and torch helper), returned as a
     hybrid-core ``SyncGroup`` so every broadcast has a deadline."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     from hybrid_core.errors import RemoteTimeout
     from hybrid_core.weight_sync import SyncGroup
@@ -131,8 +131,13 @@ def sglang_trainer_group(master_address: str, master_port: int, world_size: int,
     timeout = timedelta(seconds=timeout_s)
     where = f"SGLang weight-update group {group_name!r} at {master_address}:{master_port} (rank 0 of {world_size})"
     try:
-        store, rank, size = next(rendezvous(f"tcp://{master_address}:{master_port}", 0, world_size, timeout=timeout))
-        store.set_timeout(timeout)
+        # not torch's tcp:// rendezvous (its store listens on every interface): one on the rendezvous address only
+        from hybrid_core import rendezvous as meeting
+
+        meeting.use_interface(meeting.bind_address(master_address))
+        store = meeting.open_store(master_address, master_port, world_size, is_master=True, timeout=timeout,
+                                   what=where)
+        rank, size = 0, world_size
         pg, _ = _new_process_group_helper(size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                           group_name=group_name, backend_options=None, timeout=timeout)
     except (RuntimeError, TimeoutError) as e:

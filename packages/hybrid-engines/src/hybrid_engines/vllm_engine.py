@@ -37,6 +37,11 @@ otherwise JIT-compiles its sampler for minutes at start-up), ``VLLM_ENABLE_V1_MU
 this process: one CUDA context, readable stack traces, objects passed to ``collective_rpc`` as they are; with it
 set to 1, IPC buckets need ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to cross vLLM's msgpack channel) and, for a model
 that is a local folder, ``HF_HUB_OFFLINE=1``.
+
+Ports (``ports``: this engine's :class:`~hybrid_core.ports.PortWindow`, given by ``launch_engines``): vLLM 0.26 reads
+no port argument for a single instance, only environment variables, so the adapter sets them (overriding inherited
+values) before vLLM is imported: :func:`vllm_port_env` says which and why. Without ``ports`` vLLM picks its own,
+which is safe for one engine per node only (two TP > 1 engines both start their TCPStore at port 100).
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from hybrid_core.errors import ConfigError, RemoteTimeout, RoleFailure
+from hybrid_core.ports import PortWindow
 from hybrid_core.stats import TransferStats
 
 from .hf_engine import EngineStateError
@@ -85,6 +91,14 @@ VLLM_WAKE_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}
 
 ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
+#: vLLM 0.26's port settings -> offset in the engine's port window (see :func:`vllm_port_env`)
+VLLM_PORT_LAYOUT = {"VLLM_DP_MASTER_PORT": 0, "VLLM_PORT": 10}
+#: ``RayExecutorV2._select_tcpstore_port``: the TCPStore search starts this far above the DP master port (local DP
+#: rank 0) and tries this many ports before falling back to ``get_open_port``
+VLLM_TCPSTORE_OFFSET, VLLM_TCPSTORE_TRIES = 100, 32
+#: ``get_open_port`` keeps off the DP master port and the 9 above it (``utils/network_utils.py``)
+VLLM_DP_RESERVED = 10
+
 
 class VLLMEngine:
     """The vLLM backend. ``model``: a local folder or hub id (a hub id needs network access at start-up).
@@ -101,6 +115,11 @@ class VLLMEngine:
     MEMORY_POOL = True
     #: vLLM samples seeded requests one by one (a per-request generator each decode step); unseeded, in one batch
     CHEAP_SEEDED_SAMPLING = False
+    #: ports each engine's window must hold (the TCPStore search is the last of the layout); ``launch_engines`` gives
+    #: every engine such a window, disjoint from the others' on its node
+    PORTS_NEEDED = VLLM_TCPSTORE_OFFSET + VLLM_TCPSTORE_TRIES
+    #: variables the adapter sets from the window: inherited alike by every engine, they would clash (refused)
+    PORT_ENV = tuple(VLLM_PORT_LAYOUT)
 
     @classmethod
     def weight_transport(cls):
@@ -128,11 +147,14 @@ class VLLMEngine:
         gpus_per_worker: float | None = None,
         rpc_timeout_s: float = 600.0,
         pausable: bool = False,
+        ports: PortWindow | None = None,
         **extra: Any,
     ):
         _check_args(tensor_parallel_size, gpu_memory_utilization, weight_loading, bundle_indices, gpus_per_worker,
                     rpc_timeout_s)
         _set_env_defaults(model)
+        if ports is not None:
+            os.environ.update(vllm_port_env(ports, os.environ))
         if tensor_parallel_size > 1:
             _set_ray_placement(placement_group, bundle_indices, gpus_per_worker)
         import vllm
@@ -163,6 +185,7 @@ class VLLMEngine:
         self._group = False
         self._closed = False
         self.pausable = pausable
+        self.ports = ports
         self._version = 0
         # the stepping loop of partial rollouts (see the module docstring)
         self._cv = threading.Condition()
@@ -591,6 +614,31 @@ def _set_env_defaults(model: str) -> None:
         os.environ.setdefault(key, value)
     if os.path.isdir(str(model)):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local folder needs no hub lookups (and may have no network)
+
+
+def vllm_port_env(window: PortWindow, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment that puts vLLM 0.26's ports for one engine inside ``window`` (read in this process and, through
+    the Ray executor's copy of the driver environment, in its TP workers).
+
+    * ``VLLM_DP_MASTER_PORT`` = start: with data parallel size 1 ``ParallelConfig.__post_init__`` takes
+      ``data_parallel_master_port`` from it (an engine argument would be overwritten), and the Ray executor searches
+      its TCPStore port (``torch.distributed`` init of the TP workers) in start + 100 .. start + 131. Unset, it is 0
+      for every engine: all of them probe port 100 and the second TCPStore fails with ``EADDRINUSE``.
+    * ``VLLM_PORT`` = start + 10: where ``get_open_port`` scans upward from (the TP = 1 executor's init port, the Ray
+      executor's fallback when its 32 tries are taken). Above start + 9: ``get_open_port`` keeps off the DP master
+      port and the 9 ports above it, and loops forever while its scan lands there.
+
+    The TCPStore window moves with the local DP rank (``VLLM_DP_RANK_LOCAL``, default ``VLLM_DP_RANK``), so both must
+    be 0: hybrid runs each engine as its own vLLM instance (its data parallelism is across engines)."""
+    for name in ("VLLM_DP_RANK_LOCAL", "VLLM_DP_RANK"):
+        if environ.get(name, "0").strip() not in ("", "0"):
+            raise ConfigError(name, f"is {environ[name]!r}, but every hybrid vLLM engine is a single instance (local "
+                              "DP rank 0): vLLM would move its TCPStore port search out of the engine's port window.",
+                              f"Unset {name}.")
+    if window.size < VLLMEngine.PORTS_NEEDED:
+        raise ConfigError("ports", f"{window} has {window.size} ports; vLLM's layout needs {VLLMEngine.PORTS_NEEDED}.",
+                          "Allocate the windows with size >= VLLMEngine.PORTS_NEEDED (launch_engines does).")
+    return {name: str(window.port(offset)) for name, offset in VLLM_PORT_LAYOUT.items()}
 
 
 def _set_ray_placement(placement_group: Any, bundle_indices: Sequence[int] | None,

@@ -14,7 +14,7 @@ Either way the trainer side is the engine's :class:`~hybrid_engines.weight_trans
 :class:`WeightSync` drives one run's syncs: made once, ``setup()``, then ``sync(wake_engines=...)`` after each
 update, ``close()`` at the end. The trainer role it drives (``trainer``: an object with ``.workers``, Ray actor
 handles in rank order) must expose, per worker, the methods of :class:`TrainerWeightSource` (mix it into the worker
-class) plus ``where()`` and ``free_port()``.
+class) plus ``where()`` and ``free_port(host)``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def choose_sync_mode(settings: Any, plan: Any, *, trainer_role: str = "actor", e
     """``"ipc"`` or ``"broadcast"`` for this plan, or a :class:`ConfigError` naming why the run cannot sync.
 
     ``settings``: anything with ``backend`` (engine name), ``weight_sync`` ("auto" | "ipc" | "broadcast") and
-    ``vllm_sync_backend`` ("nccl" | "gloo"), e.g. the training config. ``auto`` is ipc when every engine worker shares
-    a GPU with exactly one trainer rank (colocated, any TP), else broadcast. Refused: a path the engine's transport
+    ``vllm_sync_backend`` ("nccl" | "gloo" | None: nccl), e.g. the training config. ``auto`` is ipc when every
+    engine worker shares a GPU with exactly one trainer rank (colocated, any TP), else broadcast. Refused: a path the engine's transport
     does not serve, an engine placement the engine cannot take, and broadcast over NCCL with an engine worker on the
     trainer rank 0's GPU (NCCL refuses two ranks of one group on a GPU)."""
     mode = getattr(settings, "weight_sync", "auto")
@@ -76,21 +76,44 @@ def describe_sync(settings: Any, plan: Any) -> str:
     """One line for ``--dry-run``: the path, the wire format and the group backend (raises like the chooser)."""
     mode = choose_sync_mode(settings, plan)
     transport = engine_spec(settings.backend).weight_transport()
-    over = f" over {settings.vllm_sync_backend} (gloo on a machine without CUDA)" if mode == "broadcast" else ""
+    over = f" over {group_backend(settings)} (gloo on a machine without CUDA)" if mode == "broadcast" else ""
     return f"{transport.describe(mode)}{over}"
 
 
+def sync_backend_note(settings: Any, mode: str) -> str | None:
+    """What an explicit ``--vllm_sync_backend`` does on the path chosen (``mode``), when it is not what it says: the
+    ipc path has no collective group, so the backend of one is not used. NCCL could not carry it anyway: actor rank
+    0 and the engine on its GPU would be two ranks of one group on one GPU, which NCCL refuses (the chooser refuses
+    ``--weight_sync broadcast`` over NCCL there). OpenRLHF does the same with ``--vllm_sync_backend nccl
+    --colocate_all_models``: CUDA IPC. None when the flag is unset (the default) or means what it says."""
+    asked = getattr(settings, "vllm_sync_backend", None)
+    if asked is None or mode != "ipc":
+        return None
+    why = (f"--vllm_sync_backend {asked}: not used: the engines share the actor's GPUs, so the weights go to them by "
+           "CUDA IPC (shared memory without CUDA), with no collective group (as OpenRLHF does with "
+           "--colocate_all_models)")
+    if asked == "nccl":
+        return (f"{why}; NCCL cannot hold actor rank 0 and the engine on its GPU in one group (two ranks on one GPU). "
+                "To broadcast anyway: --weight_sync broadcast --vllm_sync_backend gloo (through host memory, slower).")
+    return f"{why}. To broadcast over {asked} anyway: --weight_sync broadcast (slower)."
+
+
+def group_backend(settings: Any) -> str:
+    """The broadcast group's backend asked for: ``vllm_sync_backend``, nccl when unset (OpenRLHF's default)."""
+    return getattr(settings, "vllm_sync_backend", None) or "nccl"
+
+
 def sync_backend(settings: Any) -> str:
-    """The broadcast group's backend here: ``vllm_sync_backend`` with CUDA, gloo without."""
+    """The broadcast group's backend here: ``vllm_sync_backend`` (default nccl) with CUDA, gloo without."""
     import torch
 
-    return settings.vllm_sync_backend if torch.cuda.is_available() else "gloo"
+    return group_backend(settings) if torch.cuda.is_available() else "gloo"
 
 
 def _uses_nccl(settings: Any, engine_cls: type) -> bool:
     """NCCL is what the group will use: asked for, and the engines need a GPU (the built-in engine on a machine
     without CUDA syncs over gloo)."""
-    if getattr(settings, "vllm_sync_backend", "nccl") != "nccl":
+    if group_backend(settings) != "nccl":
         return False
     if getattr(engine_cls, "NEEDS_GPU", False):
         return True
@@ -170,14 +193,19 @@ class WeightSync:
             return
         import ray
 
+        from hybrid_core import rendezvous
+
         rank0 = self.actor.workers[0]
         info = ray.get(rank0.where.remote(), timeout=self.timeout_s)
-        port = ray.get(rank0.free_port.remote(), timeout=self.timeout_s)
+        # loopback when actor rank 0 and every engine share a node (the group's listeners bind it), else rank 0's
+        # cluster address
+        engine_ips = [w["node_ip"] for w in self.engines.call("where", timeout_s=self.timeout_s)]
+        host = rendezvous.choose([info["node_ip"], *engine_ips]).host
+        port = ray.get(rank0.free_port.remote(host), timeout=self.timeout_s)
         world = 1 + self.engines.num_workers
-        engine_refs = self.engines.init_weight_update_group_async(info["node_ip"], port, backend=self.backend,
+        engine_refs = self.engines.init_weight_update_group_async(host, port, backend=self.backend,
                                                                   timeout_s=self.timeout_s)
-        trainer_ref = rank0.init_sync_group.remote(self.transport, info["node_ip"], port, world, self.backend,
-                                                   self.timeout_s)
+        trainer_ref = rank0.init_sync_group.remote(self.transport, host, port, world, self.backend, self.timeout_s)
         get_all_with_timeout([("actor rank 0: init weight-sync group", trainer_ref),
                               *[(f"rollout engine {i}: init weight-sync group", r) for i, r in enumerate(engine_refs)]],
                              self.timeout_s)

@@ -4,8 +4,9 @@ Each save writes into a hidden temp folder, marks it complete, renames it to ``s
 ``latest.json`` at it (temp file + rename). A process killed at any moment leaves the previous checkpoint and
 ``latest.json`` untouched; unfinished temp folders are swept at the next start.
 
-The driver's own state (step, KL controller, reward normaliser, metrics history, config) is plain JSON, and
-``COMPLETE.json`` holds its SHA-256, so a damaged file is found before it is used. Nothing the driver reads from a
+The driver's own state (step, KL controller, reward normaliser, metrics history, config without its credentials) is
+plain JSON, and ``COMPLETE.json`` holds its SHA-256 and the size and CRC-32 of every role file
+(:mod:`.checkpoint_files`), so a damaged or missing file is found before it is used. Nothing the driver reads from a
 checkpoint can run code: the ``driver_state.pt`` of older versions is read with ``torch.load(weights_only=True)``
 (plain containers and numbers only) and refused otherwise. The roles' model and optimizer states are DeepSpeed's
 files, which DeepSpeed loads with ``torch.load(weights_only=False)`` -- that is, a pickle that can run code: only
@@ -28,6 +29,9 @@ import uuid
 from typing import Any, Callable
 
 from hybrid_core.errors import HybridError
+
+from . import checkpoint_files
+from .redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +67,13 @@ class CheckpointManager:
         try:
             os.makedirs(tmp)
             save_roles(tmp)
-            digest = _write_json(os.path.join(tmp, DRIVER_STATE), driver_state)
+            began = time.perf_counter()
+            files = checkpoint_files.record(tmp)  # the roles' files as written: checked before a resume loads them
+            if time.perf_counter() - began > 10:
+                log.info("checkpoint %d: %d files checksummed in %.1f s", step, len(files), time.perf_counter() - began)
+            digest = _write_json(os.path.join(tmp, DRIVER_STATE), redact(driver_state))
             _write_json(os.path.join(tmp, COMPLETE), {"step": step, "time": time.time(),
-                                                      "sha256": {DRIVER_STATE: digest}})
+                                                      "sha256": {DRIVER_STATE: digest}, "files": files})
             _fsync_dir(tmp)
         except BaseException as error:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -159,15 +167,33 @@ class CheckpointManager:
             raise CheckpointError(f"{state_file} is not a hybrid driver state (no next_step)")
         return state
 
+    def verify_files(self, path: str) -> int:
+        """Check every file of checkpoint ``path`` against the sizes and checksums saved with it (a checkpoint of an
+        older version has none: nothing to check); a :class:`CheckpointError` names the first that differs."""
+        try:
+            with open(os.path.join(path, COMPLETE), "rb") as f:
+                manifest = json.loads(f.read()).get("files")
+        except (OSError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{path} cannot be read: {_short(e)}") from e
+        if not isinstance(manifest, dict):
+            return 0
+        found = checkpoint_files.problems(path, manifest)
+        if found:
+            more = f" (and {len(found) - 1} more file(s))" if len(found) > 1 else ""
+            raise CheckpointError(f"{found[0]}{more}")
+        return len(manifest)
+
     def resume_point(self, *, trusted: bool = False) -> tuple[str, int, dict[str, Any]] | None:
         """The newest checkpoint whose files read back, as ``(folder, step, state)``; None when there is no complete
-        checkpoint. Damaged ones are skipped with a warning naming them; if every one is damaged, a
+        checkpoint. Damaged ones (a pointer, driver state or role file that does not read back, or a file that differs
+        from its saved size and checksum) are skipped with a warning naming them; if every one is damaged, a
         :class:`CheckpointError` lists why. A role file that would run code (see :func:`verify_role_files`) raises
         :class:`UnsafeCheckpoint` at once."""
         problems = []
         for path, step in self.candidates():
             try:
                 state = self.load_driver_state(path)
+                self.verify_files(path)
                 verify_role_files(path, trusted=trusted)
             except UnsafeCheckpoint:
                 raise  # never fall back past a file that would run code: someone put it there

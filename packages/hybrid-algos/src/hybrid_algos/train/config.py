@@ -12,7 +12,7 @@ import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Iterable
 
 from hybrid_core.errors import ConfigError
 from hybrid_engines.registry import backend_names
@@ -31,6 +31,7 @@ class RLConfig:
     pretrain: str | None = None  # HF model folder; None = the tiny built-in demo model (built from a config)
     trust_remote_code: bool = False  # run the Python code a model folder ships (auto_map); only for code you trust
     reward_pretrain: str | None = None  # sequence-classification reward model folder
+    reward_random_head: bool = False  # score with a random reward head when --reward_pretrain has none (tests/benchmarks only)
     reward_fn: str | None = None  # "module:function" rule; a .py file / http(s) URL(s): OpenRLHF's reward; None = the task's rule
     critic_pretrain: str | None = None  # PPO critic init; None = reward_pretrain, else pretrain
     task: str = "copy"  # built-in synthetic task when prompt_data is None
@@ -59,7 +60,7 @@ class RLConfig:
     backend: str = "hf"  # hf (built-in transformers engine) | vllm | sglang
     vllm_gpu_memory_utilization: float = 0.5
     vllm_enable_sleep: bool | None = None  # engines sleep between generations; None = the residency plan decides
-    vllm_sync_backend: str = "nccl"
+    vllm_sync_backend: str | None = None  # weight broadcast group: nccl | gloo; None = nccl with CUDA, gloo without
     enforce_eager: bool = False
     enable_prefix_caching: bool = False
     seeded_sampling: bool | None = None  # a seed per sample (batch-independent; resumes draw the same); None = where cheap (hf)
@@ -130,7 +131,7 @@ class RLConfig:
     kl_horizon: int = 10000
     kl_estimator: str = "k1"
     use_kl_loss: bool = False  # KL as a loss term (GRPO) instead of a reward penalty
-    eps_clip: float = 0.2
+    eps_clip: float | None = None  # None: the policy loss's own (PPO 0.2; GSPO 3e-4 / 4e-4; CISPO no lower bound / 0.28)
     eps_clip_low_high: tuple[float, float] | None = None  # asymmetric clip (clip-higher)
     dual_clip: float | None = None
     value_clip: float = 0.2
@@ -200,6 +201,12 @@ class RLConfig:
     step_timeout_s: float = 3600.0  # budget of one whole step (or checkpoint); then stacks are dumped and the run ends
 
     # ---------------------------------------------------------------------------------------------------------
+    #: The fields the user set (command line, --config file), recorded by the CLI (:meth:`record_given`); None: a
+    #: config built in Python, where every field that differs from its default counts as set (see inactive.py).
+    given_fields: ClassVar[frozenset[str] | None] = None
+    #: The settings came from an OpenRLHF command line: a flag OpenRLHF also ignores is a note, not an error.
+    openrlhf_line: ClassVar[bool] = False
+
     @property
     def algorithm(self) -> str:
         return "rl"
@@ -294,14 +301,51 @@ class RLConfig:
 
     @property
     def clip_range(self) -> tuple[float, float]:
-        return tuple(self.eps_clip_low_high) if self.eps_clip_low_high else (self.eps_clip, self.eps_clip)
+        """``--eps_clip_low_high``, else ``--eps_clip`` both ways, else the policy loss's paper default."""
+        if self.eps_clip_low_high:
+            return tuple(self.eps_clip_low_high)
+        if self.eps_clip is not None:
+            return (self.eps_clip, self.eps_clip)
+        from hybrid_algos import get_policy_loss
+
+        return get_policy_loss(self.policy_loss_type).default_clip
+
+    def clip_note(self) -> str | None:
+        """What the plan says when the clip range is a policy loss's own default that is not PPO's 0.2."""
+        if self.eps_clip_low_high or self.eps_clip is not None:
+            return None
+        from hybrid_algos import get_policy_loss
+
+        loss = get_policy_loss(self.policy_loss_type)
+        if loss.default_clip == (0.2, 0.2):
+            return None
+        low, high = loss.default_clip
+        return (f"policy loss {loss.name}: clip range ({low:g}, {high:g}) from {loss.default_clip_source} "
+                "(--eps_clip / --eps_clip_low_high set another)")
 
     @property
     def checkpoint_dir(self) -> str:
         return self.ckpt_path or os.path.join(self.save_path, "checkpoints")
 
     def replace(self, **changes: Any) -> "RLConfig":
-        return dataclasses.replace(self, **changes)
+        out = dataclasses.replace(self, **changes)
+        if "given_fields" in vars(self):  # what the user set stays known (the changes are the program's own)
+            out.record_given(self.given_fields or (), openrlhf_line=self.openrlhf_line)
+        return out
+
+    def record_given(self, names: Iterable[str], *, openrlhf_line: bool = False) -> "RLConfig":
+        """Remember which fields the user set (and whether on an OpenRLHF command line) for the rules on settings
+        that do nothing (:mod:`hybrid_algos.train.inactive`); return self."""
+        self.given_fields = frozenset(names)
+        self.openrlhf_line = bool(openrlhf_line)
+        return self
+
+    def inactive_notes(self) -> list[str]:
+        """The notes on set fields that do nothing here and pass on an OpenRLHF command line (the others are
+        refused by :meth:`validate`)."""
+        from .inactive import check
+
+        return check(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -360,7 +404,7 @@ class RLConfig:
         if self.engine_sleep_level not in (None, 1, 2):
             raise ConfigError("engine_sleep_level", f"must be 1 or 2, got {self.engine_sleep_level}.",
                               "1 keeps the weights in host memory, 2 discards them; use --engine_sleep_level 1.")
-        if self.vllm_sync_backend not in ("nccl", "gloo"):
+        if self.vllm_sync_backend not in (None, "nccl", "gloo"):
             raise ConfigError("vllm_sync_backend", f"must be nccl or gloo, got {self.vllm_sync_backend!r}.",
                               "Use --vllm_sync_backend nccl on GPUs (gloo is picked by itself on CPU).")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k == 0 or self.top_k < -1:
@@ -373,11 +417,6 @@ class RLConfig:
         if self.init_kl_coef < 0:
             raise ConfigError("init_kl_coef", f"must be >= 0, got {self.init_kl_coef}.",
                               "Use 0 for no KL term, or a small positive value such as 0.01.")
-        nothing_to_pair = not (self.uses_reference or self.colocate_all_models or self.placement is not None)
-        if self.colocate_actor_ref and nothing_to_pair:
-            raise ConfigError("colocate_actor_ref", "init_kl_coef = 0 turns the KL term off, so there is no reference "
-                              "model to put on the actor's GPUs.",
-                              "Drop --colocate_actor_ref, or give --init_kl_coef > 0.")
         self._validate_clip()
         self._validate_correction()
         self._validate_dapo()
@@ -405,6 +444,9 @@ class RLConfig:
             raise ConfigError("vllm_tensor_parallel_size", f"the built-in engine (--backend hf) runs on one GPU, but "
                               f"vllm_tensor_parallel_size = {self.vllm_tensor_parallel_size}.",
                               "Use --vllm_tensor_parallel_size 1 with --backend hf, or --backend vllm / sglang.")
+        from .inactive import check
+
+        check(self)  # a setting that would do nothing in this run is refused (the table in inactive.py)
         return self
 
     def _validate_precision(self) -> None:
@@ -453,9 +495,6 @@ class RLConfig:
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError("dual_clip", f"must be > 1 (it bounds the loss for negative advantages), got {self.dual_clip}.",
                               "E.g. --dual_clip 3, or leave it unset.")
-        if self.dual_clip is not None and "dual_clip" not in loss.uses:
-            raise ConfigError("dual_clip", f"the {loss.name} policy loss has no dual clip, so --dual_clip would be ignored.",
-                              f"Drop --dual_clip, or use --policy_loss_type ppo.")
         lo, hi = self.reward_clip_range
         if lo >= hi:
             raise ConfigError("reward_clip_range", f"low must be below high, got ({lo}, {hi}).",
@@ -469,12 +508,6 @@ class RLConfig:
         if self.use_icepop and self.vllm_is_correction_type not in ("tis", "icepop"):
             raise ConfigError("use_icepop", f"--use_icepop asks for icepop but --vllm_is_correction_type is "
                               f"{self.vllm_is_correction_type}.", "Keep one of them.")
-        given = [n for n, v in (("vllm_is_truncated_threshold", self.vllm_is_truncated_threshold),
-                                ("use_icepop", self.use_icepop),
-                                ("vllm_is_correction_type", self.vllm_is_correction_type != "tis")) if v]
-        if given and not self.enable_vllm_is_correction:
-            raise ConfigError(given[0], "the rollout correction is off (--no_enable_vllm_is_correction), so this "
-                              "setting would be ignored.", f"Drop --{given[0]}, or turn the correction on.")
         if self.engine_logprobs is False and self.enable_vllm_is_correction:
             raise ConfigError("engine_logprobs", "the rollout correction (on by default) weighs each token by the "
                               "trainer's over the engine's log-prob, so the engines must return them.",
@@ -490,9 +523,6 @@ class RLConfig:
                 or self.async_max_staleness < 1:
             raise ConfigError("async_max_staleness", f"must be a whole number >= 1, got {self.async_max_staleness!r}.",
                               "1 is one-step-off-policy: batch k+1 is generated while batch k trains.")
-        if self.partial_rollout and not self.async_train:
-            raise ConfigError("partial_rollout", "pauses generations at a weight update, which only happens while "
-                              "they run with --async_train.", "Add --async_train, or drop --partial_rollout.")
         if self.async_train and not self.enable_vllm_is_correction:
             raise ConfigError("async_train", "an asynchronous run trains on samples of older weights; the gap is "
                               "corrected with the engine's log-probs as the behaviour policy (the mismatch "
@@ -515,9 +545,6 @@ class RLConfig:
             if lo_hi is not None and not lo_hi[0] < lo_hi[1]:
                 raise ConfigError("dynamic_filtering_reward_range", f"low must be below high, got {tuple(lo_hi)}.",
                                   "E.g. --dynamic_filtering_reward_range 0 1.")
-        elif self.dynamic_filtering_reward_range is not None:
-            raise ConfigError("dynamic_filtering_reward_range", "is set but --dynamic_filtering is off, so it would "
-                              "be ignored.", "Add --dynamic_filtering, or drop the range.")
         if self.overlong_buffer_len is not None and not 1 <= self.overlong_buffer_len <= self.generate_max_len:
             raise ConfigError("overlong_buffer_len", f"must be in [1, generate_max_len = {self.generate_max_len}], "
                               f"got {self.overlong_buffer_len}.", "E.g. a quarter of --generate_max_len.")
@@ -529,9 +556,6 @@ class RLConfig:
             if value is None:
                 continue
             _positive(name, value)
-            if not self.use_dynamic_batch:
-                raise ConfigError(name, "is set but --use_dynamic_batch is off, so it would be ignored.",
-                                  "Add --use_dynamic_batch, or drop it.")
 
     def _validate_agent(self) -> None:
         if not math.isfinite(self.agent_timeout_s) or self.agent_timeout_s <= 0:
@@ -547,13 +571,7 @@ class RLConfig:
             raise ConfigError("max_new_tokens_per_turn", f"{self.max_new_tokens_per_turn} is more than the whole "
                               f"response may hold (generate_max_len = {self.generate_max_len}: every turn and every "
                               "environment reply of a sample).", "Lower it, or raise --generate_max_len.")
-        if not self.uses_agent:
-            given = [n for n, default in (("max_turns", None), ("max_new_tokens_per_turn", None),
-                                          ("agent_timeout_s", 60.0), ("agent_on_error", "raise"))
-                     if getattr(self, n) != default]
-            if given:
-                raise ConfigError(given[0], "is set but the run has no environment (single-turn rollouts), so it "
-                                  "would be ignored.", "Add --agent_func_path FILE.py, or drop it.")
+        if not self.uses_agent:  # agent settings of a single-turn run: refused by the table in inactive.py
             return
         if self.reward_pretrain is not None:
             raise ConfigError("reward_pretrain", "a multi-turn run is rewarded by its environment (the rewards its "
@@ -669,6 +687,9 @@ class RLConfig:
         if self.reward_pretrain is not None and self.reward_fn is not None:
             raise ConfigError("reward_fn", "both --reward_pretrain and --reward_fn are set; a run uses one reward.",
                               "Keep one of them.")
+        if self.reward_random_head and self.reward_pretrain is None:
+            raise ConfigError("reward_random_head", "there is no reward model (--reward_pretrain) whose head it would "
+                              "initialise.", "Drop --reward_random_head, or give --reward_pretrain DIR.")
 
 
 #: What ``--agent_on_error`` may say.

@@ -102,6 +102,71 @@ def load_prompt_set(config: Any, tokenizer: Any) -> tuple[list[Prompt], PromptSt
     return prompts, stats
 
 
+# ---- how many steps the prompts make -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepCount:
+    """The steps of a run and why, with OpenRLHF's meaning of the flags: a step generates for one
+    ``--rollout_batch_size`` of prompts and trains on it; ``--num_episodes`` is the number of passes over the prompt
+    set (each pass shuffled afresh; a last part smaller than a rollout batch is left out of that pass, where OpenRLHF
+    would train on a smaller batch); ``--max_epochs`` is passes over each rollout batch (optimizer updates, not
+    steps). ``--max_steps`` (hybrid's; OpenRLHF's unreleased ``--max_global_steps``) only ends a run early: the
+    smaller of it and what the prompts allow wins, and it never adds episodes."""
+
+    prompts: int
+    per_step: int  # --rollout_batch_size
+    episodes: int  # --num_episodes
+    max_steps: int | None
+    updates_per_step: int  # optimizer updates of one step: samples / --train_batch_size x --max_epochs
+    samples_per_step: int
+    train_batch_size: int
+    max_epochs: int
+
+    @property
+    def per_episode(self) -> int:
+        return self.prompts // self.per_step
+
+    @property
+    def from_prompts(self) -> int:
+        return self.per_episode * self.episodes
+
+    @property
+    def total(self) -> int:
+        return self.from_prompts if self.max_steps is None else min(self.from_prompts, self.max_steps)
+
+    def describe(self) -> str:
+        """One line: the count, the arithmetic, and what to change when --max_steps is not reached."""
+        episodes = f"{self.episodes} episode{'s' if self.episodes != 1 else ''}"
+        why = f"{self.prompts} prompts / {self.per_step} per step x {episodes}"
+        left = self.prompts % self.per_step
+        if left:
+            why += f" ({left} prompts left out of each episode: a step takes a whole --rollout_batch_size)"
+        if self.max_steps is None:
+            line = f"steps: {self.total} = {why}"
+        elif self.max_steps < self.from_prompts:
+            line = (f"steps: {self.total} (--max_steps {self.max_steps} ends the run before the prompts do: "
+                    f"{self.from_prompts} = {why})")
+        elif self.max_steps == self.from_prompts:
+            line = f"steps: {self.total} = {why} (= --max_steps {self.max_steps})"
+        else:
+            need = -(-self.max_steps // self.per_episode)
+            line = (f"steps: {self.total} = {why} (--max_steps {self.max_steps} is not reached: it only ends a run "
+                    f"early; raise --num_episodes to {need} or add prompts)")
+        updates = f"{self.updates_per_step} optimizer update{'s' if self.updates_per_step != 1 else ''}"
+        return (f"{line}; each step {updates} ({self.samples_per_step} samples / --train_batch_size "
+                f"{self.train_batch_size} x --max_epochs {self.max_epochs})")
+
+
+def step_count(config: Any, prompts: int) -> StepCount:
+    """How many steps ``prompts`` prompts make under ``config`` (the loop runs exactly ``.total``)."""
+    if prompts < config.rollout_batch_size:
+        raise ConfigError("rollout_batch_size", f"only {prompts} prompts, fewer than one rollout batch "
+                          f"({config.rollout_batch_size}).", "Lower --rollout_batch_size or give more prompts.")
+    samples = config.samples_per_step
+    return StepCount(prompts, config.rollout_batch_size, config.num_episodes, config.max_steps,
+                     samples // config.train_batch_size * config.max_epochs, samples, config.train_batch_size,
+                     config.max_epochs)
+
+
 # ---- several datasets ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Source:

@@ -18,16 +18,39 @@ def local_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float) -> None:
-    """Join the role's torch.distributed group (NCCL on GPU, gloo on CPU) with a timeout on every collective."""
-    import deepspeed
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float):
+    """Join the role's torch.distributed group (NCCL on GPU, gloo on CPU) with a timeout on every collective.
 
+    ``master_addr`` is the group's rendezvous host (:func:`hybrid_core.rendezvous.choose`: 127.0.0.1 on one node):
+    the store is made here, listening on that address only, rather than by torch's ``env://`` (which binds every
+    interface), and the gloo / NCCL sockets are pointed at the same interface. Returns the store: call
+    :func:`close_rendezvous` once set-up made every group."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from hybrid_core import rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    rendezvous.use_interface(rendezvous.bind_address(master_addr))
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), verbose=False)
+    store = rendezvous.open_store(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                                  what=f"DeepSpeed group rank {rank}/{world_size}")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)  # takes the group made here
+    return store
+
+
+def close_rendezvous(store, rank: int, world_size: int) -> None:
+    """End of a role's set-up: build every group's communicator now, then close the store (rank 0 stops listening
+    once every rank is done with it)."""
+    from hybrid_core import rendezvous
+
+    rendezvous.form_groups(local_device())
+    store.close_when_formed(rank, world_size)
 
 
 def deepspeed_config(*, zero_stage: int, bf16: bool, micro_batch: int, grad_accum: int, lr: float,

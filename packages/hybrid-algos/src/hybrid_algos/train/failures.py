@@ -34,6 +34,23 @@ def resume_hint(ckpt: Any) -> str:
     return "No checkpoint was saved yet (--save_steps N saves one every N steps)."
 
 
+def saved_hint(ckpt: Any, run_dir: str | None = None, *, since: float | None = None) -> str:
+    """What an interrupted or failed run leaves: the final model when it was saved (by this run: newer than
+    ``since``, Unix seconds), then :func:`resume_hint` -- or, with a final model but no checkpoint, that there is
+    nothing to continue (the run was complete)."""
+    final = os.path.join(run_dir, "final") if run_dir else ""
+    try:
+        saved = bool(final) and os.path.isdir(final) and (since is None or os.path.getmtime(final) >= since - 1)
+    except OSError:
+        saved = False
+    hint = resume_hint(ckpt)
+    if not saved:
+        return hint
+    if hint.startswith("No checkpoint"):
+        return f"The final model was saved: {final} (no checkpoint was written, so there is no run to continue)."
+    return f"The final model was saved: {final}. {hint}"
+
+
 def wants_stacks(error: BaseException) -> bool:
     """Whether the roles' stacks help explain ``error``: something late or dead, not a reward function's bug."""
     return isinstance(error, (RemoteTimeout, RoleFailure, TurnTimeout)) or bool(getattr(error, "dump_stacks", False))
@@ -88,32 +105,65 @@ def explain(label: str, error: Exception, *, log_dir: str, ckpt: Any, stacks: st
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C: the run stops, cleans up (roles, engines, Ray) and the command exits 143."""
+    """SIGTERM: the run stops (after the checkpoint of :class:`Preemption`), cleans up (roles, engines, Ray) and the
+    command exits 143. ``note``: what happened to that checkpoint, when it could not be saved."""
+
+    def __init__(self, note: str = ""):
+        super().__init__(note)
+        self.note = note
 
 
 class ClusterLost(HybridError, ConnectionError):
     """Ray's GCS (the cluster's head process) stopped answering: no Ray call can succeed any more."""
 
 
+class Preemption:
+    """SIGTERM is how a scheduler takes the machine back (SLURM, Kubernetes, systemd, ``kill -- -PGID``), so it
+    ends the run without losing its finished steps.
+
+    Outside a step (start-up, the final save, tear-down) it raises :class:`Terminated` at once. During a step
+    (``deferring``, set by the loop) it is noted and the step runs to its end: a step stopped halfway would leave the
+    trainer's weights updated by half of it, which no checkpoint can hold. The loop then saves a checkpoint (when a
+    step finished since the last one) and raises :class:`Terminated`; the step and that save are bounded by the
+    step budget (``--step_timeout_s``). A second SIGTERM stops at once, without the checkpoint; after that, further
+    ones are ignored while the run cleans up (SIGKILL still ends it)."""
+
+    def __init__(self) -> None:
+        self.requested_at: float | None = None
+        self.deferring = False
+        self.step = 0  # the step running (1-based), for the line said on SIGTERM
+        self._forced = False
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.requested_at is None:
+            self.requested_at = time.monotonic()
+            if self.deferring:
+                print(f"hybrid: SIGTERM: finishing step {self.step}, then saving a checkpoint and stopping "
+                      "(SIGTERM again: stop at once, without it)", file=sys.stderr, flush=True)
+                return
+            raise Terminated()
+        if self.deferring and not self._forced:
+            self._forced = True
+            self.deferring = False
+            raise Terminated("a second SIGTERM stopped the run before its checkpoint")
+
+
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (once: a second SIGTERM while the run
-    cleans up is ignored; SIGKILL still ends it). ``ray.init`` installs its own handler, which kills Ray's processes
-    under the running code and prints Ray's crash dumps, so this is (re)installed after Ray is connected."""
+def sigterm_as_interrupt() -> Iterator[Preemption]:
+    """Within the block, SIGTERM is handled by the :class:`Preemption` yielded. ``ray.init`` installs its own handler,
+    which kills Ray's processes under the running code and prints Ray's crash dumps, so this is (re)installed after
+    Ray is connected. Outside the main thread nothing is installed (the object is still yielded)."""
+    preemption = Preemption()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield preemption
         return
     previous = signal.getsignal(signal.SIGTERM)
-    fired = []
-
-    def handler(signum: int, frame: Any) -> None:
-        if fired:
-            return
-        fired.append(time.monotonic())
-        raise Terminated()
-
-    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGTERM, preemption.handler)
     try:
-        yield
+        yield preemption
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -49,17 +49,34 @@ class Prepared:
     agent: Any = None  # agents.AgentSpec: the environment of a multi-turn run (loaded here, before Ray)
     async_mode: str = "off"  # async_rollout.async_mode: off | split | shared | sync (--async_train fell back)
     async_note: str = ""
+    locks: Any = None  # run_lock.RunLocks: the run folder (and checkpoint folder) are this run's until it ends
+    start_lines: tuple = ()  # said at the start (and by --dry-run): the step count and why, flags not used as given
 
 
 def prepare(config: RLConfig) -> Prepared:
-    """Validate the config and resolve everything that does not need Ray: errors here cost nothing."""
-    from .data import load_prompts
-    from .model_files import check_model_folder, load_tokenizer
+    """Validate the config and resolve everything that does not need Ray: errors here cost nothing. The run folder's
+    lock is taken here (:mod:`.run_lock`) and held by the returned ``Prepared.locks`` until released."""
+    from .run_lock import RunLocks
+
+    locks = RunLocks()
+    try:
+        prep = _prepare(config, locks)
+    except BaseException:
+        locks.release()
+        raise
+    prep.locks = locks
+    return prep
+
+
+def _prepare(config: RLConfig, locks: Any) -> Prepared:
+    from .data import load_prompts, step_count
+    from .model_files import check_model_folder, check_reward_head, load_tokenizer
     from .resume import find_resume_point
     from .rewards import load_reward_fn
     from .run_folder import check_writable, refuse_or_clear
     from .tasks import task_from_config
     from .tiny import save_tiny_model
+    from .weight_sync import sync_backend_note
 
     from hybrid_core.errors import ConfigError
     from hybrid_engines.registry import library_missing
@@ -77,13 +94,22 @@ def prepare(config: RLConfig) -> Prepared:
     for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
         if getattr(config, name) is not None:
             check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
+    notes = [sync_backend_note(config, sync_mode)]  # an explicit --vllm_sync_backend the ipc path does not use
+    notes.append(config.clip_note())  # a policy loss's own clip range (GSPO's, CISPO's), said at start
+    if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
+        notes.append(check_reward_head(config.reward_pretrain, random_head=config.reward_random_head,
+                                       trust_remote_code=config.trust_remote_code))
+    start_lines = [f"note: {n}" for n in notes if n]
     reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn is not None else None  # imports the user's file
     agent = _load_agent(config) if config.uses_agent else None  # imports the agent file
     # The folders next (writable, not holding another run): nothing is written before they are known to be fine.
     run_dir = check_writable("save_path", config.save_path)
+    locks.take(run_dir, "save_path")  # before anything there is read or written: one run per folder
     ckpt = CheckpointManager(config.checkpoint_dir, config.max_ckpt_num)
     if config.save_steps > 0 or config.final_checkpoint or config.resume or config.resume_if_exists:
         check_writable("ckpt_path" if config.ckpt_path else "save_path", ckpt.root)
+        if not ckpt.root.startswith(run_dir + os.sep):  # elsewhere: a run in another folder may use it too
+            locks.take(ckpt.root, "ckpt_path")
     resume_from = find_resume_point(config, ckpt)
     refuse_or_clear(run_dir, ckpt, overwrite=config.overwrite, resuming=resume_from is not None)
     task = task_from_config(config) if config.prompt_data is None else None
@@ -120,9 +146,11 @@ def prepare(config: RLConfig) -> Prepared:
         raise ConfigError("generate_max_len", f"prompts of up to {longest_prompt} tokens plus {max_new_tokens} new "
                           f"tokens need {max_model_len} positions; the model has {positions}.",
                           "Lower --generate_max_len or --prompt_max_len (prompts longer than it are truncated).")
-    total = steps_per_episode * config.num_episodes
-    if config.max_steps is not None:
-        total = min(total, config.max_steps)
+    steps = step_count(config, len(prompts))  # the count and why: said at the start and by --dry-run
+    total = steps.total
+    start_lines.insert(0, steps.describe())
+    for line in start_lines:
+        log.info("%s", line)
     if config.profile_step > total:
         raise ConfigError("profile_step", f"step {config.profile_step} is past the run's last step ({total}).",
                           f"Profile a step from 1 to {total} (the first ones include warm-up).")
@@ -136,7 +164,8 @@ def prepare(config: RLConfig) -> Prepared:
     if mode == "sync":  # --async_train on GPUs too small for both: synchronous turns, said in the plan's notes
         residency.notes.append(note)
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync_mode, residency, resume_from, agent, mode, note)
+                    max_model_len, sync_mode, residency, resume_from, agent, mode, note,
+                    start_lines=tuple(start_lines))
 
 
 def _load_agent(config: RLConfig) -> Any:
@@ -194,37 +223,59 @@ def _max_positions(model_path: str) -> int | None:
 def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
     """Run a whole training job; returns a summary (steps, final metrics, saved paths).
 
-    In the main thread, SIGTERM stops the run like Ctrl-C (:class:`~.failures.Terminated`, a KeyboardInterrupt)
-    and a lost Ray GCS ends it at once with :class:`~.failures.ClusterLost`; either way the roles, engines and a
-    Ray started here are shut down before it returns."""
+    In the main thread, SIGTERM is preemption (:class:`~.failures.Preemption`): the step running finishes, a
+    checkpoint is saved, then :class:`~.failures.Terminated` (a KeyboardInterrupt) is raised; a lost Ray GCS ends the
+    run at once with :class:`~.failures.ClusterLost`. However it ends, the roles, engines, a Ray started here and
+    every process they started on this node (:mod:`hybrid_core.run_processes`) are ended before it returns."""
     prep = prepare(config)
-    from hybrid_core.cluster import connect, shutdown
+    try:
+        return _train_prepared(config, prep, callbacks)
+    finally:
+        prep.locks.release()  # the folder is free for the next run (a run that dies leaves a lock that is stale)
+
+
+def _train_prepared(config: RLConfig, prep: Prepared, callbacks: Sequence[Any]) -> dict[str, Any]:
+    from hybrid_core.cluster import connect, gcs_answers, shutdown
+    from hybrid_core.run_processes import RUN_TAG_ENV, end_leftovers, new_tag
+    from hybrid_core.runtime_env import set_worker_env
 
     from .cluster_watch import ClusterWatch
     from .deepspeed_ops import ensure_cpu_ops_built
-    from .failures import ClusterLost, resume_hint, sigterm_as_interrupt
+    from .failures import ClusterLost, Terminated, explain, resume_hint, sigterm_as_interrupt
 
     built_s = ensure_cpu_ops_built()  # before any worker: one build, not one per role racing for torch's lock
     if built_s > 5:
         log.info("set-up: DeepSpeed CPU ops ready in %.1f s", built_s)
 
+    tag = new_tag()
+    set_worker_env({RUN_TAG_ENV: tag})  # every worker, and what it starts, carries it: ended at the very end
     cluster = connect(config.address, num_gpus=config.num_gpus if config.num_gpus is not None else
                       (None if (config.address or os.environ.get("RAY_ADDRESS")) else prep.plan.num_gpus),
                       temp_dir=config.ray_temp_dir, log_max_mb=config.ray_log_max_mb)
     session = None
     watch = ClusterWatch(cluster.address)
     try:
-        with sigterm_as_interrupt(), watch:  # after connect: ray.init replaces the SIGTERM handler
+        with sigterm_as_interrupt() as preemption, watch:  # after connect: ray.init replaces the SIGTERM handler
+            ended = False
             try:
                 session = TrainingSession(prep)
-                session.start()
+                session.preemption = preemption
+                try:
+                    session.start()
+                except HybridError as e:  # the role and GPU that failed are in e; say it was the start-up
+                    raise explain("start-up", e, log_dir=session.log_dir, ckpt=session.ckpt) from e
                 _emit(callbacks, "on_start", {"plan": prep.plan, "residency": prep.residency,
                                               "total_steps": prep.total_steps, "run_dir": prep.run_dir,
+                                              "lines": prep.start_lines,
                                               "config": prep.config, "start_step": session.start_step})
                 summary = session.run(callbacks)
                 _emit(callbacks, "on_end", summary)
+                ended = True
                 return summary
-            except KeyboardInterrupt:
+            except KeyboardInterrupt as e:
+                if preemption.requested and not isinstance(e, Terminated):  # the watch's interrupt after SIGTERM
+                    raise Terminated("Ray's GCS stopped too (the signal reached Ray's processes as well), so no "
+                                     "checkpoint could be saved.") from None
                 if watch.lost:
                     steps = len(session.history) if session is not None else 0
                     raise ClusterLost(f"Ray's GCS at {cluster.address} stopped answering after step {steps}; no "
@@ -232,11 +283,14 @@ def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
                                       f"{resume_hint(CheckpointManager(config.checkpoint_dir))}") from None
                 raise
             finally:
-                if session is not None:
-                    session.close(cluster_lost=watch.lost)
+                if session is not None:  # a dead GCS makes every Ray call of the tear-down wait: none is made then
+                    session.close(cluster_lost=watch.lost or not gcs_answers(cluster.address, 1.0), hurry=not ended)
     finally:
-        if cluster.started_here:
-            shutdown(cluster)
+        try:
+            if cluster.started_here:
+                shutdown(cluster)
+        finally:
+            end_leftovers(tag)  # vLLM's / SGLang's child processes a killed actor leaves behind, on this node
 
 
 def _emit(callbacks: Sequence[Any], event: str, payload: Any) -> None:
@@ -278,6 +332,7 @@ class TrainingSession:
         self.history: list[dict[str, float]] = []
         self.runner = None  # async_loop.AsyncRunner with --async_train (split, or shared GPUs that fit)
         self.restored_queue: list[dict] = []  # the generated batches a resumed asynchronous run continues with
+        self.preemption = None  # failures.Preemption (train() sets it): SIGTERM during a step waits for its end
 
     # ---- set-up ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -331,8 +386,16 @@ class TrainingSession:
                 continue
             import ray
 
-            addr = ray.get(group.workers[0].where.remote(), timeout=timeout)["node_ip"]
-            port = ray.get(group.workers[0].free_port.remote(), timeout=timeout)
+            from hybrid_core import rendezvous
+
+            # loopback when the whole group is on one node (every listener binds it), else rank 0's cluster address
+            from hybrid_core.remote import get_all_with_timeout
+
+            ips = [w["node_ip"] for w in get_all_with_timeout(
+                [(group.name(r, "where"), w.where.remote()) for r, w in enumerate(group.workers)], timeout)]
+            addr = rendezvous.choose(ips).host
+            port = get_all_with_timeout([(group.name(0, "free_port"), group.workers[0].free_port.remote(addr))],
+                                        timeout)[0]
             pending.append((group, "setup", (path, addr, port, prep.total_steps)))
         if self.reference is not None:
             pending.append((self.reference, "setup", (prep.model_path,)))
@@ -402,18 +465,19 @@ class TrainingSession:
                                   "trust_remote_code": cfg.trust_remote_code}  # vLLM / SGLang take it as is
         if cfg.backend == "sglang":  # SGLang honours seeds only in its slower deterministic mode: only when seeding
             kwargs["deterministic"] = self.seeded_sampling()
-        if cfg.backend == "hf":
+        if cfg.backend == "hf":  # the built-in engine pauses at a weight update whatever it was built with
             kwargs["dtype"] = "bfloat16" if cfg.bf16 else "float32"
-        elif cfg.partial_rollout:  # vLLM / SGLang generate through their pausable paths (see their adapters)
+            return kwargs
+        # vLLM / SGLang: every engine setting, with or without partial rollouts (the planner budgeted these values)
+        kwargs.update(tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                      enable_prefix_caching=cfg.enable_prefix_caching, dtype="bfloat16" if cfg.bf16 else "auto",
+                      max_model_len=self.prep.max_model_len,
+                      # sleep mode (vLLM's own allocator) whenever the engines share a GPU: the residency plan
+                      # may free their KV cache or weights, and a refined plan may start to
+                      enable_sleep_mode=bool(self.prep.plan.shared_gpus("rollout")))
+        if cfg.partial_rollout:  # only adds: generation goes through the adapters' pausable paths
             kwargs["pausable"] = True
-        else:
-            kwargs.update(tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-                          gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-                          enable_prefix_caching=cfg.enable_prefix_caching, dtype="bfloat16" if cfg.bf16 else "auto",
-                          max_model_len=self.prep.max_model_len,
-                          # sleep mode (vLLM's own allocator) whenever the engines share a GPU: the residency plan
-                          # may free their KV cache or weights, and a refined plan may start to
-                          enable_sleep_mode=bool(self.prep.plan.shared_gpus("rollout")))
         return kwargs
 
     def _call_all(self, calls) -> list:
@@ -422,7 +486,7 @@ class TrainingSession:
         named = []
         for group, method, args in calls:
             for r, w in enumerate(group.workers):
-                named.append((f"{group.role} rank {r}: {method}", getattr(w, method).remote(*args)))
+                named.append((group.name(r, method), getattr(w, method).remote(*args)))
         try:
             return get_all_with_timeout(named, self.config.call_timeout_s)
         except HybridError:
@@ -466,6 +530,7 @@ class TrainingSession:
         cfg = self.config
         total = self.prep.total_steps
         saved_at = self.start_step if self.prep.resume_from is not None else None
+        preemption = self.preemption
         if self.async_mode in ("split", "shared"):
             from .async_loop import AsyncRunner
 
@@ -478,12 +543,23 @@ class TrainingSession:
             else:
                 one_step = lambda: self.guarded(f"step {step + 1}", lambda: run_step(  # noqa: E731
                     self.ctx, step, self.prompts_for(step), self.sampling(step)))[0]
-            with (profiled_step(self.groups, profile_folder(self.prep.run_dir, step + 1))
-                  if step + 1 == cfg.profile_step else contextlib.nullcontext()):
-                metrics = one_step()
-            if _refines_after(step - self.start_step):
-                metrics.update(self.guarded("refining the residency plan", lambda: self.refine_residency(step + 1)))
-                self._recheck_async()
+            if preemption is not None:  # SIGTERM from here on lets the step (and its checkpoint) finish first
+                preemption.deferring, preemption.step = True, step + 1
+            try:
+                with (profiled_step(self.groups, profile_folder(self.prep.run_dir, step + 1))
+                      if step + 1 == cfg.profile_step else contextlib.nullcontext()):
+                    metrics = one_step()
+                if _refines_after(step - self.start_step):
+                    metrics.update(self.guarded("refining the residency plan",
+                                                lambda: self.refine_residency(step + 1)))
+                    self._recheck_async()
+            except HybridError as error:
+                if preemption is not None and preemption.requested:  # e.g. SIGTERM reached the roles as well
+                    from .failures import Terminated
+
+                    raise Terminated(f"Step {step + 1} could not finish after SIGTERM ("
+                                     f"{_first_line(error)}), so no checkpoint of it was saved.") from error
+                raise
             self.history.append(metrics)
             if (step + 1) % cfg.logging_steps == 0 or step + 1 == total:
                 _emit(callbacks, "on_step", metrics)
@@ -491,6 +567,10 @@ class TrainingSession:
                 self.owner.tag = f"checkpoint {step + 1}"
                 self.guarded(f"the checkpoint after step {step + 1}", lambda: self.save_checkpoint(step + 1))
                 saved_at = step + 1
+            if preemption is not None:
+                if preemption.requested:
+                    self._stop_on_sigterm(step + 1, saved_at)
+                preemption.deferring = False
         # A run that can be continued is the default: the last step gets a checkpoint unless it has one already.
         end = max(total, self.start_step)
         if cfg.final_checkpoint and saved_at != end:
@@ -509,6 +589,21 @@ class TrainingSession:
             summary.update(checkpoint_dir=self.ckpt.root, last_checkpoint=latest[0])
         return summary
 
+    def _stop_on_sigterm(self, done: int, saved_at: int | None) -> None:
+        """After the step SIGTERM let finish: its checkpoint (unless it has one), then :class:`~.failures.Terminated`.
+        The save has the step budget; a second SIGTERM stops it (the checkpoint folder keeps no half-written step)."""
+        from .failures import Terminated
+
+        if saved_at != done:
+            self.owner.tag = f"checkpoint {done}"
+            try:
+                self.guarded(f"the checkpoint after step {done} (on SIGTERM)", lambda: self.save_checkpoint(done))
+            except HybridError as error:
+                raise Terminated(f"The checkpoint of step {done} on SIGTERM failed ({_first_line(error)}).") \
+                    from error
+            log.warning("SIGTERM: saved the checkpoint of step %d", done)
+        raise Terminated()
+
     def _recheck_async(self) -> None:
         """A refined plan that no longer keeps the engines next to the trainer ends the overlap: the batches already
         generated are trained on, then the run takes synchronous turns (and says so)."""
@@ -524,46 +619,42 @@ class TrainingSession:
             self.guarded("stopping the asynchronous rollout producer", self.runner.stop_producing)
 
     def refine_residency(self, after_step: int) -> dict[str, float]:
-        """What each GPU really holds against what the plan counts, after steps 1, 2, 4, 8, ... of this run. The
-        difference (CUDA contexts, library buffers, the allocator's fragmentation as sequence lengths vary, another
-        process) becomes the plan's measured overhead, held in every phase, and the plan is made again with it: a
-        plan that no longer fits changes now, before a later phase would run out of memory. The overhead only grows
-        (the largest seen), and each reading is a step later than the last: reserved memory that keeps growing over
-        the first steps is caught. Nothing to measure without CUDA (the guard is off)."""
+        """What each GPU really holds against what the model counts there now, after steps 1, 2, 4, 8, ... of this
+        run (:mod:`hybrid_core.residency.refine`). The difference (CUDA contexts, library buffers, the allocator's
+        fragmentation as sequence lengths vary, another process) becomes the plan's measured overhead, held in every
+        phase, and the plan is made again with it: a plan that no longer fits changes now, before a later phase would
+        run out of memory, and where no plan fits the run stops with the numbers. The overhead only grows (the largest
+        seen), and each reading is a step later than the last: reserved memory that keeps growing over the first
+        steps is caught. Nothing to measure without CUDA (the guard is off)."""
+        from hybrid_core.residency import refine_plan
+
         from .placement import replan
 
         owner, guard = self.owner, self.owner.guard
         plan = owner.plan
         if guard is None or not guard.enabled:
             return {}
-        owner.settle()
-        phase = owner.phase or plan.phases[-1].name
-        overhead = {}
+        owner.settle()  # every move landed: the owner's record is what the GPUs hold (early wakes included)
+        used = {}
         for gpu in plan.layout:
             reading = guard.read(gpu)
             if reading is None:
                 return {}
-            # what the plan says is held now: everything of the phase just run, but the working memory of roles that
-            # trim their allocator cache after it (the others keep it reserved), and not the overhead measured before
-            trimmed = {(s.role, item) for s in plan.layout[gpu] if plan.move(s.role, "cache") != "resident"
-                       for item in s.size.working.get(phase, {})}
-            trimmed.add(("measured", "overhead"))
-            held = sum(v for key, v in plan.breakdown(gpu, phase).items() if key not in trimmed)
-            overhead[gpu] = max(reading.total - reading.free - held, plan.overhead.get(gpu, 0.0), 0.0)
-        grown = max(overhead[g] - plan.overhead.get(g, 0.0) for g in overhead)
-        if plan.overhead and grown < 0.01 * plan.gpu_bytes:  # nothing worth a new plan (the readings jitter)
-            return {"residency/overhead_gib": max(overhead.values()) / 2**30, "residency/replanned": 0.0}
-        refined = replan(self.config, plan.layout, plan.gpu_bytes, overhead=overhead, host=plan.host)
-        changed = refined.moves != plan.moves
-        notes = [n for n in plan.notes if not n.startswith("refined after step")]
-        refined.notes = notes + [f"refined after step {after_step}: measured {max(overhead.values()) / 2**30:.2f} GiB "
-                                 "per GPU beyond the model" + ("; the moves changed" if changed else "")]
-        if changed:
-            log.warning("residency plan changed after step %d (%.2f GiB beyond the model):\n%s", after_step,
-                        max(overhead.values()) / 2**30, refined.render())
+            used[gpu] = reading.total - reading.free
+        result = refine_plan(plan, used, phase=owner.phase, on_gpu=owner.on_gpu(), after_step=after_step,
+                             replan=lambda overhead: replan(self.config, plan.layout, plan.gpu_bytes,
+                                                            overhead=overhead, host=plan.host))
+        metrics = {"residency/overhead_gib": result.largest / 2**30, "residency/replanned": float(result.changed)}
+        if not result.replanned:
+            return metrics
+        refined = result.plan
+        trims = [(g, "set_residency", (refined.move(g.role, "cache") == "release",)) for g in self.groups
+                 if refined.move(g.role, "cache") != plan.move(g.role, "cache")]
+        if trims:  # a role that now trims its allocator cache after each phase (or keeps it) is told so
+            self._call_all(trims)
         owner.plan = self.prep.residency = refined
         _write_json(os.path.join(self.prep.run_dir, "residency.json"), refined.to_dict())
-        return {"residency/overhead_gib": max(overhead.values()) / 2**30, "residency/replanned": float(changed)}
+        return metrics
 
     # ---- failures --------------------------------------------------------------------------------------------------
     def guarded(self, label: str, fn):
@@ -635,6 +726,10 @@ class TrainingSession:
         self.reward.load_state_dict(state["reward_norm"])
         self.history = list(state["history"])
         self.start_step = int(state["next_step"])
+        from .resume import drop_steps_from
+
+        # the steps done after this checkpoint are done again: their spans go (the writer appends at the new end)
+        drop_steps_from(os.path.join(self.prep.run_dir, "timeline.jsonl"), self.start_step)
         self.restored_queue = list(state.get("async_queue") or [])
         if self.restored_queue and not self.config.async_train:
             log.warning("the checkpoint holds %d batches generated ahead (--async_train); this run is synchronous "
@@ -667,7 +762,9 @@ class TrainingSession:
         return final
 
     # ---- tear-down -------------------------------------------------------------------------------------------------
-    def close(self, *, cluster_lost: bool = False) -> None:
+    def close(self, *, cluster_lost: bool = False, hurry: bool = False) -> None:
+        """End the run's actors (``hurry``: after an error or interrupt, the engines get 10 s to shut down, not 60:
+        the command must end within seconds of Ctrl-C / SIGTERM). Never raises for a role that is already gone."""
         import ray
 
         if self.runner is not None:
@@ -687,7 +784,7 @@ class TrainingSession:
                 log.debug("weight-sync close failed", exc_info=True)
         if self.engines is not None:
             try:
-                self.engines.shutdown(timeout_s=min(60.0, self.config.call_timeout_s))  # then killed regardless
+                self.engines.shutdown(timeout_s=min(10.0 if hurry else 60.0, self.config.call_timeout_s))  # then killed
             except Exception:  # tearing down after an error: report the error, not the clean-up
                 log.debug("engine shutdown failed", exc_info=True)
         for group in self.groups:
@@ -698,7 +795,10 @@ class TrainingSession:
             except Exception:
                 log.debug("turnstile kill failed", exc_info=True)
         if self.placed is not None:
-            self.placed.remove()
+            try:
+                self.placed.remove()
+            except Exception:  # a Ray started here goes with its placement group; a shared one logs it
+                log.warning("removing the run's placement group failed", exc_info=True)
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -708,6 +808,11 @@ def _write_json(path: str, data: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(error).__name__
 
 
 def _refines_after(steps_done: int) -> bool:
@@ -720,6 +825,8 @@ def _train_phase(role: str) -> str:
 
 
 def _sync_backend(cfg: RLConfig) -> str:
-    import torch
+    """The broadcast group's backend: --vllm_sync_backend (nccl when unset) with CUDA, gloo without (the ipc path,
+    chosen for engines on the actor's GPUs, has no group: prepare notes an explicit flag it does not use)."""
+    from .weight_sync import sync_backend
 
-    return cfg.vllm_sync_backend if torch.cuda.is_available() else "gloo"
+    return sync_backend(cfg)

@@ -59,6 +59,98 @@ def check_model_folder(field: str, path: str, *, trust_remote_code: bool) -> Non
                               f"{__version__} does not know.", "Upgrade transformers, or check the model folder.")
 
 
+def check_reward_head(path: str, *, random_head: bool, trust_remote_code: bool) -> str | None:
+    """``--reward_pretrain`` holds the weights of the head it is scored with (``score.weight`` for most models), read
+    from the weight files' indexes or headers, no weights loaded; else a ConfigError naming the missing weights and
+    the fix. transformers would load such a folder (a causal LM, say) with a randomly initialised head and rewards
+    that are noise. ``random_head`` (``--reward_random_head``) allows it: the note to print is returned instead (None
+    when there is nothing to say). A folder whose weight names cannot be read without loading them is let through."""
+    head = reward_head_names(path, trust_remote_code=trust_remote_code)
+    names = checkpoint_tensor_names(path)
+    if head is None or names is None:
+        return None
+    missing = [n for n in head if n not in names]
+    if not missing:
+        return f"--reward_random_head: not used: {path} has its reward head ({', '.join(head)})." if random_head \
+            else None
+    config = read_json("reward_pretrain", os.path.join(path, "config.json")) or {}
+    architectures = ", ".join(a for a in config.get("architectures") or () if isinstance(a, str)) or "no architectures"
+    what = "a causal LM" if architectures.endswith("ForCausalLM") else "a model"
+    heads = {*_HEAD_LIKE, *(n.split(".")[0] for n in missing)}
+    others = sorted(n for n in names if n.split(".")[0] in heads)  # e.g. lm_head.weight, or value_head.weight
+    instead = f"; it has {', '.join(others[:4])}" if others else ""
+    problem = (f"{path} holds {what} ({architectures}): its weights have no reward head ({', '.join(missing)} "
+               f"missing{instead})")
+    if random_head:
+        return f"--reward_random_head: {problem}; the head is initialised at random (its rewards are noise)."
+    raise ConfigError("reward_pretrain", f"{problem}; the reward model would score with a random head (rewards "
+                      "that are noise).",
+                      "Give a reward model: a sequence-classification folder with its trained head (OpenRLHF's "
+                      "train_rm saves one, value_head_prefix 'score'), or use a rule reward (--reward_fn); or pass "
+                      "--reward_random_head to score with a randomly initialised head (tests and benchmarks only).")
+
+
+#: First parts of weight names that are a model's head, not its backbone: named when the reward head is missing.
+_HEAD_LIKE = ("lm_head", "score", "value_head", "classifier", "v_head")
+
+
+def reward_head_names(path: str, *, trust_remote_code: bool) -> list[str] | None:
+    """The weights ``AutoModelForSequenceClassification`` puts on top of the backbone for this folder's config
+    (``["score.weight"]`` for Llama, Qwen, Mistral...), from a model built on the meta device (no memory); None
+    when transformers has no such model for it (loading it says so)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, TypeError, ImportError, OSError):
+        return None
+    backbone = f"{model.base_model_prefix}."
+    return [n for n in model.state_dict() if not n.startswith(backbone)] or None
+
+
+def checkpoint_tensor_names(path: str) -> set[str] | None:
+    """The tensor names of a model folder's weights, from ``*.safetensors`` headers or an index file (no tensor
+    read); a single ``pytorch_model.bin`` is opened memory-mapped. None when there are no weights it can read."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        data = read_json("reward_pretrain", os.path.join(path, index), required=False)
+        if data is not None and isinstance(data.get("weight_map"), dict):
+            return set(data["weight_map"])
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if files:
+        names: set[str] = set()
+        for name in files:
+            names |= _safetensors_names(os.path.join(path, name))
+        return names
+    bin_path = os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(bin_path):
+        import torch
+
+        try:
+            return set(torch.load(bin_path, map_location="cpu", mmap=True, weights_only=True))
+        except Exception:  # an old (non-zip) pickle cannot be memory-mapped: let the load report it
+            return None
+    return None
+
+
+def _safetensors_names(path: str) -> set[str]:
+    """A safetensors file starts with the length of its JSON header (8 bytes, little-endian), then the header."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > 100 << 20:
+                raise ValueError(f"header of {length} bytes")
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error) as e:
+        raise ConfigError("reward_pretrain", f"{path} is not a readable safetensors file ({e}).",
+                          "Restore the weights from the model's source (the file may be truncated).") from None
+    return {k for k in header if k != "__metadata__"}
+
+
 def load_tokenizer(field: str, path: str, *, trust_remote_code: bool) -> Any:
     """The folder's tokenizer; a folder without tokenizer files, or one transformers cannot read, is a ConfigError."""
     from transformers import AutoTokenizer

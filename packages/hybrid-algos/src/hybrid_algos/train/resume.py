@@ -120,3 +120,39 @@ def _plain(value: Any) -> Any:
     if isinstance(value, str) and os.sep in value:
         return os.path.abspath(value)
     return value
+
+
+def drop_steps_from(path: str, start_step: int) -> int:
+    """Cut a per-step JSONL file (metrics.jsonl, timeline.jsonl) of a resumed run back to the steps before
+    ``start_step``: the steps a run did after its last checkpoint are done again, and would be there twice.
+
+    The file is cut at the first line whose ``step`` is ``start_step`` or later, or that does not parse (a line
+    half-written when the run was killed); lines are in step order, one writer at a time (the run folder's lock).
+    Cut in place (one ``truncate``), so a writer that has the file open for appending goes on at the new end.
+    Returns the number of lines dropped."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    offset = 0
+    for line in data.splitlines(keepends=True):
+        if line.endswith(b"\n") and not line.strip():  # a blank line: kept
+            offset += len(line)
+            continue
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None  # no newline: the write was cut short
+        except ValueError:
+            record = None
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, (int, float)) or isinstance(step, bool) or step >= start_step:
+            break
+        offset += len(line)
+    dropped = len(data[offset:].splitlines())
+    if offset < len(data):
+        os.truncate(path, offset)
+        log.info("%s: dropped %d line(s) of steps from %d on (done again after the resume)", path, dropped,
+                 start_step)
+    return dropped

@@ -3,7 +3,8 @@
 Both must be folders this process can write: that is found out at start, not at the first save N steps later. A
 folder that already holds a run is never silently reused: a new run into it would truncate its metrics, overwrite
 its checkpoints and, through pruning, mix two runs in one folder. It is continued (``--resume``), or replaced as a
-whole (``--overwrite``: the previous run's files are removed first), or the new run goes elsewhere.
+whole (``--overwrite``: the previous run's files are removed first), or the new run goes elsewhere. Only what a run
+of hybrid wrote is ever deleted (:mod:`.marks`); a folder a live run holds is refused outright (:mod:`.run_lock`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ import tempfile
 
 from hybrid_core.errors import ConfigError
 
+from . import marks
 from .checkpoint import CheckpointManager
 
 log = logging.getLogger(__name__)
 
-#: What a run writes into its folder (``tiny-model`` is a cache keyed by its settings, not part of a run).
-RUN_FILES = ("metrics.jsonl", "summary.json", "timeline.jsonl", "final", "logs", "tensorboard", "checkpoints")
+#: What a run writes into its folder and replaces whole when it is there (a file rewritten, a folder swapped).
+REPLACED = ("metrics.jsonl", "summary.json", "timeline.jsonl", "residency.json", "final")
+#: Folders a run adds its files to (a user's own files in them are never touched).
+ADDED_TO = ("logs", "tensorboard", "profile", "wandb")
+#: Everything a run writes into its folder besides its checkpoints (``tiny-model`` is a cache keyed by its settings,
+#: not part of a run). Only the names a run claimed (:mod:`.marks`) are ever deleted.
+RUN_FILES = REPLACED + ADDED_TO
 
 
 def check_writable(field: str, path: str) -> str:
@@ -46,46 +53,73 @@ _RESULTS = ("metrics.jsonl", "summary.json", "final")
 
 
 def previous_run(run_dir: str, ckpt: CheckpointManager) -> list[str]:
-    """What of an earlier run is in ``run_dir`` (and the checkpoint folder), as names to show; empty if nothing."""
+    """What of an earlier run is in ``run_dir`` (and the checkpoint folder), as names to show; empty if nothing.
+    Only items a run claimed count: a user's own ``final/`` is not a run (see :func:`foreign_items`)."""
     found = []
+    mine = marks.claimed(run_dir)
     for name in _RESULTS:
         path = os.path.join(run_dir, name)
-        if os.path.isdir(path) or (os.path.isfile(path) and os.path.getsize(path) > 0):
+        if name in mine and (os.path.isdir(path) or (os.path.isfile(path) and os.path.getsize(path) > 0)):
             found.append(name)
     if ckpt.complete_checkpoints() or os.path.exists(os.path.join(ckpt.root, "latest.json")):
         found.append(os.path.relpath(ckpt.root, run_dir) if ckpt.root.startswith(run_dir + os.sep) else ckpt.root)
     return found
 
 
+def foreign_items(run_dir: str) -> list[str]:
+    """Items with content at names a run would replace that no run of hybrid claimed: someone else's files."""
+    mine = marks.claimed(run_dir)
+    return [name for name in REPLACED if name not in mine and os.path.lexists(os.path.join(run_dir, name))
+            and marks.has_content(os.path.join(run_dir, name))]
+
+
 def refuse_or_clear(run_dir: str, ckpt: CheckpointManager, *, overwrite: bool, resuming: bool) -> None:
-    """A new (not resumed) run into a folder holding an earlier one: refused, or, with ``overwrite``, the earlier
-    run's files are removed so that nothing of it mixes with the new one."""
-    if resuming:
+    """Make ``run_dir`` ready for this run, then claim the names it will write (:mod:`.marks`).
+
+    A new (not resumed) run into a folder holding an earlier one is refused, or, with ``overwrite``, the earlier
+    run's files -- the items a run claimed, and the checkpoints -- are removed so that nothing of it mixes with the
+    new one. Files that no run wrote are never deleted: where the run would replace one of them, it is refused."""
+    if resuming:  # the folder is the run being continued: what is there of it is its own
+        marks.claim(run_dir, [n for n in RUN_FILES if n in REPLACED or _free(run_dir, n)])
         return
+    foreign = foreign_items(run_dir)
+    if foreign:
+        shown = ", ".join(f"{n}/" if os.path.isdir(os.path.join(run_dir, n)) else n for n in foreign)
+        raise ConfigError("save_path", f"{run_dir} holds {shown}, which no hybrid run wrote (the folder's marker "
+                          f"{marks.MARKS} does not list {'it' if len(foreign) == 1 else 'them'}); a run there would "
+                          "replace " + ("it" if len(foreign) == 1 else "them") +
+                          (", and --overwrite deletes only what a run of hybrid wrote." if overwrite else "."),
+                          f"Move {'it' if len(foreign) == 1 else 'them'} out of the folder, or start the run in "
+                          f"another folder (--save_path {_fresh_name(run_dir)}).")
     found = previous_run(run_dir, ckpt)
-    leftovers = [name for name in RUN_FILES if os.path.exists(os.path.join(run_dir, name)) and name != "checkpoints"]
-    if not found and not (overwrite and leftovers):
-        if leftovers:  # a start that failed before its first step: its logs stay, the rest would mix with this run
-            for name in ("tensorboard", "timeline.jsonl", "metrics.jsonl"):
-                _remove(os.path.join(run_dir, name))
-        return
-    if not overwrite:
+    mine = [n for n in RUN_FILES if marks.is_claimed(run_dir, n) and os.path.lexists(os.path.join(run_dir, n))]
+    if found and not overwrite:
         raise ConfigError("save_path", f"{run_dir} already holds a run ({', '.join(found)}); a new run there would "
                           "overwrite it.", f"Continue it with --resume, start the new run in a fresh folder "
                           f"(--save_path {_fresh_name(run_dir)}), or pass --overwrite to delete the old run first.")
-    for name in RUN_FILES:
-        path = os.path.join(run_dir, name)
-        if name == "checkpoints" and os.path.abspath(path) != ckpt.root:
-            continue  # --ckpt_path elsewhere: cleared below, and a user's own "checkpoints" folder is left alone
-        _remove(path)
-    ckpt.clear()
-    log.warning("--overwrite: removed the earlier run in %s (%s)", run_dir, ", ".join(found or leftovers))
+    if found or overwrite:
+        for name in mine:
+            _remove(os.path.join(run_dir, name))
+        ckpt.clear()  # step-NNNNNNNN folders, temp folders and latest.json only: other files there stay
+        if found or mine:
+            log.warning("--overwrite: removed the earlier run in %s (%s)", run_dir, ", ".join(found or mine))
+    else:  # a start that failed before its first step: its logs stay, the rest would mix with this run
+        for name in ("tensorboard", "timeline.jsonl", "metrics.jsonl"):
+            if name in mine:
+                _remove(os.path.join(run_dir, name))
+    marks.claim(run_dir, [n for n in RUN_FILES if _free(run_dir, n)])
+
+
+def _free(run_dir: str, name: str) -> bool:
+    """Whether this run may take ``name``: nothing there, nothing in it to lose, or an earlier run's own."""
+    path = os.path.join(run_dir, name)
+    return not os.path.lexists(path) or marks.is_claimed(run_dir, name) or not marks.has_content(path)
 
 
 def _remove(path: str) -> None:
-    if os.path.isdir(path):
+    if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
-    elif os.path.exists(path):
+    elif os.path.lexists(path):  # a file, or a link (removed, never followed)
         os.remove(path)
 
 

@@ -2,6 +2,7 @@
 for it. ``choose_mode(config, plan)`` runs before Ray (in ``prepare`` and ``--dry-run``); ``WeightSync`` is made once
 per run (``setup()``, ``sync(wake_engines=...)``, ``close()``)."""
 
-from hybrid_engines.weight_sync import WeightSync, choose_sync_mode as choose_mode, describe_sync, sync_backend
+from hybrid_engines.weight_sync import (WeightSync, choose_sync_mode as choose_mode, describe_sync, sync_backend,
+                                       sync_backend_note)
 
-__all__ = ["WeightSync", "choose_mode", "describe_sync", "sync_backend"]
+__all__ = ["WeightSync", "choose_mode", "describe_sync", "sync_backend", "sync_backend_note"]

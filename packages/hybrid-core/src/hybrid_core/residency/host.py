@@ -165,6 +165,21 @@ def local_budget(gpus_per_node: int | None = None, *, meminfo: str = "/proc/memi
                       local=True)
 
 
+def planning_budget(gpus_per_node: int | None, node_gpus: int, local_gpus: int, *, runs_here: bool = False,
+                    meminfo: str = "/proc/meminfo", environ: Mapping[str, str] | None = None) -> HostBudget:
+    """The budget a dry-run checks a plan against when ``--host_memory_gb`` is not given.
+
+    A dry-run plans for the run's nodes, which are often not the machine it runs on (a laptop checking a 64-GPU
+    script): this machine's memory says something about theirs only when it could be one of them -- it has the
+    ``node_gpus`` GPUs the fullest node of the plan uses (``local_gpus`` >= ``node_gpus``), or the run is a local one
+    (``runs_here``: a local Ray declaring its GPUs). Otherwise nothing is checked, and the plan says what it keeps in
+    each node's host memory (:func:`render_host`, :func:`host_notes`), for ``--host_memory_gb`` to check."""
+    if runs_here or local_gpus >= node_gpus:
+        return local_budget(gpus_per_node, meminfo=meminfo, environ=environ)
+    return HostBudget(None, f"a dry-run plans for the run's nodes, and this machine has {local_gpus} of the "
+                      f"{node_gpus} GPUs one of them uses, so its memory says nothing about theirs", gpus_per_node)
+
+
 # ---- the check, the notes and the lines --------------------------------------------------------------------------
 def check_host(plan: ResidencyPlan) -> None:
     """Raise a :class:`PlacementError` naming the node, the numbers, the largest items and a fix when the states the
@@ -225,7 +240,7 @@ def render_host(plan: ResidencyPlan) -> list[str]:
         use = uses[nodes[0]]
         where = f"node {nodes[0]}" if len(nodes) == 1 else f"nodes {_span(nodes)}, each"
         if budget is None or budget.bytes is None:
-            capacity, source = "(available memory unknown: not checked)", ""
+            capacity, source = "needed (available memory unknown: not checked)", ""
         else:
             flag = "OVER" if use.states > budget.bytes else "tight" if use.total > NEAR_FULL * budget.bytes else "ok"
             capacity, source = f"of {budget.bytes / GiB:.1f} GiB available, {flag}", f"; available: {budget.source}"

@@ -145,18 +145,27 @@ class ResidencyOwner:
                 out[share.role] = int(held * share.workers)
         return out
 
+    def on_gpu(self) -> dict[str, set[str]]:
+        """Role -> the states that may be on its GPUs right now by this owner's account: resident, still leaving or
+        already coming back (after :meth:`settle`: exactly the resident ones, early wakes included); a role of the
+        plan that has no handle yet holds all of them. What :mod:`.refine` compares a GPU reading with."""
+        out = {}
+        for role in self.plan.roles:
+            if role not in self.handles:
+                out[role] = set(self._states(role))
+                continue
+            out[role] = set(self.resident.get(role, ())) | self._arriving(role) | {
+                s for p in self.pending if p.role == role and p.direction == "off" for s in p.states}
+        return out
+
     def held_at_most(self, gpu: int) -> float:
         """The most ``gpu`` can hold right now by this owner's account: resident states, states still leaving and
         states already coming back, plus the contexts (the working memory of the phase comes on top)."""
+        on_gpu = self.on_gpu()
         total = 0.0
         for share in self.plan.layout.get(gpu, ()):
-            role = share.role
-            states = set(self.resident.get(role, ())) | self._arriving(role) | {
-                s for p in self.pending if p.role == role and p.direction == "off" for s in p.states}
-            if role not in self.handles:
-                states = set(self._states(role))
             total += share.size.context * share.workers
-            total += sum(share.size.states.get(s, 0.0) for s in states) * share.workers
+            total += sum(share.size.states.get(s, 0.0) for s in on_gpu.get(share.role, ())) * share.workers
         return total
 
     def _note(self, entry: dict[str, Any]) -> None:

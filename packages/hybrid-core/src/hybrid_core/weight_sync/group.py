@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import rendezvous
 from ..errors import ConfigError, RemoteTimeout, RoleFailure
 
 GROUP_NAME = "hybrid-weight-sync"
@@ -126,14 +127,18 @@ def create_sync_group(master_address: str, master_port: int, rank: int, world_si
         device = torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
     where = f"weight-sync group {group_name!r} at {master_address}:{master_port} (rank {rank} of {world_size})"
+    # every listener on the rendezvous address only (loopback on one node): hybrid_core.rendezvous
+    bind = rendezvous.bind_address(master_address)
+    if backend == "nccl":
+        rendezvous.use_interface(bind)  # NCCL's sockets (a process's first NCCL group fixes them); gloo's: below
     try:
-        store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
-                              wait_for_workers=False)
+        store = rendezvous.open_store(master_address, master_port, world_size, is_master=(rank == 0),
+                                      timeout=timeout, what=where)
         prefixed = dist.PrefixStore(group_name, store)
         if backend == "nccl":
             pg = _nccl_backend(prefixed, rank, world_size, timeout, group_name)
         else:
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, rendezvous.gloo_options(bind, timeout))
     except (RuntimeError, TimeoutError) as e:  # DistNetworkError / DistStoreError are RuntimeErrors
         text = _first_line(e)
         if _is_timeout(text) or isinstance(e, TimeoutError):
@@ -145,6 +150,11 @@ def create_sync_group(master_address: str, master_port: int, rank: int, world_si
     if int(hello.item()) != world_size:
         raise ConfigError("world_size", f"rank 0 declared world_size {int(hello.item())}, this rank {world_size}.",
                           "Give every rank of the weight-sync group the same world_size (1 + engine workers).")
+    try:  # the group formed: the store stops listening once every rank is done with it
+        store.close_when_formed(rank, world_size, key=f"{group_name}/formed")
+    except (RuntimeError, TimeoutError) as e:
+        raise RemoteTimeout(f"{where}: not every rank finished joining within {timeout_s:g} s "
+                            f"({_first_line(e)})") from e
     return group
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
-import socket
 import sys
 import time
 import traceback
@@ -52,10 +51,11 @@ class RoleWorker:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "device": str(self.device)}
 
     @staticmethod
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def free_port(host: str = "127.0.0.1") -> int:
+        """A port free on ``host`` (the group's rendezvous address, where rank 0's store will listen)."""
+        from hybrid_core.rendezvous import free_port
+
+        return free_port(host)
 
     def ping(self) -> bool:
         return True

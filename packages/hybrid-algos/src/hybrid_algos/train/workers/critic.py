@@ -9,7 +9,7 @@ import torch
 from hybrid_core.offload import DeepSpeedOffloader
 
 from ... import clipped_value_loss
-from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
+from ..deepspeed_setup import close_rendezvous, deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_critic, response_values
 from ..update_guard import UpdateGuard
@@ -20,7 +20,7 @@ from .policy import DeviceMeans, attn_implementation, forward_micro_batches, lr_
 class CriticWorker(RoleWorker):
     def setup(self, model_path: str, master_addr: str, master_port: int, total_steps: int) -> dict[str, Any]:
         cfg = self.config
-        init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
+        store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         model = load_critic(model_path, dtype=dtype, attn_implementation=attn_implementation(cfg),
                             gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
@@ -33,6 +33,7 @@ class CriticWorker(RoleWorker):
             **lr_schedule(cfg, total_steps)))  # the actor's schedule (--lr_warmup_ratio, --lr_scheduler)
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
+        close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
         self.settle()
         return self.where()
 
@@ -72,11 +73,8 @@ class CriticWorker(RoleWorker):
                                                     clip=cfg.value_clip, agg_mode=cfg.value_agg_mode,
                                                     norm_len=cfg.generate_max_len)
                     guard.add_loss(loss)
-                    if weight is None:
-                        self.engine.backward(loss)
-                    else:
-                        self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
-                        self.engine.backward(loss * weight, scale_wrt_gas=False)
+                    self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+                    self.engine.backward(loss * weight, scale_wrt_gas=False)
                     guard.step(self.engine, step)
                     stats.add("critic/value_loss", loss)
                     stats.add("critic/clip_frac", info.get("clip_frac", 0.0))

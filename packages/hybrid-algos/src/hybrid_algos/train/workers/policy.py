@@ -11,7 +11,7 @@ from hybrid_core.offload import DeepSpeedOffloader
 from hybrid_engines.weight_sync import TrainerWeightSource
 
 from ... import aggregate_loss, compute_policy_loss, kl_estimate, rollout_correction
-from ..deepspeed_setup import deepspeed_config, init_distributed, make_engine
+from ..deepspeed_setup import close_rendezvous, deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_causal_lm, response_token_scores
 from ..update_guard import UpdateGuard
@@ -26,7 +26,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
 
     def setup(self, model_path: str, master_addr: str, master_port: int, total_steps: int) -> dict[str, Any]:
         cfg = self.config
-        init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
+        store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
         model = load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation(cfg),
                                gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
@@ -40,6 +40,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             **lr_schedule(cfg, total_steps)))
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
+        close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
         self._raw_old: dict[bytes, torch.Tensor] = {}
         self.settle()
         return {"params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
@@ -148,11 +149,9 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                         loss = loss - cfg.entropy_loss_coef * ent
                         stats.add("actor/entropy", ent)
                     guard.add_loss(loss)
-                    if weight is None:  # fixed micro-batches: DeepSpeed averages them over its accumulation steps
-                        self.engine.backward(loss)
-                    else:  # token-budget micro-batches: this one's share of the update, and the boundary is ours
-                        self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
-                        self.engine.backward(loss * weight, scale_wrt_gas=False)
+                    # this micro-batch's share of the update (train_micro_batches), and the boundary is ours
+                    self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+                    self.engine.backward(loss * weight, scale_wrt_gas=False)
                     guard.step(self.engine, step)
                 stats.add("actor/micro_batches", len(plan))
         stats.add("actor/lr", self.engine.get_lr()[0])
@@ -273,23 +272,39 @@ def forward_micro_batches(rollout: Rollout, cfg, device) -> list[tuple[Rollout, 
 
 
 def train_micro_batches(update: Rollout, cfg, device, mask_of=lambda r: r.loss_mask,
-                        by_tokens: bool | None = None) -> list[tuple[Rollout, float | None]]:
-    """The micro-batches of one optimizer update, each with its loss weight (None: DeepSpeed's fixed averaging).
+                        by_tokens: bool | None = None) -> list[tuple[Rollout, float]]:
+    """The micro-batches of one optimizer update, each with its loss weight, in every batching mode.
 
-    With ``--use_dynamic_batch`` the weight is the micro-batch's share of the update's loss tokens (token-mean
-    aggregation) or of its sequences with at least one loss token (the per-sequence modes), so that the weighted
-    sum of the micro-batch losses is the loss over the whole update."""
-    if not cfg.use_dynamic_batch:
-        return [(mb, None) for mb in update.micro_batches(cfg.micro_train_batch_size)]
-    mbs, _ = update.token_micro_batches(cfg.train_token_budget, packed=cfg.packing_samples, device=device)
+    The weight is the micro-batch's share of the update's loss tokens (token-mean aggregation) or of its sequences
+    with at least one loss token (the per-sequence modes), counted over every data-parallel rank of the role: the
+    weighted micro-batch losses, averaged over the ranks as DeepSpeed averages their gradients, are the loss over
+    all of the update's samples. Without it, token-mean would be a mean of per-micro-batch (and per-rank) means,
+    which weighs the tokens of short micro-batches more (DAPO's token-level loss is over the whole batch). Micro-batches
+    are ``micro_train_batch_size`` samples, or at most ``train_max_tokens_per_gpu`` tokens (``--use_dynamic_batch``)."""
+    if cfg.use_dynamic_batch:
+        mbs, _ = update.token_micro_batches(cfg.train_token_budget, packed=cfg.packing_samples, device=device)
+    else:
+        mbs = list(update.micro_batches(cfg.micro_train_batch_size))
     by_tokens = cfg.policy_agg_mode == "token-mean" if by_tokens is None else by_tokens
 
     def size(r: Rollout) -> float:
         m = mask_of(r).bool()
         return float(m.sum()) if by_tokens else float(m.any(-1).sum())
 
-    total = size(update)
-    return [(mb, size(mb) / total if total else 0.0) for mb in mbs]
+    total, ranks = _over_ranks(size(update), device)
+    mean_share = total / ranks  # what one rank's update weighs when the ranks' gradients are averaged
+    return [(mb, size(mb) / mean_share if total else 0.0) for mb in mbs]
+
+
+def _over_ranks(count: float, device) -> tuple[float, int]:
+    """The sum of ``count`` over the data-parallel ranks of this process's group, and their number (1 when alone)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return count, 1
+    t = torch.tensor([count], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item()), dist.get_world_size()
 
 
 def engine_logprobs_given(rollout: Rollout) -> bool:
