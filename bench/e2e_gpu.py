@@ -47,8 +47,9 @@ def command(args, model: str, data: str, save: str) -> list[str]:
            "--micro_train_batch_size", str(min(args.micro, per_step)), "--micro_rollout_batch_size", str(micro_rollout),
            "--prompt_max_len", str(prompt_len), "--generate_max_len", str(max_new), "--max_steps", str(args.steps),
            "--actor_learning_rate", str(args.lr), "--temperature", "1.0", "--init_kl_coef", str(args.kl),
-           "--vllm_gpu_memory_utilization", str(args.gpu_util), "--save_path", save, "--seed", "0",
-           "--residency", args.residency]
+           "--save_path", save, "--seed", "0", "--residency", args.residency]
+    if args.backend != "hf":  # the built-in engine has no memory pool (nor CUDA graphs): hybrid refuses these there
+        cmd += ["--vllm_gpu_memory_utilization", str(args.gpu_util)]
     if args.sleep_level:
         cmd += ["--engine_sleep_level", str(args.sleep_level)]
     if args.ckpt or args.size != "357m":
@@ -60,7 +61,7 @@ def command(args, model: str, data: str, save: str) -> list[str]:
         cmd += ["--placement", "actor=0", "reference=0", "rollout=1", *(["critic=0"] if args.algo == "ppo" else [])]
     else:
         cmd += ["--colocate_all_models"]
-    if args.enforce_eager:
+    if args.enforce_eager and args.backend != "hf":
         cmd += ["--enforce_eager"]
     cmd += args.extra
     return cmd

@@ -8,6 +8,11 @@
 Each mode runs several syncs; the first (mapping handles, building the communicator) is reported apart, the rate
 is the median of the others. After the last sync the engine's weights are checked bit-exact against the sender's.
 
+Verification (every sync checked against per-piece checksums, ``hybrid_core.weight_sync.verify``, read back from
+the engine's parameters): the rounds alternate verified and unverified syncs after the first; metric
+``weight sync verify overhead %`` = (median verified - median unverified) / median unverified. Then one sync with a
+byte flipped in flight at the engine (``HYBRID_FAULT=receiver:bucket:corrupt:2``) must fail naming the parameter.
+
     python bench/weight_sync.py [--record]     # GPU(s)
     python bench/weight_sync.py --small        # tiny model on CPU (shared memory + gloo): logic check only
 """
@@ -32,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--mode", choices=("auto", "ipc", "nccl", "both"), default="auto",
                     help="auto: ipc, plus nccl when 2 GPUs are visible (on CPU both run, the second over gloo)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="default 512 (GPU), 1/32 with --small")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=9, help="syncs per mode: 1 warm-up, then verified/unverified pairs")
     ap.add_argument("--timeout", type=float, default=300, help="seconds for any one wait")
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     return ap.parse_args()
@@ -52,8 +57,28 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 
 # ---- the engine processes ------------------------------------------------------------------------------------------
+def _corrupt_next(nth: int) -> None:
+    """In the engine process: flip a byte of the nth bucket received from now on (the fault counter restarts)."""
+    import os
+
+    from hybrid_core import faults
+
+    os.environ[faults.ENV] = f"receiver:bucket:corrupt:{nth}"
+    faults._calls.clear()
+
+
+def _clear_fault() -> None:
+    import os
+
+    from hybrid_core import faults
+
+    os.environ.pop(faults.ENV, None)
+
+
 def ipc_engine(small: bool, device: str, requests, replies) -> None:
-    """Holds its own model on the same device; loads IPC buckets into it and acknowledges each."""
+    """Holds its own model on the same device; loads IPC buckets into it (verified against its parameters) and
+    acknowledges each."""
+    from hybrid_core.errors import WeightSyncMismatch
     from hybrid_core.weight_sync import load_ipc_bucket
 
     try:
@@ -73,16 +98,25 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
         while (msg := requests.get(timeout=600)) is not None:
             if msg == "fingerprint":
                 replies.put(("fingerprint", fingerprint(model)))
+            elif isinstance(msg, tuple) and msg[0] == "corrupt":
+                _corrupt_next(msg[1])
+                replies.put(("ok", None))
             else:
-                load_ipc_bucket(msg, load)
-                replies.put(("ack", msg.index))
+                try:
+                    load_ipc_bucket(msg, load, lambda name: params.get(name))
+                    replies.put(("ack", msg.index))
+                except WeightSyncMismatch as e:
+                    _clear_fault()
+                    replies.put(("mismatch", str(e)))
     except BaseException:
         replies.put(("error", traceback.format_exc()))
 
 
 def group_engine(small: bool, device: str, port: int, backend: str, bucket_bytes: int, timeout: float, requests,
                  replies) -> None:
-    """Rank 1 of a sync group: receives broadcast buckets into its own model on its own device."""
+    """Rank 1 of a sync group: receives broadcast buckets into its own model on its own device (verified against
+    its parameters when the sender sends checksums)."""
+    from hybrid_core.errors import WeightSyncMismatch
     from hybrid_core.weight_sync import WeightReceiver, create_sync_group
 
     try:
@@ -103,9 +137,16 @@ def group_engine(small: bool, device: str, port: int, backend: str, bucket_bytes
         while (msg := requests.get(timeout=600)) is not None:
             if msg == "fingerprint":
                 replies.put(("fingerprint", fingerprint(model)))
+            elif isinstance(msg, tuple) and msg[0] == "corrupt":
+                _corrupt_next(msg[1])
+                replies.put(("ok", None))
             else:
-                stats = receiver.receive(msg, load)
-                replies.put(("received", stats.as_dict()))
+                try:
+                    stats = receiver.receive(msg, load, lambda name: params.get(name))
+                    replies.put(("received", stats.as_dict()))
+                except WeightSyncMismatch as e:
+                    _clear_fault()
+                    replies.put(("mismatch", str(e)))
         group.close()
     except BaseException:
         replies.put(("error", traceback.format_exc()))
@@ -113,6 +154,10 @@ def group_engine(small: bool, device: str, port: int, backend: str, bucket_bytes
 
 def _reply(replies, kind: str, timeout: float):
     got, value = replies.get(timeout=timeout)
+    return _check_kind(got, value, kind)
+
+
+def _check_kind(got: str, value, kind: str):
     if got == "error":
         raise RuntimeError(f"engine process failed:\n{value}")
     if got != kind:
@@ -142,17 +187,40 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
             while index not in acked:
                 acked.add(_reply(replies, "ack", args.timeout))
 
-        rates = []
+        rates, times = [], {True: [], False: []}
         for r in range(args.rounds):
             acked.clear()
+            sender.verify = verified(r)
             start = time.perf_counter()
             stats = sender.send(model.named_parameters(), deliver, wait)
             seconds = time.perf_counter() - start
-            rates.append(stats.bytes / seconds / 1e9)
-            print(f"ipc sync {r}: {stats.bytes / 1e9:.3f} GB in {seconds * 1e3:.1f} ms ({rates[-1]:.1f} GB/s)",
-                  flush=True)
+            if r:
+                times[sender.verify].append(seconds)
+            if sender.verify:
+                rates.append(stats.bytes / seconds / 1e9)
+            print(f"ipc sync {r}{'' if sender.verify else ' (unverified)'}: {stats.bytes / 1e9:.3f} GB in "
+                  f"{seconds * 1e3:.1f} ms ({stats.bytes / seconds / 1e9:.1f} GB/s)", flush=True)
         requests.put("fingerprint")
         exact = _reply(replies, "fingerprint", args.timeout) == fingerprint(model)
+        sender.verify = True
+        requests.put(("corrupt", 2))
+        _reply(replies, "ok", args.timeout)
+        acked.clear()
+        caught = None
+
+        def wait_or_mismatch(index):
+            nonlocal caught
+            while index not in acked and caught is None:
+                got, value = replies.get(timeout=args.timeout)
+                if got == "mismatch":
+                    caught = value
+                    raise RuntimeError(value)
+                acked.add(_check_kind(got, value, "ack"))
+
+        try:
+            sender.send(model.named_parameters(), deliver, wait_or_mismatch)
+        except RuntimeError:
+            pass
         requests.put(None)
         sender.close()
     finally:
@@ -162,10 +230,12 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
     if not exact:
         raise AssertionError("the engine's weights differ from the sender's after the IPC syncs")
     print("ipc: engine weights bit-exact", flush=True)
+    _check_caught("ipc", caught)
     what = "CUDA IPC buckets" if device.type == "cuda" else "shared-memory buckets, CPU"
     rows += [Row("weight sync GB/s", statistics.median(rates[1:] or rates),
-                 f"GB/s ({what}, {args.bucket_mb:g} MB, median)"),
-             Row("weight sync GB/s (first sync)", rates[0], "GB/s (maps the handles)", record=False)]
+                 f"GB/s ({what}, {args.bucket_mb:g} MB, median, verified)"),
+             Row("weight sync GB/s (first sync)", rates[0], "GB/s (maps the handles)", record=False),
+             overhead_row(times, what, args)]
 
 
 def bench_group(args, device: torch.device, rows: list[Row]) -> None:
@@ -187,16 +257,29 @@ def bench_group(args, device: torch.device, rows: list[Row]) -> None:
     try:
         group = create_sync_group("127.0.0.1", port, 0, 2, backend=backend, timeout_s=args.timeout, device=sender_dev)
         sender = WeightSender(group, bucket_bytes)
-        rates = []
+        rates, times = [], {True: [], False: []}
         for r in range(args.rounds):
+            sender.verify = verified(r)
             requests.put(metas)
+            start = time.perf_counter()
             stats = sender.send(model.named_parameters())
-            _reply(replies, "received", args.timeout)
-            rates.append(stats.gbps)
-            print(f"{backend} sync {r}: {stats.bytes / 1e9:.3f} GB in {stats.seconds * 1e3:.1f} ms "
-                  f"({stats.gbps:.1f} GB/s)", flush=True)
+            _reply(replies, "received", args.timeout)  # the sync ends when the engine has checked it
+            seconds = time.perf_counter() - start
+            if r:
+                times[sender.verify].append(seconds)
+            if sender.verify:
+                rates.append(stats.gbps)
+            print(f"{backend} sync {r}{'' if sender.verify else ' (unverified)'}: {stats.bytes / 1e9:.3f} GB in "
+                  f"{seconds * 1e3:.1f} ms ({stats.bytes / seconds / 1e9:.1f} GB/s)", flush=True)
         requests.put("fingerprint")
         exact = _reply(replies, "fingerprint", args.timeout) == fingerprint(model)
+        sender.verify = True
+        requests.put(("corrupt", 2))
+        _reply(replies, "ok", args.timeout)
+        requests.put(metas)
+        sender.send(model.named_parameters())
+        got, caught = replies.get(timeout=args.timeout)
+        caught = caught if got == "mismatch" else None
         requests.put(None)
         group.close()
     finally:
@@ -206,9 +289,34 @@ def bench_group(args, device: torch.device, rows: list[Row]) -> None:
     if not exact:
         raise AssertionError(f"the engine's weights differ from the sender's after the {backend} syncs")
     print(f"{backend}: engine weights bit-exact", flush=True)
-    unit = f"GB/s ({'NCCL, GPU 0 -> GPU 1' if on_gpu else 'gloo over loopback, CPU'}, {args.bucket_mb:g} MB, median)"
+    _check_caught(backend, caught)
+    what = 'NCCL, GPU 0 -> GPU 1' if on_gpu else 'gloo over loopback, CPU'
+    unit = f"GB/s ({what}, {args.bucket_mb:g} MB, median, verified)"
     rows += [Row("weight sync NCCL GB/s", statistics.median(rates[1:] or rates), unit),
-             Row("weight sync NCCL GB/s (first sync)", rates[0], "GB/s", record=False)]
+             Row("weight sync NCCL GB/s (first sync)", rates[0], "GB/s", record=False),
+             overhead_row(times, what, args)]
+
+
+def verified(round_: int) -> bool:
+    """Round 0 (warm-up) and odd rounds verify, even rounds do not: pairs close in time."""
+    return round_ == 0 or round_ % 2 == 1
+
+
+def overhead_row(times: dict[bool, list[float]], what: str, args) -> Row:
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    pct = (on - off) / off * 100
+    print(f"verify: median {on * 1e3:.2f} ms verified vs {off * 1e3:.2f} ms unverified ({pct:+.2f} %)", flush=True)
+    return Row("weight sync verify overhead %", pct,
+               f"% of the sync's time ({what}, {args.bucket_mb:g} MB; median of {len(times[True])} verified "
+               f"{on * 1e3:.2f} ms vs {len(times[False])} unverified {off * 1e3:.2f} ms; a byte flipped in flight "
+               "was caught naming the parameter)")
+
+
+def _check_caught(mode: str, caught: str | None) -> None:
+    if not caught or "weight sync verify" not in caught or "checked in the engine's parameter" not in caught:
+        raise AssertionError(f"{mode}: a byte flipped in flight was not reported as a mismatch naming the parameter "
+                             f"(got {caught!r})")
+    print(f"{mode}: corrupted sync caught: {caught[:200]}", flush=True)
 
 
 def main() -> int:

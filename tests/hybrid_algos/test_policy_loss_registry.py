@@ -262,3 +262,34 @@ def test_bad_is_weights_are_named():
         with pytest.raises(AlgoInputError) as e:
             compute_policy_loss("ppo", torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), mask, is_weights=w)
         assert e.value.field == "is_weights"
+
+
+def test_each_loss_clips_at_its_papers_range_when_the_user_sets_none():
+    """GSPO's sequence ratios stay near 1: PPO's 0.2 would almost never clip them, so with no clip given GSPO uses
+    its paper's (3e-4, 4e-4); CISPO has no lower bound (clip_low 1); PPO keeps 0.2. A given clip still wins."""
+    from hybrid_algos import get_policy_loss
+
+    assert get_policy_loss("ppo").default_clip == (0.2, 0.2)
+    assert get_policy_loss("gspo").default_clip == (3e-4, 4e-4)
+    assert get_policy_loss("cispo").default_clip[0] == 1.0
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    old = torch.zeros(2, 6)
+    logp = torch.full((2, 6), 0.01, requires_grad=True)  # sequence ratio exp(0.01): inside 0.2, outside 4e-4
+    adv = torch.ones(2, 6)
+    _, default = compute_policy_loss("gspo", logp, old, adv, mask)
+    _, wide = compute_policy_loss("gspo", logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    assert default["clip_frac"].item() == 1.0 and wide["clip_frac"].item() == 0.0
+    weights = torch.full((2, 6), -3.0)  # ratio e^-3 ~ 0.05: CISPO's default keeps it (no lower bound), 0.2 lifts it
+    _, cispo = compute_policy_loss("cispo", weights.requires_grad_(), old, adv, mask)
+    assert cispo["clip_frac"].item() == 0.0
+
+
+def test_the_run_config_takes_the_losses_clip_and_says_so():
+    from hybrid_algos.train.config import GRPOConfig
+
+    gspo = GRPOConfig(policy_loss_type="gspo")
+    assert gspo.clip_range == (3e-4, 4e-4)
+    assert "GSPO's paper" in gspo.clip_note()
+    assert GRPOConfig(policy_loss_type="gspo", eps_clip=0.1).clip_range == (0.1, 0.1)
+    assert GRPOConfig(policy_loss_type="gspo", eps_clip=0.1).clip_note() is None
+    assert GRPOConfig().clip_range == (0.2, 0.2) and GRPOConfig().clip_note() is None

@@ -284,3 +284,22 @@ def test_the_slurm_script_s_two_nodes(script_argv, capsys):
     for worker in plan.roles["rollout"].workers:
         assert len({plan.node_of(g) for g in worker.gpus}) == 1
     assert {plan.node_of(g) for g in plan.roles["rollout"].gpus} == {0, 1}  # the engines span both nodes
+
+
+def test_scripts_run_openrlhf_s_algorithm_where_they_leave_it_to_its_defaults(script_argv):
+    """What a script leaves out is OpenRLHF's default of its release, not the subcommand's (issue 34): TIS with
+    OpenRLHF's bounds for token + clip, GAE's lambda 1, the value clip 0.5, KL k1 in the reward, a 3 % warm-up."""
+    config, _, notes = load_config("ppo", script_argv("dotted/train_ppo_ray_hybrid_engine.args"))
+    assert config.enable_vllm_is_correction and config.correction_type == "tis"
+    assert config.correction_bounds == (0.5, 5.0)  # 0.11.2's default threshold, not hybrid's TIS bound (None, 2.0)
+    assert "OpenRLHF 0.11.2" in notes[0]
+    config, _, notes = load_config("ppo", script_argv("flat/train_ppo_llama_ray.args"))
+    assert (config.lambd, config.value_clip, config.kl_estimator, config.use_kl_loss) == (1.0, 0.5, "k1", False)
+    assert (config.lr_scheduler, config.lr_warmup_ratio) == ("cosine_with_min_lr", 0.03)
+    assert not config.enable_vllm_is_correction  # 0.10.1: no correction unless --enable_vllm_is_correction
+    assert "OpenRLHF 0.10.1" in notes[0]
+    assert any(n.startswith("differs from OpenRLHF 0.10.1: --vllm_enable_sleep not given") for n in notes)
+    # the GRPO script under `hybrid grpo` keeps its own KL settings and gets 0.10.1's for the rest
+    config, _, _ = load_config("grpo", script_argv("flat/train_grpo_ray_hybrid_engine.args"))
+    assert (config.kl_estimator, config.use_kl_loss, config.init_kl_coef) == ("k3", True, 1e-3)
+    assert config.advantage_estimator == "group_norm" and config.lr_warmup_ratio == 0.03

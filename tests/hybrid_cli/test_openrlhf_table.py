@@ -234,8 +234,31 @@ def test_the_generator_reads_a_parser_from_the_script_s_main_block():
                      "ckpt.max_mem": ["max_ckpt_mem"]}
 
 
-def test_the_committed_data_file_is_what_the_generator_writes():
+def test_the_committed_data_files_are_what_the_generator_writes():
     tool = _tool()
-    with open(orl.DATA_FILE, encoding="utf-8") as f:
-        text = f.read()
-    assert tool.dumps(json.loads(text)) == text  # regenerated, not edited by hand
+    for path in (orl.DATA_FILE, tool.defaults_path(tool.DOTTED_RELEASE), tool.defaults_path(tool.FLAT_DEFAULTS_RELEASE)):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        assert tool.dumps(json.loads(text)) == text, path  # regenerated, not edited by hand
+    assert tool.FLAT_DEFAULTS_RELEASE == orl.FLAT_RELEASE and tool.DOTTED_RELEASE == orl.openrlhf_release()
+
+
+def test_the_generator_reads_the_main_branch_s_new_flags():
+    """Flags of OpenRLHF's main branch that the release lacks are recorded with their flat names; a record of the
+    release's defaults keeps a timestamp default as its pattern."""
+    tool = _tool()
+    release = [{"name": "algo.advantage.is_correction_level", "action": "store", "nargs": None, "default": "off"}]
+    main_source = textwrap.dedent('''
+        if __name__ == "__main__":
+            parser = argparse.ArgumentParser()
+            parser.add_argument("--algo.advantage.is_correction_level", type=str, default="off")
+            parser.add_argument("--algo.advantage.is_correction_enable", action="store_true", default=False)
+            args = parser.parse_args()
+    ''')
+    flat = {"enable_vllm_is_correction": {"name": "enable_vllm_is_correction", "action": "store_true", "nargs": None}}
+    extra = tool.main_branch_flags(main_source, "0" * 40, release, flat)
+    assert [(r["name"], r["flat"]) for r in extra] == [("algo.advantage.is_correction_enable",
+                                                         ["enable_vllm_is_correction"])]
+    record = tool.defaults_record("0.11.2", "dotted", [{"name": "logger.wandb.run_name", "default": "ppo_0101T00:00"},
+                                                      {"name": "algo.kl.estimator", "default": "k1"}])
+    assert record["defaults"] == {"logger.wandb.run_name": "ppo_%m%dT%H:%M", "algo.kl.estimator": "k1"}

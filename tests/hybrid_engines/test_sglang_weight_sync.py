@@ -23,6 +23,7 @@ from hybrid_engines.ray_engines import EngineActor, EngineGroup
 from hybrid_engines.weight_sync import TrainerWeightSource, WeightSync, choose_sync_mode
 
 import sglang_standin
+from timing_bounds import HANG_S
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, max_position_embeddings=64, torch_dtype="bfloat16")
@@ -145,4 +146,4 @@ def test_the_trainers_side_of_sglangs_group_has_a_deadline():
     with pytest.raises(RemoteTimeout, match="SGLang weight-update group 'lonely'"):
         sglang_trainer_group("127.0.0.1", TinyTrainer.free_port(), 2, group_name="lonely", backend="gloo",
                              timeout_s=2)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < HANG_S  # the 2 s deadline fired (above); this only catches a hang

@@ -15,6 +15,7 @@ from hybrid_algos.train.checkpoint import CheckpointManager
 from hybrid_algos.train.config import DEMO_SETTINGS
 
 from tiny_runs import tiny_config
+from timing_bounds import RUN_HANG_S
 
 pytestmark = pytest.mark.usefixtures("two_gpu_ray")
 
@@ -124,4 +125,4 @@ def test_a_stalled_producer_ends_the_run_naming_the_rollout_and_the_step(tmp_pat
     message = str(info.value)
     assert "rollout" in message and "step 3" in message and "generat" in message, message
     assert "stacks" in message  # every role's stacks, as for any late call
-    assert time.monotonic() - start < 100  # bounded by the budget (and the hung engine's shutdown), not a hang
+    assert time.monotonic() - start < RUN_HANG_S  # the budget ended it (above); this only catches a hang

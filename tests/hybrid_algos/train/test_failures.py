@@ -18,6 +18,7 @@ from hybrid_algos.train.checkpoint import CheckpointManager
 from hybrid_core.errors import RemoteTimeout, RoleFailure
 
 from tiny_runs import tiny_config, worker_pids
+from timing_bounds import HANG_S, RUN_HANG_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.usefixtures("one_gpu_ray")]
 
@@ -41,7 +42,7 @@ def test_hang_is_reported_within_the_step_budget_with_stacks(tmp_path, monkeypat
     # role, phase and rank of the late call, the step and its budget, the stacks and the checkpoint
     assert "actor rank 0: train" in message and "step 2" in message and f"{budget:g} s budget" in message
     assert "stacks" in message and "step-00000001" in message and "--resume" in message
-    assert waited < budget + 25, f"reported {waited:.0f} s after the last good step"
+    assert waited < budget + HANG_S, f"reported {waited:.0f} s after the last good step"  # the budget fired (above)
     logs = tmp_path / "logs"
     actor_stacks = (logs / "stacks-actor-0.txt").read_text()
     assert "in maybe_inject" in actor_stacks  # the dump shows where the actor hangs
@@ -59,7 +60,7 @@ def test_trainer_death_ends_the_run_and_resume_continues(tmp_path, monkeypatch):
         train(tiny_config(tmp_path, max_steps=3, save_steps=1))
     message = str(info.value)
     assert "actor rank 0: train" in message and "died" in message and "step 2" in message
-    assert time.monotonic() - start < 120
+    assert time.monotonic() - start < RUN_HANG_S  # "died": the death ended it, not the step budget
 
     monkeypatch.delenv("HYBRID_FAULT")
     summary = train(tiny_config(tmp_path, max_steps=2, save_steps=1, resume=True))
@@ -93,7 +94,7 @@ def test_killed_engine_ends_the_run_within_60_s(tmp_path, monkeypatch):
     ended = time.monotonic()
     killer.join(timeout=5)
     assert "at" in killed, "the engine process was not found"
-    assert ended - killed["at"] < 60
+    assert ended - killed["at"] < HANG_S  # "died" (below): the death ended it, not the 120 s step budget
     assert "rollout engine 0" in str(info.value) and "died" in str(info.value)
     path, step = CheckpointManager(str(tmp_path / "checkpoints")).latest()
     assert step >= 2 and os.path.isfile(os.path.join(path, "actor", "state", "mp_rank_00_model_states.pt"))

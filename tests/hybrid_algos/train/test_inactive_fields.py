@@ -49,9 +49,17 @@ def _read_outside(name: str, text: str) -> bool:
 
 
 def _read_through_config_methods(text: str) -> set[str]:
-    """Fields read by RLConfig's methods and properties (not its validation) that code outside config.py calls."""
+    """Fields read by RLConfig's methods and properties (not its validation) that code outside config.py calls, and
+    fields its validation hands to another module's function (``prepare(self.plugins)`` imports the user's files)."""
+    import builtins
+
     tree = ast.parse(CONFIG_PY.read_text(encoding="utf-8"))
     fields, out = all_fields(), set()
+    local = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | set(dir(builtins)) | {"ConfigError"}
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                 and n.func.id not in local):
+        out |= {a.attr for a in call.args if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name)
+                and a.value.id == "self"}
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Config")):
         for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
             if fn.name == "validate" or fn.name.startswith("_") or not _read_outside(fn.name, text):

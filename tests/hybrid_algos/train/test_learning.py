@@ -28,7 +28,6 @@ These are the demo's settings (DEMO_SETTINGS): what is tested is what ``hybrid p
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 
@@ -53,9 +52,7 @@ HOLD = 8
 @pytest.mark.parametrize("algo", ["ppo", "reinforce", "grpo"])
 def test_algorithm_learns_the_copy_task(algo: str, seed: int, tmp_path) -> None:
     config = CONFIGS[algo](save_path=str(tmp_path / algo), seed=seed, **SETTINGS)
-    start = time.monotonic()
     summary = train(config)
-    elapsed = time.monotonic() - start
 
     rewards = [m["reward"] for m in summary["history"]]
     shown = [round(r, 2) for r in rewards]
@@ -66,7 +63,6 @@ def test_algorithm_learns_the_copy_task(algo: str, seed: int, tmp_path) -> None:
                                                         f"wanted by step {CROSS_BY} (rewards: {shown})"
     held = statistics.mean(rewards[-HOLD:])
     assert held >= BAR, f"{algo} seed {seed}: the last {HOLD} steps average {held:.3f} (rewards: {shown})"
-    assert elapsed < 180, f"{algo} took {elapsed:.0f} s"
 
     # Colocated with sleep: every role on the one GPU, and every step moved state off and back on.
     plan, residency = summary["plan"], summary["residency"]

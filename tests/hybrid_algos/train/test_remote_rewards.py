@@ -13,6 +13,7 @@ import pytest
 from hybrid_algos.train.remote_rewards import HttpReward, RewardFile, RewardServerError, scores_of
 from hybrid_algos.train.rewards import load_reward_fn
 from hybrid_core.errors import ConfigError
+from timing_bounds import HANG_S
 
 PROMPTS = ["s1 s2", "s3 s4", "s5 s6"]
 COMPLETIONS = [" s1", " s3 s3", ""]
@@ -108,12 +109,20 @@ def test_a_request_error_is_not_retried(server_with):
 
 
 def test_a_hanging_server_times_out(server_with):
-    server = server_with(lambda n, body: ("hang", 3.0))
+    release = threading.Event()  # the server answers only once released: only the client's timeout can end a try
+
+    def hang(n, body):
+        release.wait(HANG_S)
+        return "hang", 0.0
+
+    server = server_with(hang)
     fn = HttpReward([server.url], timeout_s=0.5, tries=2, backoff_s=0.01)
-    start = time.monotonic()
-    with pytest.raises(RewardServerError, match="no answer within 0.5 s"):
-        fn(PROMPTS, COMPLETIONS, labels=LABELS)
-    assert time.monotonic() - start < 2.9  # the timeout ended each try, not the server
+    try:
+        with pytest.raises(RewardServerError, match="no answer within 0.5 s"):
+            fn(PROMPTS, COMPLETIONS, labels=LABELS)
+        assert not release.is_set() and len(server.requests) == 2  # both tries ended by the timeout, unanswered
+    finally:
+        release.set()
 
 
 def test_no_server_at_the_url():

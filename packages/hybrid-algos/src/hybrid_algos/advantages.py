@@ -42,6 +42,7 @@ Outputs are float32 (or wider), detached, and 0 at masked positions. Add an esti
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
@@ -206,6 +207,15 @@ class AdvantageEstimator:
 _NEEDS = {"scores": "per-sequence scores", "values": "critic values", "groups": "prompt groups"}
 _FIX = {"scores": "scores=<[batch] outcome rewards>", "values": "values=<[batch, len] critic values>",
         "groups": "n_samples_per_prompt=n or group_ids=<[batch] prompt ids>"}
+
+
+def _same_definition(a: Callable, b: Callable) -> bool:
+    """``a`` and ``b`` are one function of one file (its module imported twice, under two names)."""
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return (code_a is not None and code_b is not None and a.__qualname__ == b.__qualname__
+            and os.path.abspath(code_a.co_filename) == os.path.abspath(code_b.co_filename))
+
+
 _REGISTRY: dict[str, AdvantageEstimator] = {}
 _ALIASES: dict[str, str] = {}
 
@@ -228,7 +238,11 @@ def register_advantage_estimator(name: str, *, aliases: Sequence[str] = (), requ
 
     def decorate(fn: EstimatorFn) -> EstimatorFn:
         taken = [n for n in names if n in _REGISTRY or n in _ALIASES]
-        if taken and not replace:
+        # The same function of the same file imported again (one file named by --plugins and --agent_func_path) is
+        # no clash: the newer one takes its place.
+        entries = [_REGISTRY.get(_ALIASES.get(n, n)) for n in taken]
+        again = all(e is not None and _same_definition(e.fn, fn) for e in entries)
+        if taken and not replace and not again:
             raise AlgoInputError("name", f"advantage estimator name(s) {taken} are already registered.",
                                  "Pick another name, or pass replace=True to override.")
         for n in taken:

@@ -38,6 +38,7 @@ Add a loss with :func:`register_policy_loss`::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -99,6 +100,13 @@ class PolicyLoss:
         return ((self.fn.__doc__ or "").strip().splitlines() or [self.name])[0].strip().replace("``", "")
 
 
+def _same_definition(a: Callable, b: Callable) -> bool:
+    """``a`` and ``b`` are one function of one file (its module imported twice, under two names)."""
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return (code_a is not None and code_b is not None and a.__qualname__ == b.__qualname__
+            and os.path.abspath(code_a.co_filename) == os.path.abspath(code_b.co_filename))
+
+
 _REGISTRY: dict[str, PolicyLoss] = {}
 _ALIASES: dict[str, str] = {}
 
@@ -126,7 +134,11 @@ def register_policy_loss(name: str, *, aliases: Sequence[str] = (), agg_mode: st
 
     def decorate(fn: LossFn) -> LossFn:
         taken = [n for n in names if n in _REGISTRY or n in _ALIASES]
-        if taken and not replace:
+        # The same function of the same file imported again (one file named by --plugins and --agent_func_path) is
+        # no clash: the newer one takes its place.
+        entries = [_REGISTRY.get(_ALIASES.get(n, n)) for n in taken]
+        again = all(e is not None and _same_definition(e.fn, fn) for e in entries)
+        if taken and not replace and not again:
             raise AlgoInputError("name", f"policy loss name(s) {taken} are already registered.",
                                  "Pick another name, or pass replace=True to override.")
         for n in taken:

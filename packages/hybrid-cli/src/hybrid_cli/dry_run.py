@@ -23,8 +23,8 @@ from hybrid_core.residency import GiB
 def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: float | None = None,
             notes: Sequence[str] = (), console: Console | None = None) -> int:
     """Validate ``config`` (already ``validate()``-d) all the way, print both plans; 0 when it fits."""
-    from hybrid_algos.train.loop import rollout_lengths
     from hybrid_algos.train.data import step_count
+    from hybrid_algos.train.loop import rollout_lengths
     from hybrid_algos.train.model_files import check_model_folder, check_reward_head
     from hybrid_algos.train.placement import build_residency, gpu_memory
     from rich.markup import escape

@@ -116,7 +116,8 @@ def _defaults(cls: type, command: str, given: dict[str, Any], dotted: bool) -> t
     if is_openrlhf_command(given, dotted):
         line = line_defaults(cls, given, dotted_used=dotted)
         return line.implied, line.notes(cls, command)
-    notes = []
+    notes: list[str] = []
+    implied: dict[str, Any] = {}
     if "pretrain" not in given and "prompt_data" not in given:
         from hybrid_algos.train.config import DEMO_SETTINGS
 

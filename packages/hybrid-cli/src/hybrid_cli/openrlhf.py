@@ -155,7 +155,7 @@ def line_defaults(cls: type, given: Mapping[str, Any], *, dotted_used: bool) -> 
                                           f"the subcommand names the algorithm (`hybrid {cls().algorithm}`: "
                                           f"{ours}); give --{name} to choose another"))
             continue
-        if outputs[0] in DIFFERENCES and specs[outputs[0]].default != _value_here(default, outputs[0], specs):
+        if outputs[0] in DIFFERENCES and specs[outputs[0]].default != default:
             ours, why = DIFFERENCES[outputs[0]]
             differences.append(Difference(outputs[0], _show(default), ours, why))
             continue
@@ -184,16 +184,6 @@ def line_defaults(cls: type, given: Mapping[str, Any], *, dotted_used: bool) -> 
     return LineDefaults(release, implied, differences, flag_of)
 
 
-def openrlhf_defaults(given: Mapping[str, Any], *, dotted_used: bool = False, cls: type | None = None
-                      ) -> dict[str, Any]:
-    """OpenRLHF's defaults for the settings not in ``given``, when ``given`` is an OpenRLHF command line (else {})."""
-    if not is_openrlhf_command(given, dotted_used):
-        return {}
-    if cls is None:
-        from hybrid_algos.train.config import PPOConfig as cls
-    return line_defaults(cls, given, dotted_used=dotted_used).implied
-
-
 def _outputs(rule: orl.Rule, specs: Mapping[str, Any]) -> tuple[str, ...]:
     """The settings here that a flag's default may set (none for flags that change nothing here)."""
     if rule.kind in ("same", "pending"):
@@ -201,10 +191,6 @@ def _outputs(rule: orl.Rule, specs: Mapping[str, Any]) -> tuple[str, ...]:
     if rule.kind == "convert":
         return tuple(f for f in rule.fields if f in specs)
     return ()
-
-
-def _value_here(default: Any, field_name: str, specs: Mapping[str, Any]) -> Any:
-    return NONE_MEANS.get(field_name) if default is None else default
 
 
 def _default_values(rule: orl.Rule, name: str, default: Any, given: Mapping[str, Any], specs: Mapping[str, Any],

@@ -43,5 +43,10 @@ class RoleFailure(HybridError, RuntimeError):
     """A role's actor died or raised; the message names the role, the phase and the rank."""
 
 
+class WeightSyncMismatch(RoleFailure):
+    """After a weight sync an engine does not hold what the trainer sent (a checksum differs); the message names the
+    parameter(s) and the engine (see ``hybrid_core.weight_sync.verify``)."""
+
+
 class GpuMemoryError(HybridError, MemoryError):
     """A role cannot wake: its GPU lacks the free memory it needs; the message names who holds that memory."""

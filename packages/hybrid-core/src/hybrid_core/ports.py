@@ -43,7 +43,7 @@ _THIS_MACHINE = object()  # plan_engine_ports: read the ephemeral range here
 
 @dataclass(frozen=True)
 class PortWindow:
-    """Ports ``start`` .. ``start + size - 1`` on node ``node`` (a Ray node id), for ``owner`` (e.g. "rollout engine 0")."""
+    """Ports ``start`` .. ``start + size - 1`` on ``node`` (a Ray node id), for ``owner`` ("rollout engine 0")."""
 
     owner: str
     node: str

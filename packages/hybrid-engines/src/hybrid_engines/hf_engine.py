@@ -316,7 +316,7 @@ class HFEngine:
         if problem:
             receiver.receive(metas, lambda items: None)
             raise ConfigError("metas", problem, "Send the engine model's own parameter names and shapes.")
-        stats = receiver.receive(metas, self.weights.load)
+        stats = receiver.receive(metas, self.weights.load, self.weights.read_back)  # verified against the model
         _synchronize(self.device)
         return stats
 
@@ -335,7 +335,7 @@ class HFEngine:
             self.weights.load(items)
             _synchronize(self.device)
 
-        return load_ipc_bucket(bucket, load)
+        return load_ipc_bucket(bucket, load, self.weights.read_back)  # verified against the model
 
     def reset_prefix_cache(self) -> None:
         """Nothing to do: this engine keeps no prefix cache across calls (the KV cache lives inside ``generate``)."""

@@ -32,6 +32,11 @@ class NamedWeights:
     def _target(self, name: str) -> torch.Tensor | None:
         return self.params.get(name, self.buffers.get(name))
 
+    def read_back(self, name: str) -> torch.Tensor | None:
+        """The engine's tensor that a load of ``name`` filled (weight-sync verification reads it back)."""
+        target = self._target(name)
+        return None if target is None else target.data
+
     def check(self, named_shapes: Iterable[tuple[str, Sequence[int]]]) -> str | None:
         """A message naming every unknown name or shape mismatch, or ``None`` when all can be loaded."""
         unknown, mismatched = [], []

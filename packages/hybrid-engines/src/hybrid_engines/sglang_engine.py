@@ -124,9 +124,10 @@ PAUSE_DRAIN_S = 0.05
 SGLANG_CONTEXT_RESERVE = 6
 #: ``ServerArgs`` port fields -> offset in the engine's port window (:func:`sglang_port_args`)
 SGLANG_PORT_ARGS = {"port": 0, "nccl_port": 1}
-#: DP attention derives its ZMQ ports from ``port``: ``port + ZMQ_TCP_PORT_DELTA`` (233) and the 6 above it
-#: (``PortArgs.init_new`` in srt/server_args.py), so the window reaches that far
-SGLANG_DERIVED_PORTS = 233 + 7
+#: DP attention derives its ZMQ ports from ``port``: ``port + ZMQ_TCP_PORT_DELTA`` (233) and the ports above it (6
+#: in 0.5.16; 0.5.23's Rust server adds one per DP rank; ``PortArgs.init_new`` in srt/server_args.py): a window of
+#: 256 holds them for up to 16 DP ranks
+SGLANG_DERIVED_PORTS = 256
 #: The SGLang versions this adapter was checked against (contract tests on CPU; 0.5.16 also run on a GPU).
 TESTED_VERSIONS = ("0.5.16", "0.5.23")
 

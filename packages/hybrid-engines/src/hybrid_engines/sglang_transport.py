@@ -54,6 +54,9 @@ class SGLangTransport(WeightTransport):
     # One payload per TP rank, each from the trainer rank on that rank's GPU; SGLang's own TP > 1 engines take whole
     # GPUs (RayEngine), so a colocated TP > 1 engine does not exist to serve.
     ipc_max_tp = 1
+    # SGLang loads with its own code from its own formats: no hybrid-core checksums travel, so no verify= argument
+    # (hybrid_engines.weight_sync.verify_note says so at start).
+    verifies = False
 
     def join(self, master_address: str, master_port: int, world_size: int, *, backend: str, timeout_s: float,
              device: torch.device | str | None, group_name: str = GROUP_NAME) -> Any:

@@ -8,6 +8,12 @@ Python values so they survive vLLM's executors (in-process, multiprocessing, Ray
 
 Weights are loaded with the model's own ``load_weights``, so vLLM maps checkpoint names onto its fused parameters
 (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``, TP sharding, tied embeddings) exactly as at start-up.
+
+Verification (``hybrid_core.weight_sync.verify``, on unless the trainer sends without checksums): vLLM's parameters
+are fused, sharded or post-processed, so no byte of them can be compared with a checkpoint tensor by name; each
+worker checks the bytes it received (the buckets it hands to ``load_weights``) against the trainer's checksums, and
+``_hybrid_result`` reports the parameters ``load_weights`` never reached after a level-2 sleep. A mismatch raises
+``WeightSyncMismatch`` (after the whole stream, so the trainer is not left waiting), naming the parameter.
 """
 
 from __future__ import annotations

@@ -139,24 +139,26 @@ class TrainerWeightSource:
             self._weight_group = transport.join(master_addr, master_port, world_size, backend=backend,
                                                 timeout_s=timeout_s, device=self.device)
 
-    def send_weights(self, transport: WeightTransport, bucket_bytes: int) -> dict:
-        """Broadcast the weights to every engine worker (rank 0 sends; other ranks only help gather ZeRO-3 shards)."""
+    def send_weights(self, transport: WeightTransport, bucket_bytes: int, verify: bool = True) -> dict:
+        """Broadcast the weights to every engine worker (rank 0 sends; other ranks only help gather ZeRO-3 shards);
+        ``verify``: with the checksums the engines check (where the transport has them)."""
         weights = self.named_weights()
         if self.rank != 0:
             for _ in weights:
                 pass
             return TransferStats(0, 0.0, "sync").as_dict()
-        return transport.broadcast(self._weight_group, weights, bucket_bytes=bucket_bytes).as_dict()
+        return transport.broadcast(self._weight_group, weights, bucket_bytes=bucket_bytes,
+                                   **_verify_kwargs(transport, verify)).as_dict()
 
     def send_weights_ipc(self, transport: WeightTransport, engine: Any, bucket_bytes: int, timeout_s: float,
-                         peers: list[int] | None = None, engine_index: int | None = None) -> dict:
+                         peers: list[int] | None = None, engine_index: int | None = None, verify: bool = True) -> dict:
         """Colocated: hand buckets on this rank's GPU to the engine there (``peers``: the ranks one TP engine
         spans, this one among them; ``engine_index``: that engine's number, for errors)."""
         engine_name = "rollout engine" if engine_index is None else f"rollout engine {engine_index}"
         return transport.send_ipc(self.named_weights(), engine, bucket_bytes=bucket_bytes, device=self.device,
                                   timeout_s=timeout_s, peers=peers,
-                                  what=f"{engine_name} (on actor rank {self.rank}'s GPU): update_weights_from_ipc"
-                                  ).as_dict()
+                                  what=f"{engine_name} (on actor rank {self.rank}'s GPU): update_weights_from_ipc",
+                                  **_verify_kwargs(transport, verify)).as_dict()
 
     def close_sync_group(self, transport: WeightTransport) -> None:
         group, self._weight_group = self._weight_group, None
@@ -168,11 +170,14 @@ class WeightSync:
     """One run's weight syncs from ``trainer`` (its workers mix in :class:`TrainerWeightSource`) to ``engines``
     (an :class:`~hybrid_engines.ray_engines.EngineGroup`), on the path ``mode`` (from :func:`choose_sync_mode`).
 
-    ``transport``: the trainer's side; default the engines' own (``engine_spec(engines.backend)``)."""
+    ``transport``: the trainer's side; default the engines' own (``engine_spec(engines.backend)``). ``verify``
+    (default on): every sync is checked by the engines against the trainer's checksums, and a mismatch ends it with
+    :class:`~hybrid_core.errors.WeightSyncMismatch` naming the engine and the parameter (``verify_weight_sync``;
+    a transport without checksums, SGLang's, is not checked: :func:`verify_note`)."""
 
     def __init__(self, mode: str, actor: Any, engines: Any, plan: Any, *, bucket_bytes: int, backend: str,
                  timeout_s: float, transport: WeightTransport | None = None, trainer_role: str = "actor",
-                 engine_role: str = "rollout"):
+                 engine_role: str = "rollout", verify: bool = True):
         if mode not in ("ipc", "broadcast"):
             raise ConfigError("mode", f"must be 'ipc' or 'broadcast', got {mode!r}.", "Use choose_sync_mode(...).")
         self.mode, self.actor, self.engines = mode, actor, engines
@@ -180,6 +185,7 @@ class WeightSync:
         if transport is None and engines is not None:
             transport = engine_spec(engines.backend).weight_transport()
         self.transport = transport
+        self.verify = bool(verify)
         self._joined = False
         if mode == "ipc":
             # trainer rank r -> the engine with a worker on r's GPU, and every trainer rank that engine spans
@@ -219,9 +225,9 @@ class WeightSync:
             refs = [(f"actor rank {r}: send_weights_ipc to rollout engine {self.engine_for_rank[r]}",
                      w.send_weights_ipc.remote(self.transport, self.engines.actors[self.engine_for_rank[r]],
                                                self.bucket_bytes, self.timeout_s, self.peers[r],
-                                               self.engine_for_rank[r]))
+                                               self.engine_for_rank[r], self.verify))
                     for r, w in enumerate(self.actor.workers)]
-            results = get_all_with_timeout(refs, self.timeout_s)
+            results = _wait_for_sync(refs, self.timeout_s)
             # the engines dropped their prefix caches with the last delivery (the protocol says so)
             return TransferStats(sum(r["bytes"] for r in results), max(r["seconds"] for r in results), "sync")
         else:
@@ -232,9 +238,10 @@ class WeightSync:
                                   "Call WeightSync.setup() once after the engines start.")
             metas = ray.get(self.actor.workers[0].weight_metas.remote(), timeout=self.timeout_s)
             engine_refs = self.engines.update_weights_async(metas, bucket_bytes=self.bucket_bytes)
-            actor_refs = [(f"actor rank {r}: send_weights", w.send_weights.remote(self.transport, self.bucket_bytes))
+            actor_refs = [(f"actor rank {r}: send_weights",
+                           w.send_weights.remote(self.transport, self.bucket_bytes, self.verify))
                           for r, w in enumerate(self.actor.workers)]
-            results = get_all_with_timeout(
+            results = _wait_for_sync(
                 [*actor_refs, *[(f"rollout engine {i}: update_weights", r) for i, r in enumerate(engine_refs)]],
                 self.timeout_s)
             stats = TransferStats(results[0]["bytes"], results[0]["seconds"], "sync")
@@ -249,3 +256,37 @@ class WeightSync:
         get_all_with_timeout([("actor rank 0: close weight-sync group",
                                self.actor.workers[0].close_sync_group.remote(self.transport))],
                              min(self.timeout_s, 60.0))
+
+
+def _wait_for_sync(named_refs: list, timeout_s: float) -> list:
+    """``get_all_with_timeout``, where an engine's failed verification surfaces as
+    :class:`~hybrid_core.errors.WeightSyncMismatch` (its message names the engine's call and the parameter)."""
+    from hybrid_core.errors import RoleFailure
+    from hybrid_core.weight_sync.verify import as_mismatch
+
+    try:
+        return get_all_with_timeout(named_refs, timeout_s)
+    except RoleFailure as e:
+        mismatch = as_mismatch(e)
+        if mismatch is None:
+            raise
+        raise mismatch from e
+
+
+def _verify_kwargs(transport: WeightTransport, verify: bool) -> dict:
+    """``verify=`` for a transport with checksums; nothing for one without (it has no such argument)."""
+    return {"verify": verify} if getattr(transport, "verifies", False) else {}
+
+
+def verify_note(settings: Any) -> str | None:
+    """What ``verify_weight_sync`` (on by default) cannot do for this backend, said at start; None where every sync
+    is checked. SGLang receives in its own code and format, with no checksums to compare."""
+    if not getattr(settings, "verify_weight_sync", True):
+        return ("--no_verify_weight_sync: the engines' weights are not checked against the trainer's after each "
+                "sync")
+    transport = engine_spec(settings.backend).weight_transport()
+    if getattr(transport, "verifies", False):
+        return None
+    return (f"--backend {settings.backend}: weight syncs are not verified: the engine receives them in its own code "
+            f"and format ({transport.name}), which carries no checksums; the built-in (hf) and vLLM engines are "
+            "checked after every sync")

@@ -14,6 +14,9 @@ subclasses it (``hybrid_engines.sglang_transport.SGLangTransport``). Two paths:
 * ipc -- every trainer rank packs buckets on its own GPU and hands each to the engine on that GPU
   (:meth:`~WeightTransport.send_ipc`); :meth:`~WeightTransport.encode_ipc` turns a packed bucket into what the
   engine's ``update_weights_from_ipc`` takes.
+
+Verification: hybrid-core's format carries per-piece checksums that its receivers check after loading
+(``hybrid_core.weight_sync.verify``); ``verifies`` says whether a transport does (``verify=`` is passed only then).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class WeightTransport:
     wire = {"broadcast": "hybrid-core buckets: handshake, layout header, payload", "ipc": "hybrid-core CUDA-IPC buckets"}
     #: the largest tensor-parallel size the IPC path serves (None: any; a TP > 1 engine gets one bucket per GPU)
     ipc_max_tp: int | None = None
+    #: the receivers check every sync against the sender's checksums (``broadcast``/``send_ipc`` take ``verify=``)
+    verifies = True
 
     def refusal(self, mode: str, *, tp: int) -> str | None:
         """Why this transport cannot take ``mode`` ("ipc" / "broadcast") to engines of tensor-parallel size ``tp``."""
@@ -56,11 +61,12 @@ class WeightTransport:
                                  device=device, group_name=group_name)
 
     def broadcast(self, group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                  bucket_bytes: int) -> TransferStats:
-        """Stream ``named_tensors`` to every engine worker (which run ``update_weights`` with their metas)."""
+                  bucket_bytes: int, verify: bool = True) -> TransferStats:
+        """Stream ``named_tensors`` to every engine worker (which run ``update_weights`` with their metas);
+        ``verify``: with checksums the engines check."""
         from hybrid_core.weight_sync import WeightSender
 
-        sender = WeightSender(group, bucket_bytes=bucket_bytes)
+        sender = WeightSender(group, bucket_bytes=bucket_bytes, verify=verify)
         try:
             return sender.send(named_tensors)
         finally:
@@ -78,21 +84,31 @@ class WeightTransport:
 
     def send_ipc(self, named_tensors: Iterable[tuple[str, torch.Tensor]], engine: Any, *, bucket_bytes: int,
                  device: torch.device | str | None, timeout_s: float, peers: Sequence[int] | None = None,
-                 what: str = "rollout engine: update_weights_from_ipc") -> TransferStats:
+                 what: str = "rollout engine: update_weights_from_ipc", verify: bool = True) -> TransferStats:
         """Hand ``named_tensors`` to ``engine`` (a Ray actor on this rank's GPU) bucket by bucket.
 
         ``peers``: the trainer ranks whose GPUs one tensor-parallel engine spans (this rank among them, all calling
         this with the same stream, inside torch.distributed); they hand each bucket over together and the first of
         them calls the engine. Two buckets are in flight at most; every engine call is waited for under ``timeout_s``.
+        ``verify``: every bucket carries its checksums; an engine's mismatch is raised here as
+        :class:`~hybrid_core.errors.WeightSyncMismatch` naming the engine (``what``) and the parameter.
         """
+        from hybrid_core.errors import RoleFailure
         from hybrid_core.remote import get_with_timeout
         from hybrid_core.weight_sync import IpcBucketSender, engine_group_callbacks
+        from hybrid_core.weight_sync.verify import as_mismatch
 
         def submit(buckets):
             return engine.update_weights_from_ipc.remote(self.encode_ipc(buckets))
 
         def wait(ref):
-            get_with_timeout(ref, timeout_s, what)
+            try:
+                get_with_timeout(ref, timeout_s, what)
+            except RoleFailure as e:
+                mismatch = as_mismatch(e)
+                if mismatch is None:
+                    raise
+                raise mismatch from e
 
         if peers is not None and len(peers) > 1:
             deliver, wait = engine_group_callbacks(peers, submit, wait)
@@ -100,7 +116,7 @@ class WeightTransport:
             def deliver(bucket):
                 return submit([bucket])
 
-        sender = IpcBucketSender(bucket_bytes=bucket_bytes, device=device)
+        sender = IpcBucketSender(bucket_bytes=bucket_bytes, device=device, verify=verify)
         try:
             return sender.send(named_tensors, deliver=deliver, wait=wait)
         finally:

@@ -66,6 +66,7 @@ class RLConfig:
     seeded_sampling: bool | None = None  # a seed per sample (batch-independent; resumes draw the same); None = where cheap (hf)
     weight_sync_bucket_mb: int = 512
     weight_sync: str = "auto"  # auto (CUDA IPC when engines share the actor's GPUs, else broadcast) | ipc | broadcast
+    verify_weight_sync: bool = True  # engines check every sync against the actor's per-bucket checksums; a mismatch ends the run
     engine_sleep_level: int | None = None  # when engine weights leave: 1 to host memory, 2 discarded (re-synced); None = planner
 
     # ---- trainer (DeepSpeed) ---------------------------------------------------------------------------------
@@ -141,6 +142,7 @@ class RLConfig:
     policy_loss_type: str = "ppo"  # ppo | gspo | cispo | dr_grpo | ... (the policy-loss registry; see --help)
     loss_agg_mode: str | None = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm; None = the policy loss's own
     recompute_old_logprobs: bool = False  # always run the actor's old log-prob pass (else skipped when on-policy)
+    plugins: str | None = None  # your files/modules, comma-separated (my_losses.py,my_pkg.envs): imported on the driver and in every role worker, so the losses / estimators they register can be named
 
     # ---- engine/trainer mismatch -----------------------------------------------------------------------------
     enable_vllm_is_correction: bool = True  # weight the policy loss by trainer/engine importance ratios (any backend)
@@ -353,6 +355,9 @@ class RLConfig:
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> "RLConfig":
         """Check everything that can be checked without Ray or a GPU; return self so calls chain."""
+        from .plugins import prepare
+
+        prepare(self.plugins)  # first: the names they register are checked below (and the workers import them too)
         # the engine registry is the one list of backends
         _choice("backend", self.backend, backend_names(), "--backend hf runs anywhere; vllm/sglang need the extras.")
         from hybrid_algos import LOSS_AGG_MODES, list_policy_losses
@@ -362,7 +367,8 @@ class RLConfig:
             _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _choice("kl_estimator", self.kl_estimator, (*KL_ESTIMATORS, *KL_ESTIMATOR_ALIASES))
         _choice("policy_loss_type", self.policy_loss_type, tuple(list_policy_losses()),
-                "`hybrid grpo --help` lists each loss.")
+                "`hybrid grpo --help` lists each loss; a loss of your own: register it in a file named by "
+                "--plugins FILE.py.")
         if self.prompt_data is None:
             _choice("task", self.task, TASKS, "Or give your own prompts with --prompt_data FILE --input_key KEY.")
         self._validate_estimator()
@@ -479,7 +485,8 @@ class RLConfig:
         known = list_advantage_estimators()
         if self.advantage_estimator not in known:
             raise ConfigError("advantage_estimator", f"unknown estimator {self.advantage_estimator!r}.",
-                              f"Choose one of: {', '.join(sorted(known))}.")
+                              f"Choose one of: {', '.join(sorted(known))}; one of your own: register it in a file "
+                              "named by --plugins FILE.py.")
 
     def _validate_clip(self) -> None:
         from hybrid_algos import get_policy_loss

@@ -37,6 +37,9 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if dist.is_initialized():  # a second set-up in this process (DeepSpeed keeps the group it has)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
+        return None
     store = rendezvous.open_store(master_addr, master_port, world_size, is_master=rank == 0, timeout=timeout,
                                   what=f"DeepSpeed group rank {rank}/{world_size}")
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -49,6 +52,8 @@ def close_rendezvous(store, rank: int, world_size: int) -> None:
     once every rank is done with it)."""
     from hybrid_core import rendezvous
 
+    if store is None or store.closed:
+        return
     rendezvous.form_groups(local_device())
     store.close_when_formed(rank, world_size)
 

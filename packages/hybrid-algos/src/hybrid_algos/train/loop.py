@@ -76,7 +76,7 @@ def _prepare(config: RLConfig, locks: Any) -> Prepared:
     from .run_folder import check_writable, refuse_or_clear
     from .tasks import task_from_config
     from .tiny import save_tiny_model
-    from .weight_sync import sync_backend_note
+    from .weight_sync import sync_backend_note, verify_note
 
     from hybrid_core.errors import ConfigError
     from hybrid_engines.registry import library_missing
@@ -95,6 +95,7 @@ def _prepare(config: RLConfig, locks: Any) -> Prepared:
         if getattr(config, name) is not None:
             check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
     notes = [sync_backend_note(config, sync_mode)]  # an explicit --vllm_sync_backend the ipc path does not use
+    notes.append(verify_note(config))  # a backend whose syncs cannot be verified, or verification turned off
     notes.append(config.clip_note())  # a policy loss's own clip range (GSPO's, CISPO's), said at start
     if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
         notes.append(check_reward_head(config.reward_pretrain, random_head=config.reward_random_head,
@@ -243,6 +244,11 @@ def _train_prepared(config: RLConfig, prep: Prepared, callbacks: Sequence[Any]) 
     from .deepspeed_ops import ensure_cpu_ops_built
     from .failures import ClusterLost, Terminated, explain, resume_hint, sigterm_as_interrupt
 
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    if address and not _ray_connected():  # a cluster that is not there fails now, not after the ops are built
+        from hybrid_core.cluster import check_gcs
+
+        check_gcs(address, source="address" if config.address else "RAY_ADDRESS")
     built_s = ensure_cpu_ops_built()  # before any worker: one build, not one per role racing for torch's lock
     if built_s > 5:
         log.info("set-up: DeepSpeed CPU ops ready in %.1f s", built_s)
@@ -291,6 +297,12 @@ def _train_prepared(config: RLConfig, prep: Prepared, callbacks: Sequence[Any]) 
                 shutdown(cluster)
         finally:
             end_leftovers(tag)  # vLLM's / SGLang's child processes a killed actor leaves behind, on this node
+
+
+def _ray_connected() -> bool:
+    import ray
+
+    return ray.is_initialized()
 
 
 def _emit(callbacks: Sequence[Any], event: str, payload: Any) -> None:
@@ -434,7 +446,7 @@ class TrainingSession:
 
         self.weight_sync = WeightSync(prep.sync_mode, self.actor, self.engines, plan,
                                       bucket_bytes=cfg.weight_sync_bucket_mb << 20, backend=_sync_backend(cfg),
-                                      timeout_s=timeout)
+                                      timeout_s=timeout, verify=cfg.verify_weight_sync)
         self.weight_sync.setup()
         clock.lap("weight sync ready")
 
@@ -544,7 +556,7 @@ class TrainingSession:
                 one_step = lambda: self.guarded(f"step {step + 1}", lambda: run_step(  # noqa: E731
                     self.ctx, step, self.prompts_for(step), self.sampling(step)))[0]
             if preemption is not None:  # SIGTERM from here on lets the step (and its checkpoint) finish first
-                preemption.deferring, preemption.step = True, step + 1
+                preemption.deferring, preemption.step = True, step + 1  # (no gap between steps: off after the loop)
             try:
                 with (profiled_step(self.groups, profile_folder(self.prep.run_dir, step + 1))
                       if step + 1 == cfg.profile_step else contextlib.nullcontext()):
@@ -567,10 +579,10 @@ class TrainingSession:
                 self.owner.tag = f"checkpoint {step + 1}"
                 self.guarded(f"the checkpoint after step {step + 1}", lambda: self.save_checkpoint(step + 1))
                 saved_at = step + 1
-            if preemption is not None:
-                if preemption.requested:
-                    self._stop_on_sigterm(step + 1, saved_at)
-                preemption.deferring = False
+            if preemption is not None and preemption.requested:
+                self._stop_on_sigterm(step + 1, saved_at)
+        if preemption is not None:
+            preemption.deferring = False  # the final saves: SIGTERM stops them at once (the last checkpoint stands)
         # A run that can be continued is the default: the last step gets a checkpoint unless it has one already.
         end = max(total, self.start_step)
         if cfg.final_checkpoint and saved_at != end:

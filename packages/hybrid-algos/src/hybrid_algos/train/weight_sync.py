@@ -3,6 +3,6 @@ for it. ``choose_mode(config, plan)`` runs before Ray (in ``prepare`` and ``--dr
 per run (``setup()``, ``sync(wake_engines=...)``, ``close()``)."""
 
 from hybrid_engines.weight_sync import (WeightSync, choose_sync_mode as choose_mode, describe_sync, sync_backend,
-                                       sync_backend_note)
+                                       sync_backend_note, verify_note)
 
-__all__ = ["WeightSync", "choose_mode", "describe_sync", "sync_backend", "sync_backend_note"]
+__all__ = ["WeightSync", "choose_mode", "describe_sync", "sync_backend", "sync_backend_note", "verify_note"]

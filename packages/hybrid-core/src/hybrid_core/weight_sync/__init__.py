@@ -6,6 +6,8 @@
 * Colocated path: ``IpcBucketSender`` hands CUDA-IPC (CPU: shared-memory) buckets to the engine on the same GPU,
   which reads them with ``open_ipc_bucket`` / ``load_ipc_bucket``; ``engine_group_callbacks`` when a TP > 1 engine
   spans several trainer ranks' GPUs.
+* Both verify every sync by default (``verify.py``): per-piece checksums from the sender, recomputed by the receiver
+  over what the engine loaded; a mismatch raises ``WeightSyncMismatch`` naming the parameter.
 """
 
 from .buckets import Bucket, Piece, plan_buckets
@@ -15,7 +17,8 @@ from .ipc import (IpcBucket, IpcBucketSender, IpcHandle, engine_group_callbacks,
 from .meta import TensorMeta
 from .receiver import WeightReceiver
 from .sender import DEFAULT_BUCKET_BYTES, WeightSender
+from .verify import checksum
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "IpcBucket", "IpcBucketSender", "IpcHandle", "Piece", "SyncGroup",
-           "TensorMeta", "WeightReceiver", "WeightSender", "create_sync_group", "engine_group_callbacks",
+           "TensorMeta", "WeightReceiver", "WeightSender", "checksum", "create_sync_group", "engine_group_callbacks",
            "load_ipc_bucket", "open_ipc_bucket", "plan_buckets", "release_ipc_mappings"]

@@ -12,6 +12,11 @@ A tensor-parallel engine spans several GPUs, each shared with one trainer rank: 
 those ranks hand over each bucket together (one bucket per GPU in a single engine call; each engine worker maps the
 one on its own GPU). One NCCL group holding a trainer rank and an engine worker on the same GPU is not an option:
 NCCL refuses two ranks on one device ("Duplicate GPU detected"), seen with vLLM TP 2 on two H200s.
+
+Verification (``verify``, the default): every bucket carries one checksum per tensor (``verify.py``), computed on
+the device before the hand-over (the sender synchronizes there anyway); the receiver recomputes them after its load,
+over the engine's tensors where ``read_back`` gives them, and raises
+:class:`~hybrid_core.errors.WeightSyncMismatch` naming the parameter before it acknowledges the bucket.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .. import faults
 from ..errors import ConfigError
 from ..stats import TransferStats
 from .buckets import BucketPacker, Piece, check_bucket_bytes
 from .meta import TensorMeta
 from .sender import DEFAULT_BUCKET_BYTES
+from .verify import PieceCheck, ReadBack, bucket_checksums, compare, corrupt, loaded_bytes, piece_checksum
 from .wire import tensor_bytes
 
 
@@ -49,7 +56,8 @@ class IpcBucket:
 
     ``last``: the sync's final delivery (possibly with no entries); the receiver then drops its mappings, so the
     sender's memory is really freed when it is released. ``reusable``: the buffer comes back in later buckets, so
-    the receiver keeps it mapped until ``last`` (mapping a CUDA IPC handle is not free).
+    the receiver keeps it mapped until ``last`` (mapping a CUDA IPC handle is not free). ``checksums``: the sender's
+    checksum of each entry (None: not verified).
     """
 
     index: int
@@ -57,6 +65,7 @@ class IpcBucket:
     entries: tuple[tuple[TensorMeta, int], ...]
     last: bool = False
     reusable: bool = True
+    checksums: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -67,10 +76,11 @@ class IpcBucketSender:
     """Packs ``(name, tensor)`` streams into shared buckets on ``device`` (default: the current CUDA device, else CPU).
 
     The two bucket buffers stay allocated between ``send`` calls (the engine keeps its mapping of them too);
-    ``close()`` frees them.
+    ``close()`` frees them. ``verify``: each bucket carries its tensors' checksums.
     """
 
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None):
+    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None, *,
+                 verify: bool = True):
         check_bucket_bytes(bucket_bytes)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -80,7 +90,7 @@ class IpcBucketSender:
         if self.device.type not in ("cuda", "cpu"):
             raise ConfigError("device", f"IPC buckets need a CUDA or CPU device, got {self.device}.",
                               "Pass the trainer's CUDA device.")
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.verify = bucket_bytes, verify
         self._slots: list[_SharedBuffer] = []
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], deliver: Callable[[IpcBucket], Any],
@@ -100,7 +110,7 @@ class IpcBucketSender:
                 payload += meta.nbytes
                 (piece,) = packer.add(meta)
                 if pieces and piece.bucket != pieces[0].bucket:
-                    inflight[pieces[0].bucket % 2] = deliver(_bucket(self._slots[pieces[0].bucket % 2], pieces))
+                    inflight[pieces[0].bucket % 2] = deliver(self._bucket(self._slots[pieces[0].bucket % 2], pieces))
                     pieces = []
                 slot = piece.bucket % 2
                 if not pieces and inflight[slot] is not None:  # opening a bucket: the engine must be done with it
@@ -109,7 +119,7 @@ class IpcBucketSender:
                 if piece.nbytes > self.bucket_bytes:  # oversize: alone, in a buffer of its own size
                     alone = _SharedBuffer(piece.nbytes, self.device)
                     alone.tensor.copy_(tensor_bytes(tensor))
-                    wait(deliver(_bucket(alone, [piece], reusable=False)))
+                    wait(deliver(self._bucket(alone, [piece], reusable=False)))
                     alone.release()
                     continue
                 buf = self._slots[slot].tensor
@@ -117,13 +127,19 @@ class IpcBucketSender:
                     tensor_bytes(tensor), non_blocking=self.device.type == "cuda")  # a host bucket is read at once
                 pieces.append(piece)
             if pieces:
-                inflight[pieces[0].bucket % 2] = deliver(_bucket(self._slots[pieces[0].bucket % 2], pieces, last=True))
+                inflight[pieces[0].bucket % 2] = deliver(self._bucket(self._slots[pieces[0].bucket % 2], pieces,
+                                                                      last=True))
             else:  # nothing pending (empty stream, or it ended with an oversize tensor): a bare end marker
                 wait(deliver(IpcBucket(packer.bucket + int(packer.filled), None, (), last=True)))
             for refs in inflight:
                 if refs is not None:
                     wait(refs)
         return TransferStats(payload, time.perf_counter() - start, "weight sync ipc")
+
+    def _bucket(self, buffer: "_SharedBuffer", pieces: list[Piece], *, last: bool = False,
+                reusable: bool = True) -> IpcBucket:
+        sums = bucket_checksums(buffer.tensor, pieces) if self.verify else None
+        return _bucket(buffer, pieces, last=last, reusable=reusable, sums=sums)
 
     def close(self) -> None:
         for slot in self._slots:
@@ -186,21 +202,40 @@ def open_ipc_bucket(bucket: IpcBucket) -> list[tuple[str, torch.Tensor]]:
             for meta, offset in bucket.entries]
 
 
-def load_ipc_bucket(bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> TransferStats:
-    """Receiver side in one call: map, ``load(pairs)`` (which copies), wait for the copies; after the last bucket
-    of a sync, unmap everything."""
+def load_ipc_bucket(bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Tensor]]], None],
+                    read_back: ReadBack | None = None) -> TransferStats:
+    """Receiver side in one call: map, ``load(pairs)`` (which copies), wait for the copies, check them against the
+    bucket's checksums (over ``read_back(name)``, the engine's tensor filled for ``name``, where it gives one; else
+    over the mapped bytes); after the last bucket of a sync (or a mismatch), unmap everything."""
     start = time.perf_counter()
     if bucket.index == 0:
         release_ipc_mappings()  # a new sync: mappings of an earlier one are stale
     pairs = open_ipc_bucket(bucket)
-    if pairs:
-        load(pairs)
-        if bucket.handle.kind == "cuda":
-            torch.cuda.current_stream(pairs[0][1].device).synchronize()
+    try:
+        if pairs and faults.corrupt_due("receiver", "bucket"):  # HYBRID_FAULT=receiver:bucket:corrupt (tests)
+            corrupt(tensor_bytes(pairs[0][1]))
+        if pairs:
+            load(pairs)
+            if bucket.checksums is not None:
+                _verify(bucket, pairs, read_back)
+            elif bucket.handle.kind == "cuda":
+                torch.cuda.current_stream(pairs[0][1].device).synchronize()
+    except BaseException:
+        release_ipc_mappings()
+        raise
     del pairs
     if bucket.last:
         release_ipc_mappings()
     return TransferStats(bucket.nbytes, time.perf_counter() - start, "weight sync ipc")
+
+
+def _verify(bucket: IpcBucket, pairs: list[tuple[str, torch.Tensor]], read_back: ReadBack | None) -> None:
+    actual, checks = [], []
+    for (name, tensor), (meta, _) in zip(pairs, bucket.entries):
+        data, from_engine = loaded_bytes(name, tensor, meta, read_back)
+        actual.append(piece_checksum(data, 0, meta, 0, meta.nbytes))
+        checks.append(PieceCheck(name, bucket.index, 0, meta.nbytes, meta.nbytes, from_engine))
+    compare(bucket.checksums, torch.stack(actual), checks, "IPC receiver")  # the host read waits for the load
 
 
 def release_ipc_mappings() -> None:
@@ -250,11 +285,12 @@ class _SharedBuffer:
         self.tensor = None
 
 
-def _bucket(buffer: _SharedBuffer, pieces: list[Piece], *, last: bool = False, reusable: bool = True) -> IpcBucket:
+def _bucket(buffer: _SharedBuffer, pieces: list[Piece], *, last: bool = False, reusable: bool = True,
+            sums: torch.Tensor | None = None) -> IpcBucket:
     if buffer.tensor.device.type == "cuda":
         torch.cuda.current_stream(buffer.tensor.device).synchronize()  # the other process cannot see our stream
     return IpcBucket(pieces[0].bucket, buffer.handle(), tuple((p.meta, p.bucket_offset) for p in pieces), last=last,
-                     reusable=reusable)
+                     reusable=reusable, checksums=None if sums is None else tuple(sums.tolist()))
 
 
 def _map(handle: IpcHandle) -> torch.Tensor:

