@@ -73,6 +73,31 @@ def device_label(device) -> str:
     return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
 
 
+#: the one clock of every peer comparison: wall time between step ends, the same warm-up dropped on every side
+WARMUP_STEPS = 2
+MIN_MEASURED_STEPS = 5
+
+
+def steady_step_times(step_ends: list[float], warmup: int = WARMUP_STEPS) -> list[float]:
+    """Seconds per step from the wall-clock times at which steps 1, 2, ... ended, for the steps after ``warmup``.
+
+    Step k's time is ``end[k] - end[k-1]`` (step 1 has no start on this clock, so it is always a warm-up step): it
+    holds everything the step cost, its callbacks, metrics, checkpoints and re-planning included. Used alike for
+    ours (``wall_time`` of metrics.jsonl) and every peer (their trainer's step-end callback), so the ratio of two
+    medians compares the same thing."""
+    if warmup < 1:
+        raise ValueError("warmup must be >= 1: the first step has no start on a step-end clock")
+    return [b - a for a, b in zip(step_ends[warmup - 1:], step_ends[warmup:])]
+
+
+def median_step(step_ends: list[float], warmup: int = WARMUP_STEPS) -> float | None:
+    """The median of :func:`steady_step_times`, or None with fewer than ``MIN_MEASURED_STEPS`` measured steps."""
+    import statistics
+
+    steady = steady_step_times(step_ends, warmup)
+    return statistics.median(steady) if len(steady) >= MIN_MEASURED_STEPS else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -68,13 +68,19 @@ def command(args, model: str, data: str, save: str) -> list[str]:
 
 
 def summarize(metrics_path: str, warmup: int) -> dict:
+    """The run's steps after ``warmup``: ``step_s`` on the peers' clock (wall time between step ends, everything the
+    step costs: _common.steady_step_times), ``step_s_inside`` the loop's own step timer, and the phases' medians."""
+    from _common import steady_step_times
+
     steps = [json.loads(line) for line in open(metrics_path)]
     steady = steps[warmup:] or steps
     med = {p: statistics.median(s.get(f"time/{p}", 0.0) for s in steady) for p in PHASES}
-    step_s = statistics.median(s["time/step"] for s in steady)
+    wall = steady_step_times([s["wall_time"] for s in steps], warmup) if len(steps) > warmup else []
+    step_s = statistics.median(wall) if wall else statistics.median(s["time/step"] for s in steady)
     overhead = statistics.median((s.get("time/sleep", 0) + s.get("time/wake", 0) + s.get("time/sync", 0)) / s["time/step"]
                                  for s in steady)
-    return {"steps": len(steps), "steady_steps": len(steady), "step_s": step_s, "phases_s": med,
+    return {"steps": len(steps), "steady_steps": len(wall) or len(steady), "step_s": step_s,
+            "step_s_inside": statistics.median(s["time/step"] for s in steady), "phases_s": med,
             "sleep_wake_sync_share_pct": 100 * overhead, "rewards": [s["reward"] for s in steps],
             "step_times": [s["time/step"] for s in steps],
             "response_len": statistics.median(s.get("response_len", 0.0) for s in steady)}

@@ -179,7 +179,7 @@ e)
   $PY - $OUT <<'PY'
 import glob, json, statistics, sys
 out = sys.argv[1]
-trl = [json.loads(open(f).read().split("RESULT", 1)[-1])["median_step_s_after_first"]
+trl = [json.loads(open(f).read().split("RESULT", 1)[-1])["median_step_s"]
        for f in sorted(glob.glob(f"{out}/trl_357m_*.json")) if open(f).read().strip()]
 ours = [json.load(open(f))["step_s"] for f in sorted(glob.glob(f"{out}/e2e-*z3i*.json"))]
 m64 = [json.load(open(f))["step_s"] for f in sorted(glob.glob(f"{out}/e2e-*z3m64*.json"))]

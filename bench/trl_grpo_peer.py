@@ -2,12 +2,15 @@
 
     python bench/peer_workload.py /tmp/peer                   # the model + prompts (also built by e2e_gpu.py)
     python bench/trl_grpo_peer.py /tmp/peer/model             # TRL with plain transformers generate
-    python bench/trl_grpo_peer.py /tmp/peer/model vllm        # TRL's vLLM colocate mode (sleep on)
-    python bench/trl_grpo_peer.py /tmp/peer15/model vllm --prompts 32 --max_new 1024 --micro 8 --ckpt --steps 3
+    python bench/trl_grpo_peer.py /tmp/peer/model vllm        # TRL's vLLM colocate mode, at its default (no sleep)
+    python bench/trl_grpo_peer.py /tmp/peer/model vllm --sleep   # ... with vllm_enable_sleep_mode (its memory saver)
+    python bench/trl_grpo_peer.py /tmp/peer15/model vllm --prompts 32 --max_new 1024 --micro 8 --ckpt --steps 8
 
 One optimizer step = one generation round of ``--prompts`` x ``--generations`` completions (TRL's
 ``generation_batch_size``), trained in micro-batches of ``--micro`` with gradient accumulation. Needs `pip install
-trl` (not a dependency of hybrid). Prints one `RESULT {json}` line with the seconds per step; an out-of-memory
+trl` (not a dependency of hybrid). Timed on the clock of every peer comparison (bench/_common.py
+``steady_step_times``: wall time between step ends, the same ``--warmup`` steps dropped as ours, >= 5 measured).
+Prints one `RESULT {json}` line with the seconds per step; an out-of-memory
 failure prints `RESULT {"error": ...}` (the 7B workload is expected to need settings TRL does not make by itself).
 """
 import argparse
@@ -27,9 +30,15 @@ ap.add_argument("--generations", type=int, default=8)
 ap.add_argument("--max_new", type=int, default=128)
 ap.add_argument("--micro", type=int, default=64, help="completions per micro-batch (per_device_train_batch_size)")
 ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing")
-ap.add_argument("--steps", type=int, default=6)
+ap.add_argument("--steps", type=int, default=8)
+ap.add_argument("--warmup", type=int, default=2, help="steps dropped before timing (the same as ours)")
+ap.add_argument("--sleep", action="store_true",
+                help="vllm_enable_sleep_mode=True (TRL's default is off: use it where the run does not fit without)")
 ap.add_argument("--gpu_util", type=float, default=0.3)
 args = ap.parse_args()
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import median_step, steady_step_times  # noqa: E402
 
 import torch  # noqa: E402
 import trl  # noqa: E402
@@ -80,16 +89,17 @@ try:
         num_generations=args.generations, max_completion_length=args.max_new, learning_rate=1e-6, bf16=True,
         logging_steps=1, max_steps=args.steps, report_to="none", save_strategy="no", temperature=1.0,
         gradient_checkpointing=args.ckpt, use_vllm=args.mode == "vllm",
-        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_util, "vllm_enable_sleep_mode": True}
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_util, "vllm_enable_sleep_mode": args.sleep}
            if args.mode == "vllm" else {}))
     trainer = GRPOTrainer(model=model, reward_funcs=reward_copy_first, args=config, train_dataset=ds,
                           processing_class=tok, callbacks=[clock])
     t0 = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t0
-    steps = [b - a for a, b in zip(clock.t, clock.t[1:])]
-    result.update(step_s=[round(s, 3) for s in steps], total_s=round(total, 1),
-                  median_step_s_after_first=round(sorted(steps)[len(steps) // 2], 3) if steps else None,
+    steps = steady_step_times(clock.t, args.warmup)
+    median = median_step(clock.t, args.warmup)
+    result.update(step_s=[round(s, 3) for s in steps], total_s=round(total, 1), warmup=args.warmup,
+                  sleep=args.sleep, median_step_s=round(median, 3) if median is not None else None,
                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
                   tokens_per_step=None)
 except torch.OutOfMemoryError as e:  # noqa: BLE001 - the report is the point

@@ -16,7 +16,7 @@ from hybrid_core.errors import ConfigError
 SPECS = field_specs(GRPOConfig)
 # Fields whose value names something on disk or a module to import: their checks are tested in test_invalid_inputs.
 SIDE_EFFECTS = {"reward_fn", "pretrain", "reward_pretrain", "critic_pretrain", "prompt_data", "save_path", "ckpt_path",
-                "ray_temp_dir", "use_wandb", "address"}
+                "ray_temp_dir", "use_wandb", "address", "plugins"}
 FIELDS = sorted(n for n in SPECS if n not in SIDE_EFFECTS)
 NAMES = set(known_names(GRPOConfig)) | {"arguments", "config", "placement"}
 words = st.text(string.ascii_letters + string.digits + "-_.=,:{}[] ", min_size=0, max_size=12)

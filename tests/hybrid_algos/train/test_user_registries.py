@@ -10,6 +10,7 @@ part ran and that the user's loss is the one that made the update.
 import importlib.util
 import json
 import os
+import pickle
 import sys
 
 import pytest
@@ -168,6 +169,8 @@ def test_a_worker_without_the_file_says_where_and_what_to_do(tmp_path):
     with pytest.raises(ConfigError) as e:
         plugins.import_in_worker("actor rank 0", environ)
     assert "actor rank 0" in e.value.problem and "gone.py" in e.value.problem and "every node" in e.value.fix
+    back = pickle.loads(pickle.dumps(e.value))  # as Ray carries it from the worker to the driver: whole
+    assert isinstance(back, ConfigError) and str(back) == str(e.value)
     assert plugins.import_in_worker("actor rank 0", {}) == []
 
 

@@ -37,7 +37,8 @@ implementations; a group of one gets advantage 0 (there is nothing to compare wi
 
 Batch statistics (whitening) are over the batch given: pass the whole rollout batch, not a micro-batch.
 Outputs are float32 (or wider), detached, and 0 at masked positions. Add an estimator with
-:func:`register_advantage_estimator`.
+:func:`register_advantage_estimator`, in a file a training run names with ``--plugins FILE.py``
+(:mod:`hybrid_algos.train.plugins`).
 """
 
 from __future__ import annotations

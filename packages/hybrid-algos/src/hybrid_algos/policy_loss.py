@@ -34,6 +34,9 @@ Add a loss with :func:`register_policy_loss`::
         \"\"\"One line for ``hybrid grpo --help``.\"\"\"
         per_token = -inputs.advantages * inputs.ratio().clamp(max=1 + inputs.clip_high)
         return per_token, {}
+
+in a file a training run names with ``--plugins FILE.py``: the policy worker, another process, imports it too
+(:mod:`hybrid_algos.train.plugins`).
 """
 
 from __future__ import annotations

@@ -366,8 +366,12 @@ def _read_file(path: str) -> list[dict[str, Any]]:
     if lower.endswith(".parquet"):
         return _read_parquet(path)
     if lower.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, e) from None
         if text.lstrip().startswith("["):
             try:
                 records = json.loads(text)
@@ -382,8 +386,12 @@ def _read_file(path: str) -> list[dict[str, Any]]:
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded line by line: a byte that is not UTF-8 is named with its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _not_utf8(path, e, f"line {lineno}, ") from None
             if not line.strip():
                 continue
             try:
@@ -392,6 +400,12 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
                 raise ConfigError("prompt_data", f"{path!r} line {lineno} is not valid JSON: {e.msg}.",
                                   "Write one JSON object per line.") from None
     return _check_dicts(records, path)
+
+
+def _not_utf8(path: str, e: UnicodeDecodeError, where: str = "") -> ConfigError:
+    return ConfigError("prompt_data", f"{path!r} is not UTF-8 text: {where}byte {e.start + 1} "
+                       f"({e.object[e.start:e.start + 1]!r}) cannot be decoded.",
+                       "Save it as UTF-8 (e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl).")
 
 
 def _check_dicts(records: Any, path: str) -> list[dict[str, Any]]:
@@ -415,7 +429,7 @@ def _read_parquet(path: str) -> list[dict[str, Any]]:
 def _read_folder(path: str, split: str) -> list[dict[str, Any]]:
     if any(os.path.exists(os.path.join(path, marker)) for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
         return _read_saved_dataset(path, split)
-    files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if f.lower().endswith(_FILE_SUFFIXES))
+    files = _data_files(path)
     if not files:
         raise ConfigError("prompt_data", f"the folder {path!r} is neither a datasets folder (save_to_disk) nor holds "
                           ".jsonl/.json/.parquet files.", "Point --prompt_data at a data file or a datasets folder.")
@@ -425,6 +439,25 @@ def _read_folder(path: str, split: str) -> list[dict[str, Any]]:
     for f in in_split or files:
         records.extend(_read_file(f))
     return records
+
+
+def _data_files(path: str) -> list[str]:
+    """The data files under ``path`` (sorted; hidden ones left out, as glob does), each read once: a linked folder
+    is followed the first time it is met only -- a link back up (a loop) made glob list the same files once per
+    level until the path was too long (41 times)."""
+    seen: set[str] = set()
+    files: dict[str, str] = {}  # real path -> the path it was first found under
+    for folder, dirs, names in os.walk(path, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            if not name.startswith(".") and name.lower().endswith(_FILE_SUFFIXES):
+                files.setdefault(os.path.realpath(os.path.join(folder, name)), os.path.join(folder, name))
+    return sorted(files.values())
 
 
 def _read_saved_dataset(path: str, split: str) -> list[dict[str, Any]]:

@@ -46,6 +46,14 @@ _FILE_PREFIX = "hybrid_plugin_"  # + the file's stem and a hash of its path: a p
 _FIX = "Give the path of your .py file (--plugins my_losses.py) or an importable module (--plugins my_pkg.losses)."
 
 
+class PluginError(ConfigError):
+    """A ``--plugins`` entry that cannot be imported. It pickles whole, so one raised in a Ray worker reaches the
+    driver with its message and fix (Ray falls back to a bare "failed to deserialize" otherwise)."""
+
+    def __reduce__(self):
+        return type(self), (self.field, self.problem, self.fix)
+
+
 @dataclass(frozen=True)
 class Plugin:
     """What one process imports: ``module`` is its name there (the same in every process)."""
@@ -92,7 +100,7 @@ def registered_here(loaded: Sequence[Plugin] = ()) -> list[Plugin]:
         module = sys.modules.get(defined_in)
         file = getattr(module, "__file__", None)
         if not file or not os.path.isfile(file):
-            raise ConfigError(FIELD, f"the {kind} {name!r} was registered in {defined_in!r}, which has no file the "
+            raise PluginError(FIELD, f"the {kind} {name!r} was registered in {defined_in!r}, which has no file the "
                               "Ray workers could import (an interactive session or a notebook?).",
                               "Put it in a .py file and name it: --plugins FILE.py.")
         file = os.path.abspath(file)
@@ -116,10 +124,10 @@ def import_in_worker(where: str = "this worker", environ: Mapping[str, str] | No
             _guarded(lambda: importlib.import_module(module), module, where)
             continue
         if file is None:
-            raise ConfigError(FIELD, f"{where}: cannot import module {module!r} (on this node).",
+            raise PluginError(FIELD, f"{where}: cannot import module {module!r} (on this node).",
                               "Install it on every node, or add its folder to PYTHONPATH (forwarded to the workers).")
         if not os.path.isfile(file):
-            raise ConfigError(FIELD, f"{where}: no file at {file} on this node (the driver imported it).",
+            raise PluginError(FIELD, f"{where}: no file at {file} on this node (the driver imported it).",
                               "Put the file on a filesystem every node sees, or install it as a package and name the "
                               "module: --plugins my_pkg.losses.")
         _guarded(lambda: _run_file(module, file), file, where)
@@ -137,15 +145,15 @@ def _load_one(spec: str) -> Plugin:
     if spec.endswith(".py") or os.sep in spec or os.path.isfile(spec):
         path = os.path.abspath(spec)
         if not os.path.isfile(path):
-            raise ConfigError(FIELD, f"no file at {spec!r}.", _FIX)
+            raise PluginError(FIELD, f"no file at {spec!r}.", _FIX)
         name = module_name(path)
         if name not in sys.modules:
             _guarded(lambda: _run_file(name, path), spec, None)
         return Plugin(name, path, by_name=False)
     if not all(part.isidentifier() for part in spec.split(".")):
-        raise ConfigError(FIELD, f"{spec!r} is neither a .py file nor a module name.", _FIX)
+        raise PluginError(FIELD, f"{spec!r} is neither a .py file nor a module name.", _FIX)
     if not _findable(spec):
-        raise ConfigError(FIELD, f"cannot find module {spec!r}.",
+        raise PluginError(FIELD, f"cannot find module {spec!r}.",
                           "Make it importable (PYTHONPATH, which the workers get too) or give its .py file.")
     module = _guarded(lambda: importlib.import_module(spec), spec, None)
     file = getattr(module, "__file__", None)
@@ -162,7 +170,7 @@ def _findable(name: str) -> bool:
 def _run_file(name: str, path: str) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ConfigError(FIELD, f"cannot load {path!r} as a Python file.", _FIX)
+        raise PluginError(FIELD, f"cannot load {path!r} as a Python file.", _FIX)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up there
     try:
@@ -183,5 +191,5 @@ def _guarded(run: Callable[[], Any], what: str, where: str | None) -> Any:
         raise
     except Exception as e:  # ImportError, SyntaxError, anything the file raises at import time
         at = f"{where}: " if where else ""
-        raise ConfigError(FIELD, f"{at}importing {what!r} failed: {type(e).__name__}: {_message(e)}"
+        raise PluginError(FIELD, f"{at}importing {what!r} failed: {type(e).__name__}: {_message(e)}"
                           f"{_user_frame(e)}.", _import_fix(e)) from None

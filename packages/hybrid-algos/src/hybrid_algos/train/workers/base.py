@@ -46,7 +46,7 @@ class RoleWorker:
         # (the policy loss is looked up by name here).
         from ..plugins import import_in_worker
 
-        pass  # TEMP import_in_worker(f"{role} rank {rank}")
+        import_in_worker(f"{role} rank {rank}")
 
     # ---- identity / rendezvous -------------------------------------------------------------------------------------
     def where(self) -> dict[str, Any]:
