@@ -191,3 +191,33 @@ def test_scores_of_takes_lists_tensors_and_one_element_rows():
 
     assert scores_of(torch.tensor([1.0, 2.0]), 2, "x") == [1.0, 2.0]
     assert scores_of([[1.0], [2.0]], 2, "x") == [1.0, 2.0]
+
+
+_GIVE_UP = """
+import sys, threading
+from hybrid_algos.train.remote_rewards import HttpReward
+
+reward = HttpReward([sys.argv[1]], timeout_s=60.0, tries=5, backoff_s=1.0)
+asking = threading.Thread(target=lambda: reward(["p"], ["c"]), daemon=True)  # as the step's deadline runs it
+asking.start()
+asking.join(1.0)
+print("gave up: the step's deadline ended the run", flush=True)
+"""
+
+
+def test_a_server_that_never_answers_does_not_hold_the_exit(tmp_path):
+    """The run gives up on a silent server at the step's deadline; its retries must not keep the process alive
+    (ThreadPoolExecutor threads are joined at exit: 5 tries x 60 s held it ~5 minutes after the error)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/get_reward"
+        script = tmp_path / "give_up.py"
+        script.write_text(_GIVE_UP)
+        done = subprocess.run([sys.executable, str(script), url], capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "gave up" in done.stdout

@@ -16,11 +16,11 @@ once per step with the whole batch (see :mod:`.rewards`):
 
 from __future__ import annotations
 
-import concurrent.futures
 import importlib.util
 import json
 import math
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -115,10 +115,8 @@ class HttpReward:
         labels = list(labels) or [None] * len(queries)
         size = -(-len(queries) // len(self.urls))
         shards = [(url, slice(i * size, (i + 1) * size)) for i, url in enumerate(self.urls) if i * size < len(queries)]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(shards)) as pool:
-            futures = [pool.submit(self.ask, url, {"query": queries[s], "prompts": list(prompts[s]),
-                                                   "labels": labels[s]}) for url, s in shards]
-            parts = [f.result() for f in futures]
+        payloads = [(url, {"query": queries[s], "prompts": list(prompts[s]), "labels": labels[s]}) for url, s in shards]
+        parts = _ask_all(self.ask, payloads)
         return [score for part in parts for score in part]
 
     def ask(self, url: str, payload: dict[str, list]) -> list[float]:
@@ -157,6 +155,31 @@ class HttpReward:
 
     def __repr__(self) -> str:
         return f"HttpReward({', '.join(self.urls)})"
+
+
+def _ask_all(ask: Callable[[str, dict], list[float]], payloads: Sequence[tuple[str, dict]]) -> list[list[float]]:
+    """``ask(url, payload)`` for every shard at once, in daemon threads, and their answers in order (the first error
+    is raised). Daemon threads, not a ThreadPoolExecutor: the executor's threads are joined at interpreter exit, so a
+    server that never answers held the process ~5 minutes (tries x timeout) after the step's deadline had already
+    ended the run; a daemon thread still asking when the run gives up does not keep it alive."""
+    results: list[Any] = [None] * len(payloads)
+
+    def one(i: int, url: str, payload: dict) -> None:
+        try:
+            results[i] = ("ok", ask(url, payload))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            results[i] = ("error", e)
+
+    threads = [threading.Thread(target=one, args=(i, url, payload), name=f"hybrid-reward-server-{i}", daemon=True)
+               for i, (url, payload) in enumerate(payloads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()  # bounded by the caller: the reward function runs under the step's deadline (rewards.py)
+    for kind, value in results:
+        if kind == "error":
+            raise value
+    return [value for _, value in results]
 
 
 def scores_of(result: Any, expected: int, where: str) -> list[float]:
