@@ -113,9 +113,12 @@ def print_table(title: str, rows: list[Row]) -> None:
         print(f"{r.metric:<{width}}  {_fmt(r.value):>12}  {r.unit}{'' if r.record else '  (not recorded)'}")
 
 
-def append_results(rows: list[Row], device: str, path: Path = RESULTS) -> int:
-    """Append the recordable rows to RESULTS.md (created with its header if missing); returns how many."""
-    command = shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]).replace("|", "\\|")
+def append_results(rows: list[Row], device: str, path: Path = RESULTS, command: str | None = None) -> int:
+    """Append the recordable rows to RESULTS.md (created with its header if missing); returns how many. ``command``:
+    the command line that measured them (default: this process's; another when the rows are recorded afterwards
+    from a run's JSON)."""
+    command = command or shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    command = command.replace("|", "\\|")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     lines = [f"| {r.metric} | {_fmt(r.value)} | {r.unit} | {device} | {date} | `{command}` |\n"
              for r in rows if r.record]

@@ -83,6 +83,7 @@ def summarize(metrics_path: str, warmup: int) -> dict:
             "step_s_inside": statistics.median(s["time/step"] for s in steady), "phases_s": med,
             "sleep_wake_sync_share_pct": 100 * overhead, "rewards": [s["reward"] for s in steps],
             "step_times": [s["time/step"] for s in steps],
+            "step_ends": [s.get("wall_time") for s in steps],  # the one clock's raw times (bench/peer_ratio.py)
             "response_len": statistics.median(s.get("response_len", 0.0) for s in steady)}
 
 

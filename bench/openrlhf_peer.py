@@ -2,9 +2,11 @@
 
 Same model folders and prompts (bench/peer_workload.py), same reward (``copy_first``, through OpenRLHF's
 custom-reward-file hook: bench/openrlhf_reward.py), everything colocated on one GPU with vLLM and DeepSpeed
-sleeping (OpenRLHF's hybrid engine). OpenRLHF's model code imports flash-attn at module level and none exists for
-the GPU image's torch: bench/openrlhf_standin/ provides those few names (no package metadata, so transformers does
-not use it) and the runs ask for ``--ds.attn_implementation sdpa``, without packing / dynamic batch / ring attention.
+sleeping (OpenRLHF's hybrid engine: ``--vllm.enable_sleep --ds.enable_sleep``) or, with ``--no_sleep``, both kept
+resident (OpenRLHF's default for those two flags; nothing is offloaded or reloaded between phases, where the
+workload fits). OpenRLHF's model code imports flash-attn at module level and none exists for the GPU image's torch:
+bench/openrlhf_standin/ provides those few names (no package metadata, so transformers does not use it) and the runs
+ask for ``--ds.attn_implementation sdpa``, without packing / dynamic batch / ring attention.
 
 Set-ups (``--setup``), each the counterpart of one of our runs in bench/residency_session.sh:
 * ``matched`` -- ours ``--kl 0 --zero_stage 1 --micro 64``: ZeRO-1, no reference model.
@@ -13,16 +15,22 @@ Set-ups (``--setup``), each the counterpart of one of our runs in bench/residenc
 checkpointing, vLLM at 0.3 of the GPU), run with ``matched``.
 
     python bench/openrlhf_peer.py --size 357m --setup matched --steps 10 --warmup 2   # runs it, table + JSON
+    python bench/openrlhf_peer.py --size 1.5b --no_sleep --steps 8   # without --vllm.enable_sleep --ds.enable_sleep
     python bench/openrlhf_peer.py --dry                       # print the command only (builds the workload)
     python bench/openrlhf_peer.py --check                     # OpenRLHF's own parser + checks on the command, no run
     python bench/openrlhf_peer.py compare --openrlhf A.json --ours B.json [--record]   # speedup rows
 
-Timing comes from OpenRLHF's own per-step log line (``✨ Global step N: {...}``, the trainer's status dict):
-``timing/generation`` (vLLM wake-up + rollout + engine sleep), ``timing/make_experience`` (rewards, old and
-reference log-probs), ``timing/ppo_train`` (DeepSpeed reload, actor update, offload), ``timing/broadcast`` (vLLM
-weights woken + the actor's parameters sent one at a time over CUDA IPC: their weight sync) and
-``timing/step_total`` (their sum: the step time). The step is the median after ``--warmup`` steps. The wall time
-between consecutive step lines as this script receives them is printed beside it as a cross-check.
+The step time is on the clock of every peer comparison (bench/_common.py ``steady_step_times``): wall time between
+step ends, here the arrival times of OpenRLHF's per-step log lines (``✨ Global step N: {...}``, logged once the
+step's status is complete) as this script receives them, the same ``--warmup`` steps dropped as ours, a figure only
+with >= 5 measured steps (fewer: the run is reported as failed, with the fix). The lines come through Ray's log
+forwarding from the trainer actor: a delay that is the same for every line cancels out of the differences, and the
+median is not moved by one late line. The phases come from the same line, the trainer's status dict:
+``timing/generation`` (vLLM wake-up + rollout + engine sleep), ``timing/make_experience`` (rewards, old and reference
+log-probs), ``timing/ppo_train`` (DeepSpeed reload, actor update, offload), ``timing/broadcast`` (vLLM weights woken
++ the actor's parameters sent one at a time over CUDA IPC: their weight sync) and ``timing/step_total`` (their sum:
+OpenRLHF's own step timer, kept as ``step_s_inside`` and printed beside the wall figure as a cross-check; it leaves
+out what happens between its phases, logging and checkpoints included).
 A failed run prints the tail of OpenRLHF's log and its last traceback, and writes them into the JSON.
 """
 
@@ -34,6 +42,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 
@@ -42,6 +51,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from _peer_process import DEFAULTS, WORKLOADS, failure, gpu_name, installed_version, run_peer  # noqa: E402,F401
 from _peer_process import summarize_steps  # noqa: E402
+from _common import MIN_MEASURED_STEPS, steady_step_times  # noqa: E402
 STANDIN = os.path.join(HERE, "openrlhf_standin")
 REWARD_FILE = os.path.join(HERE, "openrlhf_reward.py")
 #: where bench/openrlhf_session.sh installs OpenRLHF and the packages it carries (kept apart from /tmp/site: the
@@ -74,12 +84,13 @@ def command(args, model: str, data: str) -> list[str]:
            "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1",
            "--reward.num_nodes", "1", "--reward.num_gpus_per_node", "1",
            "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
-           "--vllm.gpu_memory_utilization", str(args.gpu_util), "--vllm.enable_sleep",
-           "--train.colocate_all", "--ds.enable_sleep",
+           "--vllm.gpu_memory_utilization", str(args.gpu_util), "--train.colocate_all",
            "--ds.zero_stage", str(zero_stage), "--ds.param_dtype", "bf16",
            "--ds.attn_implementation", "sdpa",
            "--logger.logging_steps", "1", "--ckpt.output_dir", os.path.join(args.workdir, "openrlhf-ckpt"),
            "--ckpt.path", os.path.join(args.workdir, "openrlhf-ckpt", "checkpoints")]
+    if not args.no_sleep:  # the hybrid engine's memory saver: vLLM and DeepSpeed release the GPU between phases
+        cmd += ["--vllm.enable_sleep", "--ds.enable_sleep"]
     if args.ckpt:
         cmd += ["--actor.gradient_checkpointing_enable"]
     if args.enforce_eager:
@@ -125,9 +136,19 @@ def parse_log(lines) -> list[dict]:
 
 
 def summarize(steps: list[dict], warmup: int) -> dict:
-    """Median per-step times after ``warmup`` steps (all steps if there are no more than that)."""
-    return summarize_steps(steps, warmup, step="timing/step_total", phase="timing/{}", phases=PHASES,
-                           response_len="rollout/response_length_mean", reward="rollout/reward_mean")
+    """``step_s``: the median step on the one clock (bench/_common.py: wall time between step ends, here the step
+    lines' arrival times, ``warmup`` steps dropped), None with fewer than ``MIN_MEASURED_STEPS`` measured steps or
+    an arrival time missing; ``step_s_inside``: OpenRLHF's own ``timing/step_total``; the phases' medians after
+    ``warmup`` steps (all steps if there are no more than that)."""
+    out = summarize_steps(steps, warmup, step="timing/step_total", phase="timing/{}", phases=PHASES,
+                          response_len="rollout/response_length_mean", reward="rollout/reward_mean")
+    out["step_s_inside"] = out.pop("step_s")
+    ends = [s["t"] for s in steps]
+    steady = steady_step_times(ends, warmup) if None not in ends and len(ends) > warmup else []
+    out.update(step_ends=ends if None not in ends else None, steady_step_s=[round(t, 4) for t in steady],
+               steady_steps=len(steady),
+               step_s=statistics.median(steady) if len(steady) >= MIN_MEASURED_STEPS else None)
+    return out
 
 
 # ---- running it ----------------------------------------------------------------------------------------------------
@@ -190,7 +211,8 @@ OUR_EXTRA_FLAGS = ("--packing_samples", "--use_dynamic_batch", "--async_train", 
 
 def compare(orl: dict, ours: dict) -> tuple[list, list[str]]:
     """Rows for bench/RESULTS.md from one OpenRLHF JSON and our e2e JSON of the same call; speedups only when both
-    runs completed. Returns ``(rows, problems)``."""
+    runs completed, and only for OpenRLHF asleep: the no-sleep ratio is a figure of the fair protocol, the median of
+    >= 3 same-call ratios that bench/peer_ratio.py makes, never one call's. Returns ``(rows, problems)``."""
     from _common import Row
 
     problems = []
@@ -203,23 +225,35 @@ def compare(orl: dict, ours: dict) -> tuple[list, list[str]]:
     size, setup = orl.get("size", "357m"), orl.get("setup", "matched")
     sfx = "" if size == "357m" else f" {size.upper()}"
     sfx += "" if setup == "matched" else f" {setup}"
+    asleep = orl.get("sleep", True)  # JSONs from before --no_sleep: always asleep
+    sfx += "" if asleep else " nosleep"
     what = (f"{size}, {WORKLOADS[size][0]} x {WORKLOADS[size][1]}, <= {WORKLOADS[size][2]} new tokens, "
-            f"{'ZeRO-1, no reference' if setup == 'matched' else 'ZeRO-3 + reference'}, colocated with sleep"
+            f"{'ZeRO-1, no reference' if setup == 'matched' else 'ZeRO-3 + reference'}, colocated "
+            + ("with sleep" if asleep else "without sleep (all resident)")
             + (f"; partial: {orl['partial']}" if orl.get("partial") else ""))
+    inside = orl.get("step_s_inside")
     rows = []
     if orl_ok:
         ph = orl["phases_s"]
         rows += [Row(f"OpenRLHF grpo step{sfx} s", orl["step_s"],
-                     f"s (OpenRLHF 0.11.2 timing/step_total, median after {orl['warmup']} warm-up; {what})"),
+                     f"s (OpenRLHF 0.11.2, wall time between step ends, median of {orl.get('steady_steps', '?')} "
+                     f"after {orl['warmup']} warm-up"
+                     + (f"; its timing/step_total {inside:.3f} s" if inside is not None else "") + f"; {what})"),
                  Row(f"OpenRLHF weight sync{sfx} s", ph["broadcast"],
-                     "s (timing/broadcast: vLLM weights woken + parameters sent one by one over CUDA IPC"
+                     "s (timing/broadcast: " + ("vLLM weights woken + " if asleep else "")
+                     + "parameters sent one by one over CUDA IPC"
                      + (f"; ours {ours['phases_s']['sync']:.3f} s same call)" if ours_ok else ")")),
-                 Row(f"OpenRLHF generation{sfx} s", ph["generation"], "s (timing/generation: wake + rollout + sleep)"),
+                 Row(f"OpenRLHF generation{sfx} s", ph["generation"],
+                     f"s (timing/generation: {'wake + rollout + sleep' if asleep else 'rollout'})"),
                  Row(f"OpenRLHF make_experience{sfx} s", ph["make_experience"],
                      "s (timing/make_experience: rewards, old/reference log-probs)"),
                  Row(f"OpenRLHF ppo_train{sfx} s", ph["ppo_train"],
-                     "s (timing/ppo_train: DeepSpeed reload + actor update + offload)")]
-    if orl_ok and ours_ok:
+                     "s (timing/ppo_train: " + ("DeepSpeed reload + actor update + offload" if asleep
+                                               else "actor update") + ")")]
+    if orl_ok and ours_ok and not asleep:
+        problems.append("OpenRLHF ran without sleep: its ratio is the protocol's median of >= 3 same-call ratios "
+                        "(bench/peer_ratio.py --openrlhf), not made from one call here")
+    elif orl_ok and ours_ok:
         name = "speedup vs OpenRLHF x" if size == "357m" else f"speedup vs OpenRLHF {size.upper()} x"
         if setup != "matched":
             name = name[:-2] + f" {setup} x"
@@ -270,6 +304,8 @@ def main() -> int:
     ap.add_argument("--gpu_util", type=float, default=None, help="vLLM memory fraction (0.35 at 357m, 0.3 at 1.5b)")
     ap.add_argument("--ckpt", action="store_true", default=None, help="gradient checkpointing (always at 1.5b)")
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--no_sleep", action="store_true",
+                    help="without --vllm.enable_sleep --ds.enable_sleep (OpenRLHF's default): all stays resident")
     ap.add_argument("--enforce_eager", action="store_true")
     ap.add_argument("--workdir", default=None, help="default /tmp/peer (357m) or /tmp/peer-<size>: e2e_gpu.py's")
     ap.add_argument("--site", default=DEFAULT_SITE, help="where OpenRLHF and its carried packages are installed")
@@ -279,6 +315,8 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="only pass the command through OpenRLHF's parser")
     ap.add_argument("extra", nargs="*", help="more OpenRLHF flags, after --")
     args = ap.parse_args()
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1: the first step has no start on the step-end clock (bench/_common.py)")
     micro, ckpt, util = DEFAULTS[args.size]
     if args.setup == "zero3ref":
         micro = 32  # e2e_gpu.py's default --micro, which its ZeRO-3 + reference run (zero3ref) uses
@@ -297,7 +335,7 @@ def main() -> int:
     env = environment(args.site)
     print("command:", shlex.join(cmd), flush=True)
     print("PYTHONPATH:", env["PYTHONPATH"], flush=True)
-    tag = f"openrlhf-{args.size}-{args.setup}"
+    tag = f"openrlhf-{args.size}-{args.setup}{'-nosleep' if args.no_sleep else ''}"
     out_dir = os.environ.get("OUT")
     if args.dry:
         return 0
@@ -322,7 +360,8 @@ def main() -> int:
         return 0 if res["ok"] else 2
 
     log_path = os.path.join(args.workdir, f"{tag}.log")
-    result = {"tag": tag, "size": args.size, "setup": args.setup, "warmup": args.warmup, "command": shlex.join(cmd),
+    result = {"tag": tag, "size": args.size, "setup": args.setup, "warmup": args.warmup, "sleep": not args.no_sleep,
+              "command": shlex.join(cmd),
               "openrlhf": installed_version("openrlhf", env), "device": gpu_name()}
     r = run(cmd, env, log_path, args.timeout, args.steps, args.grace)
     result.update(rc=r["rc"], stopped=r["stopped"], wall_s=r["wall_s"], log=log_path)
@@ -333,11 +372,13 @@ def main() -> int:
             result["partial"] = f"{len(steps)} of {args.steps} steps before the {args.timeout:.0f} s limit"
             print(f"\n{tag}: PARTIAL, {result['partial']}")
         result.update(summarize(steps, args.warmup))
+    if result.get("step_s") is not None:
         prompts, samples = WORKLOADS[args.size][:2]
         result["tokens_per_s"] = prompts * samples * result["response_len"] / result["step_s"]
-        print(f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.3f} s (timing/step_total, after "
-              f"{args.warmup} warm-up; wall between step lines {result.get('wall_step_s', float('nan')):.3f} s), "
-              f"{result['tokens_per_s']:.0f} generated tokens/s, mean response {result['response_len']:.0f} tokens")
+        print(f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.3f} s (wall time between step ends, "
+              f"{result['steady_steps']} after {args.warmup} warm-up; OpenRLHF's timing/step_total "
+              f"{result['step_s_inside']:.3f} s), {result['tokens_per_s']:.0f} generated tokens/s, mean response "
+              f"{result['response_len']:.0f} tokens")
         print(f"{'phase':<16} {'s (median)':>10}")
         for p, v in result["phases_s"].items():
             print(f"{p:<16} {v:>10.3f}")
@@ -345,6 +386,12 @@ def main() -> int:
         if r["rc"] not in (0, None) and r["stopped"] is None:
             result["note"] = f"exited {r['rc']} after the last step (the final save?): " + " | ".join(
                 failure(text)["error_lines"])
+    elif "step_s" in result:  # it ran, but too few steps for the one clock: no figure, and what to change
+        measured = result["steady_steps"]
+        result["error"] = (f"{measured} measured step(s) after {args.warmup} warm-up: a figure needs >= "
+                           f"{MIN_MEASURED_STEPS} (run --steps >= {args.warmup + MIN_MEASURED_STEPS}"
+                           + (", or give it a longer --timeout)" if result.get("partial") else ")"))
+        print(f"\n{tag}: FAILED: {result['error']}")
     else:
         result["steps"] = len(steps)
         result.update(failure(text))

@@ -35,7 +35,7 @@ def test_progress_lines_without_a_terminal_and_summary_table(tmp_path):
     display = ProgressDisplay(console)
     assert not display.live  # not a terminal: one line per step
     display.on_start({"total_steps": 3, "run_dir": str(tmp_path)})
-    for step, reward in ((1, 0.1), (2, 0.4), (3, 0.3)):
+    for step, reward in ((0, 0.1), (1, 0.4), (2, 0.3)):  # the loop's 0-based step index; shown 1-based
         display.on_step(step_metrics(step, reward))
     (tmp_path / "final").mkdir()
     display.on_end({"final_model": str(tmp_path / "final"), "last_checkpoint": str(tmp_path / "no-such-checkpoint")})

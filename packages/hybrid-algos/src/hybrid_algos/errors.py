@@ -21,3 +21,6 @@ class AlgoInputError(ValueError):
         if fix:
             message += f" Fix: {fix}"
         super().__init__(message)
+
+    def __reduce__(self):  # raised in a Ray worker, it crosses to the driver pickled: rebuild from our arguments
+        return (type(self), (self.field, self.problem, self.fix))

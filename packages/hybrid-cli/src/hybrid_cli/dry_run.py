@@ -54,10 +54,11 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
         console.print("[yellow]note:[/yellow] " + escape(unused))
     missing = library_missing(config.backend)
     if missing:
-        console.print(f"warning: {missing}; the run will stop before it starts unless it is installed.")
+        console.print(f"warning: {missing}; the run will stop before it starts unless it is installed.",
+                      markup=False)  # as markup, the extra ('hybrid-engines[vllm]') would vanish
     prompts = load_prompts(config, console)
     console.print(step_count(config, len(prompts)).describe(), markup=False)  # the loop's own count
-    console.print(describe_reward(config))
+    console.print(describe_reward(config), markup=False)  # a path or URL may hold [...]
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
         console.print("warning: --use_wandb, but wandb is not installed here; the run will stop before it starts "
                       "unless it is (pip install wandb).")

@@ -177,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``hybrid: terminated`` (SIGTERM, 143) with the checkpoint to continue from. An exception that is not one of
     hybrid's own is a bug: its traceback is printed above that line."""
     global _current_config
+    program = argv is None  # the process is this command (the console script): it ends when main returns
     argv = list(sys.argv[1:] if argv is None else argv)
     _current_config = None
     try:
@@ -191,9 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         terminated = type(e).__name__ == "Terminated"  # hybrid_algos.train.failures.Terminated: SIGTERM
         what = "terminated (SIGTERM)" if terminated else "interrupted"
         note = getattr(e, "note", "")  # e.g. why the checkpoint on SIGTERM could not be saved
-        print(f"hybrid: {what}: the run stopped and its processes were shut down.{' ' + note if note else ''}"
-              f"{_resume_line()}", file=sys.stderr)
-        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+        status = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+        with _ctrl_c_ends_at_once(status, to_the_end=program):  # Ctrl-C pressed again while the command ends
+            print(f"hybrid: {what}: the run stopped and its processes were shut down.{' ' + note if note else ''}"
+                  f"{_resume_line()}", file=sys.stderr)
+            _finish_ray_shutdown()
+        return status
     except Exception as e:  # a bug: show where, then end like every other failure
         import traceback
 
@@ -201,6 +205,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hybrid: internal error: {type(e).__name__}: {str(e).rstrip('.')}. This is a bug in hybrid (or a library it uses); "
               f"the traceback above says where.{_resume_line()}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _ctrl_c_ends_at_once(status: int, *, to_the_end: bool = False):
+    """While an interrupted command ends, a further Ctrl-C ends it at once with ``status`` (output flushed): not
+    with a KeyboardInterrupt traceback out of the line's checkpoint look-up or out of ``ray.shutdown``.
+    ``to_the_end``: left so when the process is the command, for its last moments too (the interpreter's exit, Ray's
+    at-exit hook); an in-process caller gets its handler back."""
+    import contextlib
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return contextlib.nullcontext()
+
+    def at_once(signum: int, frame: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed pipe: nothing more to say there
+                pass
+        os._exit(status)
+
+    @contextlib.contextmanager
+    def installed():
+        previous = signal.signal(signal.SIGINT, at_once)
+        try:
+            yield
+        finally:
+            if not to_the_end:
+                signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+
+    return installed()
+
+
+def _finish_ray_shutdown() -> None:
+    """Ray's shutdown where a second Ctrl-C cut the run's tear-down short: now, while one more Ctrl-C ends the
+    command at once, rather than in Ray's at-exit handler (where a Ctrl-C printed a KeyboardInterrupt traceback)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        try:
+            ray.shutdown()
+        except Exception:  # ending anyway: Ray's processes go with the driver
+            logging.getLogger(__name__).debug("ray.shutdown after an interrupt failed", exc_info=True)
 
 
 #: The config of the training command being run, for the resume hint of an interrupted or failed run.
@@ -251,6 +299,7 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
 
     global _current_config, _started_at
     metrics = MetricsLogger.for_config(config)  # fails here (before Ray) when W&B is asked for and missing
+    metrics.check_wandb()  # and here when it has no key or refuses it (no W&B server within reach: offline, noted)
     _current_config, _started_at = config, time.time()
     progress = ProgressDisplay()
     from rich.markup import escape

@@ -8,6 +8,11 @@ every JSON reader accepts the file. A resumed run appends to the file, after cut
 its checkpoint (the steps after it are done again: they would be there twice; TensorBoard is told to purge them
 too); a new run starts it afresh. The end-of-run summary goes to ``summary.json`` beside it. No credential is
 written (:mod:`hybrid_algos.train.redact`): W&B gets the config and the command line without its API key.
+
+``--use_wandb`` is checked before Ray starts (:meth:`MetricsLogger.check_wandb`): W&B itself finds a missing or
+refused key only once the run has started, a minute in, and without its server it waits 90 s to fail. No key, or
+one the server refuses: the command stops, naming the fix. No server within reach (a cluster without internet):
+the run logs offline into its folder, and says how to upload that later.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from hybrid_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 WANDB_FIX = "pip install wandb (or pip install 'hybrid-cli[wandb]'), or drop --use_wandb."
+WANDB_LOGIN_FIX = ("Run `wandb login` (or set WANDB_API_KEY, or give the key: --use_wandb KEY); or log offline "
+                   "with WANDB_MODE=offline (`wandb sync` uploads it later), or drop --use_wandb.")
+#: How long the W&B server has to answer before the run logs offline.
+WANDB_REACH_S = 5.0
 
 
 class MetricsLogger:
@@ -40,6 +49,9 @@ class MetricsLogger:
         self._jsonl = None
         self._tb = None
         self._wandb = None
+        self.wandb_mode: str | None = None  # "offline" when check_wandb found no server within reach
+        self._wandb_checked = False  # check_wandb logged in (verified): on_start does not again
+        self._notes: list[str] = []
         if wandb_key:
             self._wandb_module()  # fail now, before Ray or a GPU is taken
 
@@ -58,8 +70,43 @@ class MetricsLogger:
         """What the user should know about where metrics go (shown before the run starts)."""
         if self.tensorboard and not tensorboard_installed():
             return ["tensorboard is not installed, so metrics go to metrics.jsonl only "
-                    "(pip install tensorboard, or 'hybrid-cli[tensorboard]'; --no_use_tensorboard hides this note)"]
-        return []
+                    "(pip install tensorboard, or 'hybrid-cli[tensorboard]'; --no_use_tensorboard hides this note)",
+                    *self._notes]
+        return list(self._notes)
+
+    def check_wandb(self) -> None:
+        """Before Ray starts: log in to W&B and have its server verify the key (a :class:`ConfigError` naming the
+        fix when there is no key or the server refuses it); no server within reach: log offline, with a note.
+        Nothing to do without --use_wandb, or with W&B's own offline / disabled mode (WANDB_MODE)."""
+        if not self.wandb_key or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+            return
+        wandb = self._wandb_module()
+        settings = getattr(wandb.setup(), "settings", None)  # W&B's own: WANDB_BASE_URL, its settings files
+        if str(getattr(settings, "mode", "online")) in ("offline", "disabled", "dryrun"):
+            return
+        url = str(getattr(settings, "base_url", None) or os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+        why = unreachable(url, WANDB_REACH_S)
+        if why is not None:
+            self.wandb_mode = "offline"
+            where = os.path.join(self.run_dir or ".", "wandb")
+            self._notes.append(f"W&B: nothing answers at {url} ({why}), so the run logs offline into {where} "
+                               f"(upload it later: wandb sync {os.path.join(where, 'offline-run-*')}; the API key "
+                               "is not checked)")
+            return
+        key = self.wandb_key if self._explicit_key() else None  # None: W&B finds it (WANDB_API_KEY, netrc)
+        try:
+            wandb.login(key=key, relogin=key is not None, verify=True)
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if key:
+                text = text.replace(key, "<redacted>")
+            what = ("no W&B API key is configured here" if isinstance(e, wandb.errors.UsageError) and key is None
+                    else f"W&B ({url}) refused the API key")
+            raise ConfigError("use_wandb", f"{what}: {text.rstrip('.')}.", WANDB_LOGIN_FIX) from None
+        self._wandb_checked = True
+
+    def _explicit_key(self) -> bool:
+        return bool(self.wandb_key) and self.wandb_key.lower() not in ("true", "1")  # OpenRLHF passes the key itself
 
     @property
     def path(self) -> str | None:
@@ -81,10 +128,11 @@ class MetricsLogger:
                                            purge_step=start_step if resumed else None)
         if self.wandb_key:
             wandb = self._wandb_module()
-            if self.wandb_key.lower() not in ("true", "1"):  # OpenRLHF passes the API key itself
+            if self._explicit_key() and not self._wandb_checked and self.wandb_mode is None:
                 wandb.login(key=self.wandb_key, relogin=True)
+            mode = {"mode": self.wandb_mode} if self.wandb_mode else {}  # offline: check_wandb found no server
             self._wandb = wandb.init(project=self.wandb_project, name=self.wandb_run_name, config=self.config,
-                                     dir=self.run_dir, resume="allow" if resumed else None)
+                                     dir=self.run_dir, resume="allow" if resumed else None, **mode)
 
     def on_step(self, metrics: dict[str, Any]) -> None:
         if self._jsonl is None:
@@ -128,6 +176,23 @@ class MetricsLogger:
             raise ConfigError("use_wandb", "logging to Weights & Biases needs the wandb package, which is not "
                               "installed.", WANDB_FIX) from None
         return wandb
+
+
+def unreachable(url: str, timeout_s: float) -> str | None:
+    """Why nothing answers at ``url`` within ``timeout_s`` (through the proxies the environment names, as W&B goes);
+    None when something does -- any HTTP status, 401 or 404 included."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as e:
+        return str(e.reason)
+    except Exception as e:  # a timeout, a connection reset, a URL that is none
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def tensorboard_installed() -> bool:

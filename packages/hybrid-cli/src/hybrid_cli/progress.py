@@ -59,7 +59,7 @@ class ProgressDisplay:
         if residency is not None:
             self.console.print(residency.render(), markup=False)
         if info.get("run_dir"):
-            self.console.print(f"run folder: {info['run_dir']}")
+            self.console.print(f"run folder: {info['run_dir']}", markup=False)
         for line in info.get("lines") or ():  # the step count and why; flags the run does not use as given
             self.console.print(line, markup=False)
         if self.live:
@@ -73,10 +73,12 @@ class ProgressDisplay:
     def on_step(self, metrics: dict[str, Any]) -> None:
         self.history.append(dict(metrics))
         line = step_line(metrics)
+        # 1-based, as in errors, checkpoint names and --profile_step (the metric is the loop's 0-based index)
+        done = int(metrics["step"]) + 1 if "step" in metrics else len(self.history)
         if self._progress is not None:
-            self._progress.update(self._task, completed=int(metrics.get("step", len(self.history))), stats=line)
+            self._progress.update(self._task, completed=done, stats=line)
         else:
-            self.console.print(f"step {metrics.get('step', len(self.history))}/{self.total_steps or '?'}  {line}")
+            self.console.print(f"step {done}/{self.total_steps or '?'}  {line}", markup=False)
 
     def on_end(self, summary: dict[str, Any]) -> None:
         self.close()

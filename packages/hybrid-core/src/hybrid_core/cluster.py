@@ -93,8 +93,7 @@ def connect(
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     use_local_token()
     if temp_dir is not None:
-        temp_dir = os.path.abspath(temp_dir)
-        os.makedirs(temp_dir, exist_ok=True)
+        temp_dir = make_temp_dir(temp_dir)
     # address="local": always a new cluster of our own. Without it Ray joins any cluster already running on this
     # machine (found through /tmp/ray), someone else's included.
     with loopback_only(), gpus_hidden_as_fakes(num_gpus), own_process_group():
@@ -106,6 +105,28 @@ def connect(
                     "mode, so the run is reachable from the network (token authentication is %s)", info.node_ip,
                     os.environ.get(AUTH_MODE_ENV, "Ray's default"))
     return info
+
+
+def make_temp_dir(path: str) -> str:
+    """The absolute ``--ray_temp_dir``, created; a path that cannot be a folder (a file on it, no permission) is a
+    :class:`ConfigError` naming the flag."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # NotADirectoryError (a file in the path), FileExistsError (a file there), PermissionError
+        blocker = next((p for p in _ancestors(path) if os.path.exists(p) and not os.path.isdir(p)), None)
+        why = f"{blocker!r} is a file, not a folder" if blocker else e.strerror or type(e).__name__
+        raise ConfigError("ray_temp_dir", f"cannot create the folder {path!r}: {why}.",
+                          "Give a folder that can be created (or leave --ray_temp_dir out: Ray's /tmp/ray).") from None
+    return path
+
+
+def _ancestors(path: str) -> list[str]:
+    """``path`` and the folders above it, top first."""
+    parts = [path]
+    while os.path.dirname(parts[-1]) != parts[-1]:
+        parts.append(os.path.dirname(parts[-1]))
+    return parts[::-1]
 
 
 #: How long joining a cluster may take to find out that nothing (or no Ray) answers at its address.

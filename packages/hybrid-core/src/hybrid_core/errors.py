@@ -26,6 +26,9 @@ class ConfigError(HybridError, ValueError):
             message += f" Fix: {fix}"
         super().__init__(message)
 
+    def __reduce__(self):  # raised in a Ray worker, it crosses to the driver pickled: rebuild from our arguments
+        return (type(self), (self.field, self.problem, self.fix))
+
 
 class PlacementError(ConfigError):
     """A placement spec cannot be laid out on the cluster (arithmetic, ranges, sizes)."""

@@ -29,7 +29,6 @@ Parquet needs ``pyarrow`` and ``datasets`` folders need ``datasets``: both are t
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os

@@ -121,12 +121,7 @@ def _prepare(config: RLConfig, locks: Any) -> Prepared:
     tokenizer = load_tokenizer("pretrain", model_path, trust_remote_code=config.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    try:
-        prompts = load_prompts(config, tokenizer)
-    except UnicodeDecodeError as e:
-        raise ConfigError("prompt_data", f"{config.prompt_data} is not UTF-8 text (byte {e.object[e.start:e.start + 1]!r} "
-                          f"at offset {e.start} cannot be decoded).",
-                          "Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl).") from None
+    prompts = load_prompts(config, tokenizer)  # a file that is not UTF-8 is a ConfigError there (and in --dry-run)
     if agent is not None:
         _note_agent(config, agent, tokenizer)
     elif config.reward_fn is None:

@@ -87,9 +87,10 @@ def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | N
         host = host_memory(cfg, placement.gpus_per_node)
     shapes = role_models(cfg, list(placement.roles), model_path)
     notes = []
-    trainers = [placement.roles[r] for r in ("actor", "critic") if r in placement.roles]
+    # the roles ZeRO-3 shards: the trainers, and the frozen models too (as OpenRLHF's inference engines do)
+    sharded = [placement.roles[r] for r in ("actor", "critic", "reference", "reward") if r in placement.roles]
     plan = None
-    if cfg.zero_stage == 3 and all(t.world_size == 1 for t in trainers):
+    if cfg.zero_stage == 3 and all(t.world_size == 1 for t in sharded):
         # ZeRO-3 splits states across ranks; with one rank there is nothing to split, the same bytes stay on the GPU,
         # and every layer is still gathered and released around each use (measured: train 0.96 s vs 0.27 s at 357M).
         demoted = cfg.replace(zero_stage=1)

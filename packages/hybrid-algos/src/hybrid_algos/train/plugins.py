@@ -47,11 +47,8 @@ _FIX = "Give the path of your .py file (--plugins my_losses.py) or an importable
 
 
 class PluginError(ConfigError):
-    """A ``--plugins`` entry that cannot be imported. It pickles whole, so one raised in a Ray worker reaches the
-    driver with its message and fix (Ray falls back to a bare "failed to deserialize" otherwise)."""
-
-    def __reduce__(self):
-        return type(self), (self.field, self.problem, self.fix)
+    """A ``--plugins`` entry that cannot be imported (it pickles whole, as every ``ConfigError`` does, so one raised
+    in a Ray worker reaches the driver with its message and fix)."""
 
 
 @dataclass(frozen=True)

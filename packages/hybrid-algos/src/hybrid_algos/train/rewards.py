@@ -40,6 +40,27 @@ class RewardTimeout(HybridError, TimeoutError):
     dump_stacks = True  # the driver's stacks show where it hangs
 
 
+class ExitCalled(BaseException):
+    """``os._exit`` called by a reward function: raised in its thread instead (see :func:`_exit_or_refuse`)."""
+
+    def __init__(self, status: Any):
+        super().__init__(f"os._exit({status!r})")
+        self.status = status
+
+
+_user_code = threading.local()  # .pid: set in a thread running a reward function (of that process)
+_os_exit = os._exit
+
+
+def _exit_or_refuse(status: int) -> None:
+    """``os._exit`` while reward functions run: from their thread it raises :class:`ExitCalled` -- the driver would
+    end at once, with that status (0: the run looks complete) and no word of why; from any other thread, or from a
+    process the function forked (multiprocessing's children end with ``os._exit``), it exits as always."""
+    if getattr(_user_code, "pid", None) == os.getpid():
+        raise ExitCalled(status)
+    _os_exit(status)
+
+
 def load_reward_fn(spec: str) -> Callable[..., list[float]]:
     """``package.module:function`` or ``path/to/file.py:function``; OpenRLHF's ``file.py`` (its ``reward_func``) or
     ``http(s)://`` reward servers (see :mod:`.remote_rewards`). A module that fails to import is a ConfigError naming
@@ -115,11 +136,13 @@ class RewardScorer:
         result: dict[str, Any] = {}
 
         def call() -> None:
+            _user_code.pid = os.getpid()
             try:
                 result["value"] = self.fn(*args, **kwargs)
             except BaseException as e:  # reported from the driver's thread
                 result["error"] = e
 
+        os._exit = _exit_or_refuse  # set once and left so (a reward thread left hung behind stays refused too)
         worker = threading.Thread(target=call, name="hybrid-reward-fn", daemon=True)
         worker.start()
         worker.join(timeout_s)
@@ -129,6 +152,11 @@ class RewardScorer:
             raise RewardTimeout(f"the reward function {self.name} did not return {limit} (it was at {where}).")
         if "error" in result:
             e = result["error"]
+            if isinstance(e, ExitCalled):
+                raise RewardError(f"the reward function {self.name} called os._exit({e.status!r}){_user_frame(e)}, "
+                                  f"which would end the whole run at once with status {e.status!r} (0 reads as a "
+                                  "completed run), without its checkpoint or summary. It must return the scores; to "
+                                  "stop the run, raise an exception.") from None
             hint = ""
             if isinstance(e, ValueError) and "signal only works in main thread" in str(e):
                 hint = (" It uses signals (e.g. a timeout based on signal.alarm), which work only in a program's main "

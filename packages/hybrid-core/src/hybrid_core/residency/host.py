@@ -188,7 +188,7 @@ def check_host(plan: ResidencyPlan) -> None:
     if budget is None or budget.bytes is None:
         return
     for node, use in sorted(plan.host_use().items()):
-        if use.states <= budget.bytes and (use.states < STATES_THAT_COUNT or use.total <= budget.bytes):
+        if not refused(use, budget.bytes):
             continue
         parts = ", ".join(f"{_item(role, item)} {v / GiB:.1f}" for (role, item), v in _largest(use)[:4])
         over = (f"the plan keeps {use.states / GiB:.1f} GiB in host memory > {budget.bytes / GiB:.1f} GiB available "
@@ -223,10 +223,28 @@ def host_notes(plan: ResidencyPlan) -> list[str]:
             less = ("keep fewer states there (--residency_pins)" if use.states > use.process_bytes else
                     "run fewer worker processes per node (each role on a GPU is a process)")
             notes.append(f"host (node {node}): {use.states / GiB:.1f} GiB of states + ~{use.process_bytes / GiB:.0f} "
-                         f"GiB for {use.processes} processes (an estimate) = {use.total / GiB:.1f} GiB, over "
-                         f"{NEAR_FULL:.0%} of the {budget.bytes / GiB:.1f} GiB available ({budget.source}): the "
+                         f"GiB for {use.processes} processes (an estimate) = {use.total / GiB:.1f} GiB, "
+                         + ("more than" if use.total > budget.bytes else f"over {NEAR_FULL:.0%} of")
+                         + f" the {budget.bytes / GiB:.1f} GiB available ({budget.source}): the "
                          f"run may be killed for memory; free host memory, or {less}")
     return notes
+
+
+def refused(use: HostUse, capacity: float) -> bool:
+    """Whether :func:`check_host` refuses a node: its states exceed the capacity, or states that count (a GiB or
+    more) and the process estimate together do."""
+    return use.states > capacity or (use.states >= STATES_THAT_COUNT and use.total > capacity)
+
+
+def verdict(use: HostUse, capacity: float) -> str:
+    """One word (or phrase) on a node's line, true to the numbers it follows (the total against the capacity):
+    ``OVER`` (refused), over by the process estimate alone (not refused, see the module docstring), ``tight``
+    (above :data:`NEAR_FULL`) or ``ok``."""
+    if refused(use, capacity):
+        return "OVER"
+    if use.total > capacity:
+        return "over by the process estimate (not refused)"
+    return "tight" if use.total > NEAR_FULL * capacity else "ok"
 
 
 def render_host(plan: ResidencyPlan) -> list[str]:
@@ -242,7 +260,7 @@ def render_host(plan: ResidencyPlan) -> list[str]:
         if budget is None or budget.bytes is None:
             capacity, source = "needed (available memory unknown: not checked)", ""
         else:
-            flag = "OVER" if use.states > budget.bytes else "tight" if use.total > NEAR_FULL * budget.bytes else "ok"
+            flag = verdict(use, budget.bytes)
             capacity, source = f"of {budget.bytes / GiB:.1f} GiB available, {flag}", f"; available: {budget.source}"
         lines.append(f"host ({where}): {use.total / GiB:.1f} GiB {capacity}: optimizer (CPU Adam) "
                      f"{use.optimizer / GiB:.1f}, offloaded {use.offloaded / GiB:.1f}, processes "

@@ -54,8 +54,11 @@ The optimizer's bytes per parameter of a rank's ZeRO partition (bf16 model; m = 
     DeepSpeed's set-up then took 108 GiB in one process and Ray's memory monitor killed it (H100, 2026-11-24).
   (The fp32 model, without --bf16, is counted as before: K = 8, no master copy and no flat gradient buffer; DeepSpeed
   0.19.8 in fact keeps a 4-byte master copy there too under ZeRO >= 1.)
-Frozen models (reference, reward) are whole on every rank (they are not sharded): params = b P; working: one
-    forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8).
+Frozen models (reference, reward), per GPU: params = b P / (N if z = 3 and N > 1 else 1) -- under ZeRO-3 a frozen
+    model is sharded over its role's N ranks as OpenRLHF shards its reference and reward models (DeepSpeed inference
+    engines with the trainers' --zero_stage), else whole on every rank; working: one forward of
+    micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8), and when sharded the 2
+    layers' weights ZeRO-3 gathers (as for a trainer).
 Engines, per GPU of an engine of TP GPUs:
     engines with a pool (vLLM, SGLang: their class says ``MEMORY_POOL``) pre-allocate ``engine_memory_fraction x GPU memory`` (their pool): weights = 2P/TP (bf16) and the
                  KV cache = the rest of the pool; nothing else grows while they generate.
@@ -252,9 +255,11 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
         return _engine(role, shape, work, ranks=ranks, tp=tp, gpu_bytes=gpu_bytes)
     b, z, n, seq = work.bytes_per_value, work.zero_stage, ranks, work.seq_len
     if kind == "frozen":
-        tokens = work.micro_rollout_batch_size * seq
-        working = {role: _forward(shape, work, tokens)}
-        size = RoleSize(role, kind, {"params": b * shape.num_params}, working, work.context_bytes)
+        # ZeRO-3 shards a frozen model over its ranks (one rank: nothing to split, the worker keeps it whole)
+        shards = frozen_shards(z, ranks=n)
+        gather = {"zero3_gather": 2 * shape.layer_params * b} if shards > 1 else {}
+        working = {role: {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather}}
+        size = RoleSize(role, kind, {"params": b * shape.num_params / shards}, working, work.context_bytes)
         return _with_cache(size)
     part = shape.num_params / (n if z >= 1 else 1)  # parameters of the rank's optimizer partition
     states = {"params": b * shape.num_params / (n if z == 3 else 1),
@@ -285,6 +290,13 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
     cpu_adam = cpu_adam_bytes(shape, work, ranks=n)
     return _with_cache(RoleSize(role, kind, states, working, work.context_bytes,
                                 host={CPU_ADAM: cpu_adam} if work.adam_offload else {}, host_optimizer=cpu_adam))
+
+
+def frozen_shards(zero_stage: int, *, ranks: int) -> int:
+    """Into how many shards a frozen role (reference, reward model) of ``ranks`` workers splits its parameters: all
+    of its ranks under ZeRO-3 (OpenRLHF's inference engines take the trainers' --zero_stage), else 1 (whole on each).
+    The training loop's frozen workers shard exactly when this is above 1."""
+    return ranks if zero_stage == 3 and ranks > 1 else 1
 
 
 def cpu_adam_bytes(shape: ModelShape, work: Workload, *, ranks: int) -> float:

@@ -191,6 +191,7 @@ class ResidencyPlan:
         for gpu, shares in self.layout.items():
             groups.setdefault(tuple((s.role, s.workers) for s in shares), []).append(gpu)
         lines = [f"residency ({self.mode}): " + "; ".join(self.describe_moves())]
+        counted_shown = False
         for key, gpus in groups.items():
             gpu = gpus[0]
             lines.append(f"GPU {_span(gpus)} ({', '.join(r for r, _ in key)}), {self.gpu_bytes / GiB:.1f} GiB each, "
@@ -203,10 +204,18 @@ class ResidencyPlan:
                         resident.append(f"{share.role}[{','.join(held)}]")
                 peak = self.peak(gpu, phase.name)
                 flag = "ok" if self.fits_phase(gpu, phase.name) else "OVER"
+                # the verdict is on the load (exact pools without the margin), not the peak: shown where they differ
+                counted = f"{self.load(gpu, phase.name) / GiB:.2f}"
+                counted_text = f", counted {counted}" if counted != f"{peak / GiB:.2f}" else ""
+                counted_shown = counted_shown or bool(counted_text)
                 seen = self.measured.get((gpu, phase.name))
                 seen_text = f", measured {seen / GiB:.2f}" if seen else ""
-                lines.append(f"  {phase.name:<13} peak {peak / GiB:7.2f} GiB {flag:<4}{seen_text}  "
+                lines.append(f"  {phase.name:<13} peak {peak / GiB:7.2f} GiB{counted_text} {flag:<4}{seen_text}  "
                              f"resident: {' '.join(resident) or '-'}")
+        if counted_shown:
+            lines.append(f"  counted: what the ok / OVER beside it holds against the usable capacity -- the peak with "
+                         f"the engines' pre-allocated pools (exact sizes, not estimates) taken at the usable "
+                         f"{self.usable:.0%}, as the safety margin is for estimates")
         lines.extend(render_host(self))
         lines.extend(f"note: {n}" for n in self.all_notes())
         return "\n".join(lines)
