@@ -145,7 +145,7 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     out["step_s_inside"] = out.pop("step_s")
     ends = [s["t"] for s in steps]
     steady = steady_step_times(ends, warmup) if None not in ends and len(ends) > warmup else []
-    out.update(step_ends=ends if None not in ends else None, steady_step_s=[round(t, 4) for t in steady],
+    out.update(step_ends=ends if None not in ends else None, steady_step_s=steady,
                steady_steps=len(steady),
                step_s=statistics.median(steady) if len(steady) >= MIN_MEASURED_STEPS else None)
     return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import textwrap
 import time
@@ -56,7 +57,8 @@ def test_parse_log_reads_every_step_line_and_summarize_takes_the_median_after_wa
     out = peer.summarize(steps, warmup=1)
     assert out["steps"] == 5 and out["steady_steps"] == 4
     totals = sorted(sum(t) for t in times[1:])
-    assert out["step_s"] == pytest.approx((totals[1] + totals[2]) / 2)
+    assert out["step_s_inside"] == pytest.approx((totals[1] + totals[2]) / 2)  # OpenRLHF's own timing/step_total
+    assert out["step_s"] is None  # 4 measured steps: the one clock gives a figure from 5 (test_peer_ratio.py)
     assert out["phases_s"] == pytest.approx({"generation": 0.55, "make_experience": 0.2, "ppo_train": 0.35,
                                              "broadcast": 0.1})
     assert out["response_len"] == 127.5
@@ -86,7 +88,7 @@ def test_failure_reports_the_actor_traceback_and_the_error():
 
 def _args(**kw):
     base = dict(size="357m", setup="matched", steps=10, warmup=2, micro=64, zero_stage=None, gpu_util=0.35,
-                ckpt=False, lr=1e-6, enforce_eager=False, workdir="/tmp/peer", extra=[])
+                ckpt=False, lr=1e-6, enforce_eager=False, workdir="/tmp/peer", extra=[], no_sleep=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -158,8 +160,9 @@ FAKE_RUN = textwrap.dedent("""
     import subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(sys.argv[1], "w").write(str(child.pid))
-    for n in range(1, 4):
+    for n in range(1, 1 + (int(sys.argv[3]) if len(sys.argv) > 3 else 3)):
         print("(PPOTrainer pid=1) INFO x.py:1] \\u2728 Global step %d: {'timing/step_total': %d.5}" % (n, n), flush=True)
+        time.sleep(0.05)
     if sys.argv[2] == "fail":
         raise ImportError("cannot import name 'GuidedDecodingParams' from 'vllm.sampling_params'")
     time.sleep(600)  # a run that saves for ever after its last step
@@ -288,29 +291,62 @@ def test_dry_prints_the_command_without_building_anything(tmp_path, capsys, monk
 @pytest.mark.parametrize("mode", ["ok", "fail"])
 def test_main_writes_the_summary_or_the_failure_to_out(tmp_path, monkeypatch, capsys, mode):
     """The whole run path with OpenRLHF replaced by a script printing its step lines: a run cut at its time limit
-    after the warm-up is summarized and marked partial; a crash is reported with its error, not hidden."""
+    with >= 5 steps after the warm-up is summarized on the step-end clock and marked partial; a crash is reported
+    with its error, not hidden."""
     import peer_workload
 
     script, pidfile = tmp_path / "fake.py", tmp_path / "child.pid"
     script.write_text(FAKE_RUN)
     monkeypatch.setattr(peer_workload, "build", lambda root, size: ("/m", "/d.jsonl"))
-    monkeypatch.setattr(peer, "command", lambda args, model, data: [sys.executable, str(script), str(pidfile), mode])
+    monkeypatch.setattr(peer, "command", lambda args, model, data: [sys.executable, str(script), str(pidfile), mode,
+                                                                    "8" if mode == "ok" else "3"])
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(sys, "argv", ["openrlhf_peer.py", "--workdir", str(tmp_path), "--steps", "5", "--warmup", "1",
+    monkeypatch.setattr(sys, "argv", ["openrlhf_peer.py", "--workdir", str(tmp_path), "--steps", "10", "--warmup", "2",
                                       "--timeout", "8", "--grace", "1"])
     rc = peer.main()
     result = json.loads((tmp_path / "openrlhf-357m-matched.json").read_text())
     out = capsys.readouterr().out
     if mode == "ok":
-        assert rc == 0 and result["stopped"] == "timeout" and result["partial"].startswith("3 of 5 steps")
-        assert result["step_s"] == 3.0 and result["steady_steps"] == 2 and "PARTIAL" in out
+        assert rc == 0 and result["stopped"] == "timeout" and result["partial"].startswith("8 of 10 steps")
+        assert result["step_s_inside"] == 6.0 and result["steady_steps"] == 6 and "PARTIAL" in out
+        assert result["step_s"] == pytest.approx(statistics.median(result["steady_step_s"])) and result["step_s"] > 0
         rows, problems = peer.compare(result, _ours(step=1.5))
-        assert not problems and "partial: 3 of 5 steps" in rows[0].unit
+        assert not problems and "partial: 8 of 10 steps" in rows[0].unit
     else:
         assert rc == 3 and result["rc"] == 1 and "GuidedDecodingParams" in result["error"]
-        assert "FAILED after 3 of 5 steps" in out and "---- last traceback ----" in out
+        assert "FAILED after 3 of 10 steps" in out and "---- last traceback ----" in out
     if pidfile.exists():
         try:
             os.kill(int(pidfile.read_text()), 9)
         except ProcessLookupError:
             pass
+
+
+def test_no_sleep_drops_both_sleep_flags_and_keeps_the_rest():
+    """OpenRLHF's default for these two flags is off: --no_sleep runs it so (all resident), every other flag kept."""
+    asleep = peer.command(_args(), "/m", "/d.jsonl")
+    awake = peer.command(_args(no_sleep=True), "/m", "/d.jsonl")
+    assert {"--vllm.enable_sleep", "--ds.enable_sleep"} <= set(asleep)
+    assert not {"--vllm.enable_sleep", "--ds.enable_sleep"} & set(awake)
+    assert [t for t in asleep if t not in ("--vllm.enable_sleep", "--ds.enable_sleep")] == awake
+    assert "--train.colocate_all" in awake
+
+
+def test_the_step_is_the_wall_time_between_step_lines_after_the_warmup():
+    """The one clock (bench/_common.py): step k = arrival of step k's line - arrival of step k-1's, the warm-up
+    dropped; OpenRLHF's own timing/step_total (which leaves out what happens between its phases) only beside it."""
+    times = [(1.0, 0.1, 0.1, 0.1)] * 8  # timing/step_total 1.3 s every step
+    arrivals = [0.0, 9.0, 11.0, 13.5, 15.5, 17.0, 19.0, 21.0]  # step 2 took 9 s (warm-up), steps 3-8 as below
+    lines = [line for line in sample_log(times) if "Global step" in line]
+    steps = peer.parse_log(list(zip(arrivals, lines)))
+    out = peer.summarize(steps, warmup=2)
+    assert out["steady_step_s"] == [2.0, 2.5, 2.0, 1.5, 2.0, 2.0]
+    assert out["step_s"] == 2.0 and out["steady_steps"] == 6
+    assert out["step_s_inside"] == pytest.approx(1.3)
+    rows, _ = peer.compare({**_orl(), **out}, _ours(step=1.0))
+    by_name = {r.metric: r for r in rows}
+    assert by_name["speedup vs OpenRLHF x"].value == pytest.approx(2.0)  # wall 2.0 s, not 1.3
+    assert "wall time between step ends, median of 6 after 2 warm-up" in by_name["OpenRLHF grpo step s"].unit
+    nosleep, problems = peer.compare({**_orl(sleep=False), **out}, _ours(step=1.0))
+    assert "OpenRLHF grpo step nosleep s" in {r.metric for r in nosleep}
+    assert not any("speedup" in r.metric for r in nosleep) and "peer_ratio.py" in problems[0]

@@ -32,14 +32,14 @@ def no_ray_after():
 
 
 # ---- a prompts file that is not UTF-8 ---------------------------------------------------------------------------------
-def test_dry_run_refuses_a_prompts_file_that_is_not_utf8_naming_line_and_byte(tmp_path, tiny_model_dir, capsys):
+def test_dry_run_refuses_a_prompts_file_that_is_not_utf8_naming_line_and_byte(tmp_path, capsys):
     prompts = tmp_path / "latin1.jsonl"
-    prompts.write_bytes(b'{"prompt": "s1 s2"}\n{"prompt": "caf\xe9"}\n')  # latin-1 e-acute
-    argv = ["grpo", "--dry-run", "--pretrain", tiny_model_dir, "--prompt_data", str(prompts), "--input_key", "prompt"]
+    prompts.write_bytes(b'{"prompt": "s1 s2"}\n{"prompt": "caf\xe9"}\n')  # latin-1 e-acute: byte 16 of line 2
+    argv = ["grpo", "--dry-run", "--prompt_data", str(prompts), "--input_key", "prompt"]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "internal error" not in err
-    assert err.startswith(f"hybrid: error: prompt_data: {str(prompts)!r} is not UTF-8 text: line 2, byte 15 "
+    assert err.startswith(f"hybrid: error: prompt_data: {str(prompts)!r} is not UTF-8 text: line 2, byte 16 "
                           "(b'\\xe9') cannot be decoded.") and "iconv" in err
 
 
@@ -109,7 +109,7 @@ def test_wandb_without_a_key_or_with_a_refused_key_stops_before_ray_and_without_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     field, text = out["no_key"]
-    assert field == "use_wandb" and text.startswith("no W&B API key is configured here") and "wandb login" in text
+    assert field == "use_wandb" and text.startswith("use_wandb: no W&B API key is configured here") and "wandb login" in text
     field, text = out["bad_key"]
     assert field == "use_wandb" and "refused the API key" in text and "invalid api key" in text
     assert key not in text and key not in proc.stdout + proc.stderr  # the key is never printed

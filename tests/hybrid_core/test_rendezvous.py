@@ -111,6 +111,21 @@ def test_a_store_listens_on_loopback_only_and_stops_once_the_group_formed():
         store.get("k")
 
 
+def test_keep_open_leaves_the_store_listening_on_its_address(monkeypatch):
+    """HYBRID_RENDEZVOUS_KEEP_OPEN=1: the way back should a library need the store after set-up (still loopback)."""
+    monkeypatch.setenv(rendezvous.KEEP_OPEN_ENV, "1")
+    port = rendezvous.free_port()
+    store = rendezvous.open_store("127.0.0.1", port, 2, is_master=True, timeout=TIMEOUT, what="test group")
+    client = rendezvous.open_store("127.0.0.1", port, 2, is_master=False, timeout=TIMEOUT)
+    peer = threading.Thread(target=client.close_when_formed, args=(1, 2))
+    peer.start()
+    store.close_when_formed(0, 2)
+    peer.join(timeout=10)
+    assert not store.closed and _listening(port) == ["0100007F"]
+    store.set("k", b"v")
+    assert client.get("k") == b"v"
+
+
 def test_a_store_is_not_reachable_from_the_network():
     outside = _network_address()
     if outside is None:

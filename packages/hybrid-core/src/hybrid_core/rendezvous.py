@@ -162,6 +162,10 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+#: set to 1 to keep a group's store listening (on its bound address) for the whole run instead of closing it
+KEEP_OPEN_ENV = "HYBRID_RENDEZVOUS_KEEP_OPEN"
+
+
 def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta,
                what: str = "rendezvous") -> "RendezvousStore":
     """A ``TCPStore`` at ``host:port``; on rank 0 (``is_master``) its server listens on ``host`` only."""
@@ -213,6 +217,8 @@ class RendezvousStore(dist.Store):
             self.set(done, b"1")
         if rank == 0:
             self.wait([done])
+        if os.environ.get(KEEP_OPEN_ENV, "") not in ("", "0"):  # a way back, should a library need the store later
+            return
         self.close()
 
     # ---- torch's Store interface, forwarded ----------------------------------------------------------------------

@@ -386,9 +386,11 @@ class TrainingSession:
             self.reward_model = role("reward", RewardModelWorker)
             self.groups.append(self.reward_model)
 
-        # Models load concurrently; DeepSpeed roles rendezvous on their rank 0's node.
+        # Models load concurrently; DeepSpeed roles rendezvous on their rank 0's node (the frozen ones too: under
+        # ZeRO-3 they are sharded over their ranks, workers/zero3_frozen.py; otherwise they leave the address unused).
         pending = []
-        for group, path in ((self.actor, prep.model_path), (self.critic, cfg.critic_pretrain or cfg.reward_pretrain or prep.model_path)):
+        for group, path in ((self.actor, prep.model_path), (self.critic, cfg.critic_pretrain or cfg.reward_pretrain or prep.model_path),
+                            (self.reference, prep.model_path), (self.reward_model, cfg.reward_pretrain)):
             if group is None:
                 continue
             import ray
@@ -404,10 +406,6 @@ class TrainingSession:
             port = get_all_with_timeout([(group.name(0, "free_port"), group.workers[0].free_port.remote(addr))],
                                         timeout)[0]
             pending.append((group, "setup", (path, addr, port, prep.total_steps)))
-        if self.reference is not None:
-            pending.append((self.reference, "setup", (prep.model_path,)))
-        if self.reward_model is not None:
-            pending.append((self.reward_model, "setup", (cfg.reward_pretrain,)))
         clock.lap("role actors started")
         self._call_all(pending)
         clock.lap("role models loaded")

@@ -213,9 +213,9 @@ class ResidencyPlan:
                 lines.append(f"  {phase.name:<13} peak {peak / GiB:7.2f} GiB{counted_text} {flag:<4}{seen_text}  "
                              f"resident: {' '.join(resident) or '-'}")
         if counted_shown:
-            lines.append(f"  counted: what the ok / OVER beside it holds against the usable capacity -- the peak with "
-                         f"the engines' pre-allocated pools (exact sizes, not estimates) taken at the usable "
-                         f"{self.usable:.0%}, as the safety margin is for estimates")
+            lines.append(f"  counted: what the ok / OVER beside it is for, held against the usable "
+                         f"{self.capacity / GiB:.1f} GiB: the peak with the engines' pre-allocated pools (exact sizes) "
+                         f"at {self.usable:.0%}, as the safety margin is for estimates only")
         lines.extend(render_host(self))
         lines.extend(f"note: {n}" for n in self.all_notes())
         return "\n".join(lines)

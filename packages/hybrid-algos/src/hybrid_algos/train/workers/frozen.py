@@ -1,5 +1,6 @@
-"""Roles that only run forward passes: the reference policy (KL) and a reward model. They sleep with hybrid-core's
-StateOffloader (weights to pinned host memory and back)."""
+"""Roles that only run forward passes: the reference policy (KL) and a reward model. Whole on each worker's GPU, or
+under ``--zero_stage 3`` with several ranks sharded over them as OpenRLHF shards them (:mod:`.zero3_frozen`). They
+sleep with hybrid-core's StateOffloader (weights, or this rank's shards, to pinned host memory and back)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 import torch
 
 from hybrid_core.offload import StateOffloader
+from hybrid_core.residency.memory import frozen_shards
 
+from ..deepspeed_setup import close_rendezvous, init_distributed
 from ..experience import Rollout
 from ..models import load_causal_lm, load_reward_model, response_logprobs, sequence_scores
 from .base import RoleWorker
@@ -19,17 +22,57 @@ def _frozen_dtype(cfg) -> torch.dtype:
     return torch.bfloat16 if cfg.bf16 else torch.float32
 
 
-class ReferenceWorker(RoleWorker):
-    def setup(self, model_path: str) -> dict[str, Any]:
-        model = load_causal_lm(model_path, dtype=_frozen_dtype(self.config), attn_implementation=attn_implementation(self.config),
-                               trust_remote_code=self.config.trust_remote_code)
-        self.model = model.to(self.device).eval().requires_grad_(False)
-        self.offloader = StateOffloader(self.model)
+class FrozenWorker(RoleWorker):
+    """What the reference and the reward model share: how the model is built and where its parameters live."""
+
+    @property
+    def sharded(self) -> bool:
+        """ZeRO-3 shards this role's parameters over its ranks (the memory model's rule, so the plan counts 1/N)."""
+        return frozen_shards(self.config.zero_stage, ranks=self.world_size) > 1
+
+    def setup(self, model_path: str, master_addr: str | None = None, master_port: int | None = None,
+              total_steps: int = 0) -> dict[str, Any]:
+        """Load the model. ``master_addr`` / ``master_port``: the role's rendezvous (as the trainers get it), used
+        only when the role is sharded; ``total_steps`` is the trainers' and means nothing here."""
+        if not self.sharded:
+            self.model = self.load(model_path).to(self.device)
+            self.offloader = StateOffloader(self.model)
+            self.settle()
+            return self.where()
+        from .zero3_frozen import ShardOffloader, frozen_deepspeed_config, sharded_engine
+
+        if master_addr is None or master_port is None:
+            raise ValueError(f"{self.role}: sharded under ZeRO-3 over {self.world_size} ranks, setup needs the "
+                             "role's rendezvous (master_addr, master_port)")
+        cfg = self.config
+        store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
+        config = frozen_deepspeed_config(bf16=cfg.bf16, micro_batch=cfg.micro_rollout_batch_size)
+        self.model = sharded_engine(self.load(model_path), config)  # the forward goes through the engine's hooks
+        self.offloader = ShardOffloader(self.model.module, self.device)
+        close_rendezvous(store, self.rank, self.world_size)
         self.settle()
         return self.where()
 
+    def load(self, model_path: str) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def held_params(self) -> int:
+        """Parameter values this rank holds on its device (its shards when sharded): what the plan counts."""
+        module = getattr(self.model, "module", self.model)
+        return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in module.parameters())
+
+
+class ReferenceWorker(FrozenWorker):
+    def load(self, model_path: str) -> torch.nn.Module:
+        model = load_causal_lm(model_path, dtype=_frozen_dtype(self.config),
+                               attn_implementation=attn_implementation(self.config),
+                               trust_remote_code=self.config.trust_remote_code)
+        return model.eval().requires_grad_(False)
+
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        # sharded: every rank runs the same number of forwards (equal shards, and the token-budget micro-batch
+        # count is agreed across the role's group), or ZeRO-3's gathers would wait for a rank that is done
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
         for mb, index in forward_micro_batches(rollout, self.config, self.device):  # by tokens with --use_dynamic_batch
             dev = mb.to(self.device)
@@ -39,14 +82,11 @@ class ReferenceWorker(RoleWorker):
         return out
 
 
-class RewardModelWorker(RoleWorker):
-    def setup(self, model_path: str) -> dict[str, Any]:
-        model = load_reward_model(model_path, dtype=_frozen_dtype(self.config), attn_implementation=attn_implementation(self.config),
-                                  trust_remote_code=self.config.trust_remote_code)
-        self.model = model.to(self.device)
-        self.offloader = StateOffloader(self.model)
-        self.settle()
-        return self.where()
+class RewardModelWorker(FrozenWorker):
+    def load(self, model_path: str) -> torch.nn.Module:
+        return load_reward_model(model_path, dtype=_frozen_dtype(self.config),
+                                 attn_implementation=attn_implementation(self.config),
+                                 trust_remote_code=self.config.trust_remote_code)
 
     @torch.no_grad()
     def scores(self, rollout: Rollout) -> torch.Tensor:
