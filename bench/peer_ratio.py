@@ -226,8 +226,10 @@ def read_ours(side_dir: str, run: dict, warmup: int) -> dict:
     ends = res.get("step_ends") or []
     if res.get("rc") != 0:
         return measurement([], error=_why({**run, "rc": res.get("rc")}, lines))
-    if not ends or None in ends:
-        return measurement([], error="its metrics.jsonl has no wall_time for every step")
+    if not ends:
+        return measurement([], error=f"no step in its metrics.jsonl: {_why({**run, 'rc': res.get('rc')}, lines)}")
+    if None in ends:
+        return measurement([], error="its metrics.jsonl lacks wall_time for some step (the step-end clock)")
     return measurement(steady_step_times(ends, warmup) if len(ends) > warmup else [], version="hybrid")
 
 
@@ -271,6 +273,7 @@ def ratio_rows(data: dict) -> tuple[list[Row], list[str]]:
     by = {(r["turn"], r["side"]): r for r in data["runs"]}
     turns = sorted({r["turn"] for r in data["runs"]})
     ours_ok = {t for t in turns if by.get((t, "ours"), {}).get("ok")}
+    ours_failed = [t for t in turns if (t, "ours") in by and not by[(t, "ours")]["ok"]]
     rows, problems = [], []
     for peer in [s for s in data["sides"] if s != "ours"]:
         metric, label = wl.metrics[peer], LABELS[peer]
@@ -281,10 +284,11 @@ def ratio_rows(data: dict) -> tuple[list[Row], list[str]]:
         ratios = [p / o for p, o in pairs]
         notes = []
         if failed:
-            notes.append(f"{label} failed in {len(failed)} of {len(ran)} turns: {by[(failed[0], peer)]['error']}")
-        if len(ours_ok) < len(turns):
-            notes.append(f"ours failed in {len(turns) - len(ours_ok)} of {len(turns)} turns: "
-                         + next(by[(t, 'ours')]["error"] for t in turns if t not in ours_ok and (t, "ours") in by))
+            notes.append(f"{label} failed in {len(failed)} of {len(ran)} turns: "
+                         f"{_cell(by[(failed[0], peer)]['error'])}")
+        if ours_failed:
+            notes.append(f"ours failed in {len(ours_failed)} of {len(turns)} turns: "
+                         f"{_cell(by[(ours_failed[0], 'ours')]['error'])}")
         versions = sorted({str(by[(t, peer)].get("version")) for t in ran if by[(t, peer)].get("version")})
         context = (f"{wl.what}; {label}{' ' + '/'.join(versions) if versions else ''}; one clock: wall time between "
                    f"step ends, {data['warmup']} warm-up dropped, {data['steps'] - data['warmup']} measured steps "
@@ -307,6 +311,11 @@ def ratio_rows(data: dict) -> tuple[list[Row], list[str]]:
                                            f"ratios" + "".join(f"; {n}" for n in notes) + ")", record=False))
             problems.append(f"{metric}: {left}, a row needs >= {MIN_TURNS}" + "".join(f"; {n}" for n in notes))
     return rows, problems
+
+
+def _cell(text: str) -> str:
+    """An error message as text of a RESULTS.md cell (one line, no column separator)."""
+    return " ".join(str(text).split()).replace("|", "/")
 
 
 def print_turns(data: dict) -> None:

@@ -191,3 +191,27 @@ def test_a_full_disk_says_no_space_left_and_keeps_the_previous_checkpoint(tmp_pa
     assert not any(name.startswith(".tmp") for name in os.listdir(tmp_path))  # nothing half-written is left
     path, step = mgr.latest()
     assert step == 1 and open(os.path.join(path, "weights.bin"), "rb").read() == b"good"
+
+
+@pytest.mark.parametrize("where", ["driver_state.json", "weights.bin", "latest.json"])
+def test_a_fifo_in_a_checkpoint_is_refused_not_waited_on(tmp_path, caplog, where):
+    """A FIFO where a file should be: opening it for reading waits for a writer forever (--resume hung silently).
+    It is named and skipped like any damaged file, within the test's own deadline (a child process, so a hang fails)."""
+    mgr = CheckpointManager(str(tmp_path))
+    for step in (1, 2):
+        _save(mgr, step)
+    target = tmp_path / where if where == "latest.json" else tmp_path / "step-00000002" / where
+    target.unlink()
+    os.mkfifo(target)
+    script = textwrap.dedent(f"""
+        import logging, sys
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+        from hybrid_algos.train.checkpoint import CheckpointManager
+        path, step, state = CheckpointManager({str(tmp_path)!r}).resume_point()
+        print("RESUMED", step)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = 2 if where == "latest.json" else 1  # a bad pointer falls back to the newest complete checkpoint
+    assert f"RESUMED {expected}" in done.stdout
+    assert "is a FIFO, not a file" in done.stdout

@@ -78,8 +78,8 @@ def test_checkpointing_offload_zero_stage_and_chunking_change_what_they_should()
 
 
 def test_frozen_models_are_whole_on_every_rank():
-    ref = size_role("reference", model_shape(small_config()), work(), ranks=4, tp=1, gpu_bytes=4 * GiB)
-    assert ref.states["params"] == 2 * P  # not sharded, whatever the trainers' ZeRO stage
+    ref = size_role("reference", model_shape(small_config()), work(zero_stage=2), ranks=4, tp=1, gpu_bytes=4 * GiB)
+    assert ref.states["params"] == 2 * P  # not sharded below ZeRO-3 (test_sharded_reference.py: ZeRO-3 shards it)
     assert ref.working["reference"] == {"activations": 4 * S * A * 2, "logits": 4 * S * 1000 * 10}
 
 

@@ -38,7 +38,7 @@ import socket
 from dataclasses import dataclass
 from typing import Iterator, MutableMapping
 
-from .errors import ConfigError
+from .errors import ConfigError, RoleFailure
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +97,26 @@ def connect(
     # address="local": always a new cluster of our own. Without it Ray joins any cluster already running on this
     # machine (found through /tmp/ray), someone else's included.
     with loopback_only(), gpus_hidden_as_fakes(num_gpus), own_process_group():
-        ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False, _temp_dir=temp_dir,
-                 log_to_driver=True, logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+        for attempt in (1, 2):
+            try:
+                ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False,
+                         _temp_dir=temp_dir, log_to_driver=True, logging_level=logging.WARNING,
+                         _node_ip_address="127.0.0.1")
+                break
+            except Exception as e:  # Ray's own start-up failure (a bare Exception), not a bug of the caller's
+                if "timed out during startup" not in str(e):
+                    raise
+                try:
+                    ray.shutdown()  # what did start of this node goes before the next try
+                except Exception:  # noqa: BLE001 - the start-up error is the one to report
+                    pass
+                if attempt == 2:
+                    raise RoleFailure(f"the local Ray did not start: its node timed out during start-up twice "
+                                      f"({_first_line(e)}). Ray gives its processes a fixed 30 s to register; a "
+                                      "machine this busy delays them past it. Fix: run again when the machine is "
+                                      "less loaded.") from None
+                log.warning("the local Ray's node did not register within Ray's fixed 30 s (a loaded machine?): "
+                            "starting it once more")
     info = _info(started_here=True)
     if not is_loopback(info.node_ip):
         log.warning("the local Ray listens on %s, not on 127.0.0.1 only: this Ray version ignored its local-only "
@@ -330,3 +348,7 @@ def shutdown(info: ClusterInfo) -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(".")

@@ -117,10 +117,11 @@ class CheckpointManager:
         pointer = os.path.join(self.root, LATEST)
         if os.path.exists(pointer):
             try:
+                _only_regular_files(pointer)
                 with open(pointer, encoding="utf-8") as f:
                     info = json.load(f)
                 pointed = (os.path.join(self.root, str(info["path"])), int(info["step"]))
-            except (OSError, ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
                 log.warning("%s is damaged (%s); using the newest complete checkpoint in %s instead", pointer,
                             _short(e), self.root)
         ordered = sorted(complete, key=lambda c: c[1], reverse=True)
@@ -192,6 +193,7 @@ class CheckpointManager:
         problems = []
         for path, step in self.candidates():
             try:
+                _only_regular_files(path)  # a FIFO would block the first read of it forever
                 state = self.load_driver_state(path)
                 self.verify_files(path)
                 verify_role_files(path, trusted=trusted)
@@ -287,6 +289,25 @@ def verify_role_files(path: str, *, trusted: bool = False) -> int:
         except Exception as e:
             raise CheckpointError(f"{file} is damaged: {_short(e)}") from e
     return len(files)
+
+
+def _only_regular_files(path: str) -> None:
+    """Refuse a checkpoint (or pointer) holding anything but files and folders: opening a FIFO (or a device) for
+    reading waits for a writer that never comes, which hung ``--resume`` silently. ``stat`` follows links, so a link
+    to one is refused too."""
+    import stat
+
+    entries = [path] if not os.path.isdir(path) else [os.path.join(root, n) for root, dirs, names in os.walk(path)
+                                                        for n in names + dirs]
+    for entry in entries:
+        try:
+            mode = os.stat(entry).st_mode
+        except OSError as e:
+            raise CheckpointError(f"{entry} cannot be read: {_short(e)}") from e
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+            raise CheckpointError(f"{entry} is {kind}, not a file: reading it would wait forever (a checkpoint "
+                                  "holds only files)")
 
 
 def _load_legacy(path: str) -> dict[str, Any]:

@@ -188,7 +188,7 @@ class RLConfig:
     trust_checkpoint: bool = False  # skip the check that DeepSpeed's checkpoint pickles hold only known objects
     logging_steps: int = 1
     profile_step: int = 0  # profile this step (1-based): torch profiler on the trainer workers, cProfile on the driver
-    use_wandb: str | None = None
+    use_wandb: str | None = field(default=None, repr=False)  # may hold an API key: never in a printed config
     wandb_project: str = "hybrid"
     wandb_run_name: str | None = None
     use_tensorboard: bool = True
