@@ -28,7 +28,7 @@ END = "<!-- measured:end -->"
 @dataclass(frozen=True)
 class Result:
     metric: str
-    value: float
+    value: float | None  # None: the measurement failed (the row's value is "failed"; its unit says why)
     unit: str
     device: str
     date: str
@@ -88,7 +88,8 @@ FIGURES = (
 
 
 def read_results(path: Path = RESULTS) -> list[Result]:
-    """Every row of RESULTS.md (``| metric | value | unit | device | date | command |``); rows whose value is not a
+    """Every row of RESULTS.md (``| metric | value | unit | device | date | command |``); a row whose value is
+    ``failed`` is a measurement that failed (kept: a miss is shown, not dropped); other rows whose value is not a
     number (a table's header, a note) are not figures and are left out."""
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -96,7 +97,7 @@ def read_results(path: Path = RESULTS) -> list[Result]:
         if len(cells) < 6:
             continue
         try:
-            value = float(cells[1])
+            value = None if cells[1].lower() == "failed" else float(cells[1])
         except ValueError:
             continue
         rows.append(Result(cells[0], value, cells[2], cells[3], cells[4]))
@@ -139,11 +140,17 @@ def render(rows: list[Result]) -> str:
         if not got:
             out.append(f"| {fig.what} | not measured yet (`{fig.metric}`) | 0 | {fig.goal} | |")
             continue
-        values = [r.value for r in got]
+        values = [r.value for r in got if r.value is not None]
+        failed = len(got) - len(values)
+        devices = ", ".join(sorted({_short_device(r.device) for r in got}))
+        if not values:
+            out.append(f"| {fig.what} | **failed** ({got[-1].unit}) | {len(got)} | {fig.goal}: no figure | "
+                       f"{devices}, {got[0].date} |")
+            continue
         median = statistics.median(values)
         spread = f" (range {_number(min(values))}-{_number(max(values))})" if len(values) > 1 else ""
-        devices = ", ".join(sorted({_short_device(r.device) for r in got}))
-        out.append(f"| {fig.what} | **{_number(median)} {fig.unit}**{spread} | {len(values)} | "
+        spread += f", {failed} failed" if failed else ""
+        out.append(f"| {fig.what} | **{_number(median)} {fig.unit}**{spread} | {len(got)} | "
                    f"{_meets(median, fig.goal)} | {devices}, {got[0].date} |")
     return "\n".join(out) + "\n"
 

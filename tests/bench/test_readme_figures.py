@@ -60,3 +60,15 @@ def test_check_fails_on_a_hand_edited_figure(tmp_path, monkeypatch):
                       encoding="utf-8")
     monkeypatch.setattr(gen, "README", readme)
     assert gen.main(["--check"]) == 1
+
+
+def test_a_failed_measurement_is_shown_as_a_miss(tmp_path):
+    gen = _generator()
+    results = tmp_path / "RESULTS.md"
+    results.write_text(
+        "| metric | value | unit | device | date | command |\n| --- | --- | --- | --- | --- | --- |\n"
+        "| speedup vs TRL default x | failed | x (TRL default: CUDA out of memory in 3 of 3 turns) | NVIDIA H100 | "
+        "2026-12-02 | `a` |\n", encoding="utf-8")
+    line = next(l for l in gen.render(gen.read_results(results)).splitlines() if "at its default (no sleep)" in l)
+    assert "**failed** (x (TRL default: CUDA out of memory" in line and ">= 1.5: no figure" in line
+    assert "not measured yet" not in line

@@ -60,21 +60,30 @@ def test_summary_of_no_steps():
     assert "steps" in rendered(summary_table([]))
 
 
-def test_metrics_jsonl_one_line_per_step_and_resume_appends(tmp_path):
+def test_metrics_jsonl_one_line_per_step_and_resume_continues_after_the_checkpoint(tmp_path):
+    """Steps are the loop's 0-based index in the file; a resume from the checkpoint after 2 steps keeps steps 0-1
+    and appends from step 2, and one after 1 step drops the step that is done again (no step twice)."""
     logger = MetricsLogger(str(tmp_path), tensorboard=False)
     logger.on_start({"run_dir": str(tmp_path)})
-    logger.on_step(step_metrics(1, 0.1))
-    logger.on_step(step_metrics(2, 0.2))
+    logger.on_step(step_metrics(0, 0.1))
+    logger.on_step(step_metrics(1, 0.2))
     logger.on_end({"steps": 2})
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2] and lines[1]["reward"] == 0.2
+    assert [r["step"] for r in lines] == [0, 1] and lines[1]["reward"] == 0.2
     assert lines[0]["actor/pg_loss"] is None and "wall_time" in lines[0]  # NaN -> null: strict JSON
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 2}
     resumed = MetricsLogger(str(tmp_path), tensorboard=False)
     resumed.on_start({"run_dir": str(tmp_path), "start_step": 2})
-    resumed.on_step(step_metrics(3, 0.3))
+    resumed.on_step(step_metrics(2, 0.3))
     resumed.close()
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    again = MetricsLogger(str(tmp_path), tensorboard=False)  # the checkpoint after step 1: steps 1 and 2 redone
+    again.on_start({"run_dir": str(tmp_path), "start_step": 1})
+    again.on_step(step_metrics(1, 0.25))
+    again.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["reward"] == 0.25
     fresh = MetricsLogger(str(tmp_path), tensorboard=False)
     fresh.on_start({"run_dir": str(tmp_path)})
     fresh.close()
