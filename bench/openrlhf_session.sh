@@ -58,7 +58,7 @@ subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--n
 EOF
   # Pre-flight, no GPU taken: OpenRLHF's launcher imports (vLLM, DeepSpeed, Ray, peft, the flash_attn stand-in) and
   # its own parser + checks accept each command line the phases run.
-  for a in "--size 357m --setup matched" "--size 357m --setup zero3ref" "--size 1.5b --setup matched --steps 4 --warmup 1"; do
+  for a in "--size 357m --setup matched" "--size 357m --setup zero3ref" "--size 1.5b --setup matched --steps 7 --warmup 2"; do
     $PY bench/openrlhf_peer.py --site $SITE --check $a 2>&1 | grep -v "^INFO\|^WARNING\|^\[" | tail -25 | cut -c1-1200
   done
   $PY -c "import sys; sys.path[:0] = ['bench/openrlhf_standin', '$SITE']
@@ -80,10 +80,11 @@ a2)
   ;;
 b)
   wait_for built15 || exit 1
-  # the peer and ours in one call: OpenRLHF gets ~380 s (start-up, 1 warm-up step + 2 measured), ours the rest
-  orl 1.5b 380 --size 1.5b --setup matched --steps 3 --warmup 1 --grace 30
+  # the peer's clock needs >= 5 measured steps after the 2 warm-up ones (bench/_common.py): 7 steps of ~31 s plus
+  # start-up fill most of a call; the fair median of 3 same-call ratios is bench/peer_ratio.py's (bench/sessions/)
+  orl 1.5b 560 --size 1.5b --setup matched --steps 7 --warmup 2 --grace 30
   # B_OURS_STEPS / B_OURS_EXTRA (hybrid flags, e.g. "--packing_samples --use_dynamic_batch"): our side of the pair
-  ours orl15 --size 1.5b --steps ${B_OURS_STEPS:-3} --warmup 1 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3 \
+  ours orl15 --size 1.5b --steps ${B_OURS_STEPS:-7} --warmup 2 --kl 0 --zero_stage 1 --micro 8 --gpu_util 0.3 \
     ${B_OURS_EXTRA:+-- $B_OURS_EXTRA}
   pair openrlhf-1.5b-matched.json e2e-grpo-1.5b-colocated-orl15.json
   pack b

@@ -24,8 +24,9 @@ REWARD = ModelShape(1_543_715_841, 1536, 28, 2, 128, 8960, 151936, value_head=Tr
 H100 = 79.13 * GiB  # usable 0.92 x 79.13 = 72.8 GiB, as the run's plan said
 GPUS = range(4)
 #: What the owner has on the GPUs once a step is over (the sync was the last phase): the actor's ZeRO-3 shard, the
-#: reference, and the engines' weights with their KV cache, woken during the sync for the next generate.
-AFTER_SYNC = {"actor": {"params"}, "reference": {"params"}, "reward": set(), "rollout": {"weights", "kv_cache"}}
+#: reference's and the reward model's ZeRO-3 shards (they stay: sharded, they fit), and the engines' weights with
+#: their KV cache, woken during the sync for the next generate.
+AFTER_SYNC = {"actor": {"params"}, "reference": {"params"}, "reward": {"params"}, "rollout": {"weights", "kv_cache"}}
 
 
 def plan_for(tp=1, overhead=None):
