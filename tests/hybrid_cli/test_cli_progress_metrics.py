@@ -50,8 +50,8 @@ def test_live_progress_bar_runs():
     console = Console(file=io.StringIO(), width=150, force_terminal=True)
     display = ProgressDisplay(console, live=True)
     display.on_start({"total_steps": 2})
-    display.on_step(step_metrics(1, 0.2))
-    display.on_step(step_metrics(2, 0.6))
+    display.on_step(step_metrics(0, 0.2))  # the loop's 0-based step index
+    display.on_step(step_metrics(1, 0.6))
     display.on_end({})
     assert "2/2" in console.file.getvalue() and "training summary" in console.file.getvalue()
 

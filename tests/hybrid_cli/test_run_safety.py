@@ -171,7 +171,9 @@ def test_one_run_per_folder_no_secret_written_damaged_shard_skipped_and_resume_w
     (stub / "wandb.py").write_text(WANDB_STUB)
     logins = tmp_path / "logins.jsonl"
     tag = uuid.uuid4().hex
+    # WANDB_MODE=offline: the command's check of the key with W&B's server (metrics.check_wandb) is not the subject
     env = {**os.environ, "HYBRID_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "WANDB_STUB_LOG": str(logins),
+           "WANDB_MODE": "offline",
            "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "hybrid_cli", "grpo", "--max_steps", "1000000", "--save_steps", "3",
                              "--save_path", str(run), "--use_wandb", secret, *SMALL], env=env,

@@ -61,20 +61,27 @@ def test_a_reward_function_calling_os_exit_is_an_error_not_the_end_of_the_run():
 
 
 # ---- a symlink loop in a prompts folder ----------------------------------------------------------------------------------
-def test_a_prompts_folder_with_a_symlink_loop_is_read_once(tmp_path):
-    from hybrid_algos.train.data import read_records
-
-    folder = tmp_path / "prompts"
+def _prompts_folder(folder):
     (folder / "part").mkdir(parents=True)
     with open(folder / "part" / "train.jsonl", "w") as f:
         for i in range(64):
             f.write(json.dumps({"prompt": f"s{i}"}) + "\n")
-    os.symlink("..", folder / "part" / "loop")  # part/loop/part/loop/...: glob followed it 40 levels deep
-    os.symlink(folder / "part", folder / "same")  # the same folder under another name
-    (folder / ".hidden").mkdir()
-    (folder / ".hidden" / "old.jsonl").write_text('{"prompt": "not read"}\n')
-    records = read_records(str(folder))
-    assert [r["prompt"] for r in records] == [f"s{i}" for i in range(64)]
+    return [f"s{i}" for i in range(64)]
+
+
+def test_a_prompts_folder_with_a_symlink_loop_is_read_once(tmp_path):
+    from hybrid_algos.train.data import read_records
+
+    looped = tmp_path / "looped"
+    prompts = _prompts_folder(looped)
+    os.symlink("..", looped / "part" / "loop")  # part/loop/part/loop/...: glob went 40 levels deep (41 reads)
+    (looped / ".hidden").mkdir()
+    (looped / ".hidden" / "old.jsonl").write_text('{"prompt": "not read"}\n')  # hidden: left out, as before
+    assert [r["prompt"] for r in read_records(str(looped))] == prompts
+    twice = tmp_path / "twice"
+    prompts = _prompts_folder(twice)
+    os.symlink(twice / "part", twice / "same")  # the same folder under another name: its file read once
+    assert [r["prompt"] for r in read_records(str(twice))] == prompts
 
 
 # ---- dry-run verdicts true to their numbers --------------------------------------------------------------------------

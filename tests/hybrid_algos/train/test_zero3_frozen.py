@@ -76,3 +76,27 @@ def test_the_shards_sleep_and_wake_for_the_residency_plan(ranks):
         assert r["offloaded_bytes"] >= 2 * r["held"][0]  # this rank's bf16 shards (and the rotary buffers) went
         assert r["refused_asleep"] == "AsleepError"  # not a gather from freed memory
         assert r["after_wake_gap"] == 0.0
+
+
+def test_one_rank_trainers_keep_zero3_when_a_frozen_model_has_several_ranks():
+    """--zero_stage 3 with one rank per trainer runs ZeRO-1 (nothing to partition); a reference on two GPUs is
+    partitioned by ZeRO-3, so there the stage stays and the plan counts half of the reference per GPU."""
+    from hybrid_algos.train.config import GRPOConfig
+    from hybrid_algos.train.placement import build_plan, build_residency
+    from hybrid_algos.train.tiny import tiny_model_config
+    from hybrid_core.residency.memory import count_params
+
+    def planned(**kw):
+        config = GRPOConfig(bf16=True, zero_stage=3, actor_num_gpus_per_node=1, vllm_num_engines=1, colocate_all_models=False,
+                            vllm_enable_sleep=False, **kw).validate()
+        placement = build_plan(config)
+        plan, run = build_residency(config, placement, None, prompt_len=16, generate_len=16, gpu_bytes=80 * 2**30)
+        return placement, plan, run
+
+    placement, plan, run = planned(ref_num_gpus_per_node=2)
+    assert run.zero_stage == 3
+    for gpu in placement.roles["reference"].gpus:
+        (share,) = plan.layout[gpu]
+        assert share.size.states["params"] == 2 * count_params(tiny_model_config()) / 2  # bf16, over 2 ranks
+    _, _, run = planned(ref_num_gpus_per_node=1)
+    assert run.zero_stage == 1  # every role has one rank: demoted, as before

@@ -9,6 +9,8 @@ given (no CUDA here). The last test steps a real residency owner through a step 
 states on a simulated GPU (no GPU to move them on), so the owner's record at the reading is the owner's own.
 """
 
+from dataclasses import replace
+
 import pytest
 
 from hybrid_core.errors import PlacementError
@@ -24,9 +26,8 @@ REWARD = ModelShape(1_543_715_841, 1536, 28, 2, 128, 8960, 151936, value_head=Tr
 H100 = 79.13 * GiB  # usable 0.92 x 79.13 = 72.8 GiB, as the run's plan said
 GPUS = range(4)
 #: What the owner has on the GPUs once a step is over (the sync was the last phase): the actor's ZeRO-3 shard, the
-#: reference's and the reward model's ZeRO-3 shards (they stay: sharded, they fit), and the engines' weights with
-#: their KV cache, woken during the sync for the next generate.
-AFTER_SYNC = {"actor": {"params"}, "reference": {"params"}, "reward": {"params"}, "rollout": {"weights", "kv_cache"}}
+#: reference, and the engines' weights with their KV cache, woken during the sync for the next generate.
+AFTER_SYNC = {"actor": {"params"}, "reference": {"params"}, "reward": set(), "rollout": {"weights", "kv_cache"}}
 
 
 def plan_for(tp=1, overhead=None):
@@ -35,8 +36,12 @@ def plan_for(tp=1, overhead=None):
     work = Workload(bf16=True, zero_stage=3, micro_train_batch_size=4, micro_rollout_batch_size=8, prompt_len=1024,
                     generate_len=2048, rollout_samples=128, engine_pool=True, engine_memory_fraction=0.6,
                     sync_bucket_bytes=512 << 20, logits_chunk_bytes=1 << 30)
-    layout = build_layout(placement, {"actor": POLICY, "reference": POLICY, "reward": REWARD, "rollout": POLICY},
-                          work, H100)
+    shapes = {"actor": POLICY, "reference": POLICY, "reward": REWARD, "rollout": POLICY}
+    layout = build_layout(placement, shapes, work, H100)
+    # issue 33's run had its frozen models whole on every GPU (ZeRO-3 shards them since issue 34): sized so here
+    whole = build_layout(placement, shapes, replace(work, zero_stage=2), H100)
+    frozen = {g: {s.role: s for s in shares if s.role in ("reference", "reward")} for g, shares in whole.items()}
+    layout = {g: tuple(frozen[g].get(s.role, s) for s in shares) for g, shares in layout.items()}
     # --vllm_enable_sleep --deepspeed_enable_sleep: the engines and the actor sleep, the planner decides the rest
     return plan_residency(layout, H100, sleep_roles={"rollout", "actor"}, overhead=overhead)
 

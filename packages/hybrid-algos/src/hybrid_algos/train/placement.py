@@ -4,7 +4,8 @@ and the memory budget -> the residency plan (what each role keeps on its GPUs in
 Roles the algorithm does not use get no GPUs: no critic unless the estimator is GAE, no reference without a KL
 term (``init_kl_coef`` 0, with or without ``use_kl_loss``), no reward model with a rule-based reward. The CLI's
 ``--dry-run`` prints exactly these two plans. ``vllm_num_engines`` 0 puts one engine on each actor GPU (OpenRLHF:
-generate with the actor).
+generate with the actor). Under ``--zero_stage 3`` the reference and reward model are sharded over their GPUs, as
+OpenRLHF shards them (the memory model counts 1/N of their weights per GPU; ``workers/zero3_frozen.py`` shards them).
 """
 
 from __future__ import annotations
