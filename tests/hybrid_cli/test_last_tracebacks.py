@@ -31,7 +31,7 @@ def no_ray_after():
     assert not ray.is_initialized()
 
 
-# ---- a prompts file that is not UTF-8 ---------------------------------------------------------------------------------
+# ---- a prompts file that is not UTF-8 --------------------------------------------------------------------------------
 def test_dry_run_refuses_a_prompts_file_that_is_not_utf8_naming_line_and_byte(tmp_path, capsys):
     prompts = tmp_path / "latin1.jsonl"
     prompts.write_bytes(b'{"prompt": "s1 s2"}\n{"prompt": "caf\xe9"}\n')  # latin-1 e-acute: byte 16 of line 2
@@ -109,7 +109,8 @@ def test_wandb_without_a_key_or_with_a_refused_key_stops_before_ray_and_without_
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     field, text = out["no_key"]
-    assert field == "use_wandb" and text.startswith("use_wandb: no W&B API key is configured here") and "wandb login" in text
+    assert field == "use_wandb" and text.startswith("use_wandb: no W&B API key is configured here")
+    assert "wandb login" in text
     field, text = out["bad_key"]
     assert field == "use_wandb" and "refused the API key" in text and "invalid api key" in text
     assert key not in text and key not in proc.stdout + proc.stderr  # the key is never printed
@@ -130,7 +131,7 @@ def test_wandb_is_not_checked_without_use_wandb_or_in_its_own_offline_mode(monke
     MetricsLogger("/tmp/x", tensorboard=False, wandb_key="True").check_wandb()
 
 
-# ---- --ray_temp_dir under a file --------------------------------------------------------------------------------------
+# ---- --ray_temp_dir under a file -------------------------------------------------------------------------------------
 def test_ray_temp_dir_under_a_file_names_the_flag_and_the_file(tmp_path):
     from hybrid_core.cluster import make_temp_dir
 
@@ -144,7 +145,7 @@ def test_ray_temp_dir_under_a_file_names_the_flag_and_the_file(tmp_path):
     assert (tmp_path / "ray" / "tmp").is_dir()
 
 
-# ---- Ctrl-C pressed again while the command ends ----------------------------------------------------------------------
+# ---- Ctrl-C pressed again while the command ends ---------------------------------------------------------------------
 INTERRUPTED = textwrap.dedent('''
     import sys, time
     import ray

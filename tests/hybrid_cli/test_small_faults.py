@@ -22,7 +22,7 @@ from hybrid_core.errors import PlacementError
 from hybrid_core.residency import GiB, GpuShare, HostBudget, RoleSize, plan_residency
 
 
-# ---- a reward function that calls os._exit -----------------------------------------------------------------------------
+# ---- a reward function that calls os._exit ---------------------------------------------------------------------------
 REWARD_EXITS = textwrap.dedent('''
     import multiprocessing, os, sys
     from types import SimpleNamespace as NS
@@ -60,7 +60,7 @@ def test_a_reward_function_calling_os_exit_is_an_error_not_the_end_of_the_run():
     assert "with status 0 (0 reads as a completed run), without its checkpoint or summary" in out
 
 
-# ---- a symlink loop in a prompts folder ----------------------------------------------------------------------------------
+# ---- a symlink loop in a prompts folder ------------------------------------------------------------------------------
 def _prompts_folder(folder):
     (folder / "part").mkdir(parents=True)
     with open(folder / "part" / "train.jsonl", "w") as f:
@@ -106,7 +106,7 @@ def test_a_gpu_line_shows_the_number_its_verdict_is_for():
 def test_a_host_line_over_its_capacity_never_says_tight():
     tiny = _size("actor", "trainer", {"params": 0.1, "grads": 0.1, "optimizer": 0.2, "cache": 0})
     engine = _size("rollout", "engine", {"weights": 0.1, "kv_cache": 0.1})
-    layout = {g: (GpuShare(tiny, workers=4), GpuShare(engine, workers=6)) for g in range(4)}  # 41 processes with the driver
+    layout = {g: (GpuShare(tiny, workers=4), GpuShare(engine, workers=6)) for g in range(4)}  # 41 with the driver
     plan = plan_residency(layout, 80 * GiB, host=HostBudget(13 * GiB, "--host_memory_gb"))
     plan.check()  # the process estimate alone never refuses a plan (hybrid_core.residency.host)
     text = plan.render()
@@ -124,7 +124,7 @@ def test_a_host_line_over_its_capacity_never_says_tight():
     assert e.value.field == "host_memory_gb"
 
 
-# ---- the install hint keeps its extra ------------------------------------------------------------------------------------
+# ---- the install hint keeps its extra --------------------------------------------------------------------------------
 def test_dry_run_install_hint_keeps_the_vllm_extra(capsys):
     from hybrid_cli.main import main
 
@@ -135,7 +135,7 @@ def test_dry_run_install_hint_keeps_the_vllm_extra(capsys):
     assert "warning: the vllm backend needs the 'vllm' package: pip install 'hybrid-engines[vllm]'" in out
 
 
-# ---- step numbers: 1-based wherever a user reads one ----------------------------------------------------------------------
+# ---- step numbers: 1-based wherever a user reads one -----------------------------------------------------------------
 def test_progress_shows_steps_one_based_like_errors_and_checkpoints():
     from hybrid_cli.progress import ProgressDisplay
 
