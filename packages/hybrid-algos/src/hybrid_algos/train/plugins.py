@@ -165,9 +165,15 @@ def _findable(name: str) -> bool:
 
 
 def _run_file(name: str, path: str) -> types.ModuleType:
+    return run_file(name, path, PluginError(FIELD, f"cannot load {path!r} as a Python file.", _FIX))
+
+
+def run_file(name: str, path: str, not_python: Exception) -> types.ModuleType:
+    """Import the file ``path`` as module ``name`` (registered in ``sys.modules``, which dataclasses and pickling
+    need; removed again if it raises); ``not_python`` is raised when it cannot be loaded as Python."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise PluginError(FIELD, f"cannot load {path!r} as a Python file.", _FIX)
+        raise not_python
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pickling look their module up there
     try:

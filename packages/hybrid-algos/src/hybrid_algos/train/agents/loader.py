@@ -143,18 +143,10 @@ def _import(target: str, is_file: bool, path: str) -> types.ModuleType:
     try:
         if not is_file:
             return importlib.import_module(target)
-        name = f"hybrid_agent_{uuid.uuid4().hex[:8]}"
-        spec = importlib.util.spec_from_file_location(name, target)
-        if spec is None or spec.loader is None:
-            raise ConfigError(FIELD, f"cannot load {target!r} as a Python file.", "Give a .py file.")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and pickling look their module up there
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            sys.modules.pop(name, None)
-            raise
-        return module
+        from ..plugins import run_file
+
+        return run_file(f"hybrid_agent_{uuid.uuid4().hex[:8]}", target,
+                        ConfigError(FIELD, f"cannot load {target!r} as a Python file.", "Give a .py file."))
     except ConfigError:
         raise
     except ImportError as e:
