@@ -24,12 +24,15 @@ L70 = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hid
 CODELLAMA_34B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=48,
                      num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=16384)
 GiB = 2**30
+# tests/hybrid_cli/conftest.py's template, spelled here: `from conftest import` is ambiguous under pytest-xdist
+# (tests/packaging has a conftest module too)
+CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}<sep>{% endif %}")
 
 
 def _config_folder(path, shape):
     from transformers import AutoTokenizer
 
-    from conftest import CHAT_TEMPLATE
     from hybrid_algos.train.tiny import build_tiny_tokenizer, tiny_model_config
 
     tiny_model_config(**shape).save_pretrained(path)

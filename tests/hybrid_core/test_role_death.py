@@ -148,7 +148,12 @@ def test_a_port_of_another_service_is_refused_within_the_deadline():
 
 @pytest.mark.slow
 def test_the_cli_refuses_a_closed_address_with_a_hybrid_line(tmp_path, capsys):
+    import ray
+
     from hybrid_cli.main import main
+
+    if ray.is_initialized():  # a Ray another test of this worker left connected would be used as it is
+        ray.shutdown()
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -82,6 +82,8 @@ def test_openrlhf_agent_file_trains_for_several_steps(agent_file, tmp_path, capl
 def test_openrlhf_flag_spellings_reach_the_agent(agent_file):
     from hybrid_cli.main import load_config
 
-    for flag in ("--train.agent_func_path", "--agent_func_path"):
-        config, _, _ = load_config("grpo", ["--task", "lookup", "--task_length", "1", flag, agent_file])
+    # an OpenRLHF line takes OpenRLHF's default of one sample per prompt, which GRPO refuses: give several
+    for flag, samples in (("--train.agent_func_path", "--rollout.n_samples_per_prompt"),
+                          ("--agent_func_path", "--n_samples_per_prompt")):
+        config, _, _ = load_config("grpo", ["--task", "lookup", "--task_length", "1", flag, agent_file, samples, "4"])
         assert config.agent_func_path == agent_file and config.uses_agent

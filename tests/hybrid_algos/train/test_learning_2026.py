@@ -27,7 +27,8 @@ BASE = dict(task="copy", task_length=1, max_steps=48, rollout_batch_size=16, n_s
             actor_learning_rate=2e-3, call_timeout_s=300, use_kl_loss=True, kl_estimator="k3", init_kl_coef=0.001)
 
 ALGORITHMS = {
-    "gspo": dict(policy_loss_type="gspo"),
+    # the clip these settings were tuned with (PPO's 0.2); GSPO's own default is its paper's (3e-4, 4e-4)
+    "gspo": dict(policy_loss_type="gspo", eps_clip=0.2),
     "cispo": dict(policy_loss_type="cispo", eps_clip_low_high=(0.2, 0.28), actor_learning_rate=1e-3, max_epochs=1),
     "dapo": dict(eps_clip_low_high=(0.2, 0.28), dynamic_filtering=True, dynamic_filtering_max_rounds=4,
                  actor_learning_rate=1e-3,
