@@ -38,6 +38,7 @@ import socket
 from dataclasses import dataclass
 from typing import Iterator, MutableMapping
 
+from . import versions
 from .errors import ConfigError, RoleFailure
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+#: The oldest Ray with token authentication (``RAY_AUTH_MODE=token``): the floor hybrid-core declares.
+RAY_FLOOR = "2.52"
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ def connect(
     """
     import ray
 
+    # an older Ray ignores RAY_AUTH_MODE: the cluster would take any client (an install with --no-deps can have one)
+    versions.require("ray", ray.__version__, RAY_FLOOR, "token authentication of the cluster (RAY_AUTH_MODE=token)")
     if ray.is_initialized():
         return _info(started_here=False)
     given = address

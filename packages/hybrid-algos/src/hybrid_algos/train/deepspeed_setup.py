@@ -106,9 +106,21 @@ def deepspeed_config(*, zero_stage: int, bf16: bool, micro_batch: int, grad_accu
     return config
 
 
+#: The oldest DeepSpeed a trained role runs on, the floor hybrid-algos[train] declares. 0.19.8 reports a non-finite
+#: gradient norm as inf (``deepspeed.runtime.utils.combine_grad_norm_groups``); before it ZeRO turned an inf/NaN norm
+#: into a finite 1.0 and applied the update, unseen by the update guard that replaces DeepSpeed's own scan
+#: (update_guard.py). (The bf16 options came earlier: ``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``
+#: in 0.18.3, CPU Adam's bf16 moments under ``bf16_optimizer_states`` in 0.19.1; ``check_grad_overflow`` in 0.17.1.)
+DEEPSPEED_FLOOR = "0.19.8"
+
+
 def make_engine(model: torch.nn.Module, config: dict[str, Any]):
     import deepspeed
 
+    from hybrid_core import versions
+
+    versions.require("deepspeed", deepspeed.__version__, DEEPSPEED_FLOOR,
+                     "a trained role (the update guard reads the gradient norm DeepSpeed reports for every update)")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=config)
     return engine
