@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 
 #: size -> (prompts per step, samples, max new tokens, prompt max len, micro rollout batch); = bench/e2e_gpu.py
 WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16)}
-#: size -> (train micro batch, gradient checkpointing, vLLM memory fraction); = bench/residency_session.sh
+#: size -> (train micro batch, gradient checkpointing, vLLM memory fraction); = bench/sessions/residency_session.sh
 DEFAULTS = {"357m": (64, False, 0.35), "1.5b": (8, True, 0.3)}
 
 

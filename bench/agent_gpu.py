@@ -90,10 +90,10 @@ def parse_args() -> argparse.Namespace:
 
 def workload(args) -> tuple[str, list]:
     """The model folder and the prompts (``Prompt`` objects of the first ``--prompts`` lines)."""
-    from peer_workload import build
+    from transformers import AutoTokenizer
 
     from hybrid_algos.train.tasks import Prompt
-    from transformers import AutoTokenizer
+    from peer_workload import build
 
     if args.small:
         root = tempfile.mkdtemp(prefix="agent-bench-")
@@ -108,15 +108,15 @@ def workload(args) -> tuple[str, list]:
 
 
 def run_setting(args, model: str, prompts: list, prefix_caching: bool) -> dict:
-    from hybrid_core.cluster import connect, shutdown
-    from hybrid_core.placement import PlacementSpec, place
-    from hybrid_engines.protocol import SamplingParams
-    from hybrid_engines.ray_engines import launch_engines
     from transformers import AutoTokenizer
 
     from hybrid_algos.train.agents import AgentRollout, summarize
     from hybrid_algos.train.agents.loader import AgentSpec
     from hybrid_algos.train.config import GRPOConfig
+    from hybrid_core.cluster import connect, shutdown
+    from hybrid_core.placement import PlacementSpec, place
+    from hybrid_engines.protocol import SamplingParams
+    from hybrid_engines.ray_engines import launch_engines
 
     tok = AutoTokenizer.from_pretrained(model)
     budget = args.turns * args.turn_tokens + (args.turns - 1) * args.reply_tokens
@@ -191,9 +191,9 @@ def main() -> int:
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "agent_gpu.json").write_text(json.dumps(out, indent=1, default=str))
     if args.record:
-        from _common import device_label
-
         import torch
+
+        from _common import device_label
 
         device = device_label(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         print(f"appended {append_results(rows, device)} rows to bench/RESULTS.md")

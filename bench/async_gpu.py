@@ -105,7 +105,7 @@ def run(args, model: str, data: str, name: str, *, split: bool, residency: str =
                           micro=32, steps=args.steps, lr=1e-6, kl=0.001, gpu_util=args.gpu_util, residency=residency,
                           sleep_level=0, ckpt=False, split=split, enforce_eager=False, extra=[])
     save = os.path.join(args.workdir, "runs", f"async-{name}")
-    cmd = command(e2e, model, data, save) + ["--overwrite", *extra]
+    cmd = [*command(e2e, model, data, save), "--overwrite", *extra]
     if args.small:  # short generations, no bf16 kernels needed on a CPU
         cmd += ["--generate_max_len", "16", "--no_bf16", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
                 "--train_batch_size", "8", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8"]

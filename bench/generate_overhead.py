@@ -2,8 +2,9 @@
 
 Same model folder, same GPU, same batch as ``bench/e2e_gpu.py`` (8 prompts x 8 samples, <= 128 new tokens,
 temperature 1, CUDA graphs on). Both engines (this process's and one Ray actor's) are built first and kept alive
-(each takes ``--gpu_util`` of the GPU); then the variants run round-robin, one call each per round, for ``--repeats`` rounds after a warm-up round, so
-that drift of the machine (clocks, other processes' CPU) falls on every variant alike. Median per variant:
+(each takes ``--gpu_util`` of the GPU); then the variants run round-robin, one call each per round, for
+``--repeats`` rounds after a warm-up round, so that drift of the machine (clocks, other processes' CPU) falls on
+every variant alike. Median per variant:
 
     A   vllm.LLM.generate, n=8 per prompt, unseeded (vLLM alone, as a user would call it)
     B   A with the sampled token's log-prob per token (logprobs=0, flat), which the rollout correction needs
@@ -23,8 +24,8 @@ next step enough to matter, and what our adapter costs there (writes ``genoverhe
 
 ``generate overhead vs vLLM alone %`` is recorded twice, each against vLLM asked for the same thing: (E0 - A) / A
 (no log-probs) and (E - B) / B (with them); (E - A) / A, the default loop against plain vLLM, is in the notes of the
-second row: it holds vLLM's own cost of the log-probs. The load average and the busiest processes are recorded before and after:
-a timing taken while something else keeps the CPUs busy is not comparable.
+second row: it holds vLLM's own cost of the log-probs. The load average and the busiest processes are recorded before
+and after: a timing taken while something else keeps the CPUs busy is not comparable.
 
     python bench/generate_overhead.py --model /tmp/peer/model          # prints a table, writes $OUT/genoverhead.json
 """
@@ -239,7 +240,6 @@ def main() -> int:
     shutdown(cluster)
     engine.shutdown()
 
-    base = results["A vllm n=8"]["median_s"]
     _print_table(results, load_before)
     if out:
         with open(os.path.join(out, name), "w") as f:
@@ -255,14 +255,15 @@ def main() -> int:
                 f"% (no log-probs on either side: our EngineGroup.generate through its Ray actor "
                 f"{med['E0 ray group no logprobs']:.3f} s vs vllm.LLM.generate n={args.samples} alone "
                 f"{med['A vllm n=8']:.3f} s, median of {args.repeats} round-robin calls; in-process adapter "
-                f"{med['D0 adapter no logprobs']:.3f} s; the loop's generate with the rollout correction off; goal <= 5)"),
+                f"{med['D0 adapter no logprobs']:.3f} s; the loop's generate with the rollout correction off; "
+                f"goal <= 5)"),
             Row("generate overhead vs vLLM alone %", pct("E ray group", "B vllm n=8 logprobs"),
                 f"% (with the sampled tokens' log-probs on both sides: ours {med['E ray group']:.3f} s vs vLLM alone "
                 f"{med['B vllm n=8 logprobs']:.3f} s; the loop's default generate (the rollout correction needs "
                 f"them) against plain vLLM: {pct('E ray group', 'A vllm n=8'):+.1f} %, of which vLLM's own log-prob "
                 f"cost {pct('B vllm n=8 logprobs', 'A vllm n=8'):+.1f} %; in-actor {med['F in-actor']:.3f} s, Ray hop "
-                f"{hop * 1000:.0f} ms, engine actor on {threads} torch threads (1: {med['G in-actor 1 thread']:.3f} s); "
-                f"goal <= 5)"),
+                f"{hop * 1000:.0f} ms, engine actor on {threads} torch threads "
+                f"(1: {med['G in-actor 1 thread']:.3f} s); goal <= 5)"),
         ]
         print(f"appended {append_results(rows, _device())} rows to bench/RESULTS.md")
     return 0

@@ -47,10 +47,11 @@ def main() -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override settings")
     args = parser.parse_args()
 
+    import ray
+
     from hybrid_algos.train import CONFIGS, train
     from hybrid_algos.train.config import DEMO_SETTINGS
     from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
-    import ray
 
     if args.demo:
         settings = dict(DEMO_SETTINGS)

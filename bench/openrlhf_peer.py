@@ -8,7 +8,7 @@ workload fits). OpenRLHF's model code imports flash-attn at module level and non
 bench/openrlhf_standin/ provides those few names (no package metadata, so transformers does not use it) and the runs
 ask for ``--ds.attn_implementation sdpa``, without packing / dynamic batch / ring attention.
 
-Set-ups (``--setup``), each the counterpart of one of our runs in bench/residency_session.sh:
+Set-ups (``--setup``), each the counterpart of one of our runs in bench/sessions/residency_session.sh:
 * ``matched`` -- ours ``--kl 0 --zero_stage 1 --micro 64``: ZeRO-1, no reference model.
 * ``zero3ref`` -- ours default: ZeRO-3 actor + reference model (KL coefficient 0.001 in the reward).
 ``--size 1.5b`` is the realistic-scale workload (32 x 8, 256-token prompts, <= 1024 new tokens, micro 8, gradient
@@ -54,8 +54,8 @@ from _peer_process import summarize_steps  # noqa: E402
 from _common import MIN_MEASURED_STEPS, steady_step_times  # noqa: E402
 STANDIN = os.path.join(HERE, "openrlhf_standin")
 REWARD_FILE = os.path.join(HERE, "openrlhf_reward.py")
-#: where bench/openrlhf_session.sh installs OpenRLHF and the packages it carries (kept apart from /tmp/site: the
-#: OpenRLHF wheel also installs a top-level ``tests`` package)
+#: where bench/sessions/openrlhf_session.sh installs OpenRLHF and the packages it carries (kept apart from /tmp/site:
+#: the OpenRLHF wheel also installs a top-level ``tests`` package)
 DEFAULT_SITE = "/tmp/site-orl"
 PHASES = ("generation", "make_experience", "ppo_train", "broadcast")
 STEP_LINE = re.compile(r"Global step (\d+): (\{.*\})\s*$")

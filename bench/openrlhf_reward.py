@@ -17,7 +17,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_workload import copy_first  # noqa: E402
+from peer_workload import copy_first
 
 SPECIAL = frozenset({"</s>", "<pad>", "<unk>"})
 

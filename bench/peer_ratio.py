@@ -413,14 +413,14 @@ def check_installed(args, ap) -> None:
     """Refuse to start a long run whose peers cannot import (a stand-in of a program needs nothing)."""
     programs = {program(s) for s in args.sides} - {"ours"} - set(args.scripts)
     if "trl" in programs and installed_version("trl", os.environ) is None:
-        ap.error("TRL is not importable here (pip install trl; on a lent GPU bench/residency_session.sh stage carries "
-                 "it), or run without the TRL peers (--peers openrlhf-...)")
+        ap.error("TRL is not importable here (pip install trl; on a lent GPU bench/sessions/residency_session.sh stage "
+                 "carries it), or run without the TRL peers (--peers openrlhf-...)")
     if "openrlhf" in programs:
         from openrlhf_peer import environment
 
         if installed_version("openrlhf", environment(args.openrlhf_site)) is None:
-            ap.error(f"OpenRLHF is not installed in --openrlhf_site {args.openrlhf_site} (bench/openrlhf_session.sh "
-                     "stage), or run without the OpenRLHF peers")
+            ap.error(f"OpenRLHF is not installed in --openrlhf_site {args.openrlhf_site} "
+                     "(bench/sessions/openrlhf_session.sh stage), or run without the OpenRLHF peers")
 
 
 def build_workload(args) -> None:

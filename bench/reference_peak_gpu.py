@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, append_results, device_label, print_table  # noqa: E402
+from _common import Row, append_results, device_label, print_table
 
 for _pkg in ("hybrid-core", "hybrid-engines", "hybrid-algos"):  # a plain checkout (no editable install)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "packages", _pkg,

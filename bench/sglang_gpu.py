@@ -66,7 +66,7 @@ def sglang_ipc_trainer(conn, gpu: str, model_dir: str, dtype: str, bucket_bytes:
     """Colocated trainer: packs its parameters into CUDA-IPC buckets and sends SGLang's serialized form of each."""
     try:
         from hybrid_core.weight_sync import IpcBucketSender
-        from hybrid_engines.sglang_transport import SGLangTransport
+        from hybrid_engines.weight_sync.sglang import SGLangTransport
 
         model = eg._trainer_model(gpu, model_dir, dtype)
         transport, sender = SGLangTransport(), IpcBucketSender(bucket_bytes, device="cuda:0")
@@ -92,7 +92,7 @@ def sglang_ipc_trainer(conn, gpu: str, model_dir: str, dtype: str, bucket_bytes:
 def sglang_nccl_trainer(conn, gpu: str, model_dir: str, dtype: str, bucket_bytes: int, port: int) -> None:
     """Trainer on another GPU: rank 0 of SGLang's weight-update group, one broadcast stream per "go"."""
     try:
-        from hybrid_engines.sglang_transport import SGLangTransport
+        from hybrid_engines.weight_sync.sglang import SGLangTransport
 
         model = eg._trainer_model(gpu, model_dir, dtype)
         transport = SGLangTransport()
@@ -316,7 +316,7 @@ def run_dry(args, run) -> None:
 
     from hybrid_core.weight_sync import IpcBucketSender
     from hybrid_engines.protocol import SamplingParams
-    from hybrid_engines.sglang_transport import SGLangTransport
+    from hybrid_engines.weight_sync.sglang import SGLangTransport
 
     dirs = eg.build_models(Path(args.workdir), "tiny")
     prompts = eg.make_prompts(eg.SIZES["tiny"]["vocab_size"], count=4)

@@ -3,7 +3,8 @@
 
 The pattern of ../shared/device/make_wheelhouse.py, for SGLang: wheels downloaded here (``--no-deps``, cp312,
 manylinux), cut into parts of at most 60 MiB (a device call carries 64 MiB), joined and installed there with
-``bench/sglang_assemble.sh`` into their own ``--target`` (/tmp/site-sglang), so they shadow nothing of vLLM's carry:
+``bench/sessions/sglang_assemble.sh`` into their own ``--target`` (/tmp/site-sglang), so they shadow nothing of vLLM's
+carry:
 
   python3 bench/sglang_stage.py                  # here: .stage-sglang/ (wheels) -> .carry-sglang/p00 .. pNN
   python3 bench/sglang_stage.py --dry            # here, no downloads: the plan, and the part cutting checked on fakes
@@ -114,7 +115,7 @@ def chunk(src_dir: str, out_dir: str, limit: int = LIMIT) -> int:
         for name, data in files:
             with open(os.path.join(d, name), "wb") as f:
                 f.write(data)
-        shutil.copy(os.path.join(HERE, "sglang_assemble.sh"), os.path.join(d, "_assemble.sh"))
+        shutil.copy(os.path.join(HERE, "sessions", "sglang_assemble.sh"), os.path.join(d, "_assemble.sh"))
     return len(parts)
 
 

@@ -38,14 +38,14 @@ ap.add_argument("--gpu_util", type=float, default=0.3)
 args = ap.parse_args()
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median_step, steady_step_times  # noqa: E402
-
 import torch  # noqa: E402
 import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from _common import median_step, steady_step_times  # noqa: E402
 
 V = 1024
 vocab = {f"t{i}": i for i in range(V - 3)}

@@ -46,7 +46,7 @@ sys.path.insert(0, HERE)
 from _peer_process import DEFAULTS, WORKLOADS, failure, gpu_name, installed_version, run_peer  # noqa: E402,F401
 from _peer_process import summarize_steps  # noqa: E402
 REWARD_FILE = os.path.join(HERE, "verl_reward.py")
-#: where bench/verl_session.sh installs verl and what it carries (its own target, beside /tmp/site)
+#: where bench/sessions/verl_session.sh installs verl and what it carries (its own target, beside /tmp/site)
 DEFAULT_SITE = "/tmp/site-verl"
 RELEASE = "0.9.1"
 SETUPS = ("matched", "lowvar")

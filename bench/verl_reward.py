@@ -15,7 +15,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from peer_workload import copy_first  # noqa: E402
+from peer_workload import copy_first
 
 
 def compute_score(data_source=None, solution_str="", ground_truth=None, extra_info=None, **_):

@@ -4,10 +4,10 @@
 
   python3 bench/verl_stage.py           # here: .stage-verl/ (wheels) -> .carry-verl/ (one folder, a few MiB)
   python3 bench/verl_stage.py --dry     # here, no downloads: the plan
-  # on the device (carry [".carry-verl"]): bash bench/verl_session.sh stage
+  # on the device (carry [".carry-verl"]): bash bench/sessions/verl_session.sh stage
   #   installs --no-deps into /tmp/site-verl (their own --target) each wheel whose modules the environment lacks
   #   (--install-absent), then, once vLLM is staged, runs --check-imports there
-  #   (alone, after the vLLM carry: bash bench/verl_session.sh check)
+  #   (alone, after the vLLM carry: bash bench/sessions/verl_session.sh check)
 
 What is carried, and why (verl 0.9.1's Requires-Dist, read in its wheel, against what the device has):
 
@@ -240,7 +240,7 @@ def main() -> int:
     for f in files:
         print(f"  {os.path.basename(f):<75} {os.path.getsize(f) / 2**20:6.2f} MiB")
     print(f"{CARRY}/: {len(files)} wheels, {total:.1f} MiB. On the device, with carry [\"{CARRY}\"]: "
-          "bash bench/verl_session.sh stage")
+          "bash bench/sessions/verl_session.sh stage")
     return 0
 
 

@@ -35,7 +35,7 @@ from hybrid_core.errors import ConfigError
 from hybrid_core.offload import StateOffloader
 from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.remote import get_with_timeout
-from hybrid_core.residency import GpuShare, ResidencyOwner, RoleSize, plan_residency
+from hybrid_core.residency import GpuShare, Phase, ResidencyOwner, RoleSize, plan_residency
 from hybrid_core.runtime_env import worker_runtime_env
 from hybrid_core.turnstile import Turnstile
 from hybrid_core.weight_sync import IpcBucketSender
@@ -108,10 +108,10 @@ class TrainerHandle:
     def __init__(self, actor, gpus):
         self.actor, self.gpus = actor, gpus
 
-    def move_off(self, states, moves):
+    def offload(self, states, moves):
         return [("trainer: offload", self.actor.offload.remote(list(states)))]
 
-    def move_on(self, states):
+    def reload(self, states):
         return [("trainer: reload", self.actor.reload.remote(list(states)))]
 
 
@@ -171,7 +171,11 @@ def main(argv=None) -> list[float]:
     engine_bytes = trainer_bytes // 4  # the policy alone, without the reference and the optimizer state
     layout = {0: (GpuShare(RoleSize("actor", "trainer", {"params": trainer_bytes, "grads": 0, "optimizer": 0})),
                   GpuShare(RoleSize("rollout", "engine", {"weights": engine_bytes, "kv_cache": 0})))}
-    residency = plan_residency(layout, args.gpu_gib * 2**30, mode=args.residency, engine_sleep_level=2)
+    step = (Phase("generate", "rollout", {"rollout": ("weights", "kv_cache")}, work=("generate",)),
+            Phase("actor_train", "actor", {"actor": ("params", "grads", "optimizer")}, work=("train",)),
+            Phase("sync", "actor", {"actor": ("params",), "rollout": ("weights",)}, work=("sync",),
+                  holds={("rollout", "weights"): "generate"}))  # the step: synced weights stay until generated with
+    residency = plan_residency(layout, args.gpu_gib * 2**30, phases=step, mode=args.residency, engine_sleep_level=2)
     print(residency.render())
     owner = ResidencyOwner(residency, {"actor": TrainerHandle(trainer, gpus)}, turnstile=turnstile,
                            timeout_s=TIMEOUT_S)

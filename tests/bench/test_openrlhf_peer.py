@@ -81,7 +81,7 @@ def test_failure_reports_the_actor_traceback_and_the_error():
              "    ray.get(refs)", "ray.exceptions.RayTaskError(ImportError): ray::PolicyModelActor.init()",
              "(PolicyModelActor pid=77) ImportError: cannot import name 'X' from 'vllm.y'", "shutting down"]
     got = peer.failure(lines)
-    assert got["traceback"][0].startswith("Traceback") and any("RayTaskError" in l for l in got["traceback"])
+    assert got["traceback"][0].startswith("Traceback") and any("RayTaskError" in ln for ln in got["traceback"])
     assert got["error_lines"][-1].endswith("cannot import name 'X' from 'vllm.y'")
     assert got["log_tail"][-1] == "shutting down"
 
@@ -134,7 +134,7 @@ def test_every_flag_is_one_of_openrlhf_0_11_2s_and_well_formed(kw):
         assert flag in values
     assert values["vllm.num_engines"] == ["1"] and values["actor.num_gpus_per_node"] == ["1"]
     assert values["algo.advantage.estimator"] == ["group_norm"]
-    prompts, samples, max_new, prompt_len, micro_rollout = peer.WORKLOADS[kw.get("size", "357m")]
+    prompts, samples, max_new, prompt_len, _micro_rollout = peer.WORKLOADS[kw.get("size", "357m")]
     assert values["rollout.batch_size"] == [str(prompts)] and values["rollout.n_samples_per_prompt"] == [str(samples)]
     assert values["rollout.max_new_tokens"] == [str(max_new)]
     assert values["data.max_len"] == [str(prompt_len + max_new)]
@@ -161,7 +161,8 @@ FAKE_RUN = textwrap.dedent("""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(sys.argv[1], "w").write(str(child.pid))
     for n in range(1, 1 + (int(sys.argv[3]) if len(sys.argv) > 3 else 3)):
-        print("(PPOTrainer pid=1) INFO x.py:1] \\u2728 Global step %d: {'timing/step_total': %d.5}" % (n, n), flush=True)
+        line = "(PPOTrainer pid=1) INFO x.py:1] \\u2728 Global step %d: {'timing/step_total': %d.5}" % (n, n)
+        print(line, flush=True)
         time.sleep(0.05)
     if sys.argv[2] == "fail":
         raise ImportError("cannot import name 'GuidedDecodingParams' from 'vllm.sampling_params'")

@@ -146,7 +146,8 @@ def test_all_gather_concatenates_in_rank_order_over_a_real_gloo_group_and_is_the
 
 def test_transformers_does_not_take_the_standin_for_flash_attn():
     """With the stand-in first on the path, `flash_attn` imports but no flash-attn distribution exists (no metadata:
-    transformers >= 5.17 checks it before the version, so even on a CUDA machine it answers False), and the fused kernels OpenRLHF and vLLM try first are absent, so they take their torch paths."""
+    transformers >= 5.17 checks it before the version, so even on a CUDA machine it answers False), and the fused
+    kernels OpenRLHF and vLLM try first are absent, so they take their torch paths."""
     code = (
         "import importlib, importlib.metadata, json\n"
         "import flash_attn, flash_attn.bert_padding, flash_attn.utils.distributed\n"

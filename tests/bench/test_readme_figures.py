@@ -42,13 +42,14 @@ def test_median_of_the_newest_date_with_misses_and_range(tmp_path):
         "| speedup vs TRL x | 1.59 | x (the best) | NVIDIA H100 80GB HBM3 | 2026-11-24 | `b` |\n"
         "| speedup vs TRL x | 1.15 | x | NVIDIA H100 80GB HBM3 | 2026-11-24 | `b` |\n"
         "| generate overhead vs vLLM alone % | 40.0 | % (old variant) | NVIDIA H100 80GB HBM3 | 2026-11-24 | `c` |\n"
-        "| generate overhead vs vLLM alone % | 0.3 | % (no log-probs on either side) | NVIDIA H100 | 2026-11-24 | `c` |\n",
+        "| generate overhead vs vLLM alone % | 0.3 | % (no log-probs on either side) | NVIDIA H100 | 2026-11-24 "
+        "| `c` |\n",
         encoding="utf-8")
     rows = gen.read_results(results)
-    line = next(l for l in gen.render(rows).splitlines() if "vs TRL 1.16" in l)
+    line = next(ln for ln in gen.render(rows).splitlines() if "vs TRL 1.16" in ln)
     # the median of the newest date's three rows, not the best one and not the older 2.50
     assert "**1.15 x** (range 0.9-1.59) | 3 | goal >= 1.5: missed" in line
-    over = next(l for l in gen.render(rows).splitlines() if "without log-probs" in l)
+    over = next(ln for ln in gen.render(rows).splitlines() if "without log-probs" in ln)
     assert "**0.3 %** | 1 |" in over  # the old variant's 40 % is another measurement, not averaged in
 
 
@@ -69,6 +70,6 @@ def test_a_failed_measurement_is_shown_as_a_miss(tmp_path):
         "| metric | value | unit | device | date | command |\n| --- | --- | --- | --- | --- | --- |\n"
         "| speedup vs TRL default x | failed | x (TRL default: CUDA out of memory in 3 of 3 turns) | NVIDIA H100 | "
         "2026-12-02 | `a` |\n", encoding="utf-8")
-    line = next(l for l in gen.render(gen.read_results(results)).splitlines() if "at its default (no sleep)" in l)
+    line = next(ln for ln in gen.render(gen.read_results(results)).splitlines() if "at its default (no sleep)" in ln)
     assert "**failed** (x (TRL default: CUDA out of memory" in line and ">= 1.5: no figure" in line
     assert "not measured yet" not in line

@@ -117,8 +117,9 @@ def test_the_chat_template_renders_the_prompt_verbatim(workload):
 
 
 def test_overrides_compose_against_verls_own_config(workload, tmp_path):
-    """Where verl 0.9.1 and Hydra are importable (bench/verl_session.sh stage runs the same check on the device):
-    its ppo_trainer config takes every override, validates, and its agent loop renders our prompt token for token."""
+    """Where verl 0.9.1 and Hydra are importable (bench/sessions/verl_session.sh stage runs the same check on the
+    device): its ppo_trainer config takes every override, validates, and its agent loop renders our prompt token for
+    token."""
     pytest.importorskip("hydra")
     pytest.importorskip("verl.trainer.main_ppo")
     model, prompts_jsonl = workload

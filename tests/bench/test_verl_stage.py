@@ -1,6 +1,6 @@
-"""bench/verl_stage.py and bench/verl_session.sh on CPU: the carried wheels are installed only where the environment
-verl runs under lacks their modules (real pip, real wheels built here), the import pre-flight names vLLM's server, and
-the session's `check` phase runs the pre-flight alone."""
+"""bench/verl_stage.py and bench/sessions/verl_session.sh on CPU: the carried wheels are installed only where the
+environment verl runs under lacks their modules (real pip, real wheels built here), the import pre-flight names vLLM's
+server, and the session's `check` phase runs the pre-flight alone."""
 
 from __future__ import annotations
 
@@ -99,8 +99,9 @@ def test_the_preflight_names_vllms_server_and_knows_whether_vllm_is_staged(tmp_p
 def test_session_check_phase_runs_the_preflight_alone_and_fails_on_a_missing_module(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "VERL_SITE": str(tmp_path / "site-verl"),
            "PY": sys.executable}
-    done = subprocess.run(["bash", str(ROOT / "bench" / "verl_session.sh"), "check"], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    session = ROOT / "bench" / "sessions" / "verl_session.sh"
+    done = subprocess.run(["bash", str(session), "check"], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "import FAIL vllm.entrypoints.openai.api_server" in done.stdout
     assert "verl import check:" in done.stdout and "failed" in done.stdout

@@ -73,7 +73,8 @@ def test_vllm_engine_kwargs_are_vllm_engine_parameters() -> None:
 
 def test_missing_backend_fails_before_ray_naming_the_extra(tmp_path: Path) -> None:
     if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed here, so there is no missing backend to report; the vLLM path itself runs in tests/hybrid_engines/contracts and on the GPU (bench/engines_gpu.py)")
+        pytest.skip("vllm is installed here, so there is no missing backend to report; the vLLM path itself runs in "
+                    "tests/hybrid_engines/contracts and on the GPU (bench/engines_gpu.py)")
     result = _run("--backend", "vllm", "--steps", "1", cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert "hybrid-engines[vllm]" in result.stderr

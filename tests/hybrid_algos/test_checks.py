@@ -22,7 +22,7 @@ fills = st.sampled_from([0.0, 1.0, 0.5, float("nan"), float("inf"), -float("inf"
 @st.composite
 def tensors(draw):
     shape, dtype, fill = draw(shapes), draw(dtypes), draw(fills)
-    if dtype in (torch.long, torch.bool) and fill != fill or abs(fill) == float("inf"):
+    if (dtype in (torch.long, torch.bool) and fill != fill) or abs(fill) == float("inf"):
         dtype = torch.float32
     return torch.full(shape, fill, dtype=dtype) if dtype != torch.bool else torch.full(shape, bool(fill))
 

@@ -11,8 +11,14 @@ from algos_cases import FAST, garbage_under, masks, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybrid_algos import (AlgoInputError, compute_policy_loss, get_rollout_correction, list_rollout_corrections,
-                          register_rollout_correction, rollout_correction)
+from hybrid_algos import (
+    AlgoInputError,
+    compute_policy_loss,
+    get_rollout_correction,
+    list_rollout_corrections,
+    register_rollout_correction,
+    rollout_correction,
+)
 from hybrid_algos import mismatch as mismatch_module
 
 F64 = torch.float64

@@ -15,8 +15,16 @@ from algos_cases import FAST, garbage_under, masks, randn
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybrid_algos import (LOSS_AGG_MODES, AlgoInputError, PolicyLossInputs, compute_policy_loss, get_policy_loss,
-                          list_policy_losses, ppo_policy_loss, register_policy_loss)
+from hybrid_algos import (
+    LOSS_AGG_MODES,
+    AlgoInputError,
+    PolicyLossInputs,
+    compute_policy_loss,
+    get_policy_loss,
+    list_policy_losses,
+    ppo_policy_loss,
+    register_policy_loss,
+)
 from hybrid_algos import policy_loss as loss_module
 
 F64 = torch.float64

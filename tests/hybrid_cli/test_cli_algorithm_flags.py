@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_algos import (get_advantage_estimator, get_policy_loss, get_rollout_correction, list_advantage_estimators,
-                          list_policy_losses, list_rollout_corrections)
+from hybrid_algos import (
+    get_advantage_estimator,
+    get_policy_loss,
+    get_rollout_correction,
+    list_advantage_estimators,
+    list_policy_losses,
+    list_rollout_corrections,
+)
 from hybrid_cli.main import load_config, main
 from hybrid_cli.openrlhf_flags import rule_for
 

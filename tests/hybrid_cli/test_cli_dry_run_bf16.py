@@ -2,7 +2,6 @@
 GPU, whose fp32-master optimizer (12 bytes per parameter) goes to host memory, keeps its 6-byte bf16 optimizer on the
 GPU; the plan says so, with the precision note, and bad combinations stop with the flag named."""
 
-import json
 
 import pytest
 

@@ -20,7 +20,7 @@ def no_ray_after():
 @pytest.mark.parametrize("name", SPLIT_004)
 def test_split_sglang_reference_commands_sync_in_sglangs_format(name, reference_argv, capsys):
     assert main(["ppo", *reference_argv(name), "--dry-run", "--gpu_memory_gb", "80"]) == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("weight sync:"))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("weight sync:"))
     assert line.startswith("weight sync: broadcast (SGLang's weight-update group, flattened buckets")
 
 

@@ -3,9 +3,9 @@
 import pytest
 
 from hybrid_algos.train.config import DEMO_SETTINGS, GRPOConfig, PPOConfig, RLConfig
+from hybrid_cli import openrlhf_flags as orl
 from hybrid_cli.flags import field_specs
 from hybrid_cli.main import load_config, main
-from hybrid_cli import openrlhf_flags as orl
 from hybrid_core.errors import ConfigError
 
 

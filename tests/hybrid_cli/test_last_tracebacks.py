@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from hybrid_core.errors import ConfigError
 from hybrid_cli.main import main
+from hybrid_core.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)

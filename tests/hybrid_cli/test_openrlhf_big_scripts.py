@@ -1,6 +1,6 @@
-"""OpenRLHF's big-model launch scripts through ``hybrid ppo --dry-run`` with the real model shapes (issue 34): config-only
-folders of Llama-3-70B and CodeLlama-34B (config.json and a tokenizer, no weights: sizing reads the config only), the
-rest of each script pointed at local stand-ins as in test_openrlhf_scripts.py.
+"""OpenRLHF's big-model launch scripts through ``hybrid ppo --dry-run`` with the real model shapes (issue 34):
+config-only folders of Llama-3-70B and CodeLlama-34B (config.json and a tokenizer, no weights: sizing reads the config
+only), the rest of each script pointed at local stand-ins as in test_openrlhf_scripts.py.
 
 * 70B (train_ppo_llama_ray_70b.sh, ZeRO-3, reference and reward model on 4 GPUs each): was refused for "reference
   params 131.4 GiB" on one GPU. Under ZeRO-3 OpenRLHF shards them over their GPUs; so does hybrid now: a quarter each.
@@ -13,10 +13,9 @@ rest of each script pointed at local stand-ins as in test_openrlhf_scripts.py.
 from __future__ import annotations
 
 import pytest
+from openrlhf_scripts import openrlhf_script_argv
 
 from hybrid_cli.main import load_config, main
-
-from openrlhf_scripts import openrlhf_script_argv
 
 #: The two models' shapes (their hub configs' sizes)
 L70 = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
@@ -79,7 +78,7 @@ def test_the_70b_script_shards_its_reference_and_reward_model_over_their_gpus(fo
     assert status == 0, err[-3000:]
     assert "ppo: 32 GPU(s)" in out and "fits:" in out and "reference params" not in err
 
-    config, plan, residency, run_config = _residency(argv, 80)
+    _config, plan, residency, run_config = _residency(argv, 80)
     assert run_config.zero_stage == 3 and residency.fits()
     policy, reward = _params(folders["70b"]), _params(folders["70b"], value_head=True)
     for role, params in (("reference", policy), ("reward", reward)):

@@ -14,15 +14,13 @@ import os
 from dataclasses import dataclass, field
 
 import pytest
+from openrlhf_scripts import SCRIPTS, read_args
 
 from hybrid_algos.train.config import PPOConfig
 from hybrid_cli import openrlhf_flags as orl
 from hybrid_cli.dry_run import build_plan
 from hybrid_cli.flags import field_specs
 from hybrid_cli.main import load_config, main
-
-from openrlhf_scripts import SCRIPTS, read_args
-
 
 
 @dataclass(frozen=True)
@@ -201,7 +199,7 @@ def _drop(argv, flags, replace):
 
 # ---- what the accepted plans look like ----------------------------------------------------------------------------
 def test_colocated_script_puts_every_role_on_the_actor_s_gpus(script_argv):
-    config, _, notes = load_config("ppo", script_argv("flat/train_ppo_llama_ray_hybrid_engine.args"))
+    config, _, _notes = load_config("ppo", script_argv("flat/train_ppo_llama_ray_hybrid_engine.args"))
     plan = build_plan(config)
     assert set(plan.roles) == {"actor", "rollout", "critic", "reference", "reward"}
     assert all(role.gpus == tuple(range(8)) for role in plan.roles.values())

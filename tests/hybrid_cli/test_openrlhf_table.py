@@ -87,7 +87,7 @@ def test_dotted_flags_in_a_config_file(tmp_path, tiny_model_dir):
                     "ds.param_dtype: bf16\nds.deepcompile: false\nrollout.batch_size: 8\ntrain.batch_size: 8\n"
                     f"reward.model_name_or_path: {tiny_model_dir}\nref.num_gpus_per_node: 1\n"
                     "critic.num_gpus_per_node: 1\nreward.num_gpus_per_node: 1\n")
-    config, _, notes = load_config("ppo", ["--config", str(path)])
+    config, _, _notes = load_config("ppo", ["--config", str(path)])
     assert config.colocate_all_models and config.vllm_enable_sleep and config.deepspeed_enable_sleep
     assert config.zero_stage == 3 and config.bf16 and config.backend == "vllm"  # dotted keys: an OpenRLHF config
 
@@ -240,7 +240,7 @@ def test_the_committed_data_files_are_what_the_generator_writes():
         with open(path, encoding="utf-8") as f:
             text = f.read()
         assert tool.dumps(json.loads(text)) == text, path  # regenerated, not edited by hand
-    assert tool.FLAT_DEFAULTS_RELEASE == orl.FLAT_RELEASE and tool.DOTTED_RELEASE == orl.openrlhf_release()
+    assert tool.FLAT_DEFAULTS_RELEASE == orl.FLAT_RELEASE and orl.openrlhf_release() == tool.DOTTED_RELEASE
 
 
 def test_the_generator_reads_the_main_branch_s_new_flags():

@@ -200,7 +200,7 @@ def test_one_run_per_folder_no_secret_written_damaged_shard_skipped_and_resume_w
     assert json.loads(logins.read_text().splitlines()[0]) == {"login": secret}  # W&B got the key; nothing wrote it
 
     # the newest checkpoint's model shard is damaged: the resume names it and continues from the one before
-    (previous, previous_step), (newest, _) = ckpt.complete_checkpoints()[-2:]
+    (_previous, previous_step), (newest, _) = ckpt.complete_checkpoints()[-2:]
     shard = os.path.join(newest, "actor", "state", "mp_rank_00_model_states.pt")
     with open(shard, "r+b") as f:
         f.seek(os.path.getsize(shard) // 2)

@@ -10,7 +10,6 @@ import time
 import uuid
 
 import pytest
-
 from test_run_lifecycle import SMALL, _kill_tagged, _tagged
 
 

@@ -18,8 +18,14 @@ import textwrap
 import pytest
 from rich.console import Console
 
+from hybrid_algos.train.recipes import PPO
 from hybrid_core.errors import PlacementError
-from hybrid_core.residency import GiB, GpuShare, HostBudget, RoleSize, plan_residency
+from hybrid_core.residency import GiB, GpuShare, HostBudget, RoleSize
+from hybrid_core.residency import plan_residency as core_plan_residency
+
+
+def plan_residency(layout, gpu_bytes, **kw):  # PPO's step (core takes the phases as input)
+    return core_plan_residency(layout, gpu_bytes, phases=PPO.residency_phases(), **kw)
 
 
 # ---- a reward function that calls os._exit ---------------------------------------------------------------------------

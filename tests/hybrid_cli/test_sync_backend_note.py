@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from hybrid_cli.main import main
 from hybrid_core.placement import PlacementSpec
 from hybrid_engines.weight_sync import choose_sync_mode, describe_sync, sync_backend, sync_backend_note
-from hybrid_cli.main import main
 
 
 def _settings(vllm_sync_backend, weight_sync="auto"):

@@ -129,9 +129,9 @@ def test_a_local_run_listens_on_loopback_only_and_requires_its_token(tmp_path):
 
 def test_joining_a_cluster_is_not_forced_onto_loopback(monkeypatch):
     """The local-only switch is on only while a local node starts: joining a real cluster later is unaffected."""
-    from hybrid_core import cluster
-
     from ray._private import ray_constants
+
+    from hybrid_core import cluster
 
     monkeypatch.delenv(cluster.LOCAL_ONLY_ENV, raising=False)
     monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)  # as on a Linux machine outside the tests

@@ -9,8 +9,19 @@ import pytest
 
 from hybrid_core.errors import ConfigError
 from hybrid_core.ports import (
-    BASE_PORT_ENV, DEFAULT_BASE_PORT, DEFAULT_WINDOW, RAY_DEFAULTS, PortWindow, Reserved, allocate_windows, base_port,
-    check_port_env, check_windows, ephemeral_range, plan_engine_ports, ray_reserved_ports,
+    BASE_PORT_ENV,
+    DEFAULT_BASE_PORT,
+    DEFAULT_WINDOW,
+    RAY_DEFAULTS,
+    PortWindow,
+    Reserved,
+    allocate_windows,
+    base_port,
+    check_port_env,
+    check_windows,
+    ephemeral_range,
+    plan_engine_ports,
+    ray_reserved_ports,
 )
 
 LINUX_EPHEMERAL = (32768, 60999)
@@ -41,7 +52,7 @@ def test_engines_on_other_nodes_reuse_numbers_but_never_share_a_port():
 
 def test_overlapping_windows_on_one_node_are_refused_naming_both():
     a, b = PortWindow("rollout engine 0", "node-a", 25000, 256), PortWindow("rollout engine 1", "node-a", 25100, 256)
-    with pytest.raises(ConfigError, match="rollout engine 0.*rollout engine 1.*share ports") as e:
+    with pytest.raises(ConfigError, match=r"rollout engine 0.*rollout engine 1.*share ports") as e:
         check_windows([a, b])
     assert e.value.field == BASE_PORT_ENV
     check_windows([a, PortWindow("rollout engine 1", "node-b", 25100, 256)])  # the same numbers on another node
@@ -62,7 +73,7 @@ def test_a_reserved_port_inside_a_window_is_refused_on_its_node_only():
 def test_windows_among_ray_ports_or_the_ephemeral_range_are_refused():
     with pytest.raises(ConfigError, match="Ray's default worker ports"):
         check_windows(allocate_windows([("e0", "n")], base=19900), RAY_DEFAULTS)
-    with pytest.raises(ConfigError, match="ephemeral ports 32768-60999.*trainer's rendezvous"):
+    with pytest.raises(ConfigError, match=r"ephemeral ports 32768-60999.*trainer's rendezvous"):
         check_windows(allocate_windows([(f"e{i}", "n") for i in range(60)]), RAY_DEFAULTS, LINUX_EPHEMERAL)
     with pytest.raises(ConfigError, match="1024-65535"):
         check_windows(allocate_windows([("e0", "n")], base=65400))
@@ -74,9 +85,9 @@ def test_ray_ports_are_reserved_on_their_own_node_and_the_gcs_everywhere():
              {"NodeID": "node-c", "Alive": False, "NodeManagerPort": 20000}]
     reserved = ray_reserved_ports(nodes, "10.0.0.1:20300")
     windows = allocate_windows([("e0", "node-b"), ("e1", "node-b"), ("e2", "node-b")])  # 20000-20767 on node-b
-    with pytest.raises(ConfigError, match="e2 .*Ray's RuntimeEnvAgentPort .*port 20600 on node node-b"):
+    with pytest.raises(ConfigError, match=r"e2 .*Ray's RuntimeEnvAgentPort .*port 20600 on node node-b"):
         check_windows([windows[2]], reserved)
-    with pytest.raises(ConfigError, match="e1 .*Ray's GCS"):
+    with pytest.raises(ConfigError, match=r"e1 .*Ray's GCS"):
         check_windows([windows[1]], reserved)
     check_windows([windows[0]], reserved)  # node-a's node manager port and dead node-c are not node-b's
     with pytest.raises(ConfigError, match="NodeManagerPort"):
@@ -103,7 +114,7 @@ def test_base_port_setting(value):
 
 def test_a_port_variable_every_engine_inherits_is_refused():
     check_port_env({"VLLM_USE_FLASHINFER_SAMPLER": "0"}, ("VLLM_PORT", "VLLM_DP_MASTER_PORT"), "vllm")
-    with pytest.raises(ConfigError, match="every vllm engine .VLLM_PORT=29000") as e:
+    with pytest.raises(ConfigError, match=r"every vllm engine .VLLM_PORT=29000") as e:
         check_port_env({"VLLM_PORT": "29000"}, ("VLLM_PORT", "VLLM_DP_MASTER_PORT"), "vllm")
     assert e.value.field == "VLLM_PORT"
 

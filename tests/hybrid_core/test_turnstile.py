@@ -294,7 +294,7 @@ def placed_workers(cluster):
 
 
 def run_schedule(placed_workers, seed, take_turns, steps, gap_s, awake_s):
-    plan, placed, turnstile, workers, monitor, _ = placed_workers
+    _plan, _placed, _turnstile, workers, monitor, _ = placed_workers
     refs = [worker.run.remote(monitor, seed * 100 + i, steps, gap_s, awake_s, take_turns)
             for i, worker in enumerate(workers.values())]
     assert get_with_timeout(refs, TIMEOUT, "schedule") == [steps] * len(workers)

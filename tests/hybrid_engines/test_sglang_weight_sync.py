@@ -140,7 +140,7 @@ def test_the_trainers_side_of_sglangs_group_has_a_deadline():
     import time
 
     from hybrid_core.errors import RemoteTimeout
-    from hybrid_engines.sglang_transport import sglang_trainer_group
+    from hybrid_engines.weight_sync.sglang import sglang_trainer_group
 
     start = time.monotonic()
     with pytest.raises(RemoteTimeout, match="SGLang weight-update group 'lonely'"):

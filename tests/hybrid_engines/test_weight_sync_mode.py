@@ -10,9 +10,9 @@ import pytest
 from hybrid_core.errors import ConfigError
 from hybrid_core.placement import PlacementSpec
 from hybrid_engines import registry
-from hybrid_engines.sglang_transport import SGLangTransport
-from hybrid_engines.weight_sync import WeightSync, choose_sync_mode, describe_sync
-from hybrid_engines.weight_transport import WeightTransport
+from hybrid_engines.weight_sync import WeightSync, choose_sync, choose_sync_mode, describe_sync
+from hybrid_engines.weight_sync.sglang import SGLangTransport
+from hybrid_engines.weight_sync.transport import WeightTransport
 
 
 def settings(backend="vllm", weight_sync="auto", vllm_sync_backend="nccl"):
@@ -54,6 +54,16 @@ def test_each_engine_class_names_its_own_transport():
     for backend in ("hf", "vllm"):
         assert type(registry.engine_spec(backend).weight_transport()) is WeightTransport
     assert "update_weights_from_tensor" in describe_sync(settings("sglang"), colocated())
+
+
+def test_one_choice_gives_the_path_the_engines_transport_and_the_group_backend():
+    import torch
+
+    choice = choose_sync(settings("sglang", vllm_sync_backend="gloo"), split())
+    assert (choice.mode, type(choice.transport), choice.group_backend) == ("broadcast", SGLangTransport, "gloo")
+    choice = choose_sync(settings("hf", vllm_sync_backend=None), colocated())
+    assert choice.mode == "ipc" and type(choice.transport) is WeightTransport
+    assert choice.group_backend == ("nccl" if torch.cuda.is_available() else "gloo")  # unset: nccl, gloo without CUDA
 
 
 def test_the_driver_takes_the_engines_transport_unless_given_one():

@@ -1,4 +1,5 @@
-"""What the loop asks of its engines: SGLang runs its (slower) deterministic mode only when the loop seeds samples.
+"""What the loop asks of its engines: each adapter's ``engine_kwargs(settings, plan)`` (the loop names no engine),
+and SGLang runs its (slower) deterministic mode only when the loop seeds samples.
 
 An SGLang engine in deterministic mode without per-sample seeds is where the n samples of a prompt came out equal on
 the GPU (2026-11-24); the adapter now seeds those rows itself, and the loop no longer asks for that mode unless
@@ -13,6 +14,8 @@ import pytest
 
 from hybrid_algos.train.config import GRPOConfig
 from hybrid_algos.train.loop import TrainingSession
+from hybrid_engines.adapter import EnginePlan
+from hybrid_engines.registry import engine_spec
 
 
 def session(**overrides):
@@ -43,3 +46,23 @@ def _with_tokenizer(s):
     s.prep.tokenizer = SimpleNamespace(eos_token_id=2)
     s.prep.max_new_tokens = 8
     return s
+
+
+POOLED = {"model": "/models/m", "seed": 7, "trust_remote_code": False, "tensor_parallel_size": 2,
+          "gpu_memory_utilization": 0.3, "enforce_eager": True, "enable_prefix_caching": False, "dtype": "bfloat16",
+          "max_model_len": 256, "enable_sleep_mode": True}
+
+
+@pytest.mark.parametrize("backend, expected", [
+    ("hf", {"model": "/models/m", "seed": 7, "trust_remote_code": False, "dtype": "bfloat16"}),
+    ("vllm", POOLED),
+    ("sglang", {**POOLED, "deterministic": False}),
+])
+def test_each_adapter_builds_its_engines_kwargs(backend, expected):
+    settings = dict(vllm_gpu_memory_utilization=0.3, enforce_eager=True, enable_prefix_caching=False,
+                    vllm_tensor_parallel_size=2) if backend != "hf" else {}
+    config = GRPOConfig(backend=backend, bf16=True, seed=7, **settings)
+    plan = EnginePlan(model_path="/models/m", max_model_len=256, shares_gpus=True,
+                      seeded_sampling=backend == "hf", partial_rollout=False)
+    assert engine_spec(backend).engine_kwargs(config.engine_settings(), plan) == expected
+    assert TrainingSession._engine_kwargs(session(backend=backend, bf16=True, seed=7, **settings)) == expected

@@ -65,11 +65,11 @@ def full_params(engine):
 
 
 def main() -> None:
+    import gc
+
     import deepspeed
 
     from hybrid_core.offload import DeepSpeedOffloader
-
-    import gc
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=120), verbose=False)
     gc.freeze()  # offload_states runs gc.collect() three times; over the whole import heap that costs ~1 s each

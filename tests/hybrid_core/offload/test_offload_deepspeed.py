@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 WORKER = Path(__file__).with_name("deepspeed_cycle_worker.py")
 
 

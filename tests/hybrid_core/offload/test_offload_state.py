@@ -135,7 +135,7 @@ def test_gradients_survive_and_aliases_see_the_memory_come_back():
 
 
 def test_dropped_gradients_are_not_restored_and_layout_adapts():
-    model, opt, ref, ref_opt = pair()
+    model, opt, ref, _ref_opt = pair()
     off = StateOffloader(model, opt)
     model(TOKENS, labels=TOKENS).loss.backward()
     off.sleep(), off.wake()

@@ -48,6 +48,6 @@ def test_a_placed_plan_node_must_lie_within_a_real_node():
                                      colocate_all_models=True, **SLEEP).plan()
     _check_plan_nodes(plan, _devices(["a", "a", "b", "b"]))
     _check_plan_nodes(plan, _devices(["a", "a", "a", "a"]))  # one bigger real node holds both plan nodes: fine
-    with pytest.raises(PlacementError, match="plan node 0 .* landed on 2 nodes") as e:
+    with pytest.raises(PlacementError, match=r"plan node 0 .* landed on 2 nodes") as e:
         _check_plan_nodes(plan, _devices(["a", "b", "b", "b"]))
     assert e.value.field == "gpus_per_node"

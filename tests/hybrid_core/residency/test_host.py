@@ -2,11 +2,12 @@
 of a plan that overfills a node, and the notes near the capacity."""
 
 import pytest
+from ppo_phases import build_layout, plan_residency, size_role
 
 from hybrid_core.errors import PlacementError
 from hybrid_core.placement import PlacementSpec
-from hybrid_core.residency import (PROCESS_BYTES, GiB, GpuShare, HostBudget, RoleSize, Workload, build_layout,
-                                   host_use, local_budget, model_shape, plan_residency, size_role)
+from hybrid_core.residency import (PROCESS_BYTES, GiB, GpuShare, HostBudget, RoleSize, Workload, host_use,
+                                   local_budget, model_shape)
 from hybrid_core.residency.host import NEAR_FULL, available_memory
 
 

@@ -1,10 +1,11 @@
 """The memory model against hand-computed numbers: what each role's states and each phase's working memory take."""
 
 import pytest
+from ppo_phases import build_layout, plan_residency, size_role
 
 from hybrid_core.errors import ConfigError
 from hybrid_core.placement import PlacementSpec
-from hybrid_core.residency import GiB, Workload, build_layout, model_shape, plan_residency, size_role
+from hybrid_core.residency import GiB, Workload, model_shape
 
 # A small Llama whose parameters are easy to count by hand:
 #   embeddings 1000 x 64 = 64000; per layer q 64x64 + k 64x32 + v 64x32 + o 64x64 + gate/up/down 3 x 64x128

@@ -3,8 +3,9 @@ optimizer's bytes on the GPU, DeepSpeed's flat gradient buffer at the step, and 
 (tests/hybrid_algos/train/test_bf16_optimizer.py measures the same bytes on a real DeepSpeed engine.)"""
 
 import pytest
+from ppo_phases import size_role
 
-from hybrid_core.residency import GiB, Workload, model_shape, size_role
+from hybrid_core.residency import GiB, Workload, model_shape
 from hybrid_core.residency.memory import ZERO3_SUB_GROUP, cpu_adam_bytes
 
 P = 202048  # the small Llama of test_memory.py

@@ -7,10 +7,11 @@ freed): the wake's own out-of-memory error then becomes the guard's error, namin
 """
 
 import pytest
+from ppo_phases import plan_residency
 
 from hybrid_core.errors import GpuMemoryError
 from hybrid_core.gpu_memory import GIB, GpuMemory, is_out_of_memory
-from hybrid_core.residency import GpuShare, ResidencyOwner, RoleSize, WakeGuard, plan_residency
+from hybrid_core.residency import GpuShare, ResidencyOwner, RoleSize, WakeGuard
 
 HOG = "pid 16484 (python) 136000 MiB"
 
@@ -44,10 +45,10 @@ class Handle:
             return [(f"{self.role}: wake_up", fail.remote())]
         return [(f"{self.role}: {what}", self.ray.put({"bytes": 40 * GIB}))]
 
-    def move_off(self, states, moves):
+    def offload(self, states, moves):
         return self._ref("off " + "+".join(states))
 
-    def move_on(self, states):
+    def reload(self, states):
         return self._ref("on " + "+".join(states))
 
 

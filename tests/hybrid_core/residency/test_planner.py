@@ -6,9 +6,10 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ppo_phases import PHASES, plan_residency
 
 from hybrid_core.errors import ConfigError, PlacementError
-from hybrid_core.residency import GiB, GpuShare, ResidencyPlan, RoleSize, plan_residency, step_phases
+from hybrid_core.residency import GiB, GpuShare, ResidencyPlan, RoleSize, present_phases
 from hybrid_core.residency.planner import consistent, plan_cost
 from hybrid_core.residency.steps import STATE_MOVES
 
@@ -113,8 +114,8 @@ def test_bad_pins_are_refused():
 
 
 def test_phases_follow_the_roles_present():
-    assert [p.name for p in step_phases(["actor", "rollout"])] == ["generate", "actor_train", "sync"]
-    names = [p.name for p in step_phases(["actor", "rollout", "critic", "reference", "reward"])]
+    assert [p.name for p in present_phases(PHASES, ["actor", "rollout"])] == ["generate", "actor_train", "sync"]
+    names = [p.name for p in present_phases(PHASES, ["actor", "rollout", "critic", "reference", "reward"])]
     assert names == ["generate", "reward", "reference", "critic_infer", "actor_train", "sync", "critic_train"]
 
 

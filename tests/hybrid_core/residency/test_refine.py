@@ -12,12 +12,12 @@ states on a simulated GPU (no GPU to move them on), so the owner's record at the
 from dataclasses import replace
 
 import pytest
+from ppo_phases import build_layout, plan_residency
 
 from hybrid_core.errors import PlacementError
 from hybrid_core.gpu_memory import GpuMemory
 from hybrid_core.placement import PlacementSpec
-from hybrid_core.residency import (GiB, ModelShape, ResidencyOwner, WakeGuard, Workload, build_layout, plan_residency,
-                                   refine_plan)
+from hybrid_core.residency import GiB, ModelShape, ResidencyOwner, WakeGuard, Workload, refine_plan
 from hybrid_core.residency.refine import held, measured_overhead
 
 # Qwen2.5-3B-like policy (tied embeddings) and a 1.5B reward model with a value head: parameter counts as counted
@@ -162,11 +162,11 @@ class Role:
         self.ray, self.role, self.gpus, self.sim = ray, role, list(GPUS), gpus
         gpus.on[role] = set(states)
 
-    def move_off(self, states, moves):
+    def offload(self, states, moves):
         self.sim.on[self.role] -= set(states)
         return [(f"{self.role}: off", self.ray.put({"bytes": 0}))]
 
-    def move_on(self, states):
+    def reload(self, states):
         self.sim.on[self.role] |= set(states)
         return [(f"{self.role}: on", self.ray.put({"bytes": 0}))]
 

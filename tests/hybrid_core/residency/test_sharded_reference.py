@@ -3,9 +3,10 @@ reference and reward models are DeepSpeed inference engines with the trainers' -
 script with the reference and reward model on 4 GPUs each was refused for "reference params 131.4 GiB" on one GPU."""
 
 import pytest
+from ppo_phases import build_layout, plan_residency, size_role
 
 from hybrid_core.placement import PlacementSpec
-from hybrid_core.residency import GiB, ModelShape, Workload, build_layout, plan_residency, size_role
+from hybrid_core.residency import GiB, ModelShape, Workload
 from hybrid_core.residency.memory import frozen_shards
 
 #: Llama-3-70B's shape (the parameter count as transformers counts it) and its reward model (a value head)

@@ -39,7 +39,7 @@ def gloo_member(rank: int, world_size: int, port: int, results) -> None:
             got: dict[str, torch.Tensor] = {}
             loads = []
 
-            def load(pairs):
+            def load(pairs, loads=loads, got=got):  # this bucket size's lists (bound now, not at call time)
                 loads.append([n for n, _ in pairs])
                 for name, tensor in pairs:
                     got[name] = tensor.clone()  # the bucket buffer is reused: copy before returning

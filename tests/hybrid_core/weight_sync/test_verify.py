@@ -14,8 +14,16 @@ import torch
 
 from hybrid_core import faults
 from hybrid_core.errors import RoleFailure, WeightSyncMismatch
-from hybrid_core.weight_sync import (IpcBucketSender, TensorMeta, WeightReceiver, WeightSender, checksum,
-                                     create_sync_group, load_ipc_bucket, plan_buckets)
+from hybrid_core.weight_sync import (
+    IpcBucketSender,
+    TensorMeta,
+    WeightReceiver,
+    WeightSender,
+    checksum,
+    create_sync_group,
+    load_ipc_bucket,
+    plan_buckets,
+)
 from hybrid_core.weight_sync.verify import COLUMNS, as_mismatch, word_size
 from hybrid_core.weight_sync.wire import tensor_bytes
 

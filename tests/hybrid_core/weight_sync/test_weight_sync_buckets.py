@@ -1,6 +1,8 @@
 """Bucket planning: deterministic, every byte of every tensor placed exactly once, aligned, within capacity,
 and the online packer (sender) agrees with plan_buckets (receivers)."""
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -26,7 +28,7 @@ def test_every_byte_is_placed_once_aligned_and_within_the_bucket(metas, bucket_b
     for b in buckets:
         assert b.pieces
         spans = sorted((p.bucket_offset, p.bucket_offset + p.nbytes) for p in b.pieces)
-        assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))  # no overlap
+        assert all(hi <= lo2 for (_, hi), (lo2, _) in itertools.pairwise(spans))  # no overlap
         assert b.nbytes <= max(bucket_bytes, *(p.nbytes for p in b.pieces))
         for p in b.pieces:
             assert p.tensor_offset == covered[p.index]  # tensor bytes in stream order, contiguous

@@ -9,7 +9,6 @@ import socket
 
 import pytest
 import torch.multiprocessing as mp
-
 from sync_workers import engine_group_member, random_weights
 
 

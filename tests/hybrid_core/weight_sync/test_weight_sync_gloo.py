@@ -4,9 +4,9 @@ smaller than the largest tensor; every tensor must arrive bit-exactly at both re
 import socket
 
 import torch.multiprocessing as mp
+from sync_workers import BUCKET_SIZES, gloo_member, random_weights
 
 from hybrid_core.weight_sync import TensorMeta, plan_buckets
-from sync_workers import BUCKET_SIZES, gloo_member, random_weights
 
 
 def _free_port() -> int:

@@ -68,7 +68,7 @@ def test_joining_a_group_nobody_else_joins_times_out():
 
 def test_bucket_size_mismatch_is_caught_at_the_handshake():
     g0, g1 = _pair()
-    t, box = _in_thread(lambda: WeightSender(g0, 8192).send([("w", torch.ones(4))]))
+    t, _box = _in_thread(lambda: WeightSender(g0, 8192).send([("w", torch.ones(4))]))
     with pytest.raises(ConfigError) as e:
         WeightReceiver(g1, 4096).receive([TensorMeta("w", "float32", (4,))], lambda pairs: None)
     assert e.value.field == "bucket_bytes"
@@ -108,10 +108,10 @@ def test_a_pair_syncs_repeatedly_in_one_group():
     for seed in range(3):
         weights = [("a", torch.randn(300, generator=torch.Generator().manual_seed(seed))),
                    ("b", torch.arange(10, dtype=torch.int32) * seed)]
-        t, box = _in_thread(lambda: WeightSender(g0, 1024).send(iter(weights)))
+        t, box = _in_thread(lambda weights=weights: WeightSender(g0, 1024).send(iter(weights)))
         got = {}
         WeightReceiver(g1, 1024).receive([TensorMeta.of(n, w) for n, w in weights],
-                                         lambda pairs: got.update({n: w.clone() for n, w in pairs}))
+                                         lambda pairs, got=got: got.update({n: w.clone() for n, w in pairs}))
         t.join(timeout=30)
         assert "error" not in box and box["value"].bytes == 300 * 4 + 10 * 4
         assert all(torch.equal(got[n], w) for n, w in weights)

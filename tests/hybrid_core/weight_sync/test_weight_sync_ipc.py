@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from sync_workers import BUCKET_SIZES, ipc_engine, random_weights
 
 from hybrid_core.errors import ConfigError
 from hybrid_core.weight_sync import IpcBucketSender, load_ipc_bucket
 from hybrid_core.weight_sync import ipc as ipc_module
-from sync_workers import BUCKET_SIZES, ipc_engine, random_weights
 
 
 @pytest.mark.parametrize("bucket_bytes", BUCKET_SIZES)

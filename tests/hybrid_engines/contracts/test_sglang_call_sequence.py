@@ -239,7 +239,7 @@ def _read_payload(data: bytes):
 
 
 def test_ipc_sync_is_one_session_of_serialized_flattened_buckets(make):
-    from hybrid_engines.sglang_transport import SGLangIpcPayload, SGLangTransport
+    from hybrid_engines.weight_sync.sglang import SGLangIpcPayload, SGLangTransport
 
     e = make()
     g = torch.Generator().manual_seed(0)
@@ -287,7 +287,7 @@ def test_a_hybrid_core_ipc_bucket_is_encoded_by_the_engine_too(make):
 
 
 def test_a_failed_ipc_load_closes_the_session_and_keeps_the_weights_unsynced(make):
-    from hybrid_engines.sglang_transport import SGLangTransport
+    from hybrid_engines.weight_sync.sglang import SGLangTransport
 
     e = make()
     e.sleep(2)

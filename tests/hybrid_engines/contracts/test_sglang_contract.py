@@ -165,7 +165,7 @@ def test_ipc_payloads_pass_sglangs_unpickler_and_load_through_its_flattened_buck
     from types import SimpleNamespace
 
     from hybrid_core.weight_sync import IpcBucketSender
-    from hybrid_engines.sglang_transport import SGLangTransport
+    from hybrid_engines.weight_sync.sglang import SGLangTransport
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.utils.common import MultiprocessingSerializer
 
@@ -192,7 +192,7 @@ def test_cuda_ipc_payload_names_only_what_sglangs_unpickler_allows():
     """A CUDA bucket's payload (made here from a stand-in handle; no GPU) unpickles under SGLang's allow-list into
     ``rebuild_cuda_tensor`` with the GPU's UUID as the device, which SGLang's patched rebuild maps to its index."""
     from hybrid_core.weight_sync import IpcBucket, IpcHandle
-    from hybrid_engines.sglang_transport import serialize_bucket
+    from hybrid_engines.weight_sync.sglang import serialize_bucket
     from sglang.srt.utils.common import SafeUnpickler
 
     seen = []

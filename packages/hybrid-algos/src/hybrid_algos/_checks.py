@@ -7,7 +7,7 @@ known to be clean with :func:`set_value_checks`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -21,10 +21,6 @@ def set_value_checks(enabled: bool) -> bool:
     global _VALUE_CHECKS
     previous, _VALUE_CHECKS = _VALUE_CHECKS, bool(enabled)
     return previous
-
-
-def value_checks_enabled() -> bool:
-    return _VALUE_CHECKS
 
 
 def tensor(name: str, x: object, *, ndim: int | None = None, floating: bool = False) -> torch.Tensor:
@@ -51,14 +47,14 @@ def same_shape(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> 
 
 def mask(name: str, m: object, *, like: torch.Tensor | None = None, like_name: str = "") -> torch.Tensor:
     """A 2-D mask (bool, or integer/float holding 0/1) returned as bool. Non-zero means "valid token"."""
-    m = tensor(name, m, ndim=2)
-    if m.is_complex():
-        raise AlgoInputError(name, f"a mask cannot be complex ({m.dtype}).", "Pass a bool or 0/1 integer tensor.")
+    t = tensor(name, m, ndim=2)
+    if t.is_complex():
+        raise AlgoInputError(name, f"a mask cannot be complex ({t.dtype}).", "Pass a bool or 0/1 integer tensor.")
     if like is not None:
-        same_shape(name, m, like_name, like)
-    if m.dtype == torch.bool:
-        return m
-    return m != 0
+        same_shape(name, t, like_name, like)
+    if t.dtype == torch.bool:
+        return t
+    return t != 0
 
 
 def finite(checks: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]],
@@ -79,7 +75,7 @@ def finite(checks: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]],
         flags.append(((m != 0) & (m != 1)).sum() if m.dtype != torch.bool else torch.zeros((), device=m.device,
                                                                                               dtype=torch.long))
     counts = torch.stack([f.to(device=flags[0].device, dtype=torch.long) for f in flags]).tolist()
-    for (name, x, valid), n in zip(checks, counts):
+    for (name, _, valid), n in zip(checks, counts):
         if n:
             where = "at valid (mask=1) positions" if valid is not None else "entries"
             raise AlgoInputError(name, f"has {n} NaN/inf {where}.",

@@ -44,8 +44,8 @@ Outputs are float32 (or wider), detached, and 0 at masked positions. Add an esti
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -210,7 +210,7 @@ _FIX = {"scores": "scores=<[batch] outcome rewards>", "values": "values=<[batch,
         "groups": "n_samples_per_prompt=n or group_ids=<[batch] prompt ids>"}
 
 
-def _same_definition(a: Callable, b: Callable) -> bool:
+def _same_definition(a: Callable[..., object], b: Callable[..., object]) -> bool:
     """``a`` and ``b`` are one function of one file (its module imported twice, under two names)."""
     code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
     return (code_a is not None and code_b is not None and a.__qualname__ == b.__qualname__

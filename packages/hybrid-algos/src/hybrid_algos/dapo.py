@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks
+from ._no_grad import no_grad
 from .errors import AlgoInputError
 
 
@@ -37,7 +38,7 @@ def _group_index(batch: int, n_samples_per_prompt: int | None, group_ids: torch.
     return index, int(uniq.numel())
 
 
-@torch.no_grad()
+@no_grad
 def informative_groups(scores: torch.Tensor, *, n_samples_per_prompt: int | None = None,
                        group_ids: torch.Tensor | None = None,
                        reward_range: tuple[float, float] | None = None) -> torch.Tensor:

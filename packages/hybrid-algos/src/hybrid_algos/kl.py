@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from . import _checks
+from ._no_grad import no_grad
 from .errors import AlgoInputError
 from .returns import scores_to_token_rewards
 
@@ -94,7 +95,7 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.where(small, series, direct)
 
 
-@torch.no_grad()
+@no_grad
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float,
                estimator: str = "k1") -> torch.Tensor:
     """``-kl_coef * KL`` per valid token (0 elsewhere), detached: the dense reward of KL-penalised RLHF."""
@@ -102,7 +103,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.T
     return -kl_coef * kl_estimate(logprobs, ref_logprobs, estimator, mask=mask)
 
 
-@torch.no_grad()
+@no_grad
 def kl_penalty_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                        mask: torch.Tensor, kl_coef: float, estimator: str = "k1") -> torch.Tensor:
     """Full per-token rewards: each score on its last valid token, ``-kl_coef * KL`` on every valid token.

@@ -32,12 +32,6 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdi
     return v.sum() if dim is None else v.sum(dim=dim, keepdim=keepdim)
 
 
-def masked_count(mask: torch.Tensor, dim: Dim = None, keepdim: bool = False) -> torch.Tensor:
-    """Number of valid entries (as a long tensor), over all entries or along ``dim``."""
-    m = mask if mask.dtype == torch.bool else mask != 0
-    return m.sum() if dim is None else m.sum(dim=dim, keepdim=keepdim)
-
-
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Dim = None, keepdim: bool = False) -> torch.Tensor:
     """Mean of ``values`` over valid entries; 0 where there is none."""
     v, m = _valid(values, mask)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checks
+from ._no_grad import no_grad
 from .errors import AlgoInputError
 
 LEVELS = ("token", "sequence", "geometric")
@@ -98,7 +99,7 @@ class Correction:
     stats: dict[str, torch.Tensor]  # detached scalars over valid tokens (see the module docstring)
 
 
-@torch.no_grad()
+@no_grad
 def rollout_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
                        method: str = "tis", *, low: float | None = None, high: float | None = None,
                        log_ratio_clamp: float = 20.0) -> Correction:

@@ -42,8 +42,8 @@ in a file a training run names with ``--plugins FILE.py``: the policy worker, an
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -103,7 +103,7 @@ class PolicyLoss:
         return ((self.fn.__doc__ or "").strip().splitlines() or [self.name])[0].strip().replace("``", "")
 
 
-def _same_definition(a: Callable, b: Callable) -> bool:
+def _same_definition(a: Callable[..., object], b: Callable[..., object]) -> bool:
     """``a`` and ``b`` are one function of one file (its module imported twice, under two names)."""
     code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
     return (code_a is not None and code_b is not None and a.__qualname__ == b.__qualname__

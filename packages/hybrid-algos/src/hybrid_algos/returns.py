@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import _checks
+from ._no_grad import no_grad
 from .errors import AlgoInputError
 from .masked import last_valid_index
 
@@ -23,7 +24,7 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-@torch.no_grad()
+@no_grad
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """Reward-to-go ``G_t = r_t + gamma * G_next`` over valid tokens, ``[batch, len]``.
 
@@ -46,7 +47,7 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
     return out
 
 
-@torch.no_grad()
+@no_grad
 def generalized_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
                            lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE: ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``; returns ``A + V``.

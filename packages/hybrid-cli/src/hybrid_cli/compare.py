@@ -20,9 +20,10 @@ import argparse
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 

@@ -38,8 +38,8 @@ def load_config_file(path: str, cls: type) -> tuple[dict[str, Any], dict[str, An
             data = yaml.safe_load(f)
     except yaml.YAMLError as e:
         raise ConfigError("config", f"{path!r} is not valid YAML: {e}.") from None
-    if data is None:
-        return {}
+    if data is None:  # an empty file sets nothing
+        return {}, {}
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path!r} must hold a mapping of flag names to values, "
                           f"not a {type(data).__name__}.", "Write one `name: value` per line.")

@@ -122,16 +122,16 @@ def build_plan(config: Any):
 
 def describe_sync(config: Any, plan: Any) -> str:
     """The sync path and the engine's wire format (the loop's own chooser: a path it cannot run raises here)."""
-    from hybrid_algos.train.weight_sync import describe_sync as describe
+    from hybrid_engines.weight_sync import describe_sync as describe
 
     return describe(config, plan)
 
 
 def sync_backend_note(config: Any, plan: Any) -> str | None:
     """An explicit --vllm_sync_backend the chosen path does not use, and why (the note the run starts with)."""
-    from hybrid_algos.train.weight_sync import choose_mode, sync_backend_note as note
+    from hybrid_engines.weight_sync import choose_sync, sync_backend_note as note
 
-    return note(config, choose_mode(config, plan))
+    return note(config, choose_sync(config, plan).mode)
 
 
 def _rendezvous_line(plan: Any) -> str:

@@ -31,7 +31,7 @@ import yaml
 from hybrid_core.errors import ConfigError
 
 from . import openrlhf_flags as orl
-from .openrlhf import HELP
+from .flag_help import HELP
 
 #: Flags of the training commands that are not config fields.
 CLI_ONLY = ("config", "dry_run")
@@ -122,6 +122,8 @@ def convert(spec: FlagSpec, value: Any, *, source: str = "flag") -> Any:
                 raise ValueError  # NaN passes every `<` check downstream: refuse it here
             return float(value)
         if spec.kind == "str":
+            if isinstance(value, bool) and spec.name in OFF_SWITCHES:  # a file written when it was a switch
+                return spec.default if value else OFF_SWITCHES[spec.name]
             if isinstance(value, (dict, list, bool)):
                 raise ValueError
             return str(value)
@@ -202,6 +204,9 @@ def _arity(spec: FlagSpec) -> Any:
 #: Short names of our own settings (not OpenRLHF's): the token budget of dynamic batches, as verl and papers say it.
 SHORT_NAMES = {"max_tokens_per_gpu": "train_max_tokens_per_gpu"}
 
+#: Settings that were switches and now take a mode: ``--no_x`` (and ``x: false`` in a file) still means this value.
+OFF_SWITCHES = {"verify_weight_sync": "off"}
+
 
 @functools.lru_cache(maxsize=None)
 def aliases(cls: type) -> dict[str, str]:
@@ -253,6 +258,10 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             group.add_argument(*names, nargs="+", metavar="KEY=VALUE", **common)
         else:
             group.add_argument(*names, type=_arg_type(spec, spec.kind), metavar=spec.kind.upper(), **common)
+            if spec.name in OFF_SWITCHES:
+                group.add_argument(f"--no_{spec.name}", action="store_const", const=OFF_SWITCHES[spec.name],
+                                   dest=spec.name, default=argparse.SUPPRESS,
+                                   help=f"the same as --{spec.name} {OFF_SWITCHES[spec.name]}")
     taken = {s for action in parser._actions for s in action.option_strings}
     for name, flag in orl.openrlhf_flags().items():
         if f"--{name}" in taken:

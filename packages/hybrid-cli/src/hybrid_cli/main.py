@@ -10,14 +10,26 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import ConfigError, HybridError
 
 from . import __version__
-from .flags import (FlagParser, add_config_flags, check_leftovers, field_specs, given_config_values, given_openrlhf,
-                    merge_layers, translate_openrlhf)
+from .flags import (
+    FlagParser,
+    add_config_flags,
+    check_leftovers,
+    field_specs,
+    given_config_values,
+    given_openrlhf,
+    merge_layers,
+    translate_openrlhf,
+)
 from .openrlhf import is_openrlhf_command, line_defaults, without_engines
+
+if TYPE_CHECKING:  # the CLI imports the training package lazily (a fast --help)
+    from hybrid_algos.train.config import RLConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -74,8 +86,9 @@ def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[s
     from hybrid_algos.train.data import resolve_local_paths
 
     cls = CONFIGS[args.command]
-    check_leftovers(leftovers, _subparser(parser, args.command),
-                    {n for n, s in field_specs(cls).items() if s.kind == "bool"})
+    # a class is hashable; mypy checks its instances' __hash__ (None for an eq dataclass) for the lru_cache key
+    bools = {n for n, s in field_specs(cls).items() if s.kind == "bool"}  # type: ignore[arg-type]
+    check_leftovers(leftovers, _subparser(parser, args.command), bools)
     given, dotted, notes = _given_settings(args, cls, argv)
     implied, more = _defaults(cls, args.command, given, dotted)
     notes = more + notes  # first: which defaults the line took, and where hybrid differs from OpenRLHF
@@ -110,7 +123,8 @@ def _given_settings(args: argparse.Namespace, cls: type, argv: Sequence[str]) ->
     return given, dotted, notes + more
 
 
-def _defaults(cls: type, command: str, given: dict[str, Any], dotted: bool) -> tuple[dict[str, Any], list[str]]:
+def _defaults(cls: type[RLConfig], command: str, given: dict[str, Any], dotted: bool
+              ) -> tuple[dict[str, Any], list[str]]:
     """What is not given: OpenRLHF's defaults for an OpenRLHF command line, the demo's without a model of one's own
     (see hybrid_cli.openrlhf for why), and a note saying which."""
     if is_openrlhf_command(given, dotted):
@@ -132,8 +146,8 @@ def _defaults(cls: type, command: str, given: dict[str, Any], dotted: bool) -> t
                      + ", ".join(f"{k}={v}" for k, v in shown.items()))
         if PLACEMENT_FLAGS & set(given):
             notes.append("OpenRLHF placement flags on the demo: every other setting keeps hybrid's default "
-                         "(colocated, the residency planner deciding who sleeps, the built-in engine); OpenRLHF's defaults apply to OpenRLHF command "
-                         "lines (with --pretrain or dotted flags).")
+                         "(colocated, the residency planner deciding who sleeps, the built-in engine); "
+                         "OpenRLHF's defaults apply to OpenRLHF command lines (with --pretrain or dotted flags).")
             implied.update(_demo_fits_the_actor(cls, implied, given))
     return implied, notes
 
@@ -202,8 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         import traceback
 
         traceback.print_exc()
-        print(f"hybrid: internal error: {type(e).__name__}: {str(e).rstrip('.')}. This is a bug in hybrid (or a library it uses); "
-              f"the traceback above says where.{_resume_line()}", file=sys.stderr)
+        print(f"hybrid: internal error: {type(e).__name__}: {str(e).rstrip('.')}. "
+              f"This is a bug in hybrid (or a library it uses); the traceback above says where.{_resume_line()}",
+              file=sys.stderr)
         return EXIT_FAILED
 
 
@@ -292,10 +307,10 @@ def _run(argv: list[str]) -> int:
 
 def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
     """Run the training loop with the progress display and the metrics writers."""
+    import time
+
     from .metrics import MetricsLogger
     from .progress import ProgressDisplay
-
-    import time
 
     global _current_config, _started_at
     metrics = MetricsLogger.for_config(config)  # fails here (before Ray) when W&B is asked for and missing
@@ -304,7 +319,8 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
     progress = ProgressDisplay()
     from rich.markup import escape
 
-    for note in [*notes, *metrics.notes()]:  # not dim: a note says what was chosen for the user (defaults taken, flags translated)
+    # not dim: a note says what was chosen for the user (defaults taken, flags translated)
+    for note in [*notes, *metrics.notes()]:
         progress.console.print(f"[yellow]note:[/yellow] {escape(note)}")
     from hybrid_algos.train import RECIPES  # imported late: the loop pulls in Ray, DeepSpeed and the engines
 

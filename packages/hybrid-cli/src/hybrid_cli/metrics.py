@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from typing import Any
+from typing import IO, Any
 
 from hybrid_core.errors import ConfigError
 
@@ -46,8 +46,8 @@ class MetricsLogger:
         self.wandb_project = wandb_project
         self.wandb_run_name = wandb_run_name
         self.config = config or {}
-        self._jsonl = None
-        self._tb = None
+        self._jsonl: IO[str] | None = None
+        self._tb: Any = None  # a SummaryWriter
         self._wandb = None
         self.wandb_mode: str | None = None  # "offline" when check_wandb found no server within reach
         self._wandb_checked = False  # check_wandb logged in (verified): on_start does not again
@@ -56,7 +56,7 @@ class MetricsLogger:
             self._wandb_module()  # fail now, before Ray or a GPU is taken
 
     @classmethod
-    def for_config(cls, config: Any) -> "MetricsLogger":
+    def for_config(cls, config: Any) -> MetricsLogger:
         from hybrid_algos.train.redact import hide_in_argv, redact, secrets_of
 
         secrets = secrets_of(config)
@@ -106,7 +106,7 @@ class MetricsLogger:
         self._wandb_checked = True
 
     def _explicit_key(self) -> bool:
-        return bool(self.wandb_key) and self.wandb_key.lower() not in ("true", "1")  # OpenRLHF passes the key itself
+        return bool(self.wandb_key and self.wandb_key.lower() not in ("true", "1"))  # OpenRLHF passes the key itself
 
     @property
     def path(self) -> str | None:
@@ -114,15 +114,17 @@ class MetricsLogger:
 
     # ---- callback ----------------------------------------------------------------------------------------------
     def on_start(self, info: dict[str, Any]) -> None:
-        self.run_dir = os.path.abspath(info.get("run_dir") or self.run_dir or ".")
-        os.makedirs(self.run_dir, exist_ok=True)
+        run_dir = self.run_dir = os.path.abspath(info.get("run_dir") or self.run_dir or ".")
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, "metrics.jsonl")  # self.path, now that the run folder is known
         start_step = int(info.get("start_step") or 0)
         resumed = start_step > 0
         if resumed:
             from hybrid_algos.train.resume import drop_steps_from
 
-            drop_steps_from(self.path, start_step)  # the steps after the checkpoint are done again
-        self._jsonl = open(self.path, "a" if resumed else "w", encoding="utf-8")
+            drop_steps_from(path, start_step)  # the steps after the checkpoint are done again
+        # open for the run's life (closed by on_end), not a `with` block
+        self._jsonl = open(path, "a" if resumed else "w", encoding="utf-8")  # noqa: SIM115
         if self.tensorboard:
             self._tb = _tensorboard_writer(os.path.join(self.run_dir, "tensorboard"),
                                            purge_step=start_step if resumed else None)
@@ -137,6 +139,7 @@ class MetricsLogger:
     def on_step(self, metrics: dict[str, Any]) -> None:
         if self._jsonl is None:
             self.on_start({})
+        assert self._jsonl is not None  # on_start opened it
         step = int(metrics.get("step", 0))
         record = {k: _finite(v) for k, v in metrics.items()}
         record["wall_time"] = time.time()

@@ -25,8 +25,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 
@@ -61,18 +62,14 @@ class OpenRLHFFlag:
             return 0
         return 1 if self.nargs is None else self.nargs
 
-    @property
-    def spelled(self) -> str:
-        return f"--{self.name}"
 
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_data() -> dict[str, Any]:
     with open(DATA_FILE, encoding="utf-8") as f:
         return json.load(f)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def openrlhf_flags() -> dict[str, OpenRLHFFlag]:
     """Every OpenRLHF flag name (dotted, flat, and the few from unreleased example scripts) -> its definition."""
     data = load_data()
@@ -102,7 +99,7 @@ def openrlhf_release() -> str:
 FLAT_RELEASE = "0.10.1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def release_defaults(release: str) -> dict[str, Any]:
     """Flag name -> its default in OpenRLHF ``release``'s parser (0.11.2: dotted names, 0.10.1: flat), as argparse
     gives it (``data/openrlhf_defaults_<release>.json``; a timestamp default is its strftime pattern)."""
@@ -139,13 +136,17 @@ class Context:
         return default
 
 
+def _no_conversion(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
+    raise AssertionError(f"--{flag}: only a convert rule converts a value")  # the table is checked
+
+
 @dataclass(frozen=True)
 class Rule:
     kind: str  # same | convert | pending | only | note | refuse
     field: str | None = None
     fields: tuple[str, ...] = ()  # convert: every setting the conversion may set (``field`` is the first)
-    fn: Callable[[Any, Context, str], dict[str, Any]] | None = None
-    neutral: tuple = ()
+    fn: Callable[[Any, Context, str], dict[str, Any]] = _no_conversion  # convert: the conversion
+    neutral: tuple[Any, ...] = ()
     why: str = ""
     instead: str = ""
 
@@ -675,7 +676,7 @@ def rule_for(name: str) -> Rule:
     return DOTTED_RULES[flag.successors[0]]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _spellings() -> dict[str, tuple[str, ...]]:
     """Each name's other spellings: a dotted name's flat names, a flat name's dotted successors (not their siblings:
     --critic.adam.betas is not a spelling of --actor.adam.betas, though both were --adam_betas)."""
@@ -729,7 +730,7 @@ def translate(given: Mapping[str, Any], fields: Mapping[str, Any], specs: Mappin
         if flag.is_switch and rule.kind in ("refuse", "only") and _switch_value(flag, raw) == bool(flag.default):
             continue  # a switch set to its default (a config file's `ds.deepcompile: false`) changes nothing
         if rule.kind == "same":
-            if rule.field not in specs:
+            if rule.field is None or rule.field not in specs:
                 raise _refused(name, f"a setting hybrid does not have ({rule.field})", "drop this flag.")
             value = _switch_value(flag, raw) if flag.is_switch else convert_value(specs[rule.field], raw)
             ctx.out[rule.field] = value
@@ -737,7 +738,7 @@ def translate(given: Mapping[str, Any], fields: Mapping[str, Any], specs: Mappin
             ctx.out.update(rule.fn(raw, ctx, name))
         elif rule.kind == "pending":
             value = _switch_value(flag, raw) if flag.is_switch else raw
-            if rule.field in specs:
+            if rule.field is not None and rule.field in specs:
                 ctx.out[rule.field] = convert_value(specs[rule.field], value)
             elif not _is_neutral(value, rule.neutral):
                 raise _refused(name, rule.why, "hybrid does not have it yet; drop this flag.", pending_field=rule.field)
@@ -770,7 +771,7 @@ def _switch_value(flag: OpenRLHFFlag, raw: Any) -> bool:
 def _is_neutral(value: Any, neutral: Iterable[Any]) -> bool:
     for n in neutral:
         if value is None or n is None:
-            if value is None and n is None or str(value) in ("None", "none", "null") and n is None:
+            if (value is None and n is None) or (str(value) in ("None", "none", "null") and n is None):
                 return True
             continue
         if isinstance(n, bool) or isinstance(value, bool):

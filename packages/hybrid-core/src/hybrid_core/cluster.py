@@ -35,8 +35,9 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
-from typing import Iterator, MutableMapping
+from typing import Any
 
 from . import versions
 from .errors import ConfigError, RoleFailure
@@ -240,7 +241,7 @@ def own_process_group() -> Iterator[None]:
     original = services.ConsolePopen
 
     class OwnGroup(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
             inner = kwargs.get("preexec_fn")
 
             def preexec() -> None:
@@ -300,7 +301,7 @@ def gpus_hidden_as_fakes(num_gpus: int | None) -> Iterator[None]:
 @contextlib.contextmanager
 def loopback_only() -> Iterator[None]:
     """Ray's local-only mode while a node starts (it then takes 127.0.0.1 as its IP), restored afterwards."""
-    constants = None
+    constants: Any = None  # ray._private.ray_constants once imported
     try:  # Ray reads the variable into a module constant when first imported (before we set it): set both
         from ray._private import ray_constants as constants  # type: ignore[no-redef]
 

@@ -26,7 +26,8 @@ class ConfigError(HybridError, ValueError):
             message += f" Fix: {fix}"
         super().__init__(message)
 
-    def __reduce__(self):  # raised in a Ray worker, it crosses to the driver pickled: rebuild from our arguments
+    # raised in a Ray worker, it crosses to the driver pickled: rebuild from our arguments
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str, str | None]]:
         return (type(self), (self.field, self.problem, self.fix))
 
 

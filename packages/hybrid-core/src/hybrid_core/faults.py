@@ -64,7 +64,7 @@ def parse_faults(text: str | None) -> list[Fault]:
     return faults
 
 
-_calls: Counter = Counter()
+_calls: Counter[tuple[str, ...]] = Counter()  # (role, phase) and (role, phase, "corrupt")
 _lock = threading.Lock()
 
 

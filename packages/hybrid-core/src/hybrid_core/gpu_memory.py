@@ -8,8 +8,9 @@ current process's GPU (None on a machine without CUDA, where the check is skippe
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import GpuMemoryError
 
@@ -66,12 +67,13 @@ def room_error(role: str, gpu: int, need: int, memory: GpuMemory, *, awake: Mapp
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it, through remote-call wrappers) is a device out-of-memory error."""
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        text = f"{type(error).__name__} {error}".lower()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = f"{type(current).__name__} {current}".lower()
         if "outofmemory" in text or "out of memory" in text:
             return True
-        error = error.__cause__ or error.__context__
+        current = current.__cause__ or current.__context__
     return False
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Mapping
+from collections.abc import Mapping
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 

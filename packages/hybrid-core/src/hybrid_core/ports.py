@@ -28,8 +28,9 @@ ephemeral range 32768-60999); the k-th engine of a node takes ``base + k x size`
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from .errors import ConfigError
 

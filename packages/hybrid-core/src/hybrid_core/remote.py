@@ -9,8 +9,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from .errors import RemoteTimeout, RoleFailure
 

@@ -25,9 +25,10 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -104,10 +105,7 @@ def bind_address(rendezvous_host: str, node_ip: str | None = None) -> str:
 
 def interface_of(address: str) -> str | None:
     """The network interface holding the IPv4 ``address`` ("lo" for 127.0.0.1), or None if none does."""
-    if is_loopback(address):
-        wanted = LOOPBACK
-    else:
-        wanted = address
+    wanted = LOOPBACK if is_loopback(address) else address
     try:
         import fcntl
         import struct
@@ -125,7 +123,7 @@ def interface_of(address: str) -> str | None:
     return "lo" if wanted == LOOPBACK else None
 
 
-def use_interface(address: str, environ: dict | None = None) -> dict[str, str]:
+def use_interface(address: str, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Point gloo's and NCCL's sockets at the interface of ``address`` (set before the process's first group: NCCL
     reads it once). A value the user set is kept (and logged); returns the variables in effect."""
     env = os.environ if environ is None else environ
@@ -143,12 +141,12 @@ def use_interface(address: str, environ: dict | None = None) -> dict[str, str]:
     return {k: env[k] for k in INTERFACE_ENVS}
 
 
-def gloo_device(address: str):
+def gloo_device(address: str) -> Any:  # a torch._C gloo Device
     """A gloo device whose sockets listen on ``address`` only (for a standalone ``ProcessGroupGloo``)."""
     return dist.ProcessGroupGloo.create_device(hostname=address)
 
 
-def gloo_options(address: str, timeout: timedelta):
+def gloo_options(address: str, timeout: timedelta) -> Any:  # ProcessGroupGloo._Options
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [gloo_device(address)]
     opts._timeout = timeout
@@ -159,7 +157,8 @@ def free_port(host: str = LOOPBACK) -> int:
     """A TCP port free on ``host`` now (the socket is closed again at once)."""
     with socket.socket(_family(host)) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 #: set to 1 to keep a group's store listening (on its bound address) for the whole run instead of closing it
@@ -167,7 +166,7 @@ KEEP_OPEN_ENV = "HYBRID_RENDEZVOUS_KEEP_OPEN"
 
 
 def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta,
-               what: str = "rendezvous") -> "RendezvousStore":
+               what: str = "rendezvous") -> RendezvousStore:
     """A ``TCPStore`` at ``host:port``; on rank 0 (``is_master``) its server listens on ``host`` only."""
     if is_master:
         listener = socket.socket(_family(host), socket.SOCK_STREAM)
@@ -186,20 +185,37 @@ def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeou
     return RendezvousStore(store, what)
 
 
-class RendezvousStore(dist.Store):
+class _Store(Protocol):
+    """The ``torch.distributed.Store`` methods :class:`RendezvousStore` forwards (a ``TCPStore`` has them)."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def add(self, key: str, value: int) -> int: ...
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes: ...
+    def delete_key(self, key: str) -> bool: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def num_keys(self) -> int: ...
+    def wait(self, keys: list[str], timeout: timedelta = ...) -> None: ...
+    def set_timeout(self, timeout: timedelta) -> None: ...
+    def clone(self) -> _Store: ...
+
+
+# dist.Store is Any where torch is not installed (the lint env, mypy.ini): subclassing it is the point here
+class RendezvousStore(dist.Store):  # type: ignore[misc]
     """A store that can be closed while the process groups made from it live on (they keep a reference to it):
     every call goes to the ``TCPStore`` until :meth:`close`, which drops the last reference, so rank 0's server
     stops listening. Calls after that fail naming why."""
 
-    def __init__(self, store: Any, what: str = "rendezvous"):
+    def __init__(self, store: _Store, what: str = "rendezvous"):
         super().__init__()
-        self._store, self.what = store, what
+        self._store: _Store | None = store
+        self.what = what
 
     @property
     def closed(self) -> bool:
         return self._store is None
 
-    def _live(self):
+    def _live(self) -> _Store:
         if self._store is None:
             raise RuntimeError(f"{self.what}: the rendezvous store was closed once the groups formed "
                                f"(hybrid_core.rendezvous: it listens only while the ranks meet); a group made after "
@@ -222,34 +238,34 @@ class RendezvousStore(dist.Store):
         self.close()
 
     # ---- torch's Store interface, forwarded ----------------------------------------------------------------------
-    def set(self, key, value):
+    def set(self, key: str, value: str | bytes) -> None:
         return self._live().set(key, value)
 
-    def get(self, key):
+    def get(self, key: str) -> bytes:
         return self._live().get(key)
 
-    def add(self, key, value):
+    def add(self, key: str, value: int) -> int:
         return self._live().add(key, value)
 
-    def compare_set(self, key, expected, desired):
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         return self._live().compare_set(key, expected, desired)
 
-    def delete_key(self, key):
+    def delete_key(self, key: str) -> bool:
         return self._live().delete_key(key)
 
-    def check(self, keys):
+    def check(self, keys: list[str]) -> bool:
         return self._live().check(keys)
 
-    def num_keys(self):
+    def num_keys(self) -> int:
         return self._live().num_keys()
 
-    def wait(self, keys, timeout=None):
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         return self._live().wait(keys) if timeout is None else self._live().wait(keys, timeout)
 
-    def set_timeout(self, timeout):
+    def set_timeout(self, timeout: timedelta) -> None:
         return self._live().set_timeout(timeout)
 
-    def clone(self):
+    def clone(self) -> RendezvousStore:
         return RendezvousStore(self._live().clone(), self.what)
 
 

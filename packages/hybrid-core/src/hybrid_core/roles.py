@@ -5,8 +5,8 @@ an error naming the role, the method (phase) and the rank — after the stacks o
 the run's log folder.
 
 A role group is also what the residency owner (:mod:`hybrid_core.residency`) moves: its workers implement
-``offload(states)`` and ``reload(states)`` (each returns the bytes it moved), and :meth:`RoleGroup.move_off` /
-:meth:`RoleGroup.move_on` start those calls on every rank without waiting.
+``offload(states)`` and ``reload(states)`` (each returns the bytes it moved), and :meth:`RoleGroup.offload` /
+:meth:`RoleGroup.reload` start those calls on every rank without waiting.
 """
 
 from __future__ import annotations
@@ -119,11 +119,11 @@ class RoleGroup:
         return self._wait(refs, timeout_s)
 
     # ---- residency (started here, waited for by the owner) ---------------------------------------------------------
-    def move_off(self, states: Sequence[str], moves: Any = None) -> list[tuple[str, Any]]:
+    def offload(self, states: Sequence[str], moves: Any = None) -> list[tuple[str, Any]]:
         return [(self.name(r, f"offload {'+'.join(states)}"), w.offload.remote(list(states)))
                 for r, w in enumerate(self.workers)]
 
-    def move_on(self, states: Sequence[str]) -> list[tuple[str, Any]]:
+    def reload(self, states: Sequence[str]) -> list[tuple[str, Any]]:
         return [(self.name(r, f"reload {'+'.join(states)}"), w.reload.remote(list(states)))
                 for r, w in enumerate(self.workers)]
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping
+from collections.abc import Mapping
+from typing import Any
 
 #: Forwarded from the driver when set there (exact names, then prefixes).
 FORWARDED = (
@@ -49,7 +50,7 @@ SETUP_HOOK_ENV = "__RAY_WORKER_PROCESS_SETUP_HOOK_ENV_VAR"
 SETUP_HOOK = "hybrid_core.stacks.install"
 
 
-def worker_runtime_env(extra: Mapping[str, str] | None = None) -> dict:
+def worker_runtime_env(extra: Mapping[str, str] | None = None) -> dict[str, Any]:
     """A Ray ``runtime_env`` for ``Actor.options(runtime_env=...)``: merged by Ray with the job's own."""
     env = worker_env_vars()
     if extra:

@@ -36,7 +36,8 @@ def install() -> None:
         try:
             os.makedirs(directory, exist_ok=True)
             if _file is None:
-                _file = open(stack_file(directory, os.getpid()), "a")  # kept open: the handler writes to its fd
+                # kept open for the process's life (no `with`): the handler writes to its fd
+                _file = open(stack_file(directory, os.getpid()), "a")  # noqa: SIM115
             target = _file
         except OSError:  # an unwritable folder must not keep the worker from starting
             log.warning("cannot write stack dumps to %s; using stderr", directory)

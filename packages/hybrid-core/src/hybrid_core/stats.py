@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,10 @@ class TransferStats:
         """Effective rate in GB/s (10^9 bytes per second); 0.0 when nothing was timed."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
-    def __add__(self, other: "TransferStats") -> "TransferStats":
+    def __add__(self, other: TransferStats) -> TransferStats:
         return TransferStats(self.bytes + other.bytes, self.seconds + other.seconds, self.what or other.what)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"what": self.what, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps}
 
 
@@ -45,7 +46,7 @@ class PhaseTimer:
         end = time.time() if end is None else end
         self.spans.append((phase, end - seconds, end))
 
-    def phase(self, name: str) -> "_Phase":
+    def phase(self, name: str) -> _Phase:
         """``with timer.phase("generate"): ...`` adds the block's wall time to ``name``."""
         return _Phase(self, name)
 
@@ -57,9 +58,9 @@ class _Phase:
     def __init__(self, timer: PhaseTimer, name: str):
         self.timer, self.name = timer, name
 
-    def __enter__(self) -> "_Phase":
+    def __enter__(self) -> _Phase:
         self.start = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.timer.add(self.name, time.perf_counter() - self.start)

@@ -25,8 +25,9 @@ import itertools
 import math
 import numbers
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from .errors import ConfigError, HybridError, TurnTimeout
 from .placement.ranges import describe_gpus as _gpus
@@ -229,8 +230,9 @@ class Turnstile:
 
     def release_all(self, role: str) -> list[int]:
         """Drop every hold of ``role`` (e.g. after its workers died); returns the GPUs freed."""
-        return get_with_timeout(self.actor.release_all.remote(_check_role(role)), RPC_GRACE_S,
-                                f"turnstile {self.name!r}: release_all {role}")
+        freed: list[int] = get_with_timeout(self.actor.release_all.remote(_check_role(role)), RPC_GRACE_S,
+                                            f"turnstile {self.name!r}: release_all {role}")
+        return freed
 
     @contextlib.contextmanager
     def turn(self, role: str, gpus: Sequence[int], timeout_s: float | None = None) -> Iterator[Turnstile]:
@@ -243,11 +245,15 @@ class Turnstile:
 
     def holders(self) -> dict[int, str | None]:
         """Every GPU the turnstile has seen -> the role holding it now, or None."""
-        return get_with_timeout(self.actor.holders.remote(), RPC_GRACE_S, f"turnstile {self.name!r}: holders")
+        holders: dict[int, str | None] = get_with_timeout(self.actor.holders.remote(), RPC_GRACE_S,
+                                                          f"turnstile {self.name!r}: holders")
+        return holders
 
     def state(self) -> dict[str, Any]:
         """Holders, hold counts and who is waiting for how long."""
-        return get_with_timeout(self.actor.state.remote(), RPC_GRACE_S, f"turnstile {self.name!r}: state")
+        state: dict[str, Any] = get_with_timeout(self.actor.state.remote(), RPC_GRACE_S,
+                                                 f"turnstile {self.name!r}: state")
+        return state
 
     def kill(self) -> None:
         """End the turnstile actor (a detached one lives on until this is called)."""
@@ -268,7 +274,7 @@ def _check_role(role: object) -> str:
 def _check_gpus(gpus: object) -> list[int]:
     if isinstance(gpus, (str, bytes)) or not isinstance(gpus, Sequence) or not gpus:
         raise ConfigError("gpus", f"expected a non-empty list of GPU indices, got {gpus!r}.")
-    if not all(isinstance(g, numbers.Integral) and not isinstance(g, bool) and g >= 0 for g in gpus):
+    if not all(isinstance(g, numbers.Integral) and not isinstance(g, bool) and int(g) >= 0 for g in gpus):
         raise ConfigError("gpus", f"GPU indices are whole numbers >= 0, got {list(gpus)!r}.")
     return sorted({int(g) for g in gpus})
 

@@ -18,6 +18,8 @@ _LAZY = {
     "EngineStateError": "hybrid_engines.hf_engine",
     "make_engine": "hybrid_engines.registry",
     "engine_class": "hybrid_engines.registry",
+    "register_engine": "hybrid_engines.registry",
+    "EngineAdapter": "hybrid_engines.adapter",
     "EngineActor": "hybrid_engines.ray_engines",
     "EngineGroup": "hybrid_engines.ray_engines",
     "launch_engines": "hybrid_engines.ray_engines",

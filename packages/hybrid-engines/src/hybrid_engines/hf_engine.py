@@ -38,6 +38,7 @@ import torch
 from hybrid_core.errors import ConfigError, HybridError
 from hybrid_core.stats import TransferStats
 
+from .adapter import EngineAdapter, EnginePlan, EngineSettings
 from .hf_generation import decode
 from .hf_sampling import row_seeds, row_uniforms
 from .hf_weights import NamedWeights
@@ -48,7 +49,7 @@ class EngineStateError(HybridError, RuntimeError):
     """The engine was asked for something its state does not allow (asleep, weights discarded, shut down)."""
 
 
-class HFEngine:
+class HFEngine(EngineAdapter):
     """Built-in transformers engine.
 
     ``model``: a path / hub id (loaded with ``AutoModelForCausalLM``), a built ``PreTrainedModel`` (used as is, not
@@ -61,17 +62,26 @@ class HFEngine:
 
     NEEDS_GPU = False  # runs on CPU too
     CHEAP_SEEDED_SAMPLING = True  # a seed per sample costs nothing here (one noise draw per row, batched)
+    # weight_transport(): hybrid-core's own format (EngineAdapter's)
 
     @classmethod
     def placement_refusal(cls, *, tp: int, shares_gpus: bool) -> str | None:
         return f"the built-in engine runs on one GPU, and these engines have TP {tp}" if tp > 1 else None
 
     @classmethod
-    def weight_transport(cls):
-        """The trainer's side of this engine's weight sync: hybrid-core's own format."""
-        from .weight_transport import WeightTransport
+    def check_settings(cls, settings: EngineSettings) -> None:
+        """One GPU per engine; ``--vllm_num_engines 0`` (an engine on each actor GPU) is this engine's."""
+        if settings.tensor_parallel_size > 1:
+            raise ConfigError("vllm_tensor_parallel_size", f"the built-in engine (--backend hf) runs on one GPU, but "
+                              f"vllm_tensor_parallel_size = {settings.tensor_parallel_size}.",
+                              "Use --vllm_tensor_parallel_size 1 with --backend hf, or --backend vllm / sglang.")
 
-        return WeightTransport()
+    @classmethod
+    def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
+        """The model, seed and dtype: this engine pauses at a weight update whatever it was built with, keeps no
+        memory pool to size and has no context limit to set."""
+        return {"model": plan.model_path, "seed": settings.seed, "trust_remote_code": settings.trust_remote_code,
+                "dtype": "bfloat16" if settings.bf16 else "float32"}
 
     def __init__(
         self,
@@ -182,10 +192,6 @@ class HFEngine:
             raise ConfigError("version", f"must be a whole number >= 0, got {version!r}.")
         with self._cond:
             self._version = version
-
-    @property
-    def weight_version(self) -> int:
-        return self._version
 
     def _before_forward(self) -> int:
         with self._cond:

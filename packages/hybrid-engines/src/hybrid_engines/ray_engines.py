@@ -333,7 +333,7 @@ class EngineGroup:
     def gpus(self) -> list[int]:
         return list(self._gpus)
 
-    def move_off(self, states: Sequence[str], moves: Mapping[str, str]) -> list[tuple[str, Any]]:
+    def offload(self, states: Sequence[str], moves: Mapping[str, str]) -> list[tuple[str, Any]]:
         """Weights leaving take the KV cache with them: sleep level 1 (``offload``) or 2 (``discard``); the KV cache
         alone is released with the weights kept."""
         if "weights" in states:
@@ -341,7 +341,7 @@ class EngineGroup:
             return [(self._name(r, f"sleep({level})"), a.sleep.remote(level)) for r, a in enumerate(self.actors)]
         return [(self._name(r, "release_kv_cache"), a.release_kv_cache.remote()) for r, a in enumerate(self.actors)]
 
-    def move_on(self, states: Sequence[str]) -> list[tuple[str, Any]]:
+    def reload(self, states: Sequence[str]) -> list[tuple[str, Any]]:
         return [(self._name(r, f"wake_up({list(states)})"), a.wake_up.remote(list(states)))
                 for r, a in enumerate(self.actors)]
 

@@ -1,9 +1,10 @@
 """The engines by name: one line per backend. ``import hybrid_engines`` never imports vLLM or SGLang.
 
 Each line names the adapter module and class, the library it drives and the pip extra that installs it. An adapter
-class carries what the rest of hybrid needs to know about its engine, so adding an engine is one adapter file and
-one line here: ``weight_transport()`` (the trainer's side of its weight sync), and optionally ``NEEDS_GPU`` and
-``placement_refusal(tp=, shares_gpus=)`` (placements the training loop must refuse before Ray starts).
+class (:class:`~hybrid_engines.adapter.EngineAdapter`) carries what the rest of hybrid needs to know about its
+engine -- ``check_settings(settings)``, ``engine_kwargs(settings, plan)``, ``weight_transport()``, ``NEEDS_GPU``,
+``placement_refusal(tp=, shares_gpus=)`` -- so adding an engine is one adapter file and one line: here, or
+:func:`register_engine` from your own code (a ``--plugins`` file, a test), which also reaches the engine actors.
 
 Adapter modules import their library only when an engine is built, so :func:`engine_spec` (the class, for plans and
 dry runs) works where the library is missing; :func:`engine_class` / :func:`make_engine` need it, and a missing one
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +39,42 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
+_BUILT_IN = tuple(BACKENDS)
+#: The backends :func:`register_engine` added in the driver, as every Ray worker started afterwards sees them (an
+#: engine actor looks its backend up by name in a process of its own).
+ENV = "HYBRID_ENGINE_BACKENDS"
+
+
+def register_engine(name: str, target: str, *, library: str | None = None, extra: str | None = None) -> None:
+    """Add the backend ``name``: ``target`` is ``"module:Class"``, an adapter class importable by module name in
+    every process that builds the engine (``library`` / ``extra``: the package it needs and what installs it).
+
+    Registering the same line again does nothing; another target under a name already taken is refused."""
+    module, _, cls = target.partition(":")
+    if not isinstance(name, str) or not name.strip() or not module or not cls.isidentifier():
+        raise ConfigError("backend", f"register_engine({name!r}, {target!r}): needs a name and 'module:Class'.",
+                          "E.g. register_engine('my-engine', 'my_pkg.my_engine:MyEngine').")
+    entry = Backend(module, cls, library, extra)
+    known = BACKENDS.get(name)
+    if known is not None and known != entry:
+        raise ConfigError("backend", f"backend {name!r} is {known.module}:{known.cls} already.",
+                          "Register your engine under another name.")
+    BACKENDS[name] = entry
+    from hybrid_core.runtime_env import set_worker_env
+
+    added = {n: [e.module, e.cls, e.library, e.extra] for n, e in BACKENDS.items() if n not in _BUILT_IN}
+    set_worker_env({ENV: json.dumps(added)})
+
+
 def backend_names() -> tuple[str, ...]:
     """Every registered backend name, in registration order."""
     return tuple(BACKENDS)
 
 
 def _backend(backend: str) -> Backend:
+    if backend not in BACKENDS and os.environ.get(ENV):  # a Ray worker: the driver's registrations
+        for name, fields in json.loads(os.environ[ENV]).items():
+            BACKENDS.setdefault(name, Backend(*fields))
     if backend not in BACKENDS:
         raise ConfigError("backend", f"unknown inference backend {backend!r}.", f"Use one of {list(BACKENDS)}.")
     return BACKENDS[backend]
@@ -50,8 +83,14 @@ def _backend(backend: str) -> Backend:
 def engine_spec(backend: str) -> type:
     """The engine class of ``backend`` without requiring its library (its module imports it lazily): for plans,
     weight-sync choices and dry runs."""
+    from .adapter import EngineAdapter
+
     entry = _backend(backend)
-    return getattr(importlib.import_module(entry.module), entry.cls)
+    cls = getattr(importlib.import_module(entry.module), entry.cls)
+    if not (isinstance(cls, type) and issubclass(cls, EngineAdapter)):
+        raise ConfigError("backend", f"backend {backend!r} names {entry.module}:{entry.cls}, which is not an engine "
+                          "adapter.", "Derive the class from hybrid_engines.adapter.EngineAdapter.")
+    return cls
 
 
 def library_missing(backend: str) -> str | None:

@@ -28,7 +28,7 @@ Facts this adapter is built on (each one differs from what the seed project assu
   a server setting, so level 1 needs ``weights_cpu_backup=True``; level 2 always asks for a re-sync.
 
 Weight sync: SGLang has its own group and wire formats, not hybrid-core's; the trainer's side of them is
-:class:`~hybrid_engines.sglang_transport.SGLangTransport` (``SGLangEngine.weight_transport()``). Broadcast:
+:class:`~hybrid_engines.weight_sync.sglang.SGLangTransport` (``SGLangEngine.weight_transport()``). Broadcast:
 ``update_weights(metas, bucket_bytes=...)`` receives the trainer's :func:`send_to_sglang` in flattened buckets cut by
 :func:`sglang_bucket_plan`. Colocated: ``update_weights_from_ipc`` forwards the trainer's serialized buckets
 (``SGLangIpcPayload``) to ``update_weights_from_tensor(load_format="flattened_bucket")``, which maps the trainer's
@@ -71,10 +71,11 @@ from hybrid_core.errors import ConfigError, RoleFailure
 from hybrid_core.ports import PortWindow
 from hybrid_core.stats import TransferStats
 
+from .adapter import EngineAdapter, EnginePlan, EngineSettings, pooled_engine_kwargs
 from .hf_engine import EngineStateError
 from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
 from .sampling_map import check_prompts, expand_rows, finish_reason, sglang_sampling_params
-from .sglang_transport import (  # noqa: F401  (the trainer's side, re-exported for custom loops)
+from .weight_sync.sglang import (  # noqa: F401  (the trainer's side, re-exported for custom loops)
     FLATTENED, SGLangIpcPayload, SGLangTransport, flatten_bucket, send_to_sglang, sglang_bucket_plan,
     sglang_trainer_group,
 )
@@ -146,7 +147,7 @@ def sglang_context_length(model: Any, max_model_len: int | None) -> int | None:
     return min(wanted, positions) if isinstance(positions, int) and positions > 0 else wanted
 
 
-class SGLangEngine:
+class SGLangEngine(EngineAdapter):
     """The SGLang backend (same constructor spirit as :class:`~hybrid_engines.vllm_engine.VLLMEngine`)."""
 
     #: SGLang serves from CUDA devices only (the built-in engine also runs on CPU)
@@ -164,6 +165,12 @@ class SGLangEngine:
     def weight_transport(cls) -> SGLangTransport:
         """The trainer's side of this engine's weight sync (SGLang's own group and formats)."""
         return SGLangTransport()
+
+    @classmethod
+    def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
+        """Every engine setting (:func:`~hybrid_engines.adapter.pooled_engine_kwargs`), plus ``deterministic``:
+        SGLang honours seeds only in its slower deterministic mode, so only when the loop seeds its samples."""
+        return {**pooled_engine_kwargs(settings, plan), "deterministic": plan.seeded_sampling}
 
     @classmethod
     def placement_refusal(cls, *, tp: int, shares_gpus: bool) -> str | None:

@@ -57,6 +57,7 @@ from hybrid_core.errors import ConfigError, RemoteTimeout, RoleFailure
 from hybrid_core.ports import PortWindow
 from hybrid_core.stats import TransferStats
 
+from .adapter import EngineAdapter, EnginePlan, EngineSettings, pooled_engine_kwargs
 from .hf_engine import EngineStateError
 from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
 from .sampling_map import (
@@ -100,7 +101,7 @@ VLLM_TCPSTORE_OFFSET, VLLM_TCPSTORE_TRIES = 100, 32
 VLLM_DP_RESERVED = 10
 
 
-class VLLMEngine:
+class VLLMEngine(EngineAdapter):
     """The vLLM backend. ``model``: a local folder or hub id (a hub id needs network access at start-up).
 
     ``weight_loading``: "direct" (default) copies received tensors in with ``load_weights``, exact for unquantized
@@ -121,12 +122,12 @@ class VLLMEngine:
     #: variables the adapter sets from the window: inherited alike by every engine, they would clash (refused)
     PORT_ENV = tuple(VLLM_PORT_LAYOUT)
 
-    @classmethod
-    def weight_transport(cls):
-        """The trainer's side of this engine's weight sync: hybrid-core's format (:mod:`.vllm_worker` receives it)."""
-        from .weight_transport import WeightTransport
+    # weight_transport() and check_settings(): EngineAdapter's (hybrid-core's format, received by .vllm_worker)
 
-        return WeightTransport()
+    @classmethod
+    def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
+        """Every engine setting, under this constructor's names (:func:`.adapter.pooled_engine_kwargs`)."""
+        return pooled_engine_kwargs(settings, plan)
 
     def __init__(
         self,
@@ -525,10 +526,6 @@ class VLLMEngine:
             gc.collect()
 
     # ---- helpers -----------------------------------------------------------------------------------------------
-    def device_info(self) -> list[dict[str, Any]]:
-        """Per worker: rank, device, GPU UUID, free and total device memory."""
-        return self._rpc("hybrid_device_info")
-
     def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         timeout = self.rpc_timeout_s if timeout is None else timeout
         try:

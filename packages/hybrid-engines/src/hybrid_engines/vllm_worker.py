@@ -24,7 +24,7 @@ import torch
 
 #: Method names the adapter calls through ``collective_rpc`` (the contract test checks none exists on vLLM's Worker).
 RPC_METHODS = (
-    "hybrid_device_info", "hybrid_free_bytes", "hybrid_init_weight_group", "hybrid_close_weight_group",
+    "hybrid_free_bytes", "hybrid_init_weight_group", "hybrid_close_weight_group",
     "hybrid_receive_weights", "hybrid_load_ipc", "hybrid_expect_full_reload", "hybrid_release_kv_cache",
     "hybrid_reacquire_kv_cache",
 )
@@ -36,13 +36,6 @@ class HybridWorkerExtension:
     """Mixed into vLLM's GPU ``Worker``: ``self`` is the worker (``self.device``, ``self.rank``, ``get_model()``)."""
 
     # ---- introspection -------------------------------------------------------------------------------------------
-    def hybrid_device_info(self) -> dict[str, Any]:
-        """This worker's rank, device, GPU UUID (for CUDA IPC) and free device memory."""
-        dev = self._hybrid_device()
-        free, total = torch.cuda.mem_get_info(dev)
-        return {"rank": int(self.rank), "device": str(dev), "uuid": str(torch.cuda.get_device_properties(dev).uuid),
-                "free_bytes": int(free), "total_bytes": int(total)}
-
     def hybrid_free_bytes(self) -> int:
         torch.cuda.synchronize(self._hybrid_device())
         return int(torch.cuda.mem_get_info(self._hybrid_device())[0])

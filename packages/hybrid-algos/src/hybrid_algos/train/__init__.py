@@ -6,32 +6,44 @@ Pick a recipe and a config::
     summary = train_grpo(GRPOConfig(max_steps=40))   # the tiny built-in model and task on the CPU
 """
 
-from .config import CONFIGS, GRPOConfig, PPOConfig, ReinforceConfig, RLConfig
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .config import CONFIGS, GRPOConfig, PPOConfig, ReinforceConfig, RLConfig, demo_config
 
 
-def train(config, *, callbacks=()):
-    """Run the job described by ``config`` (any :class:`RLConfig`); see :mod:`hybrid_algos.train.loop`."""
+def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """Run the job described by ``config`` (any :class:`RLConfig`); see :mod:`hybrid_algos.train.loop`.
+
+    The one entry to the loop: the recipes below and the CLI (``hybrid ppo`` -> :func:`train_ppo`) come through here.
+    The loop is imported on the first call: it pulls in Ray, DeepSpeed and the engines.
+    """
     from .loop import train as _train
 
     return _train(config, callbacks=callbacks)
 
 
-def train_ppo(config=None, *, callbacks=()):
-    from .ppo import train_ppo as _f
+def train_ppo(config: PPOConfig | None = None, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """PPO: actor + GAE critic + reference (KL in the reward) + reward, colocated with sleep; the demo without a config.
 
-    return _f(config, callbacks=callbacks)
-
-
-def train_grpo(config=None, *, callbacks=()):
-    from .grpo import train_grpo as _f
-
-    return _f(config, callbacks=callbacks)
+    Like OpenRLHF's ``train_ppo_ray``, it runs any advantage estimator: a critic is trained only when the estimator
+    needs one (its registry entry says so), so ``PPOConfig(advantage_estimator="group_norm")`` is GRPO-style PPO.
+    ``hybrid ppo`` runs this same function.
+    """
+    return train(config or demo_config(PPOConfig), callbacks=callbacks)
 
 
-def train_reinforce(config=None, *, callbacks=()):
-    from .reinforce import train_reinforce as _f
+def train_grpo(config: GRPOConfig | None = None, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """GRPO: actor + reference (KL as a loss term), group-normalised rewards, no critic; the demo without a config."""
+    return train(config or demo_config(GRPOConfig), callbacks=callbacks)
 
-    return _f(config, callbacks=callbacks)
+
+def train_reinforce(config: ReinforceConfig | None = None, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
+    """REINFORCE++: actor + reference (KL in the reward), batch-normalised discounted returns, no critic; the demo
+    without a config."""
+    return train(config or demo_config(ReinforceConfig), callbacks=callbacks)
 
 
 RECIPES = {"ppo": train_ppo, "grpo": train_grpo, "reinforce": train_reinforce}

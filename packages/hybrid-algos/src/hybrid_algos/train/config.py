@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable
 
 from hybrid_core.errors import ConfigError
-from hybrid_engines.registry import backend_names
+from hybrid_engines.adapter import EngineSettings
+from hybrid_engines.registry import backend_names, engine_spec
+
+from .demo import DEMO_SETTINGS
 
 #: Built-in synthetic tasks (prompts + rule-based reward) used when no --prompt_data is given.
 TASKS = ("copy", "copy_first", "reverse", "add", "lookup")
@@ -66,7 +69,7 @@ class RLConfig:
     seeded_sampling: bool | None = None  # a seed per sample (batch-independent; resumes draw the same); None = where cheap (hf)
     weight_sync_bucket_mb: int = 512
     weight_sync: str = "auto"  # auto (CUDA IPC when engines share the actor's GPUs, else broadcast) | ipc | broadcast
-    verify_weight_sync: bool = True  # engines check every sync against the actor's per-bucket checksums; a mismatch ends the run
+    verify_weight_sync: str = "sampled"  # sampled: the first sync checks every tensor, later ones a rotating 1/32 (a corrupted byte is seen within 32 syncs; stale or unloaded weights at once) | full: every tensor, every sync (slower) | off; a mismatch ends the run
     engine_sleep_level: int | None = None  # when engine weights leave: 1 to host memory, 2 discarded (re-synced); None = planner
 
     # ---- trainer (DeepSpeed) ---------------------------------------------------------------------------------
@@ -352,6 +355,15 @@ class RLConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def engine_settings(self) -> EngineSettings:
+        """The engine section, in the engines' words: what the backend's adapter checks (``check_settings``) and
+        builds its engines from (``engine_kwargs``)."""
+        return EngineSettings(backend=self.backend, num_engines=self.vllm_num_engines,
+                              tensor_parallel_size=self.vllm_tensor_parallel_size,
+                              gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+                              enforce_eager=self.enforce_eager, enable_prefix_caching=self.enable_prefix_caching,
+                              bf16=self.bf16, seed=self.seed, trust_remote_code=self.trust_remote_code)
+
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> "RLConfig":
         """Check everything that can be checked without Ray or a GPU; return self so calls chain."""
@@ -388,10 +400,7 @@ class RLConfig:
                 or self.vllm_num_engines < 0:
             raise ConfigError("vllm_num_engines", f"must be a whole number >= 0, got {self.vllm_num_engines!r}.",
                               "Give the number of engines; 0 puts a built-in engine on each actor GPU.")
-        if self.vllm_num_engines == 0 and self.backend != "hf":
-            raise ConfigError("vllm_num_engines", f"0 engines means generating on the actor's GPUs with the built-in "
-                              f"engine, but --backend is {self.backend}.",
-                              "Use --backend hf, or give --vllm_num_engines N for N separate engines.")
+        engine_spec(self.backend).check_settings(self.engine_settings())  # what this engine cannot run (its adapter)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("zero_stage", f"must be 0, 1, 2 or 3, got {self.zero_stage}.",
                               "Use --zero_stage 2 (the default) or 3 for models that do not fit one GPU.")
@@ -406,6 +415,9 @@ class RLConfig:
             raise ConfigError("vllm_gpu_memory_utilization", f"must be in (0, 1], got {self.vllm_gpu_memory_utilization}.",
                               "It is a fraction of the GPU, e.g. --vllm_gpu_memory_utilization 0.5.")
         _choice("weight_sync", self.weight_sync, ("auto", "ipc", "broadcast"))
+        if isinstance(self.verify_weight_sync, bool):  # a config from before the modes: on = the default
+            self.verify_weight_sync = "sampled" if self.verify_weight_sync else "off"
+        _choice("verify_weight_sync", self.verify_weight_sync, ("sampled", "full", "off"))
         self._validate_residency()
         if self.engine_sleep_level not in (None, 1, 2):
             raise ConfigError("engine_sleep_level", f"must be 1 or 2, got {self.engine_sleep_level}.",
@@ -446,10 +458,6 @@ class RLConfig:
         if self.address and self.num_gpus is not None:
             raise ConfigError("num_gpus", f"cannot declare GPUs when joining the running cluster at {self.address}.",
                               "Drop --num_gpus; the cluster's own GPUs are used.")
-        if self.backend == "hf" and self.vllm_tensor_parallel_size > 1:
-            raise ConfigError("vllm_tensor_parallel_size", f"the built-in engine (--backend hf) runs on one GPU, but "
-                              f"vllm_tensor_parallel_size = {self.vllm_tensor_parallel_size}.",
-                              "Use --vllm_tensor_parallel_size 1 with --backend hf, or --backend vllm / sglang.")
         from .inactive import check
 
         check(self)  # a setting that would do nothing in this run is refused (the table in inactive.py)
@@ -701,19 +709,6 @@ class RLConfig:
 
 #: What ``--agent_on_error`` may say.
 AGENT_ERROR_POLICIES = ("raise", "end_sample")
-
-
-#: Settings of the built-in demo (no --pretrain): the tiny model learns to copy the prompt's symbol, from chance to
-#: >= 0.9 in ~12-25 steps of about a second on a CPU, with PPO, REINFORCE++ and GRPO, whatever the seed or CPU (the
-#: CPU learning test runs exactly these, three seeds each). Adam's beta2 is 0.999 (OpenRLHF: 0.95) and 16 samples per
-#: prompt: see tests/hybrid_algos/train/test_learning.py for why. Real models want OpenRLHF-scale settings (lr ~1e-6),
-#: which are the defaults.
-DEMO_SETTINGS: dict[str, Any] = dict(
-    task="copy", task_length=1, max_steps=32, rollout_batch_size=16, n_samples_per_prompt=16, train_batch_size=64,
-    micro_train_batch_size=32, micro_rollout_batch_size=64, max_epochs=2, actor_learning_rate=2e-3,
-    critic_learning_rate=2e-3, adam_betas=(0.9, 0.999), use_kl_loss=True, kl_estimator="k3", init_kl_coef=1e-3,
-    lr_scheduler="cosine_with_min_lr", min_lr_ratio=0.1,
-)
 
 
 def demo_config(cls: type["RLConfig"], **overrides: Any) -> "RLConfig":

@@ -13,7 +13,7 @@ command lines and the Python API are refused.
 
 What "the user set" means: the CLI records the fields its command line and ``--config`` file gave
 (:meth:`RLConfig.record_given`); a config built in Python counts every field whose value differs from both the
-algorithm's default and the demo preset (:data:`~hybrid_algos.train.config.DEMO_SETTINGS`, which the CLI applies to
+algorithm's default and the demo preset (:data:`~hybrid_algos.train.demo.DEMO_SETTINGS`, which the CLI applies to
 every algorithm: its critic learning rate is not a GRPO user's choice).
 
 Every field of :class:`RLConfig` is either read by code whatever the other settings say, or covered here:
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from hybrid_core.errors import ConfigError
+
+from .demo import DEMO_SETTINGS
 
 Text = str | Callable[[Any], str]
 
@@ -162,10 +164,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def rules_for(field: str) -> list[Rule]:
-    return [r for r in RULES if r.field == field]
-
-
 def covered_fields() -> frozenset[str]:
     return frozenset(r.field for r in RULES)
 
@@ -173,8 +171,6 @@ def covered_fields() -> frozenset[str]:
 def set_fields(config: Any) -> frozenset[str]:
     """The fields the user set to something other than their default (see the module docstring)."""
     import dataclasses
-
-    from .config import DEMO_SETTINGS
 
     given = getattr(config, "given_fields", None)
     out = set()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from hybrid_core.errors import HybridError
+from hybrid_engines.weight_sync import choose_sync
 
 from .checkpoint import CheckpointManager
 from .config import RLConfig
@@ -24,7 +25,6 @@ from .placement import build_plan, build_residency, check_sleep_flags
 from .profiling import profile_folder, profiled_step
 from .step import StepContext, run_step
 from .timeline import TimelineWriter
-from .weight_sync import choose_mode as choose_sync_mode
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Prepared:
     total_steps: int
     run_dir: str
     max_model_len: int = 0  # the longest sequence a rollout can make: the engine's context size
-    sync_mode: str = "broadcast"  # weight_sync.choose_mode's answer for this plan
+    sync: Any = None  # hybrid_engines.weight_sync.SyncChoice: the weight-sync path, transport and group backend
     residency: Any = None  # hybrid_core.residency.ResidencyPlan: what each role keeps on its GPUs in each phase
     resume_from: Any = None  # resume.ResumePoint: the checkpoint this run continues, or None (a fresh start)
     agent: Any = None  # agents.AgentSpec: the environment of a multi-turn run (loaded here, before Ray)
@@ -51,16 +51,20 @@ class Prepared:
     async_note: str = ""
     locks: Any = None  # run_lock.RunLocks: the run folder (and checkpoint folder) are this run's until it ends
     start_lines: tuple = ()  # said at the start (and by --dry-run): the step count and why, flags not used as given
+    recipe: Any = None  # recipe.Recipe: the run's roles and the phases of its step (recipes.recipe_for the config's)
 
 
-def prepare(config: RLConfig) -> Prepared:
+def prepare(config: RLConfig, recipe: Any = None) -> Prepared:
     """Validate the config and resolve everything that does not need Ray: errors here cost nothing. The run folder's
-    lock is taken here (:mod:`.run_lock`) and held by the returned ``Prepared.locks`` until released."""
+    lock is taken here (:mod:`.run_lock`) and held by the returned ``Prepared.locks`` until released. ``recipe``: the
+    run's roles and phases (:class:`~.recipe.Recipe`; default: the config's, :func:`~.recipes.recipe_for`)."""
+    from .recipes import recipe_for
     from .run_lock import RunLocks
 
     locks = RunLocks()
+    recipe = recipe.for_config(config) if recipe is not None else recipe_for(config)
     try:
-        prep = _prepare(config, locks)
+        prep = _prepare(config, locks, recipe)
     except BaseException:
         locks.release()
         raise
@@ -68,7 +72,7 @@ def prepare(config: RLConfig) -> Prepared:
     return prep
 
 
-def _prepare(config: RLConfig, locks: Any) -> Prepared:
+def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     from .data import load_prompts, step_count
     from .model_files import check_model_folder, check_reward_head, load_tokenizer
     from .resume import find_resume_point
@@ -76,15 +80,15 @@ def _prepare(config: RLConfig, locks: Any) -> Prepared:
     from .run_folder import check_writable, refuse_or_clear
     from .tasks import task_from_config
     from .tiny import save_tiny_model
-    from .weight_sync import sync_backend_note, verify_note
 
     from hybrid_core.errors import ConfigError
     from hybrid_engines.registry import library_missing
+    from hybrid_engines.weight_sync import sync_backend_note, verify_note
 
     config.validate()
-    plan = build_plan(config)
+    plan = build_plan(config, recipe)
     check_sleep_flags(config, plan)  # before any model is built: the flags against who shares a GPU
-    sync_mode = choose_sync_mode(config, plan)  # a weight-sync path the placement cannot take fails here, before Ray
+    sync = choose_sync(config, plan)  # a weight-sync path the placement cannot take fails here, before Ray
     if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
         raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
                           f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.")
@@ -94,7 +98,7 @@ def _prepare(config: RLConfig, locks: Any) -> Prepared:
     for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
         if getattr(config, name) is not None:
             check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
-    notes = [sync_backend_note(config, sync_mode)]  # an explicit --vllm_sync_backend the ipc path does not use
+    notes = [sync_backend_note(config, sync.mode)]  # an explicit --vllm_sync_backend the ipc path does not use
     notes.append(verify_note(config))  # a backend whose syncs cannot be verified, or verification turned off
     notes.append(config.clip_note())  # a policy loss's own clip range (GSPO's, CISPO's), said at start
     if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
@@ -152,7 +156,7 @@ def _prepare(config: RLConfig, locks: Any) -> Prepared:
                           f"Profile a step from 1 to {total} (the first ones include warm-up).")
     # What stays on each GPU, from the memory budget; a plan that cannot fit fails here, before Ray starts.
     residency, config = build_residency(config, plan, model_path, prompt_len=longest_prompt,
-                                        generate_len=max_new_tokens)
+                                        generate_len=max_new_tokens, recipe=recipe)
     residency.check()
     from .async_rollout import async_mode
 
@@ -160,8 +164,8 @@ def _prepare(config: RLConfig, locks: Any) -> Prepared:
     if mode == "sync":  # --async_train on GPUs too small for both: synchronous turns, said in the plan's notes
         residency.notes.append(note)
     return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync_mode, residency, resume_from, agent, mode, note,
-                    start_lines=tuple(start_lines))
+                    max_model_len, sync, residency, resume_from, agent, mode, note,
+                    start_lines=tuple(start_lines), recipe=recipe)
 
 
 def _load_agent(config: RLConfig) -> Any:
@@ -216,14 +220,15 @@ def _max_positions(model_path: str) -> int | None:
     return int(value) if isinstance(value, (int, float)) else None
 
 
-def train(config: RLConfig, *, callbacks: Sequence[Any] = ()) -> dict[str, Any]:
-    """Run a whole training job; returns a summary (steps, final metrics, saved paths).
+def train(config: RLConfig, *, callbacks: Sequence[Any] = (), recipe: Any = None) -> dict[str, Any]:
+    """Run a whole training job; returns a summary (steps, final metrics, saved paths). ``recipe``: its roles and
+    phases (default: the config's, :func:`~.recipes.recipe_for`).
 
     In the main thread, SIGTERM is preemption (:class:`~.failures.Preemption`): the step running finishes, a
     checkpoint is saved, then :class:`~.failures.Terminated` (a KeyboardInterrupt) is raised; a lost Ray GCS ends the
     run at once with :class:`~.failures.ClusterLost`. However it ends, the roles, engines, a Ray started here and
     every process they started on this node (:mod:`hybrid_core.run_processes`) are ended before it returns."""
-    prep = prepare(config)
+    prep = prepare(config, recipe)
     try:
         return _train_prepared(config, prep, callbacks)
     finally:
@@ -350,14 +355,11 @@ class TrainingSession:
         from hybrid_core.stacks import DIR_ENV
         from hybrid_core.turnstile import Turnstile
         from hybrid_engines.ray_engines import launch_engines
+        from hybrid_engines.weight_sync import WeightSync
 
         from hybrid_algos.kl import make_kl_controller
 
         from .rewards import RewardScorer
-        from .weight_sync import WeightSync
-        from .workers.critic import CriticWorker
-        from .workers.frozen import ReferenceWorker, RewardModelWorker
-        from .workers.policy import PolicyWorker
 
         cfg, prep, plan = self.config, self.prep, self.prep.plan
         timeout = cfg.call_timeout_s
@@ -373,28 +375,17 @@ class TrainingSession:
         def role(name: str, cls: type):
             return RoleGroup(name, cls, self.placed, cfg, self.log_dir, timeout_s=timeout)
 
-        self.actor = role("actor", PolicyWorker)
-        self.groups.append(self.actor)
-        self.critic = self.reference = self.reward_model = None
-        if "critic" in plan.roles:
-            self.critic = role("critic", CriticWorker)
-            self.groups.append(self.critic)
-        if "reference" in plan.roles:
-            self.reference = role("reference", ReferenceWorker)
-            self.groups.append(self.reference)
-        if "reward" in plan.roles:
-            self.reward_model = role("reward", RewardModelWorker)
-            self.groups.append(self.reward_model)
+        # One role group per worker role of the recipe (trainers and frozen models; the engines come below)
+        self.roles = {spec.name: role(spec.name, spec.worker_class()) for spec in prep.recipe.workers}
+        self.groups.extend(self.roles.values())
+        self.actor = self.roles["actor"]
+        self.critic = self.roles.get("critic")  # the other trainer, if any: checkpoints save both
 
         # Models load concurrently; DeepSpeed roles rendezvous on their rank 0's node (the frozen ones too: under
         # ZeRO-3 they are sharded over their ranks, workers/zero3_frozen.py; otherwise they leave the address unused).
         pending = []
-        for group, path in ((self.actor, prep.model_path), (self.critic, cfg.critic_pretrain or cfg.reward_pretrain or prep.model_path),
-                            (self.reference, prep.model_path), (self.reward_model, cfg.reward_pretrain)):
-            if group is None:
-                continue
-            import ray
-
+        for spec in prep.recipe.workers:
+            group, path = self.roles[spec.name], spec.model_folder(cfg, prep.model_path)
             from hybrid_core import rendezvous
 
             # loopback when the whole group is on one node (every listener binds it), else rank 0's cluster address
@@ -437,9 +428,9 @@ class TrainingSession:
         self.owner.add_role("rollout", self.engines)
         clock.lap("engines started")
 
-        self.weight_sync = WeightSync(prep.sync_mode, self.actor, self.engines, plan,
-                                      bucket_bytes=cfg.weight_sync_bucket_mb << 20, backend=_sync_backend(cfg),
-                                      timeout_s=timeout, verify=cfg.verify_weight_sync)
+        self.weight_sync = WeightSync(prep.sync.mode, self.actor, self.engines, plan,
+                                      bucket_bytes=cfg.weight_sync_bucket_mb << 20, backend=prep.sync.group_backend,
+                                      transport=prep.sync.transport, timeout_s=timeout, verify=cfg.verify_weight_sync)
         self.weight_sync.setup()
         clock.lap("weight sync ready")
 
@@ -458,32 +449,23 @@ class TrainingSession:
             self.agent = AgentRollout(prep.agent, cfg, tok, context_limit=_max_positions(prep.model_path))
         self.ctx = StepContext(
             config=cfg, actor=self.actor, engines=self.engines, weight_sync=self.weight_sync, reward=self.reward,
-            residency=self.owner, pad_id=tok.pad_token_id, critic=self.critic, reference=self.reference,
-            reward_model=self.reward_model, kl_controller=kl_controller, on_phases=self.timeline,
+            residency=self.owner, pad_id=tok.pad_token_id, roles=self.roles, recipe=prep.recipe,
+            kl_controller=kl_controller, on_phases=self.timeline,
             prompt_pool=prep.prompts, agent=self.agent)
         if prep.resume_from is not None:
             self._resume(prep.resume_from)
 
     def _engine_kwargs(self) -> dict[str, Any]:
+        """Every engine's constructor arguments: the adapter's own (``engine_kwargs(settings, plan)``) from the
+        config's engine section and what the run's plan says of the engines."""
+        from hybrid_engines.adapter import EnginePlan
+        from hybrid_engines.registry import engine_spec
+
         cfg = self.config
-        kwargs: dict[str, Any] = {"model": self.prep.model_path, "seed": cfg.seed,
-                                  "trust_remote_code": cfg.trust_remote_code}  # vLLM / SGLang take it as is
-        if cfg.backend == "sglang":  # SGLang honours seeds only in its slower deterministic mode: only when seeding
-            kwargs["deterministic"] = self.seeded_sampling()
-        if cfg.backend == "hf":  # the built-in engine pauses at a weight update whatever it was built with
-            kwargs["dtype"] = "bfloat16" if cfg.bf16 else "float32"
-            return kwargs
-        # vLLM / SGLang: every engine setting, with or without partial rollouts (the planner budgeted these values)
-        kwargs.update(tensor_parallel_size=cfg.vllm_tensor_parallel_size,
-                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-                      enable_prefix_caching=cfg.enable_prefix_caching, dtype="bfloat16" if cfg.bf16 else "auto",
-                      max_model_len=self.prep.max_model_len,
-                      # sleep mode (vLLM's own allocator) whenever the engines share a GPU: the residency plan
-                      # may free their KV cache or weights, and a refined plan may start to
-                      enable_sleep_mode=bool(self.prep.plan.shared_gpus("rollout")))
-        if cfg.partial_rollout:  # only adds: generation goes through the adapters' pausable paths
-            kwargs["pausable"] = True
-        return kwargs
+        plan = EnginePlan(model_path=self.prep.model_path, max_model_len=self.prep.max_model_len,
+                          shares_gpus=bool(self.prep.plan.shared_gpus("rollout")),
+                          seeded_sampling=self.seeded_sampling(), partial_rollout=cfg.partial_rollout)
+        return engine_spec(cfg.backend).engine_kwargs(cfg.engine_settings(), plan)
 
     def _call_all(self, calls) -> list:
         from hybrid_core.remote import get_all_with_timeout
@@ -648,7 +630,7 @@ class TrainingSession:
             used[gpu] = reading.total - reading.free
         result = refine_plan(plan, used, phase=owner.phase, on_gpu=owner.on_gpu(), after_step=after_step,
                              replan=lambda overhead: replan(self.config, plan.layout, plan.gpu_bytes,
-                                                            overhead=overhead, host=plan.host))
+                                                            overhead=overhead, host=plan.host, phases=plan.phases))
         metrics = {"residency/overhead_gib": result.largest / 2**30, "residency/replanned": float(result.changed)}
         if not result.replanned:
             return metrics
@@ -714,7 +696,8 @@ class TrainingSession:
         def save_roles(folder: str) -> None:
             for group in (self.actor, self.critic):
                 if group is not None:
-                    self.owner.to_phase_state(_train_phase(group.role))  # DeepSpeed saves from the GPU
+                    # DeepSpeed saves from the GPU
+                    self.owner.to_phase_state(_train_phase(self.prep.recipe, group.role))
                     group.call("save_checkpoint", os.path.join(folder, group.role), "state")
 
         return self.ckpt.save(next_step, save_roles, self.driver_state(next_step))
@@ -724,7 +707,7 @@ class TrainingSession:
         path, state = point.path, point.state
         for group in (self.actor, self.critic):
             if group is not None:
-                self.owner.to_phase_state(_train_phase(group.role))  # DeepSpeed loads into the GPU
+                self.owner.to_phase_state(_train_phase(self.prep.recipe, group.role))  # DeepSpeed loads into the GPU
                 group.call("load_checkpoint", os.path.join(path, group.role), "state")
         if self.ctx.kl_controller is not None and state["kl"] is not None:
             self.ctx.kl_controller.load_state_dict(state["kl"])
@@ -825,13 +808,6 @@ def _refines_after(steps_done: int) -> bool:
     return steps_done & (steps_done + 1) == 0
 
 
-def _train_phase(role: str) -> str:
-    return "actor_train" if role == "actor" else "critic_train"
-
-
-def _sync_backend(cfg: RLConfig) -> str:
-    """The broadcast group's backend: --vllm_sync_backend (nccl when unset) with CUDA, gloo without (the ipc path,
-    chosen for engines on the actor's GPUs, has no group: prepare notes an explicit flag it does not use)."""
-    from .weight_sync import sync_backend
-
-    return sync_backend(cfg)
+def _train_phase(recipe: Any, role: str) -> str:
+    """The phase in which a trainer holds all it trains with (DeepSpeed saves and loads its checkpoint there)."""
+    return recipe.train_phase(role)

@@ -37,11 +37,6 @@ def claim(run_dir: str, names: list[str] | tuple[str, ...]) -> None:
     _write(run_dir, sorted(items))
 
 
-def unclaim(run_dir: str, names: list[str] | tuple[str, ...]) -> None:
-    items = claimed(run_dir) - set(names)
-    _write(run_dir, sorted(items))
-
-
 def has_content(path: str) -> bool:
     """Whether ``path`` holds anything to lose: a non-empty file, or a folder with such a file somewhere in it."""
     if os.path.isfile(path) or os.path.islink(path):

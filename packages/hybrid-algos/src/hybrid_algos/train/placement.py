@@ -1,8 +1,9 @@
 """The training config's layout: OpenRLHF counts (or RLinf-style ranges) -> a validated hybrid-core placement plan,
 and the memory budget -> the residency plan (what each role keeps on its GPUs in each phase).
 
-Roles the algorithm does not use get no GPUs: no critic unless the estimator is GAE, no reference without a KL
-term (``init_kl_coef`` 0, with or without ``use_kl_loss``), no reward model with a rule-based reward. The CLI's
+The roles come from the run's recipe (:mod:`.recipes`); roles it does not use get no GPUs: no critic unless the
+estimator reads critic values, no reference without a KL term (``init_kl_coef`` 0, with or without ``use_kl_loss``),
+no reward model with a rule-based reward. The residency planner gets the recipe's phases and role kinds. The CLI's
 ``--dry-run`` prints exactly these two plans. ``vllm_num_engines`` 0 puts one engine on each actor GPU (OpenRLHF:
 generate with the actor). Under ``--zero_stage 3`` the reference and reward model are sharded over their GPUs, as
 OpenRLHF shards them (the memory model counts 1/N of their weights per GPU; ``workers/zero3_frozen.py`` shards them).
@@ -12,28 +13,39 @@ from __future__ import annotations
 
 from typing import Any
 
+from hybrid_core.errors import ConfigError
 from hybrid_core.placement import PlacementPlan, PlacementSpec
 from hybrid_core.residency import (GiB, HostBudget, ModelShape, ResidencyPlan, Workload, build_layout, local_budget,
                                    model_shape, plan_residency)
 from hybrid_core.residency.planner import check_sleepers
 
 from .config import RLConfig
+from .recipe import Recipe
+from .recipes import RECIPES, recipe_for
 
 #: The budget's GPU size when neither --gpu_memory_gb nor a local GPU says (an H100 / A100 80GB).
 DEFAULT_GPU_GIB = 80.0
 
 
-def build_plan(cfg: RLConfig) -> PlacementPlan:
+def build_plan(cfg: RLConfig, recipe: Recipe | None = None) -> PlacementPlan:
+    """The placement of ``recipe``'s roles (default: the config's, :func:`~.recipes.recipe_for`)."""
+    recipe = recipe or recipe_for(cfg)
     if cfg.placement is not None:
-        roles = {role: rng for role, rng in cfg.placement.items() if _role_used(cfg, role)}
+        roles = {role: rng for role, rng in cfg.placement.items() if _role_used(recipe, role)}
+        stray = [role for role in roles if not recipe.has(role)]
+        if stray:
+            raise ConfigError(f"placement.{stray[0]}", f"the {recipe.name} recipe has no role {stray[0]!r} (its roles: "
+                              f"{', '.join(r.name for r in recipe.roles)}).", "Give GPU ranges to those roles only.")
         return PlacementSpec.from_ranges(roles, tp={"rollout": cfg.vllm_tensor_parallel_size},
                                          gpus_per_node=cfg.gpus_per_node).plan()
     return PlacementSpec.from_counts(
         actor_num_nodes=cfg.actor_num_nodes, actor_num_gpus_per_node=cfg.actor_num_gpus_per_node,
-        critic_num_nodes=cfg.critic_num_nodes, critic_num_gpus_per_node=cfg.critic_num_gpus_per_node if cfg.uses_critic else 0,
-        ref_num_nodes=cfg.ref_num_nodes, ref_num_gpus_per_node=cfg.ref_num_gpus_per_node if cfg.uses_reference else 0,
+        critic_num_nodes=cfg.critic_num_nodes,
+        critic_num_gpus_per_node=cfg.critic_num_gpus_per_node if recipe.has("critic") else 0,
+        ref_num_nodes=cfg.ref_num_nodes,
+        ref_num_gpus_per_node=cfg.ref_num_gpus_per_node if recipe.has("reference") else 0,
         reward_num_nodes=cfg.reward_num_nodes,
-        reward_num_gpus_per_node=cfg.reward_num_gpus_per_node if cfg.reward_pretrain else 0,
+        reward_num_gpus_per_node=cfg.reward_num_gpus_per_node if recipe.has("reward") else 0,
         vllm_num_engines=cfg.vllm_num_engines or cfg.actor_world_size,
         vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size if cfg.vllm_num_engines else 1,
         colocate_all_models=cfg.colocate_all_models, colocate_actor_ref=cfg.colocate_actor_ref,
@@ -42,14 +54,11 @@ def build_plan(cfg: RLConfig) -> PlacementPlan:
     ).plan()
 
 
-def _role_used(cfg: RLConfig, role: str) -> bool:
-    if role == "critic":
-        return cfg.uses_critic
-    if role == "reference":
-        return cfg.uses_reference
-    if role == "reward":
-        return cfg.reward_pretrain is not None
-    return True
+def _role_used(recipe: Recipe, role: str) -> bool:
+    """A --placement range is kept unless it names a built-in role this run's recipe dropped (any other name goes on
+    to the placement's own checks)."""
+    builtin = {r.name for base in RECIPES.values() for r in base.roles}
+    return recipe.has(role) or role not in builtin
 
 
 # ---- residency ------------------------------------------------------------------------------------------------------
@@ -78,29 +87,31 @@ def host_memory(cfg: RLConfig, gpus_per_node: int | None = None) -> HostBudget:
 
 def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | None, *, prompt_len: int,
                     generate_len: int, gpu_bytes: float | None = None,
-                    host: HostBudget | None = None) -> tuple[ResidencyPlan, RLConfig]:
+                    host: HostBudget | None = None, recipe: Recipe | None = None) -> tuple[ResidencyPlan, RLConfig]:
     """The residency plan for this run, and the config the roles are built with (the planner may keep an optimizer
     in host memory: then ``adam_offload`` is on). ``prompt_len`` + ``generate_len``: the longest sequence. ``host``:
-    each node's host memory (default: :func:`host_memory`); ``plan.check()`` refuses a plan that overfills it."""
+    each node's host memory (default: :func:`host_memory`); ``plan.check()`` refuses a plan that overfills it.
+    ``recipe``: the run's roles and phases (default: the config's, :func:`~.recipes.recipe_for`)."""
+    recipe = recipe or recipe_for(cfg)
     if gpu_bytes is None:
         gpu_bytes, _ = gpu_memory(cfg)
     if host is None:
         host = host_memory(cfg, placement.gpus_per_node)
-    shapes = role_models(cfg, list(placement.roles), model_path)
+    shapes = role_models(cfg, list(placement.roles), model_path, recipe)
     notes = []
     # the roles ZeRO-3 shards: the trainers, and the frozen models too (as OpenRLHF's inference engines do)
-    sharded = [placement.roles[r] for r in ("actor", "critic", "reference", "reward") if r in placement.roles]
+    sharded = [placement.roles[r.name] for r in recipe.workers if r.name in placement.roles]
     plan = None
     if cfg.zero_stage == 3 and all(t.world_size == 1 for t in sharded):
         # ZeRO-3 splits states across ranks; with one rank there is nothing to split, the same bytes stay on the GPU,
         # and every layer is still gathered and released around each use (measured: train 0.96 s vs 0.27 s at 357M).
         demoted = cfg.replace(zero_stage=1)
-        plan = _plan(demoted, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
+        plan = _plan(demoted, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
         kept = None
         if _cpu_adam(plan) and not cfg.adam_offload:
             # ZeRO-1's optimizer step flattens all the gradients into a second copy at once, ZeRO-3's one sub-group
             # at a time: where that keeps the optimizer on the GPU, ZeRO-3's gathers cost less than CPU Adam's steps
-            kept = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
+            kept = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
             kept = kept if kept.fits() and not _cpu_adam(kept) else None
         if kept is None:
             cfg = demoted
@@ -112,13 +123,13 @@ def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | N
                          "would keep the optimizer in host memory: its step holds a flat copy of all the gradients "
                          "at once, ZeRO-3's one sub-group at a time)")
     if plan is None:
-        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
+        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
     if cfg.bf16_master_weights:
         notes.append(bf16_update_note(cfg))
     if _cpu_adam(plan) and not cfg.adam_offload:
         cfg = cfg.replace(adam_offload=True)  # DeepSpeed's CPU Adam: the optimizer state never enters the GPU
         notes += plan.notes
-        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host)
+        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
     plan.notes[:0] = notes
     return plan, cfg
 
@@ -138,14 +149,20 @@ def _cpu_adam(plan: ResidencyPlan) -> bool:
     return any(m == "host" for (_, s), m in plan.moves.items() if s == "optimizer")
 
 
-def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host) -> ResidencyPlan:
-    layout = build_layout(placement, shapes, workload(cfg, prompt_len, generate_len), gpu_bytes)
-    return replan(cfg, layout, gpu_bytes, host=host)
+def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe: Recipe) -> ResidencyPlan:
+    phases = recipe.residency_phases()
+    layout = build_layout(placement, shapes, workload(cfg, prompt_len, generate_len), gpu_bytes, kinds=recipe.kinds,
+                          phases=phases)
+    return replan(cfg, layout, gpu_bytes, host=host, phases=phases)
 
 
-def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None, host: HostBudget | None = None) -> ResidencyPlan:
+def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None, host: HostBudget | None = None,
+           phases=None) -> ResidencyPlan:
     """The plan for a sized layout under this config's residency settings (``overhead``: bytes measured per GPU
-    beyond the model, by a run's first step; ``host``: each node's host memory, shown and checked by the plan)."""
+    beyond the model, by a run's first step; ``host``: each node's host memory, shown and checked by the plan;
+    ``phases``: the step, default the config's recipe's -- a refinement passes the plan's own)."""
+    if phases is None:
+        phases = recipe_for(cfg).residency_phases()
     settings = cfg.residency_settings()
     present = {s.role for shares in layout.values() for s in shares}
     pins = {k: v for k, v in settings["flag_pins"].items() if k[0] in present}  # the flags speak for both trainers
@@ -154,7 +171,7 @@ def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None, host: HostBud
     sleeping = sleeping_roles(cfg, present, shared)
 
     def plan(pins):
-        return plan_residency(layout, gpu_bytes, mode=settings["mode"], pins=pins, sleep_roles=sleeping,
+        return plan_residency(layout, gpu_bytes, phases=phases, mode=settings["mode"], pins=pins, sleep_roles=sleeping,
                               engine_sleep_level=settings["engine_sleep_level"],
                               usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1, overhead=overhead,
                               sleep_fields=SLEEP_FLAGS, host=host)
@@ -226,19 +243,16 @@ def hf_config(path: str | None, cfg: RLConfig) -> Any:
     return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
 
 
-def role_models(cfg: RLConfig, roles: list[str], model_path: str | None = None) -> dict[str, ModelShape]:
-    """The model shape of each role (policy models with an LM head; critic and reward model with a value head)."""
+def role_models(cfg: RLConfig, roles: list[str], model_path: str | None = None,
+                recipe: Recipe | None = None) -> dict[str, ModelShape]:
+    """The model shape of each role: of the folder its recipe entry loads (``RoleSpec.model``; the engines: the
+    policy's), with a value head where the entry says so (critic, reward model)."""
+    recipe = recipe or recipe_for(cfg)
     policy_path = model_path if model_path is not None else cfg.pretrain
-    policy = model_shape(hf_config(policy_path, cfg), trust_remote_code=cfg.trust_remote_code)
-    out = {}
+    out: dict[str, ModelShape] = {}
     for role in roles:
-        if role == "reward":
-            out[role] = model_shape(hf_config(cfg.reward_pretrain, cfg), value_head=True,
-                                    trust_remote_code=cfg.trust_remote_code)
-        elif role == "critic":
-            source = cfg.critic_pretrain or cfg.reward_pretrain or policy_path
-            out[role] = model_shape(hf_config(source, cfg) if source else hf_config(None, cfg), value_head=True,
-                                    trust_remote_code=cfg.trust_remote_code)
-        else:
-            out[role] = policy
+        spec = recipe.role(role)
+        source = policy_path if spec.kind == "engine" else spec.model_folder(cfg, policy_path)
+        out[role] = model_shape(hf_config(source, cfg), value_head=spec.value_head,
+                                trust_remote_code=cfg.trust_remote_code)
     return out

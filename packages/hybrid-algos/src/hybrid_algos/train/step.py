@@ -1,4 +1,5 @@
-"""One training step, phase by phase, as the hybrid engine runs it on shared GPUs.
+"""One training step: the run's recipe's phases (:mod:`.recipe`, :mod:`.recipes`), in order, each run by its function
+in :data:`PHASES`. PPO's step, as the hybrid engine runs it on shared GPUs:
 
     generate      the engines sample n completions per prompt (or n conversations with an environment: agents/)
     reward        a rule function on the driver, or the reward model
@@ -13,12 +14,16 @@ Before each phase the residency owner (:class:`hybrid_core.residency.ResidencyOw
 that moves state on or off a GPU. Right after generating, the owner is told the next GPU phase at once, so what
 leaves the GPUs then (the engines' KV cache, say) is released while the driver scores the rewards. Every phase's
 seconds and bytes go into the step's timeline.
+
+A phase function takes ``(ctx, state)`` -- the run's :class:`StepContext` and the step's :class:`StepState`, whose
+rollout it reads and extends -- and is registered by name (``@phase("teacher_logprobs")``); a recipe's
+``PhaseSpec.run`` names it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -38,17 +43,34 @@ class StepContext:
     config: Any
     actor: Any  # hybrid_core.roles.RoleGroup of PolicyWorker
     engines: Any  # hybrid_engines EngineGroup
-    weight_sync: Any  # WeightSync (train/weight_sync.py)
+    weight_sync: Any  # hybrid_engines.weight_sync.WeightSync
     reward: RewardScorer
     residency: Any  # hybrid_core.residency.ResidencyOwner: every sleep and wake of the run goes through it
     pad_id: int
-    critic: Any | None = None
-    reference: Any | None = None
-    reward_model: Any | None = None
+    roles: dict[str, Any] = field(default_factory=dict)  # name -> RoleGroup: every worker role of the recipe
+    recipe: Any = None  # recipe.Recipe: the phases the step runs, in order (None: the config's, recipes.recipe_for)
     kl_controller: Any | None = None
     on_phases: Callable[[int, list], Any] | None = None  # gets (step, [(phase, start, end), ...]): timeline.py
     prompt_pool: list | None = None  # every prompt: dynamic sampling (dynamic_sampling.py) draws extra ones here
     agent: Any | None = None  # agents.AgentRollout: samples are multi-turn conversations with an environment
+
+    def __post_init__(self) -> None:
+        if self.recipe is None:
+            from .recipes import recipe_for
+
+            self.recipe = recipe_for(self.config)
+        first = self.recipe.phases[0] if self.recipe.phases else None
+        if first is None or first.function != "generate":
+            raise ValueError(f"recipe {self.recipe.name}: a step starts with its rollout (a phase that runs "
+                             f"'generate'), not {first.function if first else 'nothing'!r}")
+        unknown = [p.function for p in self.recipe.phases[1:] if p.function not in PHASES]
+        if unknown:
+            raise ValueError(f"recipe {self.recipe.name}: no phase function {', '.join(map(repr, unknown))} in "
+                             f"step.PHASES ({', '.join(PHASES)}); register it with @phase(name)")
+
+    def role(self, name: str) -> Any | None:
+        """The role group ``name``, or None when this run has no such role."""
+        return self.roles.get(name)
 
     def enter(self, phase: str, timer: PhaseTimer) -> None:
         """Make the GPUs ready for ``phase`` (a phase of a role this run does not have is skipped)."""
@@ -64,13 +86,47 @@ class StepContext:
         return names[(names.index(phase) + 1) % len(names)]
 
 
+@dataclass
+class StepState:
+    """One step's data as its phases pass it on: the rollout each phase extends, and what the step reports."""
+
+    step: int
+    sampled: Any  # dynamic_sampling.Sampled: prompts, outputs, scores from the rollout (an environment's, or None)
+    sampling: Any  # hybrid_engines SamplingParams of the step
+    timer: PhaseTimer
+    rollout: Rollout
+    sync: Callable[[], Any] | None = None  # asynchronous training's weight update (None: the weight sync's own)
+    kl_coef: float = 0.0
+    raw_scores: torch.Tensor | None = None
+    adv_stats: dict[str, float] = field(default_factory=dict)
+    actor_stats: list[dict] = field(default_factory=list)
+    critic_stats: list[dict] = field(default_factory=list)
+    shaping: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # a phase's own metrics (added to the step's)
+    extras: dict[str, Any] = field(default_factory=dict)  # what a phase leaves for a later one (beyond the rollout)
+
+
+#: phase function name -> fn(ctx, state): what a recipe's PhaseSpec.run names
+PHASES: dict[str, Callable[[StepContext, StepState], None]] = {}
+
+
+def phase(name: str) -> Callable:
+    """Register a phase function under ``name`` (the ``run`` of the recipe phases that call it)."""
+    def register(fn: Callable[[StepContext, StepState], None]) -> Callable[[StepContext, StepState], None]:
+        if name in PHASES and PHASES[name] is not fn:
+            raise ValueError(f"a phase function {name!r} is registered already")
+        PHASES[name] = fn
+        return fn
+    return register
+
+
 def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict[str, float], Rollout]:
     """Run one step on ``prompts`` (a list of ``Prompt``); returns its metrics and the scored rollout."""
     timer = PhaseTimer()
     t0 = time.perf_counter()
 
-    # ---- rollout ---------------------------------------------------------------------------------------------------
-    ctx.enter("generate", timer)
+    # ---- rollout: the recipe's first phase -------------------------------------------------------------------
+    ctx.enter(ctx.recipe.phases[0].name, timer)
     with timer.phase("generate"):
         sampled = sample_rollout(ctx, step, prompts, sampling)  # DAPO dynamic sampling: dynamic_sampling.py
     return train_on(ctx, step, sampled, sampling, timer, t0)
@@ -78,72 +134,96 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
 
 def train_on(ctx: StepContext, step: int, sampled, sampling, timer: PhaseTimer, t0: float,
              sync: Callable[[], Any] | None = None) -> tuple[dict[str, float], Rollout]:
-    """Everything of a step after generation: rewards, inference, the update and the weight sync. Asynchronous
-    training (:mod:`.async_rollout`) calls it on a batch generated earlier, with its own ``sync`` (the weight update
-    at the boundary between batches)."""
+    """Every phase of the step after generation (rewards, inference, the update, the weight sync: the recipe's
+    phases after its first, in order). Asynchronous training (:mod:`.async_rollout`) calls it on a batch generated
+    earlier, with its own ``sync`` (the weight update at the boundary between batches)."""
     cfg = ctx.config
-    prompts, outputs = sampled.prompts, sampled.outputs
-    rollout = sampled.rollout(ctx.pad_id)  # multi-turn samples: the environment's tokens are masked out
-    ctx.enter(ctx.after("generate"), timer)  # what leaves the GPUs now goes while the driver scores
+    state = StepState(step, sampled, sampling, timer, sampled.rollout(ctx.pad_id), sync=sync,
+                      kl_coef=ctx.kl_controller.value if ctx.kl_controller is not None else 0.0)
+    # multi-turn samples: the environment's tokens are masked out of the rollout
+    ctx.enter(ctx.after(ctx.recipe.phases[0].name), timer)  # what leaves the GPUs now goes while the driver scores
+    for spec in ctx.recipe.phases[1:]:
+        ctx.enter(spec.name, timer)  # the engines' weights come back (guarded) for the sync if the plan took them
+        PHASES[spec.function](ctx, state)
 
-    # ---- rewards, reference, critic ------------------------------------------------------------------------------
-    with timer.phase("reward"):
-        scores = sampled.scores
-        if scores is None and ctx.reward_model is None:
-            scores = ctx.reward.score(prompts, outputs)
-    if ctx.reward_model is not None:
-        rm = ctx.reward_model
-        ctx.enter("reward", timer)
-        with timer.phase("infer"):
-            scores = torch.cat(rm.call_sharded("scores", rollout.split(rm.world_size)))
-    raw_scores = scores
-    scores, sample_mask, shaping = shape_rewards(cfg, outputs, scores, sampling.max_new_tokens)  # DAPO overlong
-    rollout = rollout.with_(scores=ctx.reward.normalize(scores), sample_mask=sample_mask)
-    if ctx.reference is not None:
-        ref = ctx.reference
-        ctx.enter("reference", timer)
-        with timer.phase("infer"):
-            rollout = rollout.with_(ref_logprobs=torch.cat(ref.call_sharded("logprobs", rollout.split(ref.world_size))))
-    if ctx.critic is not None:
-        critic = ctx.critic
-        ctx.enter("critic_infer", timer)
-        with timer.phase("infer"):
-            rollout = rollout.with_(values=torch.cat(critic.call_sharded("values", rollout.split(critic.world_size))))
-
-    # ---- actor: old log-probs, advantages, update, weight sync --------------------------------------------------
-    actor = ctx.actor
-    kl_coef = ctx.kl_controller.value if ctx.kl_controller is not None else 0.0
-    recompute_old = cfg.needs_old_logprobs  # else train uses its own pre-update log-probs (see the config)
-    ctx.enter("actor_train", timer)
-    if recompute_old:
-        with timer.phase("infer"):
-            old = actor.call_sharded("logprobs", rollout.split(actor.world_size))
-            rollout = rollout.with_(old_logprobs=torch.cat(old))
-    rollout, adv_stats = advantages_for(cfg, rollout, kl_coef)
-    with timer.phase("train"):
-        actor_stats = actor.call_sharded("train", rollout.split(actor.world_size), step, kl_coef)
-    ctx.enter("sync", timer)  # the engines' weights come back (guarded) if the plan took them off
-    with timer.phase("sync"):
-        sync_stats = ctx.weight_sync.sync(wake_engines=False) if sync is None else sync()
-    timer.bytes["sync"] = timer.bytes.get("sync", 0) + sync_stats.bytes
-    critic_stats: list[dict] = []
-    if ctx.critic is not None:
-        critic = ctx.critic
-        ctx.enter("critic_train", timer)
-        with timer.phase("train"):
-            critic_stats = critic.call_sharded("train", rollout.split(critic.world_size), step)
-
-    metrics = _metrics(step, rollout, adv_stats, actor_stats, critic_stats, timer, kl_coef)
-    metrics["actor/old_logprobs_recomputed"] = float(recompute_old)
-    metrics["reward"] = raw_scores.float().mean().item()
+    rollout = state.rollout
+    metrics = _metrics(step, rollout, state.adv_stats, state.actor_stats, state.critic_stats, timer, state.kl_coef)
+    metrics["actor/old_logprobs_recomputed"] = float(cfg.needs_old_logprobs)
+    if state.raw_scores is not None:
+        metrics["reward"] = state.raw_scores.float().mean().item()
     metrics.update(sampled.metrics)  # with dynamic sampling, "reward" is over every sample generated, not only kept
-    metrics.update(shaping)
+    metrics.update(state.shaping)
+    metrics.update(state.metrics)
     metrics["time/step"] = time.perf_counter() - t0
     if ctx.kl_controller is not None:
         ctx.kl_controller.update(metrics["kl_seq"], rollout.batch_size)
     if ctx.on_phases is not None:
         ctx.on_phases(step, timer.spans)
     return metrics, rollout
+
+
+# ---- the phases ------------------------------------------------------------------------------------------------
+@phase("reward")
+def _reward(ctx: StepContext, s: StepState) -> None:
+    """Scores: the rollout's own (an environment's), else the rule function on the driver, else the reward model;
+    then DAPO's overlong shaping and the normalisation."""
+    prompts, outputs = s.sampled.prompts, s.sampled.outputs
+    rm = ctx.role("reward")
+    with s.timer.phase("reward"):
+        scores = s.sampled.scores
+        if scores is None and rm is None:
+            scores = ctx.reward.score(prompts, outputs)
+    if rm is not None:
+        with s.timer.phase("infer"):
+            scores = torch.cat(rm.call_sharded("scores", s.rollout.split(rm.world_size)))
+    s.raw_scores = scores
+    scores, sample_mask, s.shaping = shape_rewards(ctx.config, outputs, scores, s.sampling.max_new_tokens)
+    s.rollout = s.rollout.with_(scores=ctx.reward.normalize(scores), sample_mask=sample_mask)
+
+
+@phase("reference")
+def _reference_logprobs(ctx: StepContext, s: StepState) -> None:
+    """The reference model's log-probs of the rollout's tokens (the KL term's other side)."""
+    ref = ctx.role("reference")
+    with s.timer.phase("infer"):
+        logprobs = ref.call_sharded("logprobs", s.rollout.split(ref.world_size))
+        s.rollout = s.rollout.with_(ref_logprobs=torch.cat(logprobs))
+
+
+@phase("critic_infer")
+def _critic_values(ctx: StepContext, s: StepState) -> None:
+    critic = ctx.role("critic")
+    with s.timer.phase("infer"):
+        values = critic.call_sharded("values", s.rollout.split(critic.world_size))
+        s.rollout = s.rollout.with_(values=torch.cat(values))
+
+
+@phase("actor_train")
+def _actor_train(ctx: StepContext, s: StepState) -> None:
+    """Old log-probs (when the config needs them), advantages, the actor's update."""
+    actor, cfg = ctx.actor, ctx.config
+    if cfg.needs_old_logprobs:  # else train uses its own pre-update log-probs (see the config)
+        with s.timer.phase("infer"):
+            old = actor.call_sharded("logprobs", s.rollout.split(actor.world_size))
+            s.rollout = s.rollout.with_(old_logprobs=torch.cat(old))
+    s.rollout, s.adv_stats = advantages_for(cfg, s.rollout, s.kl_coef)
+    with s.timer.phase("train"):
+        s.actor_stats = actor.call_sharded("train", s.rollout.split(actor.world_size), s.step, s.kl_coef)
+
+
+@phase("sync")
+def _sync(ctx: StepContext, s: StepState) -> None:
+    """The actor's new weights into the engines (asynchronous training: its own update at the batch boundary)."""
+    with s.timer.phase("sync"):
+        sync_stats = ctx.weight_sync.sync(wake_engines=False) if s.sync is None else s.sync()
+    s.timer.bytes["sync"] = s.timer.bytes.get("sync", 0) + sync_stats.bytes
+
+
+@phase("critic_train")
+def _critic_train(ctx: StepContext, s: StepState) -> None:
+    critic = ctx.role("critic")
+    with s.timer.phase("train"):
+        s.critic_stats = critic.call_sharded("train", s.rollout.split(critic.world_size), s.step)
 
 
 def _mean_dicts(dicts: list[dict]) -> dict[str, float]:

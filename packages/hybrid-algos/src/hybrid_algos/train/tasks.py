@@ -4,7 +4,9 @@ A task's reward has the signature every ``--reward_fn module:function`` has::
 
     fn(prompts: list[str], completions: list[str], *, prompt_ids, completion_ids, labels) -> list[float]
 
-so the demo exercises the same reward path as a user's own verifiable reward.
+so the demo exercises the same reward path as a user's own verifiable reward. The multi-turn ``--task lookup``'s
+prompts are here too (:class:`LookupTask`); its environment, which scores the answers, is
+:mod:`hybrid_algos.train.agents.lookup`.
 """
 
 from __future__ import annotations
@@ -76,11 +78,42 @@ class SyntheticTask:
         return reward
 
 
-def task_from_config(config: Any) -> SyntheticTask:
+#: The most tokens a reply can have: the assistant's closing (when the turn was cut) + <sep> s_v.
+REPLY_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class LookupTask:
+    """Prompts of the lookup task (``prompt_symbols`` key symbols; the label is the hidden value's index). A
+    multi-turn task: its rules and its environment are in :mod:`hybrid_algos.train.agents.lookup`."""
+
+    name: str = "lookup"
+    num_symbols: int = 8
+    prompt_symbols: int = 1
+
+    @property
+    def answer_len(self) -> int:
+        return 1
+
+    def prompts(self, count: int, seed: int) -> list[Prompt]:
+        rng = random.Random(f"lookup:{seed}")
+        out = []
+        for _ in range(count):
+            key = [rng.randrange(self.num_symbols) for _ in range(self.prompt_symbols)]
+            value = rng.randrange(self.num_symbols)
+            ids = [BOS, *(FIRST_SYMBOL_ID + s for s in key), SEP]
+            text = " ".join(["<bos>", *(f"s{s}" for s in key), "<sep>"])
+            out.append(Prompt(ids, text, label=value))
+        return out
+
+    def response_budget(self, max_turns: int, turn_tokens: int) -> int:
+        """Tokens a whole conversation may need: every turn and every reply between them."""
+        return max_turns * turn_tokens + (max_turns - 1) * REPLY_TOKENS
+
+
+def task_from_config(config: Any) -> SyntheticTask | LookupTask:
     """The built-in task a config asks for (``task``, ``task_length`` symbols, the tiny model's symbol count)."""
     num_symbols = int(config.tiny_model.get("num_symbols", 8)) if config.tiny_model else 8
     if config.task == "lookup":  # a multi-turn task: its environment is in agents/lookup.py
-        from .agents.lookup import LookupTask
-
         return LookupTask(num_symbols=num_symbols, prompt_symbols=config.task_length)
     return SyntheticTask(config.task, num_symbols=num_symbols, prompt_symbols=config.task_length)

@@ -8,6 +8,7 @@ every chunk landed, before any memory is freed or used. On CPU the same calls ar
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class ChunkedCopier:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _on_side_stream(self):
+    def _on_side_stream(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def to_host(self, src: torch.Tensor, host: HostBuffer, host_offset: int) -> None:

@@ -11,7 +11,8 @@ buffers it merely drops (ZeRO-3's contiguous gradient bucket) are freed but not 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -91,7 +92,7 @@ class DeepSpeedOffloader:
         return TransferStats(self._bytes, time.perf_counter() - start, "deepspeed wake")
 
     # ---- state by state (residency) --------------------------------------------------------------------------------
-    def offload(self, states) -> TransferStats:
+    def offload(self, states: Sequence[str]) -> TransferStats:
         """Move ``states`` (any of "params", "grads", "optimizer") to host memory; the others stay on the GPU."""
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
@@ -112,7 +113,7 @@ class DeepSpeedOffloader:
         self._asleep = True
         return TransferStats(sum(moved.values()), time.perf_counter() - start, "deepspeed offload " + "+".join(todo))
 
-    def reload(self, states=None) -> TransferStats:
+    def reload(self, states: Sequence[str] | None = None) -> TransferStats:
         """Bring back what :meth:`offload` moved (DeepSpeed reloads every offloaded state at once)."""
         if not self._away:
             return TransferStats(0, 0.0, "deepspeed reload")

@@ -9,7 +9,7 @@ Callers see byte offsets into the flat range; :meth:`HostBuffer.pieces` splits a
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from ..stats import TransferStats
@@ -21,6 +22,6 @@ class StateMover(Protocol):
     """A role's states, moved by name for the residency owner (:mod:`hybrid_core.residency`): ``offload(["optimizer"])``
     moves those states to host memory, ``reload()`` brings back everything offloaded."""
 
-    def offload(self, states) -> TransferStats: ...
+    def offload(self, states: Sequence[str]) -> TransferStats: ...
 
-    def reload(self, states=None) -> TransferStats: ...
+    def reload(self, states: Sequence[str] | None = None) -> TransferStats: ...

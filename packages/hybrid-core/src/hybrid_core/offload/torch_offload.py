@@ -19,7 +19,9 @@ little slower, once.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,9 +29,12 @@ from ..errors import ConfigError, HybridError
 from ..stats import TransferStats
 from .chunked_copy import ChunkedCopier, byte_view
 from .host_buffers import HostBuffers, resolve_pin_memory
-from .tracked import Region, align_up, external_refs, group_regions, lay_out, tracked_tensors
+from .tracked import Region, TensorView, align_up, external_refs, group_regions, lay_out, tracked_tensors
 
 _ALIGN = 512  # bytes; keeps every tensor in a flat buffer as aligned as the caching allocator would
+
+#: which tensors lie where: entries (tensor id, (dtype, home index), byte offset, shape, stride)
+_Signature = frozenset[tuple[Any, ...]]
 
 
 class AsleepError(HybridError, RuntimeError):
@@ -55,7 +60,7 @@ class _Group:
     """One dtype's homes and which tensor views they hold (to detect changes at the next sleep)."""
 
     homes: list[_Home]
-    signature: frozenset
+    signature: _Signature
 
 
 class StateOffloader:
@@ -121,9 +126,9 @@ class StateOffloader:
         else:
             regions_by_dtype = group_regions(tracked)
             for dtype, regions in regions_by_dtype.items():
-                group = self._groups.get(dtype)
-                if group is not None and _signature(regions, dtype, group.homes) == group.signature:
-                    moved += self._homes_to_host(dtype, group.homes)
+                known = self._groups.get(dtype)
+                if known is not None and _signature(regions, dtype, known.homes) == known.signature:
+                    moved += self._homes_to_host(dtype, known.homes)
                 else:  # first sleep, or the tensors changed: copy region by region, re-home at wake
                     self._groups.pop(dtype, None)
                     total = lay_out(regions, _ALIGN)
@@ -172,11 +177,11 @@ class StateOffloader:
         return TransferStats(moved, time.perf_counter() - start, "wake")
 
     # ---- the residency owner's names: a plain torch role moves as one piece ----------------------------------------
-    def offload(self, states=("params",)) -> TransferStats:
+    def offload(self, states: Sequence[str] = ("params",)) -> TransferStats:
         """Everything this offloader manages leaves together (``states`` names it, e.g. a frozen model's "params")."""
         return self.sleep()
 
-    def reload(self, states=None) -> TransferStats:
+    def reload(self, states: Sequence[str] | None = None) -> TransferStats:
         return self.wake()
 
     def close(self) -> None:
@@ -195,8 +200,8 @@ class StateOffloader:
         if not self._groups or self._pending:
             return False
         home_of = {h.storage.data_ptr(): (dtype, i) for dtype, g in self._groups.items() for i, h in enumerate(g.homes)}
-        expected = frozenset().union(*(g.signature for g in self._groups.values()))
-        seen = set()
+        expected: _Signature = frozenset().union(*(g.signature for g in self._groups.values()))
+        seen: set[tuple[Any, ...]] = set()
         for t in tracked:
             storage = t.untyped_storage()
             if t.numel() == 0 or storage.nbytes() == 0:
@@ -223,7 +228,8 @@ class StateOffloader:
                 moved += n
         return moved
 
-    def _restore_regions(self, dtype: torch.dtype, regions: list[Region]):
+    def _restore_regions(self, dtype: torch.dtype, regions: list[Region]
+                         ) -> tuple[_Group, list[Region], torch.UntypedStorage | None]:
         """After a per-region sleep: regions go into one new flat buffer, except those of storages that something
         else also references, which are restored in place. Queues the copies; returns the new group."""
         host = self._host.buffers[dtype]
@@ -232,7 +238,8 @@ class StateOffloader:
             by_storage.setdefault(id(r.storage), []).append(r)
         homes: list[_Home] = []
         flat_regions: list[Region] = []
-        sig: list[tuple] = []  # (view, home index counting the flat buffer as 0) of storages restored in place
+        # (view, home index counting the flat buffer as 0) of storages restored in place
+        sig: list[tuple[TensorView, int]] = []
         for rs in by_storage.values():
             storage = rs[0].storage
             if _resizable(storage) and external_refs(storage, rs) > 0:
@@ -261,8 +268,8 @@ class StateOffloader:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _install_guards(self) -> list:
-        def refuse(*_args, **_kwargs):
+    def _install_guards(self) -> list[Any]:  # torch's RemovableHandles
+        def refuse(*_args: object, **_kwargs: object) -> None:
             if self._asleep:
                 raise AsleepError("the role's state is offloaded (asleep): call wake() before using it.")
 
@@ -274,10 +281,10 @@ class StateOffloader:
         return hooks
 
 
-def _signature(regions: list[Region], dtype: torch.dtype, homes: list[_Home]) -> frozenset | None:
+def _signature(regions: list[Region], dtype: torch.dtype, homes: list[_Home]) -> _Signature | None:
     """Which tensors lie where: (id, (dtype, home), byte offset, shape, stride); None if one is outside the homes."""
     home_of = {h.storage.data_ptr(): (dtype, i) for i, h in enumerate(homes)}
-    sig = []
+    sig: list[tuple[Any, ...]] = []
     for r in regions:
         home = home_of.get(r.storage.data_ptr())
         if home is None:
@@ -312,7 +319,7 @@ def _point_into(storage: torch.UntypedStorage, regions: list[Region]) -> None:
                 v.tensor.set_(storage, byte_offset // v.tensor.element_size(), v.shape, v.stride)
 
 
-def _first_param_device(module, optimizer) -> torch.device:
+def _first_param_device(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None) -> torch.device:
     params = list(module.parameters()) if module is not None else []
     if optimizer is not None:
         params += [p for g in optimizer.param_groups for p in g["params"]]

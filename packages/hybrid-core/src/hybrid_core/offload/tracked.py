@@ -10,8 +10,8 @@ that the tracked tensors cover in one storage. Moving regions instead of tensors
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
@@ -22,7 +22,7 @@ def tracked_tensors(module: torch.nn.Module | None, optimizer: torch.optim.Optim
     out: list[torch.Tensor] = []
     seen: set[int] = set()
 
-    def add(t) -> None:
+    def add(t: object) -> None:
         if isinstance(t, torch.Tensor) and t.device == device and id(t) not in seen:
             seen.add(id(t))
             out.append(t)
@@ -67,7 +67,7 @@ class TensorView:
     stride: tuple[int, ...]
 
     @classmethod
-    def of(cls, t: torch.Tensor) -> "TensorView":
+    def of(cls, t: torch.Tensor) -> TensorView:
         return cls(t, byte_extent(t)[0], tuple(t.shape), tuple(t.stride()))
 
 
@@ -137,4 +137,5 @@ def external_refs(storage: torch.UntypedStorage, regions: list[Region]) -> int:
     if use_count is None:
         return 0
     tensors = {id(v.tensor) for r in regions for v in r.views}
-    return max(use_count(storage._cdata) - len(tensors) - 1, 0)
+    uses: int = use_count(storage._cdata)
+    return max(uses - len(tensors) - 1, 0)

@@ -1,8 +1,6 @@
-"""Small checks shared by the two spec constructors: whole numbers, role-name sets, the cluster's size."""
+"""Small checks shared by the two spec constructors: whole numbers, the cluster's size."""
 
 from __future__ import annotations
-
-from typing import Iterable
 
 from ..errors import PlacementError
 
@@ -29,19 +27,6 @@ def cluster_size(cluster_gpus: int | None, gpus_per_node: int | None, num_nodes:
     if num_nodes is not None:
         return num_nodes * gpus_per_node  # type: ignore[operator]
     return None
-
-
-def role_set(roles: Iterable[str], field: str) -> set[str]:
-    """A set of role names (a lone string is one role, not its letters)."""
-    if isinstance(roles, str):  # "actor" would otherwise become {"a", "c", "t", ...}
-        roles = [roles]
-    out = set()
-    for role in roles:
-        if not isinstance(role, str):
-            raise PlacementError(field, f"expected role names, got {role!r}.",
-                                 "List role names as strings, e.g. ['actor', 'rollout'].")
-        out.add(role)
-    return out
 
 
 def require_int(value: object, field: str, *, minimum: int) -> int:

@@ -1,4 +1,4 @@
-"""OpenRLHF-style placement flags -> a :class:`PlacementSpec`.
+"""OpenRLHF-style placement flags -> the fields of a :class:`~hybrid_core.placement.PlacementSpec`.
 
 The rules follow OpenRLHF's launcher:
 
@@ -20,15 +20,12 @@ they are read by the residency planner (:mod:`hybrid_core.residency`), not here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..errors import PlacementError
 from .checks import cluster_size, require_int
 
-if TYPE_CHECKING:
-    from .spec import PlacementSpec
-
-#: The keyword arguments of :func:`spec_from_counts` that mirror OpenRLHF flags (handy to copy from an argparse
+#: The keyword arguments of :func:`spec_fields_from_counts` that mirror OpenRLHF flags (handy to copy from an argparse
 #: namespace: ``{k: getattr(args, k) for k in COUNT_FIELDS}``).
 COUNT_FIELDS = (
     "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
@@ -47,7 +44,7 @@ _COUNT_FLAGS = {
 _TRAINERS = ("actor", "critic")
 
 
-def spec_from_counts(
+def spec_fields_from_counts(
     *,
     actor_num_nodes: int = 1,
     actor_num_gpus_per_node: int = 1,
@@ -66,8 +63,10 @@ def spec_from_counts(
     cluster_gpus: int | None = None,
     num_nodes: int | None = None,
     engines_on_actor: bool = False,
-) -> PlacementSpec:
-    """Translate OpenRLHF placement flags into a spec (roles: actor, rollout, critic, reference, reward).
+) -> dict[str, Any]:
+    """Translate OpenRLHF placement flags into a spec's fields (roles: actor, rollout, critic, reference, reward):
+    ``PlacementSpec.from_counts(**flags)`` is ``PlacementSpec(**spec_fields_from_counts(**flags))``. (Fields, not the
+    spec: this module sits below :mod:`.spec`, which builds the spec from them.)
 
     ``gpus_per_node`` is the cluster's GPUs per node (a role's GPUs-per-node may not exceed it; engines may not
     straddle nodes); the cluster size is ``cluster_gpus`` or ``num_nodes x gpus_per_node`` (unchecked when
@@ -100,13 +99,11 @@ def spec_from_counts(
                              f"actor_num_gpus_per_node = {actor_num_nodes} x {actor_num_gpus_per_node}).",
                              "Give the actor at least one GPU, e.g. --actor_num_gpus_per_node 1.")
 
-    from .spec import PlacementSpec  # spec.py imports this module for PlacementSpec.from_counts
-
     gpus = _lay_out(sizes, tp, vllm_num_engines, colocate_all_models or engines_on_actor, colocate_actor_ref,
                     colocate_critic_reward, engines_only=engines_on_actor and not colocate_all_models)
     gpu_fields = {role: _COUNT_FLAGS[role][1] for role in _COUNT_FLAGS}
     gpu_fields["rollout"] = "vllm_num_engines"
-    return PlacementSpec(
+    return dict(
         gpus=gpus,
         tp={"rollout": tp} if "rollout" in gpus else {},
         cluster_gpus=cluster_gpus,

@@ -6,22 +6,31 @@ to at most 1. (OpenRLHF's 0.75/0.25 trick was needed because its ranks were not 
 packed two ranks of one role onto the same GPU. Pinning makes the split irrelevant, so it is simply equal.)
 Fractions are Ray bookkeeping, not memory limits: what each role keeps on a shared GPU in each phase is decided by
 the residency plan (:mod:`hybrid_core.residency`).
+
+:meth:`PlacementPlan.render` is the plan as plain text: a GPU x role table and a per-role summary (the body of
+``hybrid ppo --dry-run``). Example (OpenRLHF's 8-GPU hybrid engine)::
+
+    placement: 8 GPUs on 1 node (8 GPUs per node)
+
+    GPU | actor   | rollout  | reference | reward
+    ----+---------+----------+-----------+--------
+      0 | #0 0.25 | #0 0.25  | #0 0.25   | #0 0.25
+    ...
+    cell: worker rank and the fraction of the GPU it asks Ray for (bookkeeping, not a memory limit)
+
+What each role keeps on its GPUs phase by phase is the residency plan's table (:mod:`hybrid_core.residency`).
+The plan is built, and checked, by :meth:`PlacementSpec.plan <hybrid_core.placement.PlacementSpec.plan>`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import PlacementError
 from .ranges import describe_gpus, format_gpus
 
-if TYPE_CHECKING:
-    from .spec import PlacementSpec
-
-#: Ray accounts resources in steps of 1e-4; fractions are rounded down to that so they never sum above 1.
-_RAY_RESOURCE_STEP = 10_000
+#: What a table cell shows where a role has no worker on the GPU.
+EMPTY_CELL = "-"
 
 
 @dataclass(frozen=True)
@@ -80,10 +89,14 @@ class PlacementPlan:
         return gpu // self.gpus_per_node if self.gpus_per_node else 0
 
     def render(self) -> str:
-        """The plan as a text table: one row per GPU, one column per role (worker rank and GPU fraction)."""
-        from .render import render_plan
-
-        return render_plan(self)
+        """The plan as a text table: one row per GPU, one column per role (worker rank and GPU fraction), its legend
+        and the role summary, as one string (no trailing newline)."""
+        lines = [_title(self), ""]
+        lines += _gpu_table(self)
+        lines.append("cell: worker rank and the fraction of the GPU it asks Ray for (bookkeeping, not a memory limit)")
+        lines.append("")
+        lines += _role_summary(self)
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description (for logs and ``--dry-run --json``)."""
@@ -102,78 +115,60 @@ class PlacementPlan:
             raise IndexError(f"plan GPU {gpu} is outside 0-{self.num_gpus - 1}")
 
 
-def build_plan(spec: PlacementSpec) -> PlacementPlan:
-    """Check the spec as a whole and lay it out; every failure is a :class:`PlacementError` naming the field."""
-    if not spec.gpus:
-        raise PlacementError("placement", "no roles given.", "Give each role its GPUs.")
-    num_gpus = max(max(gpus) for gpus in spec.gpus.values()) + 1
-    _check_cluster(spec, num_gpus)
-    _check_no_idle_gpus(spec, num_gpus)
-    chunks = {role: _engine_chunks(spec, role) for role in spec.gpus}
-    residents: dict[int, list[str]] = {g: [] for g in range(num_gpus)}
-    for role, gpus in spec.gpus.items():
-        for g in gpus:
-            residents[g].append(role)
-
-    roles: dict[str, RolePlacement] = {}
-    for role, role_chunks in chunks.items():
-        workers = [WorkerSlot(rank, chunk, min(_fraction(len(residents[g])) for g in chunk))
-                   for rank, chunk in enumerate(role_chunks)]
-        roles[role] = RolePlacement(role=role, workers=workers, tp=spec.tp_of(role))
-    return PlacementPlan(num_gpus=num_gpus, roles=roles, gpus_per_node=spec.gpus_per_node)
+# ---- the text form -------------------------------------------------------------------------------------------
+def _title(plan: PlacementPlan) -> str:
+    if plan.gpus_per_node:
+        nodes = -(-plan.num_gpus // plan.gpus_per_node)
+        where = f"on {nodes} node{'s' if nodes > 1 else ''} ({plan.gpus_per_node} GPUs per node)"
+    else:
+        where = "(node size not given)"
+    return f"placement: {plan.num_gpus} GPU{'s' if plan.num_gpus > 1 else ''} {where}"
 
 
-def _fraction(sharers: int) -> float:
-    return math.floor(_RAY_RESOURCE_STEP / sharers) / _RAY_RESOURCE_STEP
+def _gpu_table(plan: PlacementPlan) -> list[str]:
+    headers = ["GPU", *plan.roles]
+    rows: list[list[str]] = []
+    for gpu in range(plan.num_gpus):
+        row = [str(gpu)]
+        for name in plan.roles:
+            worker = plan.worker_on_gpu(name, gpu)
+            row.append(EMPTY_CELL if worker is None else f"#{worker.rank} {_fmt_fraction(worker.num_gpus)}")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].rjust(widths[0])
+        rest = [c.ljust(w) for c, w in zip(cells[1:], widths[1:])]
+        return " | ".join([first, *rest]).rstrip()
+
+    out = [line(headers), "-+-".join("-" * w for w in widths)]
+    for gpu, row in enumerate(rows):
+        if plan.gpus_per_node and gpu % plan.gpus_per_node == 0 and plan.num_gpus > plan.gpus_per_node:
+            last = min(gpu + plan.gpus_per_node, plan.num_gpus) - 1
+            out.append(f"{'':>{widths[0]}} | node {plan.node_of(gpu)} (GPUs {gpu}-{last})")
+        out.append(line(row))
+    return out
 
 
-def _check_cluster(spec: PlacementSpec, num_gpus: int) -> None:
-    if spec.cluster_gpus is None or num_gpus <= spec.cluster_gpus:
-        return
-    needed = ", ".join(f"{role} {format_gpus(gpus)}" for role, gpus in spec.gpus.items())
-    for role, gpus in spec.gpus.items():
-        outside = [g for g in gpus if g >= spec.cluster_gpus]
-        if outside:
-            raise PlacementError(
-                spec.gpu_field(role),
-                f"{role} would use {describe_gpus(outside)}, outside the cluster's {spec.cluster_gpus} GPUs "
-                f"(0-{spec.cluster_gpus - 1}); the plan needs {num_gpus} GPUs ({needed}).",
-                f"Fit every role into GPUs 0-{spec.cluster_gpus - 1} (share GPUs between roles, or give them fewer), "
-                "or run on a cluster with more GPUs.")
+def _role_summary(plan: PlacementPlan) -> list[str]:
+    headers = ["role", "workers", "tp", "GPUs", "fraction", "shares"]
+    rows = [[name, str(role.world_size), str(role.tp), format_gpus(role.gpus), _fraction_span(role),
+             _sharing(plan, name)] for name, role in plan.roles.items()]
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
 
 
-def _check_no_idle_gpus(spec: PlacementSpec, num_gpus: int) -> None:
-    # The placement group reserves GPUs 0..num_gpus-1; a gap would be reserved and never used.
-    used = {g for gpus in spec.gpus.values() for g in gpus}
-    idle = sorted(set(range(num_gpus)) - used)
-    if idle:
-        fields = ", ".join(dict.fromkeys(spec.gpu_field(r) for r in spec.gpus))
-        raise PlacementError(fields, f"no role uses {describe_gpus(idle)}, but the placement group would "
-                             f"reserve GPUs 0-{num_gpus - 1} and leave it idle.",
-                             "Number the GPUs from 0 without gaps: plan GPUs are positions in the job's placement "
-                             "group, not physical device ids.")
+def _sharing(plan: PlacementPlan, name: str) -> str:
+    shared = plan.shared_gpus(name)
+    return describe_gpus(shared) if shared else "-"
 
 
-def _engine_chunks(spec: PlacementSpec, role: str) -> list[tuple[int, ...]]:
-    """Split a role's GPUs into its workers: groups of ``tp`` consecutive GPUs on one node."""
-    gpus, tp = spec.gpus[role], spec.tp_of(role)
-    field = spec.tp_field(role)
-    if len(gpus) % tp:
-        raise PlacementError(field, f"{role} has {len(gpus)} GPUs ({format_gpus(gpus)}), which do not split into "
-                             f"engines of tensor-parallel size {tp}.",
-                             f"Give {role} a multiple of {tp} GPUs ({spec.gpu_field(role)}), or a tensor-parallel "
-                             f"size that divides {len(gpus)}.")
-    if spec.gpus_per_node is not None and tp > spec.gpus_per_node:
-        raise PlacementError(field, f"an engine of {tp} GPUs does not fit on a node of {spec.gpus_per_node} GPUs.",
-                             f"Use a tensor-parallel size of at most {spec.gpus_per_node}.")
-    chunks = [gpus[i:i + tp] for i in range(0, len(gpus), tp)]
-    for rank, chunk in enumerate(chunks):
-        if chunk[-1] - chunk[0] != tp - 1:
-            raise PlacementError(field, f"{role} engine {rank} would get {describe_gpus(chunk)}, which are not "
-                                 "consecutive (a tensor-parallel engine needs neighbouring GPUs).",
-                                 f"Give {role} ranges made of consecutive runs of {tp} GPUs ({spec.gpu_field(role)}).")
-        if spec.gpus_per_node and chunk[0] // spec.gpus_per_node != chunk[-1] // spec.gpus_per_node:
-            raise PlacementError(field, f"{role} engine {rank} would span {describe_gpus(chunk)}, across a node "
-                                 f"boundary (nodes of {spec.gpus_per_node} GPUs).",
-                                 f"Start {role}'s GPUs ({spec.gpu_field(role)}) at a multiple of {tp} within a node.")
-    return chunks
+def _fraction_span(role: RolePlacement) -> str:
+    fractions = sorted({w.num_gpus for w in role.workers})
+    if len(fractions) == 1:
+        return _fmt_fraction(fractions[0])
+    return f"{_fmt_fraction(fractions[0])}-{_fmt_fraction(fractions[-1])}"
+
+
+def _fmt_fraction(value: float) -> str:
+    return "1" if value >= 1 else f"{value:.4f}".rstrip("0")

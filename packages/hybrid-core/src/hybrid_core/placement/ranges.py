@@ -7,12 +7,12 @@ setting, never silently fixed.
 from __future__ import annotations
 
 import re
-from typing import Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 from ..errors import PlacementError
 
 #: What a role's GPUs may be given as: ``"0-7"``, ``"0-3,6"``, ``5`` or ``[0, 1, 2]``.
-GpuRange = Union[str, int, Sequence[int]]
+GpuRange = str | int | Sequence[int]
 
 _ITEM = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
@@ -26,7 +26,7 @@ def parse_gpu_range(value: GpuRange, field: str) -> tuple[int, ...]:
     elif isinstance(value, str):
         items = _parse_string(value, field)
     elif isinstance(value, Sequence) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        items = list(value)
+        items = [int(v) for v in value]
     else:
         raise PlacementError(field, f"expected a GPU range such as '0-7', got {value!r}.", _RANGE_FIX)
     if not items:

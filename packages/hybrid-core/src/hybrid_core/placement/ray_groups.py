@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from ..errors import ConfigError, PlacementError
 from ..remote import get_with_timeout
 from .plan import PlacementPlan, WorkerSlot
 from .ranges import format_gpus
 
-GpuId = Union[int, str]
+GpuId = int | str
 
 
 @dataclass(frozen=True)
@@ -212,17 +212,17 @@ def _check_plan_nodes(plan: PlacementPlan, devices: tuple[GpuDevice, ...]) -> No
                                  "free (or free whole nodes for the job).")
 
 
-_probe = None
+_probe: Any = None  # the Ray remote function, made once
 _RAY_STEP = 10_000
 
 
-def _probe_task():
+def _probe_task() -> Any:
     global _probe
     if _probe is None:
         import ray
 
-        @ray.remote(num_cpus=0, max_retries=0)
-        def probe_bundle() -> tuple[str, list]:
+        @ray.remote(num_cpus=0, max_retries=0)  # type: ignore[untyped-decorator]  # ray is Any in the lint env
+        def probe_bundle() -> tuple[str, list[int]]:
             return ray.get_runtime_context().get_node_id(), list(ray.get_gpu_ids())
 
         _probe = probe_bundle

@@ -9,22 +9,25 @@ Two ways to write it, one result:
 * OpenRLHF-style counts and colocation flags: ``PlacementSpec.from_counts(actor_num_nodes=1, ...)``
   (see :mod:`hybrid_core.placement.counts`).
 
-Each constructor checks its own fields (syntax, signs); :meth:`PlacementSpec.plan` checks how they fit together.
+Each constructor checks its own fields (syntax, signs); :meth:`PlacementSpec.plan` checks how they fit together
+and lays them out as a :class:`~.plan.PlacementPlan` (one worker per ``tp`` GPUs, equal fractions of each shared GPU).
 Neither needs Ray: every error is raised before anything is scheduled.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import Any, Mapping
 
 from ..errors import PlacementError
 from .checks import cluster_size, require_int
-from .counts import spec_from_counts
-from .ranges import GpuRange, parse_gpu_range
+from .counts import spec_fields_from_counts
+from .plan import PlacementPlan, RolePlacement, WorkerSlot
+from .ranges import GpuRange, describe_gpus, format_gpus, parse_gpu_range
 
-if TYPE_CHECKING:
-    from .plan import PlacementPlan
+#: Ray accounts resources in steps of 1e-4; fractions are rounded down to that so they never sum above 1.
+_RAY_RESOURCE_STEP = 10_000
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,6 @@ class PlacementSpec:
 
     def plan(self) -> PlacementPlan:
         """Validate and lay out the spec; raises :class:`~hybrid_core.errors.PlacementError` naming the field."""
-        from .plan import build_plan
-
         return build_plan(self)
 
     def gpu_field(self, role: str) -> str:
@@ -105,6 +106,88 @@ class PlacementSpec:
             tp_fields={role: f"tp.{role}" for role in gpus},
         )
 
-    #: OpenRLHF-style counts and flags (``actor_num_nodes=1, ..., colocate_all_models=True``); see
-    #: :func:`hybrid_core.placement.counts.spec_from_counts` for the rules.
-    from_counts = staticmethod(spec_from_counts)
+    @classmethod
+    def from_counts(cls, **flags: Any) -> PlacementSpec:
+        """OpenRLHF-style counts and flags (``actor_num_nodes=1, ..., colocate_all_models=True``); see
+        :func:`hybrid_core.placement.counts.spec_fields_from_counts` for the flags and the rules."""
+        return cls(**spec_fields_from_counts(**flags))
+
+
+# ---- the layout ------------------------------------------------------------------------------------------------
+def build_plan(spec: PlacementSpec) -> PlacementPlan:
+    """Check the spec as a whole and lay it out (:meth:`PlacementSpec.plan`); every failure is a
+    :class:`PlacementError` naming the field. Each GPU's roles ask Ray for equal fractions of it (see
+    :mod:`.plan` for why equal)."""
+    if not spec.gpus:
+        raise PlacementError("placement", "no roles given.", "Give each role its GPUs.")
+    num_gpus = max(max(gpus) for gpus in spec.gpus.values()) + 1
+    _check_cluster(spec, num_gpus)
+    _check_no_idle_gpus(spec, num_gpus)
+    chunks = {role: _engine_chunks(spec, role) for role in spec.gpus}
+    residents: dict[int, list[str]] = {g: [] for g in range(num_gpus)}
+    for role, gpus in spec.gpus.items():
+        for g in gpus:
+            residents[g].append(role)
+
+    roles: dict[str, RolePlacement] = {}
+    for role, role_chunks in chunks.items():
+        workers = [WorkerSlot(rank, chunk, min(_fraction(len(residents[g])) for g in chunk))
+                   for rank, chunk in enumerate(role_chunks)]
+        roles[role] = RolePlacement(role=role, workers=workers, tp=spec.tp_of(role))
+    return PlacementPlan(num_gpus=num_gpus, roles=roles, gpus_per_node=spec.gpus_per_node)
+
+
+def _fraction(sharers: int) -> float:
+    return math.floor(_RAY_RESOURCE_STEP / sharers) / _RAY_RESOURCE_STEP
+
+
+def _check_cluster(spec: PlacementSpec, num_gpus: int) -> None:
+    if spec.cluster_gpus is None or num_gpus <= spec.cluster_gpus:
+        return
+    needed = ", ".join(f"{role} {format_gpus(gpus)}" for role, gpus in spec.gpus.items())
+    for role, gpus in spec.gpus.items():
+        outside = [g for g in gpus if g >= spec.cluster_gpus]
+        if outside:
+            raise PlacementError(
+                spec.gpu_field(role),
+                f"{role} would use {describe_gpus(outside)}, outside the cluster's {spec.cluster_gpus} GPUs "
+                f"(0-{spec.cluster_gpus - 1}); the plan needs {num_gpus} GPUs ({needed}).",
+                f"Fit every role into GPUs 0-{spec.cluster_gpus - 1} (share GPUs between roles, or give them fewer), "
+                "or run on a cluster with more GPUs.")
+
+
+def _check_no_idle_gpus(spec: PlacementSpec, num_gpus: int) -> None:
+    # The placement group reserves GPUs 0..num_gpus-1; a gap would be reserved and never used.
+    used = {g for gpus in spec.gpus.values() for g in gpus}
+    idle = sorted(set(range(num_gpus)) - used)
+    if idle:
+        fields = ", ".join(dict.fromkeys(spec.gpu_field(r) for r in spec.gpus))
+        raise PlacementError(fields, f"no role uses {describe_gpus(idle)}, but the placement group would "
+                             f"reserve GPUs 0-{num_gpus - 1} and leave it idle.",
+                             "Number the GPUs from 0 without gaps: plan GPUs are positions in the job's placement "
+                             "group, not physical device ids.")
+
+
+def _engine_chunks(spec: PlacementSpec, role: str) -> list[tuple[int, ...]]:
+    """Split a role's GPUs into its workers: groups of ``tp`` consecutive GPUs on one node."""
+    gpus, tp = spec.gpus[role], spec.tp_of(role)
+    field = spec.tp_field(role)
+    if len(gpus) % tp:
+        raise PlacementError(field, f"{role} has {len(gpus)} GPUs ({format_gpus(gpus)}), which do not split into "
+                             f"engines of tensor-parallel size {tp}.",
+                             f"Give {role} a multiple of {tp} GPUs ({spec.gpu_field(role)}), or a tensor-parallel "
+                             f"size that divides {len(gpus)}.")
+    if spec.gpus_per_node is not None and tp > spec.gpus_per_node:
+        raise PlacementError(field, f"an engine of {tp} GPUs does not fit on a node of {spec.gpus_per_node} GPUs.",
+                             f"Use a tensor-parallel size of at most {spec.gpus_per_node}.")
+    chunks = [gpus[i:i + tp] for i in range(0, len(gpus), tp)]
+    for rank, chunk in enumerate(chunks):
+        if chunk[-1] - chunk[0] != tp - 1:
+            raise PlacementError(field, f"{role} engine {rank} would get {describe_gpus(chunk)}, which are not "
+                                 "consecutive (a tensor-parallel engine needs neighbouring GPUs).",
+                                 f"Give {role} ranges made of consecutive runs of {tp} GPUs ({spec.gpu_field(role)}).")
+        if spec.gpus_per_node and chunk[0] // spec.gpus_per_node != chunk[-1] // spec.gpus_per_node:
+            raise PlacementError(field, f"{role} engine {rank} would span {describe_gpus(chunk)}, across a node "
+                                 f"boundary (nodes of {spec.gpus_per_node} GPUs).",
+                                 f"Start {role}'s GPUs ({spec.gpu_field(role)}) at a multiple of {tp} within a node.")
+    return chunks

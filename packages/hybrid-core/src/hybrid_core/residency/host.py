@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from ..errors import PlacementError
-from .memory import CPU_ADAM, GiB
-
-if TYPE_CHECKING:
-    from .plan import GpuShare, ResidencyPlan
+from .memory import CPU_ADAM, GiB, GpuShare
 
 #: Host memory of one worker process whatever the plan keeps there: the Python interpreter, torch, the CUDA runtime,
 #: cuBLAS / cuDNN / NCCL mapped in, Ray's worker machinery. An estimate: a 6.5B model's run on one H100 held ~12 GiB
@@ -181,13 +178,13 @@ def planning_budget(gpus_per_node: int | None, node_gpus: int, local_gpus: int, 
 
 
 # ---- the check, the notes and the lines --------------------------------------------------------------------------
-def check_host(plan: ResidencyPlan) -> None:
-    """Raise a :class:`PlacementError` naming the node, the numbers, the largest items and a fix when the states the
-    plan keeps in a node's host memory exceed its capacity."""
-    budget = plan.host
+# Each takes a plan's budget (``ResidencyPlan.host``) and what it keeps per node (``ResidencyPlan.host_use()``).
+def check_host(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> None:
+    """Raise a :class:`PlacementError` naming the node, the numbers, the largest items and a fix when the states a
+    plan keeps in a node's host memory (``uses``) exceed its capacity."""
     if budget is None or budget.bytes is None:
         return
-    for node, use in sorted(plan.host_use().items()):
+    for node, use in sorted(uses.items()):
         if not refused(use, budget.bytes):
             continue
         parts = ", ".join(f"{_item(role, item)} {v / GiB:.1f}" for (role, item), v in _largest(use)[:4])
@@ -201,12 +198,10 @@ def check_host(plan: ResidencyPlan) -> None:
                              _fix(use, budget))
 
 
-def host_notes(plan: ResidencyPlan) -> list[str]:
-    """What the plan says about host memory: a node near its capacity, capacity unknown, other nodes assumed alike."""
-    budget = plan.host
+def host_notes(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> list[str]:
+    """What a plan says about host memory: a node near its capacity, capacity unknown, other nodes assumed alike."""
     if budget is None:
         return []
-    uses = plan.host_use()
     notes = []
     if budget.bytes is None:
         most = max((u.states for u in uses.values()), default=0.0)
@@ -247,9 +242,8 @@ def verdict(use: HostUse, capacity: float) -> str:
     return "tight" if use.total > NEAR_FULL * capacity else "ok"
 
 
-def render_host(plan: ResidencyPlan) -> list[str]:
+def render_host(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> list[str]:
     """One line per group of nodes holding the same: what is in host memory against what is available."""
-    budget, uses = plan.host, plan.host_use()
     groups: dict[tuple, list[int]] = {}
     for node, use in sorted(uses.items()):
         groups.setdefault((round(use.optimizer), round(use.offloaded), use.processes), []).append(node)
@@ -269,9 +263,8 @@ def render_host(plan: ResidencyPlan) -> list[str]:
     return lines
 
 
-def host_dict(plan: ResidencyPlan) -> dict[str, Any]:
+def host_dict(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> dict[str, Any]:
     """The numbers of :func:`render_host` for ``residency.json`` (bytes)."""
-    budget, uses = plan.host, plan.host_use()
     return {
         "available": budget.bytes if budget else None, "source": budget.source if budget else None,
         "process_bytes_estimate": PROCESS_BYTES,

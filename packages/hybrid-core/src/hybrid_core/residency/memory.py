@@ -5,8 +5,8 @@ Notation: P parameters of a role's model, N its data-parallel ranks, z the ZeRO 
 bf16 (else 4), L layers, h hidden size, I MLP width, kv = KV heads x head dim, V vocabulary, S the longest sequence
 (prompt_len + generate_len).
 
-Trainers (actor, critic), per GPU -- the ZeRO paper's accounting (Rajbhandari et al. 2020), with DeepSpeed's own
-buffers as DeepSpeed 0.19.8 allocates them (see "The optimizer's bytes" below):
+Trainers (kind ``trainer``: PPO's actor and critic, say), per GPU -- the ZeRO paper's accounting (Rajbhandari et
+al. 2020), with DeepSpeed's own buffers as DeepSpeed 0.19.8 allocates them (see "The optimizer's bytes" below):
     params     = b P / (N if z = 3 else 1)
     grads      = b P / (N if z >= 2 else 1)
     optimizer  = K P / (N if z >= 1 else 1), K = m + s with bf16 (the master weights and Adam's m, v), 8 in fp32
@@ -54,12 +54,12 @@ The optimizer's bytes per parameter of a rank's ZeRO partition (bf16 model; m = 
     DeepSpeed's set-up then took 108 GiB in one process and Ray's memory monitor killed it (H100, 2026-11-24).
   (The fp32 model, without --bf16, is counted as before: K = 8, no master copy and no flat gradient buffer; DeepSpeed
   0.19.8 in fact keeps a 4-byte master copy there too under ZeRO >= 1.)
-Frozen models (reference, reward), per GPU: params = b P / (N if z = 3 and N > 1 else 1) -- under ZeRO-3 a frozen
-    model is sharded over its role's N ranks as OpenRLHF shards its reference and reward models (DeepSpeed inference
-    engines with the trainers' --zero_stage), else whole on every rank; working: one forward of
-    micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8), and when sharded the 2
-    layers' weights ZeRO-3 gathers (as for a trainer).
-Engines, per GPU of an engine of TP GPUs:
+Frozen models (kind ``frozen``: a reference, a reward model), per GPU: params = b P / (N if z = 3 and N > 1
+    else 1) -- under ZeRO-3 a frozen model is sharded over its role's N ranks as OpenRLHF shards its reference and
+    reward models (DeepSpeed inference engines with the trainers' --zero_stage), else whole on every rank; working:
+    one forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8), and
+    when sharded the 2 layers' weights ZeRO-3 gathers (as for a trainer).
+Engines (kind ``engine``), per GPU of an engine of TP GPUs:
     engines with a pool (vLLM, SGLang: their class says ``MEMORY_POOL``) pre-allocate ``engine_memory_fraction x GPU memory`` (their pool): weights = 2P/TP (bf16) and the
                  KV cache = the rest of the pool; nothing else grows while they generate.
     hf (built-in): weights = b P / TP; while it generates, the KV cache of its share of the rollout
@@ -71,16 +71,19 @@ Every worker process also holds CONTEXT_BYTES (CUDA context, NCCL and cuBLAS wor
 During the sync, each side holds one weight-sync bucket.
 
 ``cache``: after its phase a role that does not trim keeps its working peak reserved in the caching allocator.
+
+Which of these a phase holds is the phase's to say (``Phase.work``: ``generate``, ``infer``, ``train``, ``sync``): the
+working memory of a role is counted in each phase that names it, for that phase's work (:func:`size_role`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import ConfigError
-from .steps import KIND_STATES, kind_of
+from .steps import KIND_STATES, WORK_KINDS, Phase
 
 GiB = 1024**3
 CONTEXT_BYTES = GiB // 2
@@ -248,18 +251,37 @@ class RoleSize:
         return max((self.working_total(p) for p in self.working), default=0.0)
 
 
-def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int, gpu_bytes: float) -> RoleSize:
-    """The bytes one worker of ``role`` (``ranks`` workers of ``tp`` GPUs each) holds on one of its GPUs."""
-    kind = kind_of(role)
+@dataclass(frozen=True)
+class GpuShare:
+    """The workers of one role on one GPU, with the bytes one of them holds (a residency plan's layout: plan GPU ->
+    its shares; here, below the plan and the host-memory count, which both read it)."""
+
+    size: RoleSize
+    workers: int = 1
+
+    @property
+    def role(self) -> str:
+        return self.size.role
+
+
+def size_role(role: str, shape: ModelShape, work: Workload, *, kind: str, phases: Sequence[Phase], ranks: int, tp: int,
+              gpu_bytes: float) -> RoleSize:
+    """The bytes one worker of ``role`` (a ``kind`` of :data:`~.steps.KIND_STATES`; ``ranks`` workers of ``tp`` GPUs
+    each) holds on one of its GPUs. Its working memory is counted in each of ``phases`` that names it, for the work
+    the phase declares (``Phase.work``: the largest of its kinds of work, which run one after another)."""
+    if kind not in KIND_STATES:
+        raise ValueError(f"{role}: unknown role kind {kind!r} (one of {', '.join(KIND_STATES)})")
     if kind == "engine":
-        return _engine(role, shape, work, ranks=ranks, tp=tp, gpu_bytes=gpu_bytes)
+        states, exact, sized = _engine(role, shape, work, ranks=ranks, tp=tp, gpu_bytes=gpu_bytes)
+        return RoleSize(role, kind, states, _working(role, kind, phases, sized), work.context_bytes, exact)
     b, z, n, seq = work.bytes_per_value, work.zero_stage, ranks, work.seq_len
     if kind == "frozen":
         # ZeRO-3 shards a frozen model over its ranks (one rank: nothing to split, the worker keeps it whole)
         shards = frozen_shards(z, ranks=n)
         gather = {"zero3_gather": 2 * shape.layer_params * b} if shards > 1 else {}
-        working = {role: {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather}}
-        size = RoleSize(role, kind, {"params": b * shape.num_params / shards}, working, work.context_bytes)
+        sized = {"infer": {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather}}
+        size = RoleSize(role, kind, {"params": b * shape.num_params / shards}, _working(role, kind, phases, sized),
+                        work.context_bytes)
         return _with_cache(size)
     part = shape.num_params / (n if z >= 1 else 1)  # parameters of the rank's optimizer partition
     states = {"params": b * shape.num_params / (n if z == 3 else 1),
@@ -280,16 +302,31 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: i
     if work.adam_offload and z in (1, 2):
         ds_buffers["offload_grad_staging"] = b * shape.largest_param
     train = {"activations": tokens * saved * b, "logits": _logits(shape, work, tokens), **gather, **ds_buffers}
-    infer = {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather}
-    if role == "critic":
-        working = {"critic_infer": infer, "critic_train": train}
-    else:
-        # actor_train also runs the old-log-prob pass; the larger of the two is the phase's working memory
-        working = {"actor_train": max(train, infer, key=lambda d: sum(d.values())),
-                   "sync": {"sync_bucket": _bucket(work, shape), **gather}}
+    sized = {"train": train,
+             "infer": {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather},
+             "sync": {"sync_bucket": _bucket(work, shape), **gather}}
     cpu_adam = cpu_adam_bytes(shape, work, ranks=n)
-    return _with_cache(RoleSize(role, kind, states, working, work.context_bytes,
+    return _with_cache(RoleSize(role, kind, states, _working(role, kind, phases, sized), work.context_bytes,
                                 host={CPU_ADAM: cpu_adam} if work.adam_offload else {}, host_optimizer=cpu_adam))
+
+
+def _working(role: str, kind: str, phases: Sequence[Phase], sized: dict[str, dict[str, float]]
+             ) -> dict[str, dict[str, float]]:
+    """Phase -> the role's working memory there: of the phase's kinds of work, the largest (they run one after
+    another, e.g. the old-log-prob pass and the PPO epochs of one phase). Work a role's kind cannot do is a
+    ValueError naming the phase; work that needs no memory of its own (an engine with a pool generating) adds none."""
+    out: dict[str, dict[str, float]] = {}
+    for phase in phases:
+        if role not in phase.needs:
+            continue
+        bad = [w for w in phase.work if w not in WORK_KINDS[kind]]
+        if bad:
+            raise ValueError(f"phase {phase.name}: {role} (kind {kind}) cannot {', '.join(bad)} "
+                             f"(it can {', '.join(WORK_KINDS[kind])})")
+        options = [sized[w] for w in phase.work if sized.get(w)]
+        if options:
+            out[phase.name] = max(options, key=lambda d: sum(d.values()))
+    return out
 
 
 def frozen_shards(zero_stage: int, *, ranks: int) -> int:
@@ -330,7 +367,9 @@ def _logits(shape: ModelShape, work: Workload, tokens: int) -> float:
     return tokens * shape.vocab_size * (work.bytes_per_value + 8)
 
 
-def _engine(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int, gpu_bytes: float) -> RoleSize:
+def _engine(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int, gpu_bytes: float
+            ) -> tuple[dict[str, float], frozenset[str], dict[str, dict[str, float]]]:
+    """An engine's states, the states whose bytes are exact (a pool), and its working memory per kind of work."""
     seq = work.seq_len
     bucket = _bucket(work, shape)
     if work.engine_pool:
@@ -343,23 +382,17 @@ def _engine(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int
                 f"{pool / GiB:.1f} GiB) cannot hold its weights ({weights / GiB:.1f} GiB per GPU at TP {tp}) plus "
                 f"the KV cache of one {seq}-token sequence.",
                 "Raise --vllm_gpu_memory_utilization or --vllm_tensor_parallel_size.")
-        return RoleSize(role, "engine", {"weights": weights, "kv_cache": pool - weights},
-                        {"sync": {"sync_bucket": bucket}}, work.context_bytes, frozenset({"weights", "kv_cache"}))
+        return ({"weights": weights, "kv_cache": pool - weights}, frozenset({"weights", "kv_cache"}),
+                {"sync": {"sync_bucket": bucket}})
     b = work.bytes_per_value
     sequences = math.ceil(work.rollout_samples / max(ranks, 1))
     generate = {"kv_cache": sequences * seq * shape.kv_bytes_per_token(b) / tp,
                 "logits": sequences * shape.vocab_size * 4.0}
     # The built-in engine allocates its KV cache per generate call and frees it after: working memory, no pool.
-    return RoleSize(role, "engine", {"weights": b * shape.num_params / tp, "kv_cache": 0.0},
-                    {"generate": generate, "sync": {"sync_bucket": bucket}}, work.context_bytes)
+    return ({"weights": b * shape.num_params / tp, "kv_cache": 0.0}, frozenset(),
+            {"generate": generate, "sync": {"sync_bucket": bucket}})
 
 
 def _bucket(work: Workload, shape: ModelShape) -> float:
     """One weight-sync bucket: the configured size, or the whole model in bf16 when that is smaller."""
     return float(min(work.sync_bucket_bytes, 2 * shape.num_params))
-
-
-def check_states(size: RoleSize) -> None:
-    expected = set(KIND_STATES[size.kind])
-    if set(size.states) != expected:
-        raise ValueError(f"{size.role}: states {sorted(size.states)} != {sorted(expected)}")

@@ -41,9 +41,9 @@ class RoleHandle(Protocol):
     role: str
     gpus: list[int]
 
-    def move_off(self, states: Sequence[str], moves: Mapping[str, str]) -> list[tuple[str, Any]]: ...
+    def offload(self, states: Sequence[str], moves: Mapping[str, str]) -> list[tuple[str, Any]]: ...
 
-    def move_on(self, states: Sequence[str]) -> list[tuple[str, Any]]: ...
+    def reload(self, states: Sequence[str]) -> list[tuple[str, Any]]: ...
 
 
 @dataclass
@@ -172,9 +172,6 @@ class ResidencyOwner:
         if len(self.log) < self.log_limit:
             self.log.append({"tag": self.tag, **entry})
 
-    def is_resident(self, role: str, state: str) -> bool:
-        return state in self.resident.get(role, ())
-
     # ---- transitions -----------------------------------------------------------------------------------------------
     def _transition(self, phase: str) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
         leaving, coming = {}, {}
@@ -196,7 +193,7 @@ class ResidencyOwner:
         # A reload of this role still in flight must land first (and its states count as resident again).
         self._wait(lambda p: p.role == role and p.direction == "on", "wake")
         moves = {s: self.plan.move(role, s) for s in states}
-        refs = self.handles[role].move_off(states, moves)
+        refs = self.handles[role].offload(states, moves)
         for s in states:
             self.resident[role].discard(s)
         self.pending.append(_Pending(role, "off", states, refs, self.tag, self.phase))
@@ -209,7 +206,7 @@ class ResidencyOwner:
         before = self.guard.before_wake(role, what, handle.gpus, need) if self.guard is not None else None
         start = time.perf_counter()
         try:
-            results = get_all_with_timeout(handle.move_on(states), self.timeout_s)
+            results = get_all_with_timeout(handle.reload(states), self.timeout_s)
         except Exception as error:
             explained = (self.guard.explain_wake_failure(role, what, handle.gpus, need, error)
                          if self.guard is not None else None)
@@ -245,7 +242,7 @@ class ResidencyOwner:
             if self.guard is not None and not self.guard.has_room(role, "+".join(states), self.handles[role].gpus,
                                                                   extra):
                 continue
-            refs = self.handles[role].move_on(states)
+            refs = self.handles[role].reload(states)
             self.pending.append(_Pending(role, "on", states, refs, self.tag, self.phase))
 
     def _transition_from(self, phase: str, nxt: str):

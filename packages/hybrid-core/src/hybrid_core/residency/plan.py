@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ..errors import PlacementError
 from .host import HostBudget, HostUse, check_host, host_dict, host_notes, host_use, render_host
-from .memory import GiB, RoleSize
+from .memory import GiB, GpuShare
 from .steps import Phase, absent_runs, needed_in
 
 #: Moves that take a state off the GPU between the phases that need it.
@@ -23,18 +23,6 @@ def tracked(state: str) -> bool:
     """States followed even when the model gives them no bytes: an engine's KV cache goes wherever its weights go
     (the built-in engine builds its cache per call, so it has no standing bytes, but it still sleeps and wakes)."""
     return state == "kv_cache"
-
-
-@dataclass(frozen=True)
-class GpuShare:
-    """The workers of one role on one GPU, with the bytes one of them holds."""
-
-    size: RoleSize
-    workers: int = 1
-
-    @property
-    def role(self) -> str:
-        return self.size.role
 
 
 @dataclass
@@ -74,10 +62,6 @@ class ResidencyPlan:
 
     def resident_states(self, role: str, phase: str) -> tuple[str, ...]:
         return tuple(s for (r, s) in self._states(role) if self.present(r, s, phase))
-
-    def absent_states(self, role: str, phase: str) -> tuple[str, ...]:
-        return tuple(s for (r, s) in self._states(role) if not self.present(r, s, phase)
-                     and self.move(r, s) != "host")
 
     def sleeps(self, role: str) -> bool:
         """Whether the role moves any state during a step (it then takes turns on its GPUs)."""
@@ -142,7 +126,7 @@ class ResidencyPlan:
         on a GPU, or in a node's host memory (:func:`.host.check_host`)."""
         gpu, phase, total = self.worst()
         if self.fits_phase(gpu, phase):
-            check_host(self)
+            check_host(self.host, self.host_use())
             return
         items = self.breakdown(gpu, phase)
         parts = ", ".join(f"{role} {item} {v / GiB:.1f}" for (role, item), v in
@@ -171,10 +155,7 @@ class ResidencyPlan:
 
     def all_notes(self) -> list[str]:
         """The plan's notes and what it says about host memory (computed, so a replanned copy says it afresh)."""
-        return [*self.notes, *host_notes(self)]
-
-    def move_count(self) -> int:
-        return sum(1 for m in self.moves.values() if m in MOVING)
+        return [*self.notes, *host_notes(self.host, self.host_use())]
 
     # ---- showing it ----------------------------------------------------------------------------------------------
     def describe_moves(self) -> list[str]:
@@ -216,7 +197,7 @@ class ResidencyPlan:
             lines.append(f"  counted: what the ok / OVER beside it is for, held against the usable "
                          f"{self.capacity / GiB:.1f} GiB: the peak with the engines' pre-allocated pools (exact sizes) "
                          f"at {self.usable:.0%}, as the safety margin is for estimates only")
-        lines.extend(render_host(self))
+        lines.extend(render_host(self.host, self.host_use()))
         lines.extend(f"note: {n}" for n in self.all_notes())
         return "\n".join(lines)
 
@@ -227,7 +208,7 @@ class ResidencyPlan:
             "peaks": {str(g): {p.name: self.peak(g, p.name) for p in self.phases} for g in self.layout},
             "overhead": {str(g): v for g, v in self.overhead.items()},
             "bytes_moved_per_step": {str(g): self.bytes_moved(g) for g in self.layout},
-            "host": host_dict(self),
+            "host": host_dict(self.host, self.host_use()),
             "notes": self.all_notes(),
         }
 

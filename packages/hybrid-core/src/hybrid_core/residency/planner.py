@@ -30,9 +30,9 @@ import numpy as np
 
 from ..errors import ConfigError
 from .host import HostBudget
-from .memory import ModelShape, Workload, size_role
-from .plan import GpuShare, ResidencyPlan, tracked
-from .steps import STATE_MOVES, Phase, absent_runs, needed_in, step_phases
+from .memory import GpuShare, ModelShape, Workload, size_role
+from .plan import ResidencyPlan, tracked
+from .steps import STATE_MOVES, Phase, absent_runs, check_phases, needed_in, present_phases
 
 MODES = ("auto", "all-sleep", "manual")
 #: Fraction of a GPU a plan may use: the rest absorbs what the model does not count (fragmentation, kernels'
@@ -45,10 +45,15 @@ MOVE_COST = 64 << 20
 HOST_COST = 1 << 60
 
 
-def build_layout(placement: Any, shapes: Mapping[str, ModelShape], work: Workload, gpu_bytes: float
-                 ) -> dict[int, tuple[GpuShare, ...]]:
-    """GPU -> the roles on it (from a :class:`~hybrid_core.placement.PlacementPlan`), sized by the memory model."""
-    sizes = {role: size_role(role, shapes[role], work, ranks=len(rp.workers), tp=rp.tp, gpu_bytes=gpu_bytes)
+def build_layout(placement: Any, shapes: Mapping[str, ModelShape], work: Workload, gpu_bytes: float, *,
+                 kinds: Mapping[str, str], phases: tuple[Phase, ...]) -> dict[int, tuple[GpuShare, ...]]:
+    """GPU -> the roles on it (from a :class:`~hybrid_core.placement.PlacementPlan`), sized by the memory model:
+    ``kinds`` says each role's kind, ``phases`` the step (each role's working memory is counted where it works)."""
+    missing = sorted(set(placement.roles) - set(kinds))
+    if missing:
+        raise ValueError(f"no kind given for role(s) {', '.join(missing)} (kinds: trainer, frozen, engine)")
+    sizes = {role: size_role(role, shapes[role], work, kind=kinds[role], phases=phases, ranks=len(rp.workers),
+                             tp=rp.tp, gpu_bytes=gpu_bytes)
              for role, rp in placement.roles.items()}
     layout: dict[int, list[GpuShare]] = {}
     for role, rp in placement.roles.items():
@@ -61,15 +66,16 @@ def build_layout(placement: Any, shapes: Mapping[str, ModelShape], work: Workloa
     return {g: tuple(shares) for g, shares in sorted(layout.items())}
 
 
-def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float, *, mode: str = "auto",
+def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float, *, phases: Iterable[Phase],
+                   mode: str = "auto",
                    pins: Mapping[tuple[str, str], Any] | None = None, sleep_roles: Iterable[str] = (),
                    engine_sleep_level: int = 1,
                    usable: float = DEFAULT_USABLE, allow_host: bool = True,
-                   phases: tuple[Phase, ...] | None = None,
                    overhead: Mapping[int, float] | None = None,
                    sleep_fields: Mapping[str, str] | None = None,
                    host: HostBudget | None = None) -> ResidencyPlan:
-    """The residency plan for ``layout`` on GPUs of ``gpu_bytes`` (see the module docstring). ``overhead``: GPU ->
+    """The residency plan for ``layout`` on GPUs of ``gpu_bytes`` (see the module docstring). ``phases``: the step,
+    in order (:class:`~.steps.Phase`; those whose working role is not in ``layout`` are skipped). ``overhead``: GPU ->
     bytes measured beyond the model (a run's refinements after steps 1, 2, 4, 8, ...), held in every phase. ``sleep_fields``:
     role -> the user's setting that asked it to sleep (named by the error when such a role shares no GPU). ``host``:
     each node's host memory (the plan shows and checks what it keeps there, see :mod:`.host`)."""
@@ -79,7 +85,8 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
         raise ConfigError("usable", f"must be in (0, 1], got {usable}.")
     layout = {g: tuple(s) for g, s in layout.items()}
     roles = tuple(dict.fromkeys(s.role for shares in layout.values() for s in shares))
-    phases = step_phases(roles) if phases is None else phases
+    phases = present_phases(phases, roles)
+    check_phases(phases, {s.role: s.size.kind for shares in layout.values() for s in shares})
     capacity = gpu_bytes * usable
     pins = dict(pins or {})
     _check_pins(pins, layout)

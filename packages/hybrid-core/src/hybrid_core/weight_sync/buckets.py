@@ -13,8 +13,8 @@ next; one larger than a whole bucket is split at byte boundaries across as many 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from ..errors import ConfigError
 from .meta import TensorMeta

@@ -39,7 +39,7 @@ class SyncGroup:
     timeout_s: float
     broken: str | None = field(default=None)
 
-    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, what: str) -> "PendingWork":
+    def broadcast(self, tensor: torch.Tensor, *, src: int = 0, what: str) -> PendingWork:
         """Start an asynchronous broadcast of ``tensor`` from ``src``; ``.wait()`` it (with the group's deadline)."""
         self._check_usable(what)
         opts = dist.BroadcastOptions()
@@ -117,14 +117,14 @@ def create_sync_group(master_address: str, master_port: int, rank: int, world_si
     """
     _validate(master_port, rank, world_size, backend, timeout_s)
     if backend == "nccl":
-        device = torch.device(device if device is not None else "cuda")
-        if device.type != "cuda":
-            raise ConfigError("device", f"the nccl backend needs a CUDA device, got {device}.",
+        on = torch.device(device if device is not None else "cuda")
+        if on.type != "cuda":
+            raise ConfigError("device", f"the nccl backend needs a CUDA device, got {on}.",
                               'Pass device="cuda:N" or use backend="gloo".')
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        if on.index is None:
+            on = torch.device("cuda", torch.cuda.current_device())
     else:
-        device = torch.device("cpu")
+        on = torch.device("cpu")
     timeout = timedelta(seconds=timeout_s)
     where = f"weight-sync group {group_name!r} at {master_address}:{master_port} (rank {rank} of {world_size})"
     # every listener on the rendezvous address only (loopback on one node): hybrid_core.rendezvous
@@ -144,8 +144,8 @@ def create_sync_group(master_address: str, master_port: int, rank: int, world_si
         if _is_timeout(text) or isinstance(e, TimeoutError):
             raise RemoteTimeout(f"{where}: the other ranks did not join within {timeout_s:g} s ({text})") from e
         raise RoleFailure(f"{where}: could not create the {backend} group: {text}") from e
-    group = SyncGroup(pg, store, rank, world_size, backend, device, timeout_s)
-    hello = torch.tensor([world_size], dtype=torch.int64, device=device)
+    group = SyncGroup(pg, store, rank, world_size, backend, on, timeout_s)
+    hello = torch.tensor([world_size], dtype=torch.int64, device=on)
     group.broadcast(hello, what="join handshake").wait()  # also builds the NCCL communicator now, not in the first sync
     if int(hello.item()) != world_size:
         raise ConfigError("world_size", f"rank 0 declared world_size {int(hello.item())}, this rank {world_size}.",
@@ -168,7 +168,7 @@ def _is_timeout(text: str) -> bool:
     return "timeout" in text or "timed out" in text
 
 
-def _nccl_backend(store, rank: int, world_size: int, timeout: timedelta, group_name: str):
+def _nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta, group_name: str) -> Any:
     if not hasattr(dist, "ProcessGroupNCCL"):
         raise ConfigError("backend", "this torch build has no NCCL.", 'Use backend="gloo".')
     opts = dist.ProcessGroupNCCL.Options()

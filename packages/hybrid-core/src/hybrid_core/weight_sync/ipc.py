@@ -13,10 +13,10 @@ those ranks hand over each bucket together (one bucket per GPU in a single engin
 one on its own GPU). One NCCL group holding a trainer rank and an engine worker on the same GPU is not an option:
 NCCL refuses two ranks on one device ("Duplicate GPU detected"), seen with vLLM TP 2 on two H200s.
 
-Verification (``verify``, the default): every bucket carries one checksum per tensor (``verify.py``), computed on
-the device before the hand-over (the sender synchronizes there anyway); the receiver recomputes them after its load,
-over the engine's tensors where ``read_back`` gives them, and raises
-:class:`~hybrid_core.errors.WeightSyncMismatch` naming the parameter before it acknowledges the bucket.
+Verification (``verify``, the default: ``sampled``, see ``sampling.py``): a bucket carries the checksum of each
+tensor this sync checks (``verify.py``), computed on the device before the hand-over (the sender synchronizes there
+anyway); the receiver recomputes them after its load, over the engine's tensors where ``read_back`` gives them, and
+raises :class:`~hybrid_core.errors.WeightSyncMismatch` naming the parameter before it acknowledges the bucket.
 """
 
 from __future__ import annotations
@@ -25,18 +25,20 @@ import os
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from .. import faults
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightSyncMismatch
 from ..stats import TransferStats
 from .buckets import BucketPacker, Piece, check_bucket_bytes
 from .meta import TensorMeta
+from .sampling import Rotation, VerifyPolicy, as_policy
 from .sender import DEFAULT_BUCKET_BYTES
-from .verify import PieceCheck, ReadBack, bucket_checksums, compare, corrupt, loaded_bytes, piece_checksum
+from .verify import FIX, PieceCheck, ReadBack, bucket_checksums, compare, corrupt, loaded_bytes, piece_checksum
 from .wire import tensor_bytes
 
 
@@ -57,7 +59,7 @@ class IpcBucket:
     ``last``: the sync's final delivery (possibly with no entries); the receiver then drops its mappings, so the
     sender's memory is really freed when it is released. ``reusable``: the buffer comes back in later buckets, so
     the receiver keeps it mapped until ``last`` (mapping a CUDA IPC handle is not free). ``checksums``: the sender's
-    checksum of each entry (None: not verified).
+    checksum of each entry, None for an entry this sync does not check (the whole field None: none checked).
     """
 
     index: int
@@ -65,7 +67,7 @@ class IpcBucket:
     entries: tuple[tuple[TensorMeta, int], ...]
     last: bool = False
     reusable: bool = True
-    checksums: tuple[int, ...] | None = None
+    checksums: tuple[int | None, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -76,11 +78,12 @@ class IpcBucketSender:
     """Packs ``(name, tensor)`` streams into shared buckets on ``device`` (default: the current CUDA device, else CPU).
 
     The two bucket buffers stay allocated between ``send`` calls (the engine keeps its mapping of them too);
-    ``close()`` frees them. ``verify``: each bucket carries its tensors' checksums.
+    ``close()`` frees them. ``verify``: which tensors' checksums the buckets carry (as for
+    :class:`~hybrid_core.weight_sync.sender.WeightSender`: a policy, a mode name, True or False).
     """
 
     def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None, *,
-                 verify: bool = True):
+                 verify: bool | str | VerifyPolicy = True):
         check_bucket_bytes(bucket_bytes)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -92,17 +95,22 @@ class IpcBucketSender:
                               "Pass the trainer's CUDA device.")
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self._slots: list[_SharedBuffer] = []
+        self._sends = 0  # checked sends so far (a mode name's sync number)
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], deliver: Callable[[IpcBucket], Any],
              wait: Callable[[Any], None]) -> TransferStats:
         """For each packed bucket call ``deliver(bucket)`` (returns e.g. Ray refs) and, before reusing its buffer or
         returning, ``wait(what deliver returned)``. At most two buckets are in flight."""
         start = time.perf_counter()
+        policy = as_policy(self.verify, self._sends)
+        self._sends += policy.active
+        rotation = Rotation(policy)
         if not self._slots:
             self._slots = [_SharedBuffer(self.bucket_bytes, self.device) for _ in range(2)]
         packer = BucketPacker(self.bucket_bytes, split_large=False)
         inflight: list[Any] = [None, None]
         pieces: list[Piece] = []
+        checked: list[bool] = []
         payload = 0
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -110,8 +118,9 @@ class IpcBucketSender:
                 payload += meta.nbytes
                 (piece,) = packer.add(meta)
                 if pieces and piece.bucket != pieces[0].bucket:
-                    inflight[pieces[0].bucket % 2] = deliver(self._bucket(self._slots[pieces[0].bucket % 2], pieces))
-                    pieces = []
+                    inflight[pieces[0].bucket % 2] = deliver(self._bucket(self._slots[pieces[0].bucket % 2], pieces,
+                                                                          checked))
+                    pieces, checked = [], []
                 slot = piece.bucket % 2
                 if not pieces and inflight[slot] is not None:  # opening a bucket: the engine must be done with it
                     wait(inflight[slot])
@@ -119,16 +128,17 @@ class IpcBucketSender:
                 if piece.nbytes > self.bucket_bytes:  # oversize: alone, in a buffer of its own size
                     alone = _SharedBuffer(piece.nbytes, self.device)
                     alone.tensor.copy_(tensor_bytes(tensor))
-                    wait(deliver(self._bucket(alone, [piece], reusable=False)))
+                    wait(deliver(self._bucket(alone, [piece], [rotation.take(piece.nbytes)], reusable=False)))
                     alone.release()
                     continue
                 buf = self._slots[slot].tensor
                 buf[piece.bucket_offset:piece.bucket_offset + piece.nbytes].copy_(
                     tensor_bytes(tensor), non_blocking=self.device.type == "cuda")  # a host bucket is read at once
                 pieces.append(piece)
+                checked.append(rotation.take(piece.nbytes))
             if pieces:
                 inflight[pieces[0].bucket % 2] = deliver(self._bucket(self._slots[pieces[0].bucket % 2], pieces,
-                                                                      last=True))
+                                                                      checked, last=True))
             else:  # nothing pending (empty stream, or it ended with an oversize tensor): a bare end marker
                 wait(deliver(IpcBucket(packer.bucket + int(packer.filled), None, (), last=True)))
             for refs in inflight:
@@ -136,10 +146,11 @@ class IpcBucketSender:
                     wait(refs)
         return TransferStats(payload, time.perf_counter() - start, "weight sync ipc")
 
-    def _bucket(self, buffer: "_SharedBuffer", pieces: list[Piece], *, last: bool = False,
+    def _bucket(self, buffer: _SharedBuffer, pieces: list[Piece], checked: list[bool], *, last: bool = False,
                 reusable: bool = True) -> IpcBucket:
-        sums = bucket_checksums(buffer.tensor, pieces) if self.verify else None
-        return _bucket(buffer, pieces, last=last, reusable=reusable, sums=sums)
+        chosen = [p for p, c in zip(pieces, checked) if c]
+        sums = bucket_checksums(buffer.tensor, chosen) if chosen else None
+        return _bucket(buffer, pieces, last=last, reusable=reusable, sums=sums, checked=checked)
 
     def close(self) -> None:
         for slot in self._slots:
@@ -217,8 +228,8 @@ def load_ipc_bucket(bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Ten
         if pairs:
             load(pairs)
             if bucket.checksums is not None:
-                _verify(bucket, pairs, read_back)
-            elif bucket.handle.kind == "cuda":
+                _verify(bucket, bucket.checksums, pairs, read_back)
+            elif bucket.handle is not None and bucket.handle.kind == "cuda":
                 torch.cuda.current_stream(pairs[0][1].device).synchronize()
     except BaseException:
         release_ipc_mappings()
@@ -229,13 +240,24 @@ def load_ipc_bucket(bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Ten
     return TransferStats(bucket.nbytes, time.perf_counter() - start, "weight sync ipc")
 
 
-def _verify(bucket: IpcBucket, pairs: list[tuple[str, torch.Tensor]], read_back: ReadBack | None) -> None:
-    actual, checks = [], []
-    for (name, tensor), (meta, _) in zip(pairs, bucket.entries):
+def _verify(bucket: IpcBucket, expected: Sequence[int | None], pairs: list[tuple[str, torch.Tensor]],
+            read_back: ReadBack | None) -> None:
+    actual, checks, sent = [], [], []
+    if len(expected) != len(pairs):
+        raise WeightSyncMismatch(f"weight sync verify: IPC receiver: {len(expected)} checksums for {len(pairs)} "
+                                 f"tensors in bucket {bucket.index}. Fix: {FIX}")
+    for (name, tensor), (meta, _), want in zip(pairs, bucket.entries, expected):
+        if want is None:  # not checked in this sync (sampling.py)
+            continue
         data, from_engine = loaded_bytes(name, tensor, meta, read_back)
         actual.append(piece_checksum(data, 0, meta, 0, meta.nbytes))
         checks.append(PieceCheck(name, bucket.index, 0, meta.nbytes, meta.nbytes, from_engine))
-    compare(bucket.checksums, torch.stack(actual), checks, "IPC receiver")  # the host read waits for the load
+        sent.append(want)
+    if not actual:
+        if pairs[0][1].device.type == "cuda":
+            torch.cuda.current_stream(pairs[0][1].device).synchronize()
+        return
+    compare(sent, torch.stack(actual), checks, "IPC receiver")  # the host read waits for the load
 
 
 def release_ipc_mappings() -> None:
@@ -244,11 +266,11 @@ def release_ipc_mappings() -> None:
 
 
 # Bucket buffers mapped in this (receiver) process, kept while a sync lasts (the sender alternates two of them).
-_MAPPED: dict[tuple, torch.Tensor] = {}
+_MAPPED: dict[tuple[Any, ...], torch.Tensor] = {}
 _MAX_MAPPED = 2
 
 
-def _handle_key(handle: IpcHandle) -> tuple:
+def _handle_key(handle: IpcHandle) -> tuple[Any, ...]:
     if handle.kind == "cuda":
         args = handle.payload
         return handle.kind, handle.device_uuid, bytes(args[7]), args[9], handle.nbytes  # memory handle + offset
@@ -286,11 +308,15 @@ class _SharedBuffer:
 
 
 def _bucket(buffer: _SharedBuffer, pieces: list[Piece], *, last: bool = False, reusable: bool = True,
-            sums: torch.Tensor | None = None) -> IpcBucket:
+            sums: torch.Tensor | None = None, checked: Sequence[bool] = ()) -> IpcBucket:
     if buffer.tensor.device.type == "cuda":
         torch.cuda.current_stream(buffer.tensor.device).synchronize()  # the other process cannot see our stream
+    checksums = None
+    if sums is not None:
+        values = iter(sums.tolist())
+        checksums = tuple(next(values) if c else None for c in checked)
     return IpcBucket(pieces[0].bucket, buffer.handle(), tuple((p.meta, p.bucket_offset) for p in pieces), last=last,
-                     reusable=reusable, checksums=None if sums is None else tuple(sums.tolist()))
+                     reusable=reusable, checksums=checksums)
 
 
 def _map(handle: IpcHandle) -> torch.Tensor:

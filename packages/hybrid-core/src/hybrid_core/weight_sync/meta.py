@@ -20,10 +20,10 @@ class TensorMeta:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        self.torch_dtype  # validates the name early
+        _ = self.torch_dtype  # validates the name early (the property raises)
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
         return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
 
     @property
@@ -40,7 +40,8 @@ class TensorMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.torch_dtype.itemsize
+        itemsize: int = self.torch_dtype.itemsize
+        return self.numel * itemsize
 
 
 def dtype_name(dtype: torch.dtype) -> str:

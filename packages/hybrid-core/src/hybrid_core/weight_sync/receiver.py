@@ -5,7 +5,8 @@ the same buckets as the sender and check each bucket's announced layout before r
 i+1 is posted before bucket i is loaded, so the wire and the loading overlap. Tensors that span several buckets are
 assembled in a staging tensor of their own.
 
-Verification (when the sender's handshake says checksums follow, the default): after each ``load``, every piece of
+Verification (when the sender's handshake says this sync is checked, the default): after each ``load``, every piece
+the sender checked (its bucket's header says how many; the indices come with their checksums: ``sampling.py``) of
 the tensors it loaded is checksummed again -- over the engine's own tensor when ``read_back(name)`` returns it (what
 the engine really holds: a stale or incomplete load shows), else over the bytes received -- and compared with the
 sender's checksums once the whole stream is in (so the sender is never left in a collective), raising
@@ -15,19 +16,19 @@ sender's checksums once the whole stream is in (so the sender is never left in a
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from .. import faults
-from ..errors import ConfigError
+from ..errors import ConfigError, WeightSyncMismatch
 from ..stats import TransferStats
 from .buckets import Bucket, Piece, check_bucket_bytes, plan_buckets
 from .group import PendingWork, SyncGroup
 from .meta import TensorMeta
 from .sender import DEFAULT_BUCKET_BYTES
-from .verify import PieceCheck, ReadBack, compare, corrupt, loaded_bytes, piece_checksum
-from .wire import HANDSHAKE_WORDS, check_handshake, check_header
+from .verify import FIX, PieceCheck, ReadBack, compare, corrupt, loaded_bytes, piece_checksum
+from .wire import HANDSHAKE_WORDS, HEADER_WORDS, check_handshake, check_header
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -71,9 +72,11 @@ class WeightReceiver:
         for bucket in plan:
             for p in bucket.pieces:
                 pieces_of.setdefault(p.index, []).append(p)
-        sent: dict[int, torch.Tensor] = {}  # bucket index -> the sender's checksums of its pieces
+        sent: list[torch.Tensor] = []  # per bucket with checks: the sender's checksums of its checked pieces
+        chosen: dict[int, list[tuple[Piece, int]]] = {}  # tensor index -> (its checked piece, slot in cat(sent))
+        slots = 0
         actual: list[torch.Tensor] = []
-        checks: list[tuple[Piece, bool]] = []
+        checks: list[tuple[Piece, bool, int]] = []
         with torch.no_grad():
             pending = self._post(plan, 0)
             for i, bucket in enumerate(plan):
@@ -82,38 +85,43 @@ class WeightReceiver:
                 for work in current[0]:
                     work.wait()
                 buf = self._buffers[bucket.index % 2]
-                if current[1] is not None:
-                    sent[bucket.index] = current[1]
+                if current[1] is not None:  # [indices of the checked pieces in this bucket, their checksums]
+                    k = current[1].numel() // 2
+                    sent.append(current[1][k:])
+                    for j in current[1][:k].tolist():  # k small ints, once the bucket is in
+                        p = bucket.pieces[j]
+                        chosen.setdefault(p.index, []).append((p, slots))
+                        slots += 1
                 if faults.corrupt_due("receiver", "bucket", g.rank):  # HYBRID_FAULT=receiver:bucket:corrupt (tests)
                     p = bucket.pieces[0]
                     corrupt(buf[p.bucket_offset:p.bucket_offset + p.nbytes])
                 ready = self._unpack(buf, bucket, staging)
                 if ready:
                     load([(name, tensor) for _, name, tensor in ready])
-                    if self._verify:
-                        for index, name, tensor in ready:
-                            meta = pieces_of[index][0].meta
-                            data, from_engine = loaded_bytes(name, tensor, meta, read_back)
-                            for p in pieces_of[index]:
-                                actual.append(piece_checksum(data, p.tensor_offset, meta, p.tensor_offset, p.nbytes))
-                                checks.append((p, from_engine))
+                    for index, name, tensor in ready:
+                        if index not in chosen:
+                            continue
+                        meta = pieces_of[index][0].meta
+                        data, from_engine = loaded_bytes(name, tensor, meta, read_back)
+                        for p, slot in chosen.pop(index):
+                            actual.append(piece_checksum(data, p.tensor_offset, meta, p.tensor_offset, p.nbytes))
+                            checks.append((p, from_engine, slot))
         if g.device.type == "cuda":
             torch.cuda.current_stream(g.device).synchronize()
         if self._verify:
-            self._compare(plan, sent, actual, checks)
+            self._compare(sent, actual, checks)
         return TransferStats(sum(m.nbytes for m in metas), time.perf_counter() - start, "weight sync")
 
-    def _compare(self, plan: list[Bucket], sent: dict[int, torch.Tensor], actual: list[torch.Tensor],
-                 checks: list[tuple[Piece, bool]]) -> None:
+    def _compare(self, sent: list[torch.Tensor], actual: list[torch.Tensor],
+                 checks: list[tuple[Piece, bool, int]]) -> None:
         """One host read of what the sender sent and of what was checked, then the comparison."""
-        start, at = {}, 0
-        for bucket in plan:
-            start[bucket.index], at = at, at + len(bucket.pieces)
-        position = {id(p): start[b.index] + j for b in plan for j, p in enumerate(b.pieces)}
-        flat = torch.cat([sent[b.index] for b in plan]).tolist() if plan else []
-        expected = [flat[position[id(p)]] for p, _ in checks]
+        flat = torch.cat(sent).tolist() if sent else []
+        if len(checks) != len(flat):
+            raise WeightSyncMismatch(f"weight sync verify: weight-sync rank {self.group.rank}: {len(flat)} checksums "
+                                     f"sent, {len(checks)} pieces checked. Fix: {FIX}")
+        expected = [flat[slot] for _, _, slot in checks]
         named = [PieceCheck(p.meta.name, p.bucket, p.tensor_offset, p.nbytes, p.meta.nbytes, engine)
-                 for p, engine in checks]
+                 for p, engine, _ in checks]
         compare(expected, torch.stack(actual) if actual else torch.zeros(0, dtype=torch.int64), named,
                 f"weight-sync rank {self.group.rank}")
 
@@ -121,11 +129,11 @@ class WeightReceiver:
         """Receive bucket ``i``'s header, check it against the plan, then post its payload and checksums (nothing
         after the end)."""
         g = self.group
-        header = torch.empty(3, dtype=torch.int64, device=g.device)
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=g.device)
         g.broadcast(header, what=f"weight sync bucket {i} header").wait()
         expected = plan[i] if i < len(plan) else None
         try:
-            check_header(header, expected, len(plan), g.rank)
+            checked = check_header(header, expected, len(plan), g.rank)
         except ConfigError:
             g.broken = "the sender's stream did not match this receiver's metadata"
             raise
@@ -134,12 +142,13 @@ class WeightReceiver:
         buf = self._buffers[expected.index % 2]
         works = [g.broadcast(buf[:expected.nbytes], what=f"weight sync bucket {expected.index}")]
         sums = None
-        if self._verify:
-            sums = torch.empty(len(expected.pieces), dtype=torch.int64, device=g.device)
+        if checked:
+            sums = torch.empty(2 * checked, dtype=torch.int64, device=g.device)
             works.append(g.broadcast(sums, what=f"weight sync bucket {expected.index} checksums"))
         return works, sums
 
-    def _unpack(self, buf: torch.Tensor, bucket: Bucket, staging: dict[int, torch.Tensor]):
+    def _unpack(self, buf: torch.Tensor, bucket: Bucket, staging: dict[int, torch.Tensor]
+                ) -> list[tuple[int, str, torch.Tensor]]:
         """The tensors this bucket completes, as ``(index in the stream, name, tensor)``."""
         ready: list[tuple[int, str, torch.Tensor]] = []
         async_ok = buf.device.type == "cuda" and self.device.type == "cuda"

@@ -2,83 +2,242 @@
 
 Stale or half-loaded engine weights fail silently -- the run goes on, generating with the wrong model (TRL #5312:
 weights stale after a sleep; verl #7495: a LoRA adapter that never arrived). So the sender computes, on the device,
-one checksum per tensor piece of every bucket over the bytes it packed and sends them with the bucket; the receiver
-recomputes each one over what it holds after the load -- read back from the engine's own parameter (``read_back``,
-which is what catches a stale or incomplete load), else over the bytes that arrived -- and a mismatch ends the sync
-with :class:`~hybrid_core.errors.WeightSyncMismatch` naming the parameter.
+one checksum per checked tensor piece of a bucket over the bytes it packed and sends them with the bucket; the
+receiver recomputes each one over what it holds after the load -- read back from the engine's own parameter
+(``read_back``, which is what catches a stale or incomplete load), else over the bytes that arrived -- and a mismatch
+ends the sync with :class:`~hybrid_core.errors.WeightSyncMismatch` naming the parameter. Which pieces a sync checks
+(all of them, or a rotating sample) is ``sampling.py``'s.
 
-The checksum of a piece: its bytes as words of the tensor's element size (int8/16/32/64; bytes when a split
-falls inside an element), ``sum((2k + 1) * w_k) mod 2**64``.
+The checksum of a piece of ``n`` bytes read as words of ``s`` bytes (the element size, 1 when a split falls inside an
+element), with b_p the byte at position p read as a signed int8 (-128..127)::
 
-* A flipped byte changes one word by d != 0 (|d| < 2**32), the sum by d * (2k + 1): an odd factor, never 0 mod 2**64.
-* Two swapped values (words k and j) change it by (w_j - w_k) * 2 * (k - j): at most 31 + 1 + 33 factors of two are
-  needed to vanish, more than a piece of < 2**32 words has. (A byte-level weighting would miss swapping 0x0102 and
-  0x0201; that is why words are whole elements.)
-* Integer addition mod 2**64 is associative, so the CPU and the GPU, in any reduction order, agree exactly.
+    C = sum_p G(p) * b_p  mod 2**64,   G(p) = (2 * (p // s) + 1) * 256**(p % s)
 
-Cost: two reductions over the data (the row and column sums of a ``[rows, 512]`` view: sum(k * w_k) splits into
-row index x row sums + column index x column sums), no temporary the size of the data.
+i.e. ``sum_k (2k + 1) * V_k`` over the words, V_k = sum_i 256**i * b_{k,i} being the word's bytes as balanced base-256
+digits (a one-to-one encoding of the word: different bytes, different V).
+
+Guarantees (s in 1, 2, 4, 8; a difference d of two bytes has |d| <= 255, so at most 7 factors of two):
+
+* A changed byte (any new value, not only a flipped bit) at p changes C by d * G(p); G(p) = odd * 2**(8i) with
+  i = p % s < s, so d * G(p) has at most 7 + 8 * (s - 1) <= 63 factors of two: never 0 mod 2**64.
+* Two unequal bytes swapped (positions p != q) change C by (b_q - b_p) * (G(p) - G(q)). Same i: G(p) - G(q) =
+  256**i * 2 * (k_p - k_q), at most 8i + 1 + log2(n) factors of two; different i: the two terms have different
+  powers of two, so the difference has exactly 8 * min(i_p, i_q) <= 8 * (s - 1). Both stay < 64 - 7 for s = 1
+  and s = 2 at any size below 2**47 bytes, s = 4 below 2**32 words: caught.
+* Two unequal words swapped (k != j) change C by (V_j - V_k) * 2 * (k - j): at most (8s - 1) + 1 + log2(k - j)
+  factors of two: < 64 for s <= 4 (pieces below 2**32 words). Words of 8 bytes are covered for single changes only
+  (no 64-bit linear sum can see every swap of two 64-bit words).
+* Integer addition and multiplication mod 2**64 do not depend on the order of a reduction, so every path below, on
+  the CPU or the GPU, gives the same value (tests check them against each other and against Python integers).
+
+How it is computed (``checksum``): the piece's bytes as an int8 matrix ``[rows, ROW]`` times a fixed int8 matrix
+``W_s`` ``[ROW, 8..24]`` (``torch._int_mm``: one pass over the data on the tensor cores, exact int32 results; the
+columns hold, per byte lane i < s, the lane's row sum and its sums weighted by the word index's two base-128
+digits), then one element-wise product with a weight table ``[rows, ncols]`` (int64) and one sum: three kernels per
+piece. The rest (pieces shorter than FAST_MIN_ROWS rows, and a tail of < ROW bytes) uses the definition directly
+in int64 over a cached G. If ``_int_mm`` is missing, raises, or disagrees with the definition in a one-time self-test
+on a device, that device uses row/column reductions giving the same matrix (``"reduce"``, slower): a failing fast
+path never skips a check. :func:`checksum_path` says which path a device uses.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from ..errors import WeightSyncMismatch
+from .buckets import Piece
 from .meta import TensorMeta
 
-COLUMNS = 512
-_WORDS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ROW = 4096  # bytes per row of the matrix view (a multiple of every word size; int32 sums stay below 2**27)
+FAST_MIN_ROWS = 17  # torch._int_mm's limit: more than 16 rows (its k = ROW and n are multiples of 8, as it needs)
+SMALL = FAST_MIN_ROWS * ROW  # shorter pieces (and tails) are summed by the definition over a cached G
+_SIZES = (1, 2, 4, 8)
 ReadBack = Callable[[str], "torch.Tensor | None"]
 FIX = ("A byte changed between the trainer and the engine's parameters (the transport, the engine's loading code, "
-       "or the hardware): report it with the run's logs. --no_verify_weight_sync turns this check off (not advised).")
+       "or the hardware): report it with the run's logs. --verify_weight_sync off turns this check off (not advised).")
+_log = logging.getLogger(__name__)
 
 
 def word_size(meta: TensorMeta, tensor_offset: int, nbytes: int) -> int:
     """Word size for a piece: the element size, or 1 when the piece does not start and end on element boundaries."""
     size = meta.torch_dtype.itemsize
-    return size if size in _WORDS and tensor_offset % size == 0 and nbytes % size == 0 else 1
+    return size if size in _SIZES and tensor_offset % size == 0 and nbytes % size == 0 else 1
+
+
+def _wrap(v: int) -> int:
+    """A Python integer mod 2**64 as a signed 64-bit value."""
+    v %= 1 << 64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+# ---- constant tables, per device and word size ---------------------------------------------------------------------
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _table(key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+    t = _TABLES.get(key)
+    if t is None:
+        t = _TABLES[key] = build()
+    return t
+
+
+def _columns(s: int) -> int:
+    return -(-3 * s // 8) * 8
+
+
+def _w_matrix(device: torch.device, s: int, column_major: bool = False) -> torch.Tensor:
+    """W_s [ROW, ncols] int8: for byte column c (lane i = c % s, word index q = c // s in the row), column i is 1,
+    column s + i is q % 128, column 2s + i is q // 128 (q < ROW / s <= 4096: two base-128 digits); the rest 0."""
+    def build() -> torch.Tensor:
+        c = torch.arange(ROW)
+        i, q = c % s, c // s
+        w = torch.zeros(ROW, _columns(s), dtype=torch.int8)
+        w[c, i] = 1
+        w[c, s + i] = (q % 128).to(torch.int8)
+        w[c, 2 * s + i] = (q // 128).to(torch.int8)
+        w = w.to(device)
+        return w.t().contiguous().t() if column_major else w
+    return _table(("W", device, s, column_major), build)
+
+
+def _row_weights(device: torch.device, s: int, rows: int) -> torch.Tensor:
+    """[rows, ncols] int64: what M = block @ W_s is multiplied by, element-wise, before the sum. Row r's total is
+    sum_i 256**i * ((2 * r * ROW / s + 1) * A_i + 2 * B_i) with A_i the lane's byte sum, B_i = lo_i + 128 * hi_i its
+    word-index-weighted sum: exactly sum over the row of G(p) * b_p (p = r * ROW + c, p // s = r * ROW / s + q)."""
+    have = _TABLES.get(("R", device, s))
+    if have is not None and have.shape[0] >= rows:
+        return have[:rows]
+    size = 1 << max(rows - 1, 1).bit_length()  # grown by powers of two: few rebuilds, at most 2x the need
+    alpha = [0] * _columns(s)
+    beta = [0] * _columns(s)
+    for i in range(s):
+        alpha[i], beta[i] = _wrap(256**i * 2 * (ROW // s)), 256**i
+        beta[s + i], beta[2 * s + i] = _wrap(2 * 256**i), _wrap(256 * 256**i)
+    r = torch.arange(size, dtype=torch.int64, device=device).unsqueeze(1)
+    table = r * torch.tensor(alpha, dtype=torch.int64, device=device) + torch.tensor(beta, dtype=torch.int64,
+                                                                                    device=device)
+    _TABLES[("R", device, s)] = table
+    return table[:rows]
+
+
+def _g(device: torch.device, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """G(p) for p < SMALL, and the lane factor 256**(p % s) (G(p + start) = G(p) + 2 * start / s * lane(p))."""
+    def build_g() -> torch.Tensor:
+        p = torch.arange(SMALL, dtype=torch.int64)
+        return ((2 * (p // s) + 1) * _lane(s, p)).to(device)
+    return _table(("G", device, s), build_g), _table(("L", device, s), lambda: _lane(s, torch.arange(SMALL)).to(device))
+
+
+def _lane(s: int, p: torch.Tensor) -> torch.Tensor:
+    lanes = torch.tensor([_wrap(256**i) for i in range(s)], dtype=torch.int64)
+    return lanes[p % s]
+
+
+# ---- the paths ----------------------------------------------------------------------------------------------------
+def _direct(b: torch.Tensor, s: int, start: int = 0) -> torch.Tensor:
+    """sum G(start + t) * b_t for a flat int8 ``b`` of < SMALL bytes (``start``: a multiple of s)."""
+    g, lane = _g(b.device, s)
+    n = b.numel()
+    weights = g[:n] if not start else g[:n] + _wrap(2 * (start // s)) * lane[:n]
+    return (b * weights).sum()
+
+
+def _m_int_mm(block: torch.Tensor, s: int) -> torch.Tensor:
+    return torch._int_mm(block, _w_matrix(block.device, s, _COLUMN_MAJOR.get(block.device, False)))
+
+
+def _m_reduce(block: torch.Tensor, s: int) -> torch.Tensor:
+    """The same M as ``block @ W_s`` from reductions (any device), a few thousand rows at a time."""
+    rows = block.shape[0]
+    m = torch.zeros(rows, _columns(s), dtype=torch.int64, device=block.device)
+    q = torch.arange(ROW // s, dtype=torch.int32, device=block.device).view(1, -1, 1)
+    lo, hi = q % 128, q // 128
+    for r0 in range(0, rows, 4096):
+        part = block[r0:r0 + 4096].view(-1, ROW // s, s)
+        m[r0:r0 + 4096, :s] = part.sum(1, dtype=torch.int64)
+        m[r0:r0 + 4096, s:2 * s] = (part * lo).sum(1, dtype=torch.int64)
+        m[r0:r0 + 4096, 2 * s:3 * s] = (part * hi).sum(1, dtype=torch.int64)
+    return m
+
+
+_M_PATHS = {"int_mm": _m_int_mm, "reduce": _m_reduce}
+_PATH: dict[torch.device, str] = {}  # the M path each device uses (decided by a self-test at first use)
+_COLUMN_MAJOR: dict[torch.device, bool] = {}
+
+
+def checksum_path(device: torch.device | str) -> str:
+    """Which path computes the checksums of large pieces on ``device``: "int_mm" (torch._int_mm) or "reduce"."""
+    device = torch.device(device)
+    path = _PATH.get(device)
+    if path is None:
+        path = _PATH[device] = _self_test(device)
+    return path
+
+
+def _self_test(device: torch.device) -> str:
+    """The fast path on this device, if it gives the definition's value on a fixed random buffer for every word
+    size; else "reduce" (logged)."""
+    g = torch.Generator().manual_seed(34)
+    data = torch.randint(-128, 128, ((FAST_MIN_ROWS + 3) * ROW,), generator=g, dtype=torch.int8).to(device)
+    block = data.view(-1, ROW)
+    why = ""
+    for column_major in (False, True):
+        _COLUMN_MAJOR[device] = column_major
+        try:
+            if all(_combine(_m_int_mm(block, s), s) == _combine(_m_reduce(block, s), s) == _definition(data, s)
+                   for s in _SIZES):
+                return "int_mm"
+            why = "it disagrees with the definition"
+        except Exception as e:  # missing on this build, or refused for this device/layout
+            why = f"{type(e).__name__}: {e}"
+    _log.warning("weight sync verify: torch._int_mm cannot be used on %s (%s); checksums use reductions (slower, "
+                 "same values)", device, why)
+    return "reduce"
+
+
+def _combine(m: torch.Tensor, s: int) -> int:
+    return int((m * _row_weights(m.device, s, m.shape[0])).sum())
+
+
+def _definition(data: torch.Tensor, s: int) -> int:
+    """The definition over a cached G, SMALL bytes at a time (no matrix involved: what the self-test compares with;
+    the tests compare it with Python integers)."""
+    return _wrap(sum(int(_direct(data[i:i + SMALL], s, i)) for i in range(0, data.numel(), SMALL)))
 
 
 def checksum(data: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
     """The checksum (a 0-d int64 tensor on ``data``'s device, not synchronized) of a flat, contiguous uint8 tensor
-    read as ``itemsize``-byte words."""
+    read as ``itemsize``-byte words (see the module's docstring)."""
     if data.dtype != torch.uint8 or data.dim() != 1:
         raise ValueError("checksum takes a flat uint8 tensor (weight_sync.wire.tensor_bytes(tensor))")
-    if data.data_ptr() % itemsize:
-        data = data.clone()  # a view at an unaligned byte offset cannot be read as words
-    words = data.view(_WORDS[itemsize])
-    n, device = words.numel(), words.device
-    rows = n // COLUMNS
-    parts = []
-    if rows:
-        block = words[:rows * COLUMNS].view(rows, COLUMNS)
-        row_w = torch.arange(0, 2 * COLUMNS * rows, 2 * COLUMNS, dtype=torch.int64, device=device)  # 2 * C * r
-        parts.append((block.sum(1, dtype=torch.int64) * row_w).sum())
-        parts.append((block.sum(0, dtype=torch.int64) * _column_weights(device)).sum())  # 2 * c + 1
-    if n > rows * COLUMNS:
-        start = rows * COLUMNS
-        tail_w = torch.arange(2 * start + 1, 2 * n + 1, 2, dtype=torch.int64, device=device)
-        parts.append((words[start:].to(torch.int64) * tail_w).sum())
-    if not parts:
-        return torch.zeros((), dtype=torch.int64, device=device)
-    total = parts[0]
-    for p in parts[1:]:
-        total = total + p
+    if itemsize not in _SIZES:
+        raise ValueError(f"itemsize must be one of {_SIZES}, got {itemsize}")
+    b = data.view(torch.int8)
+    n = b.numel()
+    if n < SMALL:
+        return _direct(b, itemsize) if n else torch.zeros((), dtype=torch.int64, device=b.device)
+    rows = n // ROW
+    block = b[:rows * ROW].view(rows, ROW)
+    path = checksum_path(b.device)
+    if path == "int_mm" and block.data_ptr() % 16:
+        path = "reduce"  # cuBLAS wants aligned rows; a view at an odd offset takes the other path
+    try:
+        m = _M_PATHS[path](block, itemsize)
+    except Exception as e:
+        if path == "reduce":
+            raise
+        _log.warning("weight sync verify: torch._int_mm failed on %s (%s: %s); using reductions from now on",
+                     b.device, type(e).__name__, e)
+        _PATH[b.device] = "reduce"
+        m = _m_reduce(block, itemsize)
+    total = (m * _row_weights(b.device, itemsize, rows)).sum()
+    if n > rows * ROW:
+        total = total + _direct(b[rows * ROW:], itemsize, rows * ROW)
     return total
-
-
-_COLUMN_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _column_weights(device: torch.device) -> torch.Tensor:
-    w = _COLUMN_WEIGHTS.get(device)
-    if w is None:
-        w = _COLUMN_WEIGHTS[device] = torch.arange(1, 2 * COLUMNS, 2, dtype=torch.int64, device=device)
-    return w
 
 
 def piece_checksum(buffer: torch.Tensor, offset: int, meta: TensorMeta, tensor_offset: int,
@@ -88,7 +247,7 @@ def piece_checksum(buffer: torch.Tensor, offset: int, meta: TensorMeta, tensor_o
     return checksum(buffer[offset:offset + nbytes], word_size(meta, tensor_offset, nbytes))
 
 
-def bucket_checksums(buffer: torch.Tensor, pieces: Sequence) -> torch.Tensor:
+def bucket_checksums(buffer: torch.Tensor, pieces: Sequence[Piece]) -> torch.Tensor:
     """One checksum per piece (``Piece``: ``bucket_offset``, ``meta``, ``tensor_offset``, ``nbytes``) packed in the
     flat uint8 ``buffer``, as one int64 tensor on its device (not synchronized)."""
     if not pieces:

@@ -1,12 +1,13 @@
 """What goes over the wire, in order, for one sync:
 
 1. a handshake from rank 0: ``[MAGIC, PROTOCOL, bucket_bytes, verify]`` (receivers check they pack the same way;
-   ``verify`` 1: checksums follow every bucket);
-2. per bucket, a fixed-size header ``[digest of the bucket's layout, bucket index, payload bytes]``, then the
-   payload, then (``verify``) one int64 checksum per piece of the bucket (``verify.py``). A receiver posts the
-   payload only after the header matched its own plan, so a metadata mismatch is a named error before any bytes are
-   received or loaded, never a size mismatch inside the backend;
-3. an end header ``[END, number of buckets, 0]``, so a stream longer or shorter than the receivers' plan is an
+   ``verify`` 1: this sync is checked, some buckets carry checksums);
+2. per bucket, a fixed-size header ``[digest of the bucket's layout, bucket index, payload bytes, k]``, then the
+   payload, then (k > 0) one int64 tensor ``[index in the bucket of each checked piece (k), their checksums (k)]``
+   (``verify.py``; which pieces: ``sampling.py``, the sender's choice). A receiver posts the payload only after the
+   header matched its own plan, so a metadata mismatch is a named error before any bytes are received or loaded,
+   never a size mismatch inside the backend;
+3. an end header ``[END, number of buckets, 0, 0]``, so a stream longer or shorter than the receivers' plan is an
    error too, not a hang.
 """
 
@@ -18,8 +19,9 @@ from ..errors import ConfigError
 from .buckets import Bucket, Piece, layout_digest, used_bytes
 
 MAGIC = 0x6879627269642D77  # "hybrid-w"
-PROTOCOL = 3
+PROTOCOL = 4
 HANDSHAKE_WORDS = 4
+HEADER_WORDS = 4
 END = -1
 
 
@@ -41,24 +43,26 @@ def check_handshake(received: torch.Tensor, bucket_bytes: int, rank: int) -> boo
     return bool(verify)
 
 
-def header_tensor(index: int, pieces: list[Piece], device: torch.device) -> torch.Tensor:
-    return torch.tensor([layout_digest(index, pieces), index, used_bytes(pieces)], dtype=torch.int64, device=device)
+def header_tensor(index: int, pieces: list[Piece], device: torch.device, checked: int = 0) -> torch.Tensor:
+    return torch.tensor([layout_digest(index, pieces), index, used_bytes(pieces), checked], dtype=torch.int64,
+                        device=device)
 
 
 def end_tensor(n_buckets: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([END, n_buckets, 0], dtype=torch.int64, device=device)
+    return torch.tensor([END, n_buckets, 0, 0], dtype=torch.int64, device=device)
 
 
-def check_header(received: torch.Tensor, expected: Bucket | None, n_planned: int, rank: int) -> None:
-    """``expected`` is the next bucket of the receiver's plan, or None when the plan is done (an end is due)."""
-    digest, index, _ = (int(v) for v in received.tolist())
+def check_header(received: torch.Tensor, expected: Bucket | None, n_planned: int, rank: int) -> int:
+    """``expected`` is the next bucket of the receiver's plan, or None when the plan is done (an end is due).
+    Returns how many checked pieces' checksums follow the payload."""
+    digest, index, _, checked = (int(v) for v in received.tolist())
     fix = ("Give the receivers the TensorMetas of exactly the sender's stream, in the same order (same names, dtypes, "
            "shapes).")
     if expected is None:
         if digest != END:
             raise ConfigError("metas", f"rank {rank}: the sender streams more tensors than the {n_planned} buckets "
                               "this receiver's metadata plans.", fix)
-        return
+        return 0
     if digest == END:
         raise ConfigError("metas", f"rank {rank}: the sender's stream ended after {index} buckets, but this "
                           f"receiver's metadata plans {n_planned}.", fix)
@@ -66,6 +70,10 @@ def check_header(received: torch.Tensor, expected: Bucket | None, n_planned: int
         first = expected.pieces[0].meta if expected.pieces else None
         raise ConfigError("metas", f"rank {rank}: weight-sync bucket {expected.index} from the sender does not hold "
                           f"what this receiver's metadata says (expected it to start with {first}).", fix)
+    if not 0 <= checked <= len(expected.pieces):
+        raise ConfigError("weight_sync", f"rank {rank}: bucket {index} announces {checked} checksums for "
+                          f"{len(expected.pieces)} pieces.", "Use the same hybrid version on the trainer and engines.")
+    return checked
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:

@@ -11,10 +11,11 @@ same sequence, attended to but masked out of the loss, the KL and the mismatch c
 ``--task lookup`` (:mod:`.lookup`) is a task that needs a tool call. :mod:`.rollout` runs a step's conversations.
 """
 
+from ..tasks import LookupTask
 from .environment import Environment, StepResult
 from .guard import AgentError
 from .loader import AgentSpec, builtin_agent, load_agent
-from .lookup import LookupEnvironment, LookupTask
+from .lookup import LookupEnvironment
 from .rollout import AgentBatch, AgentRollout, AgentSettings, summarize
 
 __all__ = ["AgentBatch", "AgentError", "AgentRollout", "AgentSettings", "AgentSpec", "Environment",

@@ -11,48 +11,17 @@ then answer with what the tool said.
 
 Scoring guesses 0 also keeps the two skills from competing: were a guess worth its 1-in-``num_symbols`` chance, an
 untrained model (which copies the tool's answer less often than that) would first learn to stop calling.
+
+The prompts (and the response budget) are :class:`~hybrid_algos.train.tasks.LookupTask`'s, with the other built-in
+tasks; this module is the environment that answers them.
 """
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
-from ..tasks import BOS, FIRST_SYMBOL_ID, SEP, Prompt
 from .environment import StepResult
 
 #: Turns and new tokens per turn of the built-in task (unless --max_turns / --max_new_tokens_per_turn say otherwise).
 MAX_TURNS, TURN_TOKENS = 2, 2
-#: The most tokens a reply can have: the assistant's closing (when the turn was cut) + <sep> s_v.
-REPLY_TOKENS = 3
-
-
-@dataclass(frozen=True)
-class LookupTask:
-    """Prompts of the lookup task (``prompt_symbols`` key symbols; the label is the hidden value's index)."""
-
-    name: str = "lookup"
-    num_symbols: int = 8
-    prompt_symbols: int = 1
-
-    @property
-    def answer_len(self) -> int:
-        return 1
-
-    def prompts(self, count: int, seed: int) -> list[Prompt]:
-        rng = random.Random(f"lookup:{seed}")
-        out = []
-        for _ in range(count):
-            key = [rng.randrange(self.num_symbols) for _ in range(self.prompt_symbols)]
-            value = rng.randrange(self.num_symbols)
-            ids = [BOS, *(FIRST_SYMBOL_ID + s for s in key), SEP]
-            text = " ".join(["<bos>", *(f"s{s}" for s in key), "<sep>"])
-            out.append(Prompt(ids, text, label=value))
-        return out
-
-    def response_budget(self, max_turns: int, turn_tokens: int) -> int:
-        """Tokens a whole conversation may need: every turn and every reply between them."""
-        return max_turns * turn_tokens + (max_turns - 1) * REPLY_TOKENS
 
 
 class LookupEnvironment:

@@ -1,9 +1,9 @@
 """What every role worker (a Ray actor holding one model replica or shard) shares.
 
 Workers are created by :class:`hybrid_core.roles.RoleGroup` on the bundles the placement plan assigns, and moved
-on and off their GPU by the residency owner (:mod:`hybrid_core.residency`) through ``offload`` / ``reload``. Each one can dump
-the Python stacks of all its threads into the run's log folder on request — answered on a separate control thread,
-so a worker stuck in a collective still reports where it is.
+on and off their GPU by the residency owner (:mod:`hybrid_core.residency`) through ``offload`` / ``reload``. Each
+one can dump the Python stacks of all its threads into the run's log folder on request — answered on a separate
+control thread, so a worker stuck in a collective still reports where it is.
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ class RoleWorker:
     def ping(self) -> bool:
         return True
 
-    def settle(self) -> None:
-        """Call at the end of set-up: move everything built so far out of the garbage collector's view.
+    def freeze_gc(self) -> None:
+        """Call at the end of set-up: collect, then move everything built so far out of the garbage collector's view
+        (``gc.freeze()``).
 
         DeepSpeed's offload_states runs gc.collect() three times; with transformers and DeepSpeed imported, each full
         collection walks millions of objects (0.8 s each on a CPU core, measured). Frozen objects are skipped, so a
@@ -124,13 +125,6 @@ class RoleWorker:
 
         memory = probe(self.device) if self.device.type == "cuda" else None
         return dataclasses.asdict(memory) if memory is not None else None
-
-    def device_memory(self) -> dict[str, int]:
-        """Bytes this process holds on its GPU (allocated / reserved); zeros on CPU."""
-        if self.device.type != "cuda":
-            return {"allocated": 0, "reserved": 0, "peak": 0}
-        return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                "peak": torch.cuda.max_memory_allocated()}
 
     # ---- diagnosis -------------------------------------------------------------------------------------------------
     def dump_stacks(self) -> str:

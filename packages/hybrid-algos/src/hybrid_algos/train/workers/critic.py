@@ -34,7 +34,7 @@ class CriticWorker(RoleWorker):
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
         close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
-        self.settle()
+        self.freeze_gc()
         return self.where()
 
     @torch.no_grad()

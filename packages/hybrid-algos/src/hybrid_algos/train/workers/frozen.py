@@ -37,7 +37,7 @@ class FrozenWorker(RoleWorker):
         if not self.sharded:
             self.model = self.load(model_path).to(self.device)
             self.offloader = StateOffloader(self.model)
-            self.settle()
+            self.freeze_gc()
             return self.where()
         from .zero3_frozen import ShardOffloader, frozen_deepspeed_config, sharded_engine
 
@@ -50,7 +50,7 @@ class FrozenWorker(RoleWorker):
         self.model = sharded_engine(self.load(model_path), config)  # the forward goes through the engine's hooks
         self.offloader = ShardOffloader(self.model.module, self.device)
         close_rendezvous(store, self.rank, self.world_size)
-        self.settle()
+        self.freeze_gc()
         return self.where()
 
     def load(self, model_path: str) -> torch.nn.Module:

@@ -42,7 +42,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             self.offloader = DeepSpeedOffloader(self.engine)
         close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
         self._raw_old: dict[bytes, torch.Tensor] = {}
-        self.settle()
+        self.freeze_gc()
         return {"params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
                 **self.where()}
 
@@ -395,7 +395,3 @@ def _add_k1_sums(sums: DeviceMeans, logp: torch.Tensor, ref_logprobs: torch.Tens
     sums.add("_kl_sum", kl_tokens.sum())
     sums.add("_kl_tokens", mask.sum())
     sums.add("_kl_seqs", float(mask.size(0)))
-
-
-def _pad_right(x: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, width - x.size(1))) if x.size(1) < width else x

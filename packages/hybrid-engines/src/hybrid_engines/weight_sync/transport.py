@@ -7,7 +7,7 @@ trainer's ranks through Ray), and the loop asks for it instead of choosing a sen
 
 :class:`WeightTransport` is hybrid-core's own format (the built-in and vLLM engines receive it with
 ``hybrid_core.weight_sync.WeightReceiver`` / ``load_ipc_bucket``); an engine library with its own receiving code
-subclasses it (``hybrid_engines.sglang_transport.SGLangTransport``). Two paths:
+subclasses it (``hybrid_engines.weight_sync.sglang.SGLangTransport``). Two paths:
 
 * broadcast -- the trainer's rank 0 joins a group with every engine worker (:meth:`~WeightTransport.join`), then
   streams the weights (:meth:`~WeightTransport.broadcast`) while the engines run ``update_weights(metas, ...)``;
@@ -21,7 +21,8 @@ Verification: hybrid-core's format carries per-piece checksums that its receiver
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -35,7 +36,8 @@ class WeightTransport:
     #: short name, printed by ``--dry-run`` next to the sync path
     name = "hybrid"
     #: what each path puts on the wire (``--dry-run`` prints it)
-    wire = {"broadcast": "hybrid-core buckets: handshake, layout header, payload", "ipc": "hybrid-core CUDA-IPC buckets"}
+    wire: ClassVar[dict[str, str]] = {"broadcast": "hybrid-core buckets: handshake, layout header, payload",
+                                      "ipc": "hybrid-core CUDA-IPC buckets"}
     #: the largest tensor-parallel size the IPC path serves (None: any; a TP > 1 engine gets one bucket per GPU)
     ipc_max_tp: int | None = None
     #: the receivers check every sync against the sender's checksums (``broadcast``/``send_ipc`` take ``verify=``)

@@ -58,11 +58,13 @@ def test_each_rank_holds_half_of_each_frozen_model(ranks):
             # DeepSpeed pads each parameter's partition to a whole number of elements per rank: at most a few
             assert total / 2 <= held <= total / 2 + 64, r
     from hybrid_algos.train.tiny import tiny_model_config
+    from hybrid_algos.train.recipes import PPO
     from hybrid_core.residency.memory import Workload, model_shape, size_role
 
     # the plan's bytes for one of these ranks: the same half
     shape = model_shape(tiny_model_config())
-    size = size_role("reference", shape, Workload(zero_stage=3), ranks=2, tp=1, gpu_bytes=80 * 2**30)
+    size = size_role("reference", shape, Workload(zero_stage=3), kind="frozen", phases=PPO.residency_phases(),
+                     ranks=2, tp=1, gpu_bytes=80 * 2**30)
     assert size.states["params"] == 2 * ranks[0]["total"][0] / 2
 
 

@@ -1,4 +1,4 @@
-# Sourced by bench/openrlhf_session.sh and bench/verl_session.sh from the repository root, with PEER (the log folders'
+# Sourced by bench/sessions/openrlhf_session.sh and bench/sessions/verl_session.sh from the repository root, with PEER (the log folders'
 # prefix) and PHASE set: the environment of every run, OUT / LOGS / PY, the phase clock (left) and pack, waiting for
 # the staged models, freeing the GPU after a peer's run, and our run of the same workload.
 export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
@@ -11,7 +11,7 @@ t0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
 pack() { tar -czf "$OUT/${PEER}_$1.tgz" -C /tmp/logs "${PEER}_$1" 2>/dev/null; }
 wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done
-             echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/residency_session.sh stage first)"; return 1; }
+             echo "not ready: '$1' missing from /tmp/logs/stage_bg.log (run bench/sessions/residency_session.sh stage first)"; return 1; }
 gpu_apps() { nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>/dev/null; }
 gpu_used() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
 free_gpu_after() {  # $1 the peer's name: what its run left on the GPU (a run stopped at its time limit) is its own

@@ -2,20 +2,20 @@
 # The GPU runs of one lent-machine session (nvidia-h200-x2), phase by phase: each phase fits one device call
 # (< 10 min) and leaves its logs in $OUT/<phase>.tgz plus a short summary on stdout.
 #
-#   bash bench/device_session.sh stage     # carry .whl + .device-carry: Ray, DeepSpeed, TRL; builds in background
+#   bash bench/sessions/device_session.sh stage     # carry .whl + .device-carry: Ray, DeepSpeed, TRL; builds in background
 #   bash .carry/pNN/_assemble.sh .carry/pNN  (p00..p05, then p06 --install)   # vLLM, see ../shared/device/README.md
-#   bash bench/device_session.sh a         # issue 8: GRPO as the issue sets it + demo learning (GPU 0) | TRL + ours matched (GPU 1)
-#   bash bench/device_session.sh b         # issue 8 split; issue 5 engine check; issue 9 wake guard
-#   TP=1 bash bench/device_session.sh c    # issue 10, the seed's 8-GPU command scaled to 2 GPUs
-#   bash bench/device_session.sh d         # issue 9 wake guard alone (re-run after a fix)
+#   bash bench/sessions/device_session.sh a         # issue 8: GRPO as the issue sets it + demo learning (GPU 0) | TRL + ours matched (GPU 1)
+#   bash bench/sessions/device_session.sh b         # issue 8 split; issue 5 engine check; issue 9 wake guard
+#   TP=1 bash bench/sessions/device_session.sh c    # issue 10, the seed's 8-GPU command scaled to 2 GPUs
+#   bash bench/sessions/device_session.sh d         # issue 9 wake guard alone (re-run after a fix)
 #   bash .carry-sglang/pNN/_assemble.sh .carry-sglang/pNN  (p00.., last with --install)   # SGLang 0.5.16: bench/sglang_stage.py
-#   bash bench/device_session.sh sg1       # issue 19: SGLang engine rows + vLLM vs SGLang (bench/sglang_gpu.py)
-#   bash bench/device_session.sh sg2       # issue 19: GRPO colocated on the e2e workload, vLLM then SGLang, same call
-#                                          # (then sg3's demo, when over 200 s of the call are left)
-#   bash bench/device_session.sh sg3       # issue 19: the built-in demo learning with --backend sglang
-#   bash bench/device_session.sh sg4       # issue 19 on nvidia-h200-x2: split placement over SGLang's NCCL group
+#   bash bench/sessions/device_session.sh sg1       # issue 19: SGLang engine rows + vLLM vs SGLang (bench/sglang_gpu.py)
+#   bash bench/sessions/device_session.sh sg2       # issue 19: GRPO colocated on the e2e workload, vLLM then SGLang, same call
+#                                                   # (then sg3's demo, when over 200 s of the call are left)
+#   bash bench/sessions/device_session.sh sg3       # issue 19: the built-in demo learning with --backend sglang
+#   bash bench/sessions/device_session.sh sg4       # issue 19 on nvidia-h200-x2: split placement over SGLang's NCCL group
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_EXTENSIONS_DIR=/tmp/tx NCCL_NVLS_ENABLE=0 \

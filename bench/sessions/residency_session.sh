@@ -2,44 +2,44 @@
 # The GPU runs of the residency issue on one lent GPU (nvidia-h100-x1 or nvidia-h200), phase by phase: each phase
 # fits one device call (< 10 min) and leaves its logs in $OUT/<phase>.tgz plus a short summary on stdout.
 #
-#   bash bench/residency_session.sh stage    # carry .whl + .device-carry: Ray, DeepSpeed, TRL; in the background the models
-#                                            # (STAGE_SIZES, default "1.5b 7b", plus 357m), DeepSpeed's Adam and, unless
-#                                            # STAGE_GPU_BENCHES=0, issue 24's and issue 20's GPU benches (rows: phase a)
+#   bash bench/sessions/residency_session.sh stage    # carry .whl + .device-carry: Ray, DeepSpeed, TRL; in the background the models
+#                                                     # (STAGE_SIZES, default "1.5b 7b", plus 357m), DeepSpeed's Adam and, unless
+#                                                     # STAGE_GPU_BENCHES=0, issue 24's and issue 20's GPU benches (rows: phase a)
 #   bash .carry/pNN/_assemble.sh .carry/pNN  (p00..p05, then p06 --install)   # vLLM, see ../shared/device/README.md
-#   bash bench/residency_session.sh bg       # where the background work stands
-#   bash bench/residency_session.sh smoke    # KV-cache release on vLLM; a short auto run
-#   bash bench/residency_session.sh a        # 357M: TRL | ours TRL-matched | ours ZeRO-3 + reference
-#   bash bench/residency_session.sh b        # ~1.5B, 32 x 8, <= 1024 tokens: TRL | ours (auto)
-#   bash bench/residency_session.sh c        # ~7B: ours (auto) | TRL, nothing beside them (CPU Adam needs the host)
-#   bash bench/residency_session.sh prof     # 357M ZeRO-3 + reference, step 6 under the profilers (--profile_step)
-#   bash bench/residency_session.sh c7       # ~7B in bf16 master weights + Adam state (TRL's precision) on 80 GB: the
-#                                            # model built on the GPU, then ours (C7_TRL=1: TRL too; else phase c7t)
-#   bash bench/residency_session.sh z        # ZeRO-3 + reference: the code of commit ab94ac3 vs today's (carry .old: an
-#                                            # ignored folder holding that commit's packages/ and bench/)
-#   bash bench/residency_session.sh d        # generate overhead alone (its engines take ~2.5 min to build), then 7B
-#   bash bench/residency_session.sh suite    # the whole test suite on the machine's CPU, in the background (issue 23);
-#                                            # `bg` reports it, `suitelog` brings its log back; SUITE_CPUS=8-15 pins it
-#                                            # (then run the GPU phases beside it under `taskset -c 0-7`)
-#   bash bench/residency_session.sh e        # ZeRO-3 + reference against TRL, interleaved twice (TRL, ours, TRL, ours)
-#                                            # with the machine's load sampled every 10 s; E_TURNS="1" or "2" runs one
-#                                            # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
-#                                            # first turn's (issue 19: next to the vLLM figure of the same call);
-#                                            # E_THREADS1=1 adds ours with the engine on one torch thread,
-#                                            # E_MICRO64=1 ours in TRL's micro-batch of 64, E_PROFILE=1 that run
-#                                            # again with step 6 under the profilers (--profile_step), E_EXTRA="FLAGS"
-#                                            # ours in TRL's micro-batch with those hybrid flags (an A/B variant)
-#   bash bench/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU (F_MPS=1:
-#                                            # the async run under CUDA MPS)
-#   bash bench/residency_session.sh g        # generate overhead (recorded; G_REC=0: not), the same with vLLM multi-process
-#                                            # (G_MP=0: not), then issue 22's agent rollouts (G_AGENTS=0: not)
-#   bash bench/residency_session.sh h        # issue 22's agent rollouts (H_AGENTS=0: not), issue 19's demo on SGLang, the
-#                                            # suite's log
+#   bash bench/sessions/residency_session.sh bg       # where the background work stands
+#   bash bench/sessions/residency_session.sh smoke    # KV-cache release on vLLM; a short auto run
+#   bash bench/sessions/residency_session.sh a        # 357M: TRL | ours TRL-matched | ours ZeRO-3 + reference
+#   bash bench/sessions/residency_session.sh b        # ~1.5B, 32 x 8, <= 1024 tokens: TRL | ours (auto)
+#   bash bench/sessions/residency_session.sh c        # ~7B: ours (auto) | TRL, nothing beside them (CPU Adam needs the host)
+#   bash bench/sessions/residency_session.sh prof     # 357M ZeRO-3 + reference, step 6 under the profilers (--profile_step)
+#   bash bench/sessions/residency_session.sh c7       # ~7B in bf16 master weights + Adam state (TRL's precision) on 80 GB: the
+#                                                     # model built on the GPU, then ours (C7_TRL=1: TRL too; else phase c7t)
+#   bash bench/sessions/residency_session.sh z        # ZeRO-3 + reference: the code of commit ab94ac3 vs today's (carry .old: an
+#                                                     # ignored folder holding that commit's packages/ and bench/)
+#   bash bench/sessions/residency_session.sh d        # generate overhead alone (its engines take ~2.5 min to build), then 7B
+#   bash bench/sessions/residency_session.sh suite    # the whole test suite on the machine's CPU, in the background (issue 23);
+#                                                     # `bg` reports it, `suitelog` brings its log back; SUITE_CPUS=8-15 pins it
+#                                                     # (then run the GPU phases beside it under `taskset -c 0-7`)
+#   bash bench/sessions/residency_session.sh e        # ZeRO-3 + reference against TRL, interleaved twice (TRL, ours, TRL, ours)
+#                                                     # with the machine's load sampled every 10 s; E_TURNS="1" or "2" runs one
+#                                                     # turn per call, E_SGLANG=1 adds the same set-up on SGLang after the
+#                                                     # first turn's (issue 19: next to the vLLM figure of the same call);
+#                                                     # E_THREADS1=1 adds ours with the engine on one torch thread,
+#                                                     # E_MICRO64=1 ours in TRL's micro-batch of 64, E_PROFILE=1 that run
+#                                                     # again with step 6 under the profilers (--profile_step), E_EXTRA="FLAGS"
+#                                                     # ours in TRL's micro-batch with those hybrid flags (an A/B variant)
+#   bash bench/sessions/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU (F_MPS=1:
+#                                                     # the async run under CUDA MPS)
+#   bash bench/sessions/residency_session.sh g        # generate overhead (recorded; G_REC=0: not), the same with vLLM multi-process
+#                                                     # (G_MP=0: not), then issue 22's agent rollouts (G_AGENTS=0: not)
+#   bash bench/sessions/residency_session.sh h        # issue 22's agent rollouts (H_AGENTS=0: not), issue 19's demo on SGLang, the
+#                                                     # suite's log
 # Timed phases wait until the background work is done ("bg-all-done"): nothing else runs beside a timing.
 # The machine goes back 30 s after a call ends: chain the calls (staging parts back to back), think between phases
 # only while a long one runs. Start `suite` only where no timed phase follows on that machine (it takes ~20 min of
 # 16 cores at -n 6 and slowed the GPU runs beside it by 1.5-2x on 2026-11-24).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-algos/src:$PWD/packages/hybrid-cli/src
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 RAY_AUTH_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0 TORCH_EXTENSIONS_DIR=/tmp/tx NCCL_NVLS_ENABLE=0 \

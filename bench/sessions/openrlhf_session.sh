@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # Issue 18 part 2: OpenRLHF 0.11.2 itself beside `hybrid grpo` on one lent GPU, phase by phase (each phase fits one
 # device call, < 10 min; logs in $OUT/orl_<phase>.tgz, JSONs in $OUT, a summary on stdout).
-# On a machine already staged by bench/residency_session.sh (stage, then the vLLM .carry parts), while it is warm:
+# On a machine already staged by bench/sessions/residency_session.sh (stage, then the vLLM .carry parts), while it is warm:
 #
-#   bash bench/openrlhf_session.sh stage   # carry [".carry-openrlhf"]: OpenRLHF + what the image lacks -> /tmp/site-orl;
-#                                          # imports OpenRLHF's launcher (vLLM included) and parses our command lines
-#   bash bench/openrlhf_session.sh a       # 357M, ZeRO-1 no reference: OpenRLHF | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
-#   bash bench/openrlhf_session.sh a2      # 357M, ZeRO-3 + reference:  OpenRLHF | ours (e2e_gpu.py default set-up)
-#   bash bench/openrlhf_session.sh b       # 1.5B, 32 x 8, <= 1024 tokens: OpenRLHF | ours  (1 warm-up + 2 steps each)
+#   bash bench/sessions/openrlhf_session.sh stage   # carry [".carry-openrlhf"]: OpenRLHF + what the image lacks -> /tmp/site-orl;
+#                                                   # imports OpenRLHF's launcher (vLLM included) and parses our command lines
+#   bash bench/sessions/openrlhf_session.sh a       # 357M, ZeRO-1 no reference: OpenRLHF | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
+#   bash bench/sessions/openrlhf_session.sh a2      # 357M, ZeRO-3 + reference:  OpenRLHF | ours (e2e_gpu.py default set-up)
+#   bash bench/sessions/openrlhf_session.sh b       # 1.5B, 32 x 8, <= 1024 tokens: OpenRLHF | ours  (1 warm-up + 2 steps each)
 #
 # Each pair prints the comparison table. To record it, run here (not on the device: its repo copy is thrown away)
 #   python bench/openrlhf_peer.py compare --openrlhf FILES/openrlhf-357m-matched.json \
 #       --ours FILES/e2e-grpo-357m-colocated-orl.json --record
 # which writes rows only for what completed, and speedups only when both runs of the call completed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-PHASE=${1:-}; case "$PHASE" in stage|a|a2|b) ;; *) echo "usage: bash bench/openrlhf_session.sh stage|a|a2|b"; exit 2;; esac
+cd "$(dirname "$0")/../.."
+PHASE=${1:-}; case "$PHASE" in stage|a|a2|b) ;; *) echo "usage: bash bench/sessions/openrlhf_session.sh stage|a|a2|b"; exit 2;; esac
 PEER=orl   # the log folders' prefix
-source bench/_peer_session.sh   # environment, OUT, LOGS, PY, left, pack, wait_for, free_gpu_after, ours
+source bench/sessions/_peer_session.sh   # environment, OUT, LOGS, PY, left, pack, wait_for, free_gpu_after, ours
 SITE=${ORL_SITE:-/tmp/site-orl}   # OpenRLHF and what it needs beside /tmp/site
 orl() {  # $1 label, $2 seconds, then openrlhf_peer.py arguments
   local label=$1 budget=$2; shift 2

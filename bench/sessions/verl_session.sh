@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Issue 18: verl 0.9.1 itself beside `hybrid grpo` on one lent GPU, phase by phase (each phase fits one device call,
 # < 10 min; logs in $OUT/verl_<phase>.tgz, JSONs in $OUT, a summary on stdout).
-# On a machine already staged by bench/residency_session.sh (stage, then the vLLM .carry parts), while it is warm:
+# On a machine already staged by bench/sessions/residency_session.sh (stage, then the vLLM .carry parts), while it is warm:
 #
-#   bash bench/verl_session.sh stage   # carry [".carry-verl"]: verl + what the image lacks -> /tmp/site-verl (a
-#                                      # wheel only where its modules are missing: nothing already there is shadowed);
-#                                      # composes verl's config with our overrides; imports verl's run path if vLLM is
-#                                      # staged (else says so)
-#   bash bench/verl_session.sh check   # (no carry, no GPU taken) the import pre-flight alone: verl's run path, vLLM's
-#                                      # OpenAI server included -- run it after the vLLM carry, before a / a2
-#   bash bench/verl_session.sh a       # 357M, no reference, KL 0: verl | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
-#   bash bench/verl_session.sh a2      # 357M, reference + low-var KL loss: verl | ours (e2e_gpu.py default set-up)
+#   bash bench/sessions/verl_session.sh stage   # carry [".carry-verl"]: verl + what the image lacks -> /tmp/site-verl (a
+#                                               # wheel only where its modules are missing: nothing already there is shadowed);
+#                                               # composes verl's config with our overrides; imports verl's run path if vLLM is
+#                                               # staged (else says so)
+#   bash bench/sessions/verl_session.sh check   # (no carry, no GPU taken) the import pre-flight alone: verl's run path, vLLM's
+#                                               # OpenAI server included -- run it after the vLLM carry, before a / a2
+#   bash bench/sessions/verl_session.sh a       # 357M, no reference, KL 0: verl | ours (e2e_gpu.py --kl 0 --zero_stage 1 --micro 64)
+#   bash bench/sessions/verl_session.sh a2      # 357M, reference + low-var KL loss: verl | ours (e2e_gpu.py default set-up)
 #
 # Each pair prints the comparison table. To record it, run here (not on the device: its repo copy is thrown away)
 #   python bench/verl_peer.py compare --verl FILES/verl-357m-matched.json \
@@ -18,11 +18,11 @@
 # which writes rows only for what completed, and the speedup only when both runs of the call completed.
 # VERL_ARGS (e.g. "--legacy" for verl's deprecated main_ppo_v0 trainer) is passed to verl_peer.py in a and a2.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PHASE=${1:-}
-case "$PHASE" in stage|check|a|a2) ;; *) echo "usage: bash bench/verl_session.sh stage|check|a|a2"; exit 2;; esac
+case "$PHASE" in stage|check|a|a2) ;; *) echo "usage: bash bench/sessions/verl_session.sh stage|check|a|a2"; exit 2;; esac
 PEER=verl   # the log folders' prefix
-source bench/_peer_session.sh   # environment, OUT, LOGS, PY, left, pack, wait_for, free_gpu_after, ours
+source bench/sessions/_peer_session.sh   # environment, OUT, LOGS, PY, left, pack, wait_for, free_gpu_after, ours
 SITE=${VERL_SITE:-/tmp/site-verl}   # verl and what it needs beside /tmp/site
 VERL_ARGS=${VERL_ARGS:-}
 peer() {  # $1 label, $2 seconds, then verl_peer.py arguments
@@ -64,7 +64,7 @@ stage)
   if PYTHONPATH=$SITE:$PYTHONPATH $PY bench/verl_stage.py --vllm-staged; then
     preflight
   else
-    echo "vLLM not staged yet: the vLLM-dependent imports are checked by \`bash bench/verl_session.sh check\`" \
+    echo "vLLM not staged yet: the vLLM-dependent imports are checked by \`bash bench/sessions/verl_session.sh check\`" \
       "after the vLLM carry"
   fi
   # ... and verl's own Hydra config accepts our overrides, and its agent loop renders our prompts token for token.

@@ -28,10 +28,11 @@ from __future__ import annotations
 import collections
 import io
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -39,23 +40,24 @@ from hybrid_core.errors import ConfigError, RoleFailure
 from hybrid_core.stats import TransferStats
 from hybrid_core.weight_sync.group import GROUP_NAME
 
-from .weight_transport import WeightTransport
+from .transport import WeightTransport
 
 FLATTENED = "flattened_bucket"
-_CPU_ALIVE: "collections.deque[torch.Tensor]" = collections.deque(maxlen=3)  # see _shared_tensor
+_CPU_ALIVE: collections.deque[torch.Tensor] = collections.deque(maxlen=3)  # see _shared_tensor
 
 
 class SGLangTransport(WeightTransport):
     """What :class:`~hybrid_engines.sglang_engine.SGLangEngine` receives (``SGLangEngine.weight_transport()``)."""
 
     name = "sglang"
-    wire = {"broadcast": "SGLang's weight-update group, flattened buckets (update_weights_from_distributed)",
-            "ipc": "CUDA-IPC flattened buckets in SGLang's serialized form (update_weights_from_tensor)"}
+    wire: ClassVar[dict[str, str]] = {
+        "broadcast": "SGLang's weight-update group, flattened buckets (update_weights_from_distributed)",
+        "ipc": "CUDA-IPC flattened buckets in SGLang's serialized form (update_weights_from_tensor)"}
     # One payload per TP rank, each from the trainer rank on that rank's GPU; SGLang's own TP > 1 engines take whole
     # GPUs (RayEngine), so a colocated TP > 1 engine does not exist to serve.
     ipc_max_tp = 1
     # SGLang loads with its own code from its own formats: no hybrid-core checksums travel, so no verify= argument
-    # (hybrid_engines.weight_sync.verify_note says so at start).
+    # (hybrid_engines.weight_sync.choice.verify_note says so at start).
     verifies = False
 
     def join(self, master_address: str, master_port: int, world_size: int, *, backend: str, timeout_s: float,
@@ -76,7 +78,7 @@ class SGLangTransport(WeightTransport):
         except Exception:  # already gone (aborted), or torch keeps no entry: nothing left to release
             pass
 
-    def encode_ipc(self, buckets: Sequence[Any]) -> "SGLangIpcPayload":
+    def encode_ipc(self, buckets: Sequence[Any]) -> SGLangIpcPayload:
         return SGLangIpcPayload.of(buckets)
 
 
@@ -123,7 +125,8 @@ def sglang_trainer_group(master_address: str, master_port: int, world_size: int,
     from hybrid_core.weight_sync import SyncGroup
 
     if backend not in ("nccl", "gloo"):
-        raise ConfigError("backend", f"must be 'nccl' or 'gloo', got {backend!r}.", "Use nccl between GPUs, gloo on CPU.")
+        raise ConfigError("backend", f"must be 'nccl' or 'gloo', got {backend!r}.",
+                          "Use nccl between GPUs, gloo on CPU.")
     if backend == "nccl":
         device = torch.device(device if device is not None else "cuda")
         if device.index is None:
@@ -203,7 +206,7 @@ class SGLangIpcPayload:
     last: bool
 
     @classmethod
-    def of(cls, buckets: Sequence[Any]) -> "SGLangIpcPayload":
+    def of(cls, buckets: Sequence[Any]) -> SGLangIpcPayload:
         """From hybrid-core ``IpcBucket`` s (one per GPU of the engine, in TP-rank order), in the process that packed
         them (their handles are that process's memory)."""
         first = buckets[0]
@@ -235,7 +238,8 @@ def serialize_bucket(bucket: Any) -> bytes:
 
 
 class _CudaIpcTensor:
-    """Pickles as the CUDA tensor behind a hybrid-core CUDA handle, with the GPU's UUID as its device (SGLang's form)."""
+    """Pickles as the CUDA tensor behind a hybrid-core CUDA handle, with the GPU's UUID as its device (SGLang's
+    form)."""
 
     def __init__(self, handle: Any):
         self.handle = handle

@@ -1,0 +1,71 @@
+"""The built-in recipes -- PPO, GRPO, REINFORCE++ -- and the choice of one for a config (:func:`recipe_for`).
+
+    PPO          actor, critic, reference?, reward model?, rollout
+    GRPO         actor, reference?, reward model?, rollout            (no critic)
+    REINFORCE++  actor, reference?, reward model?, rollout            (no critic)
+
+``?``: optional, dropped when the config does not ask for it -- no reference without a KL term (``init_kl_coef``
+0), no reward model with a rule reward (no ``--reward_pretrain``). The step, phase by phase (roles absent from a run
+skip their phases; the reward phase then scores on the driver)::
+
+    generate -> reward -> reference -> critic_infer -> actor_train -> sync -> critic_train
+
+GRPO and REINFORCE++ share their step's shape; what differs is the math the config chooses (estimator, KL as a loss
+or in the reward). The recipe follows the estimator, as OpenRLHF's ``train_ppo_ray`` does: one that reads critic
+values gets PPO's (``hybrid grpo --advantage_estimator gae`` trains a critic), one without gets no critic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .recipe import POLICY, PhaseSpec, Recipe, RoleSpec
+
+WORKERS = "hybrid_algos.train.workers"
+
+ACTOR = RoleSpec("actor", "trainer", f"{WORKERS}.policy:PolicyWorker")
+CRITIC = RoleSpec("critic", "trainer", f"{WORKERS}.critic:CriticWorker",
+                  model=("critic_pretrain", "reward_pretrain", POLICY), value_head=True)
+REFERENCE = RoleSpec("reference", "frozen", f"{WORKERS}.frozen:ReferenceWorker",
+                     when=lambda config: config.uses_reference)
+REWARD_MODEL = RoleSpec("reward", "frozen", f"{WORKERS}.frozen:RewardModelWorker", model=("reward_pretrain",),
+                        value_head=True, when=lambda config: config.reward_pretrain is not None)
+ROLLOUT = RoleSpec("rollout", "engine")
+
+GENERATE = PhaseSpec("generate", "rollout", {"rollout": ("weights", "kv_cache")}, work=("generate",))
+#: the reward model scores; without one the phase runs on the driver (a rule function, or the environment's rewards)
+REWARD = PhaseSpec("reward", "reward", {"reward": ("params",)}, work=("infer",), driver=True)
+REFERENCE_LOGPROBS = PhaseSpec("reference", "reference", {"reference": ("params",)}, work=("infer",))
+CRITIC_VALUES = PhaseSpec("critic_infer", "critic", {"critic": ("params",)}, work=("infer",))
+#: the actor's old-log-prob pass (when needed) and its PPO epochs; the larger of the two is the phase's memory
+ACTOR_TRAIN = PhaseSpec("actor_train", "actor", {"actor": ("params", "grads", "optimizer")}, work=("train", "infer"))
+#: the one moment two roles share the GPU on purpose: the actor's weights stream into the engines' weights, which
+#: must then stay until the next generate (a discard would lose them)
+SYNC = PhaseSpec("sync", "actor", {"actor": ("params",), "rollout": ("weights",)}, work=("sync",),
+                 holds={("rollout", "weights"): "generate"})
+CRITIC_TRAIN = PhaseSpec("critic_train", "critic", {"critic": ("params", "grads", "optimizer")}, work=("train",))
+
+PPO = Recipe("ppo", (ACTOR, CRITIC, REFERENCE, REWARD_MODEL, ROLLOUT),
+             (GENERATE, REWARD, REFERENCE_LOGPROBS, CRITIC_VALUES, ACTOR_TRAIN, SYNC, CRITIC_TRAIN))
+GRPO = Recipe("grpo", (ACTOR, REFERENCE, REWARD_MODEL, ROLLOUT),
+              (GENERATE, REWARD, REFERENCE_LOGPROBS, ACTOR_TRAIN, SYNC))
+REINFORCE_PP = Recipe("reinforce++", GRPO.roles, GRPO.phases)
+
+#: name -> recipe
+RECIPES: dict[str, Recipe] = {r.name: r for r in (PPO, GRPO, REINFORCE_PP)}
+
+
+def recipe_name(config: Any) -> str:
+    """Which built-in recipe a config runs: PPO's when its estimator reads critic values, else GRPO's for an
+    estimator that compares the samples of a prompt, REINFORCE++'s for one that does not."""
+    from .config import estimator_needs_critic, estimator_needs_groups
+
+    if estimator_needs_critic(config.advantage_estimator):
+        return "ppo"
+    return "grpo" if estimator_needs_groups(config.advantage_estimator) else "reinforce++"
+
+
+def recipe_for(config: Any, recipes: Mapping[str, Recipe] | None = None) -> Recipe:
+    """The recipe of a run of ``config``, its optional roles the config does not ask for dropped."""
+    return (recipes or RECIPES)[recipe_name(config)].for_config(config)
