@@ -17,8 +17,11 @@ RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "RESULTS.md")
 HEADER = "| metric | value | unit | device | date | command |\n| --- | --- | --- | --- | --- | --- |\n"
 
 # NVLink multicast must stay off on the shared GPU hosts (children inherit these).
-for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                      ("NVSHMEM_DISABLE_NVLS", "1")):
+for _name, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
     os.environ.setdefault(_name, _value)
 
 try:  # run from a plain checkout too (the GPU machine has no editable install)
@@ -40,11 +43,25 @@ def llama_config(small: bool):
     from transformers import LlamaConfig
 
     if small:
-        return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
-    return LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-                       num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=2048,
-                       tie_word_embeddings=False)
+        return LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=128,
+        )
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
 
 
 def build_llama(small: bool, device, dtype):
@@ -87,7 +104,7 @@ def steady_step_times(step_ends: list[float], warmup: int = WARMUP_STEPS) -> lis
     medians compares the same thing."""
     if warmup < 1:
         raise ValueError("warmup must be >= 1: the first step has no start on a step-end clock")
-    return [b - a for a, b in zip(step_ends[warmup - 1:], step_ends[warmup:])]
+    return [b - a for a, b in zip(step_ends[warmup - 1 :], step_ends[warmup:])]
 
 
 def median_step(step_ends: list[float], warmup: int = WARMUP_STEPS) -> float | None:
@@ -120,8 +137,9 @@ def append_results(rows: list[Row], device: str, path: Path = RESULTS, command: 
     command = command or shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     command = command.replace("|", "\\|")
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    lines = [f"| {r.metric} | {_fmt(r.value)} | {r.unit} | {device} | {date} | `{command}` |\n"
-             for r in rows if r.record]
+    lines = [
+        f"| {r.metric} | {_fmt(r.value)} | {r.unit} | {device} | {date} | `{command}` |\n" for r in rows if r.record
+    ]
     new = not path.exists() or path.stat().st_size == 0
     needs_newline = not new and not path.read_bytes().endswith(b"\n")
     with open(path, "a") as f:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 #: size -> (prompts per step, samples, max new tokens, prompt max len, micro rollout batch); = bench/e2e_gpu.py
 WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16)}
@@ -22,14 +22,32 @@ WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16)}
 DEFAULTS = {"357m": (64, False, 0.35), "1.5b": (8, True, 0.3)}
 
 
-def run_peer(cmd: list[str], env: dict, log_path: str, *, timeout: float, expected_steps: int, grace: float,
-             count_steps: Callable[[list], int], echo: tuple[str, ...], echo_width: int | None = None) -> dict:
+def run_peer(
+    cmd: list[str],
+    env: dict,
+    log_path: str,
+    *,
+    timeout: float,
+    expected_steps: int,
+    grace: float,
+    count_steps: Callable[[list], int],
+    echo: tuple[str, ...],
+    echo_width: int | None = None,
+) -> dict:
     """Run ``cmd`` in its own process group; lines containing one of ``echo`` are also printed (cut at
     ``echo_width``). ``count_steps(lines)`` says how many steps the ``(time, line)`` list so far holds."""
     start = time.time()
     lines: list[tuple[float, str]] = []
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            errors="replace", start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        errors="replace",
+        start_new_session=True,
+    )
 
     def pump():
         with open(log_path, "w") as log:
@@ -80,21 +98,26 @@ def stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def summarize_steps(steps: list[dict], warmup: int, *, step: str, phase: str, phases: Sequence[str],
-                    response_len: str, reward: str) -> dict:
+def summarize_steps(
+    steps: list[dict], warmup: int, *, step: str, phase: str, phases: Sequence[str], response_len: str, reward: str
+) -> dict:
     """Median per-step times after ``warmup`` steps (all steps if there are no more than that). ``steps`` are
     ``{"step", "status": {metric: value}, "t": arrival time or None}``; the keyword arguments name the peer's metrics
     (``phase`` is a format string of one phase name)."""
     steady = steps[warmup:] or steps
     med = lambda key: statistics.median(s["status"].get(key, 0.0) for s in steady)  # noqa: E731
-    out = {"steps": len(steps), "steady_steps": len(steady), "step_s": med(step),
-           "phases_s": {p: med(phase.format(p)) for p in phases},
-           "response_len": med(response_len),
-           "rewards": [s["status"].get(reward) for s in steps],
-           "step_times": [s["status"].get(step) for s in steps]}
+    out = {
+        "steps": len(steps),
+        "steady_steps": len(steady),
+        "step_s": med(step),
+        "phases_s": {p: med(phase.format(p)) for p in phases},
+        "response_len": med(response_len),
+        "rewards": [s["status"].get(reward) for s in steps],
+        "step_times": [s["status"].get(step) for s in steps],
+    }
     arrivals = [s["t"] for s in steps if s["t"] is not None]
     if len(arrivals) == len(steps) and len(steps) > warmup + 1:
-        gaps = [b - a for a, b in zip(arrivals[warmup:], arrivals[warmup + 1:])]
+        gaps = [b - a for a, b in zip(arrivals[warmup:], arrivals[warmup + 1 :])]
         out["wall_step_s"] = statistics.median(gaps)
     return out
 
@@ -102,29 +125,34 @@ def summarize_steps(steps: list[dict], warmup: int, *, step: str, phase: str, ph
 def failure(log_lines: list[str], keep: int = 60) -> dict:
     """What stopped a run: the last Python traceback in its log (Ray prints the actors' too) and the log's tail."""
     tail = log_lines[-keep:]
-    tb_start = max((i for i, l in enumerate(log_lines) if "Traceback (most recent call last)" in l), default=None)
+    tb_start = max((i for i, ln in enumerate(log_lines) if "Traceback (most recent call last)" in ln), default=None)
     traceback = []
     if tb_start is not None:
-        for line in log_lines[tb_start:tb_start + 80]:
+        for line in log_lines[tb_start : tb_start + 80]:
             traceback.append(line)
             if traceback and re.match(r"^(\(\w+ pid=\d+\)\s*)?[A-Za-z_.]+(Error|Exception|Exit)\b", line.strip()):
                 break
-    errors = [l for l in log_lines if re.search(r"\b[A-Z]\w*(Error|Exception)\b", l)][-5:]
+    errors = [ln for ln in log_lines if re.search(r"\b[A-Z]\w*(Error|Exception)\b", ln)][-5:]
     return {"traceback": traceback, "error_lines": errors, "log_tail": tail}
 
 
 def installed_version(name: str, env: Mapping[str, str]) -> str | None:
     """The version of ``name`` as the run's environment sees it (its own site folder first)."""
-    proc = subprocess.run([sys.executable, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
-                          env=dict(env), capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+    )
     return proc.stdout.strip() or None
 
 
 def gpu_name() -> str:
     """The GPU's name from nvidia-smi (not torch: a CUDA context here would hold memory beside the run)."""
     try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=30).stdout.split("\n")
+        names = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        ).stdout.split("\n")
     except (OSError, subprocess.TimeoutExpired):
         return "cpu"
     names = [n.strip() for n in names if n.strip()]

@@ -123,22 +123,33 @@ def run_setting(args, model: str, prompts: list, prefix_caching: bool) -> dict:
     longest = max(len(p.prompt_ids) for p in prompts)
     kwargs = dict(model=model, seed=0)
     if args.backend == "vllm":
-        kwargs.update(gpu_memory_utilization=args.gpu_util, dtype="bfloat16", enable_sleep_mode=False,
-                      enable_prefix_caching=prefix_caching, max_model_len=longest + budget)
+        kwargs.update(
+            gpu_memory_utilization=args.gpu_util,
+            dtype="bfloat16",
+            enable_sleep_mode=False,
+            enable_prefix_caching=prefix_caching,
+            max_model_len=longest + budget,
+        )
     cluster = connect(num_gpus=1)
     placed = place(PlacementSpec.from_ranges({"rollout": "0"}).plan())
     engines = launch_engines(placed, "rollout", backend=args.backend, engine_kwargs=kwargs, timeout_s=900)
     ToolEnvironment.turns, ToolEnvironment.reply_tokens = args.turns, args.reply_tokens
     ToolEnvironment.latency_s = args.tool_latency
     config = GRPOConfig(max_turns=args.turns, max_new_tokens_per_turn=args.turn_tokens, agent_timeout_s=120)
-    agent = AgentRollout(AgentSpec("environment", "bench/agent_gpu.py:ToolEnvironment", factory=ToolEnvironment),
-                         config, tok)
+    agent = AgentRollout(
+        AgentSpec("environment", "bench/agent_gpu.py:ToolEnvironment", factory=ToolEnvironment), config, tok
+    )
     eos = tok.eos_token_id
     results = []
     try:
         for i in range(args.repeats + 1):
-            sampling = SamplingParams(temperature=1.0, max_new_tokens=budget, n=args.samples,
-                                      stop_token_ids=(eos,) if eos is not None else (), seed=1000 + i)
+            sampling = SamplingParams(
+                temperature=1.0,
+                max_new_tokens=budget,
+                n=args.samples,
+                stop_token_ids=(eos,) if eos is not None else (),
+                seed=1000 + i,
+            )
             batch = agent.run(engines, prompts, sampling, step=i)
             m = summarize([batch])
             m["agent/conversation_tokens"] = m["agent/model_tokens"] + m["agent/env_tokens"]
@@ -171,22 +182,38 @@ def main() -> int:
     for name in settings:
         m = out["settings"][name]
         what = f"{args.turns}-turn task, {label}, {args.backend}, prefix caching {name}"
-        rows.append(Row(f"agent rollout tokens/s ({what})", m["tokens_per_s"], "model tokens/s (whole rollout)",
-                        record=not args.small))
+        rows.append(
+            Row(
+                f"agent rollout tokens/s ({what})",
+                m["tokens_per_s"],
+                "model tokens/s (whole rollout)",
+                record=not args.small,
+            )
+        )
         rows.append(Row(f"agent rollout s ({what})", m["agent/rollout_s"], "s", record=False))
-        rows.append(Row(f"agent engine share ({what})", m["agent/generate_s"] / m["agent/rollout_s"], "fraction",
-                        record=False))
+        rows.append(
+            Row(f"agent engine share ({what})", m["agent/generate_s"] / m["agent/rollout_s"], "fraction", record=False)
+        )
         for t in range(1, args.turns + 1):
             if f"agent/turn{t}/generate_s" in m:
                 rows.append(Row(f"  turn {t} generate s ({name})", m[f"agent/turn{t}/generate_s"], "s", record=False))
                 rows.append(Row(f"  turn {t} tool s ({name})", m[f"agent/turn{t}/env_s"], "s", record=False))
     speedup = out["settings"]["on"]["tokens_per_s"] / out["settings"]["off"]["tokens_per_s"]
-    rows.append(Row(f"agent rollout speedup from prefix caching ({args.turns}-turn task, {label}, {args.backend})",
-                    speedup, "x", record=args.backend == "vllm" and not args.small))
+    rows.append(
+        Row(
+            f"agent rollout speedup from prefix caching ({args.turns}-turn task, {label}, {args.backend})",
+            speedup,
+            "x",
+            record=args.backend == "vllm" and not args.small,
+        )
+    )
     if args.backend == "hf":
         print("note: the built-in engine keeps no prefix cache; 'on' and 'off' run the same code (logic check only)")
-    print_table(f"agent rollouts: {args.prompts} prompts x {args.samples} samples, {args.turns} turns of <= "
-                f"{args.turn_tokens} tokens, tool replies of {args.reply_tokens} tokens", rows)
+    print_table(
+        f"agent rollouts: {args.prompts} prompts x {args.samples} samples, {args.turns} turns of <= "
+        f"{args.turn_tokens} tokens, tool replies of {args.reply_tokens} tokens",
+        rows,
+    )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "agent_gpu.json").write_text(json.dumps(out, indent=1, default=str))

@@ -47,16 +47,24 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--gpu_util", type=float, default=0.35)
-    ap.add_argument("--sync_plans", nargs="+", default=["auto", "all-sleep"], choices=["auto", "all-sleep"],
-                    help="the synchronous colocated plans to time (the fastest is the baseline); 'auto' alone keeps "
-                         "a 1.5B run inside one device call -- all-sleep moves more bytes each turn than auto")
+    ap.add_argument(
+        "--sync_plans",
+        nargs="+",
+        default=["auto", "all-sleep"],
+        choices=["auto", "all-sleep"],
+        help="the synchronous colocated plans to time (the fastest is the baseline); 'auto' alone keeps "
+        "a 1.5B run inside one device call -- all-sleep moves more bytes each turn than auto",
+    )
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--small", action="store_true", help="2-layer model, --backend hf, short runs (CPU)")
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
-    ap.add_argument("--async_under_mps", action="store_true",
-                    help="run the asynchronous colocated run under CUDA MPS (a private nvidia-cuda-mps-control daemon "
-                         "started for that run and stopped after it; the synchronous runs stay without): without "
-                         "MPS the engine's and the trainer's kernels take turns on the GPU")
+    ap.add_argument(
+        "--async_under_mps",
+        action="store_true",
+        help="run the asynchronous colocated run under CUDA MPS (a private nvidia-cuda-mps-control daemon "
+        "started for that run and stopped after it; the synchronous runs stay without): without "
+        "MPS the engine's and the trainer's kernels take turns on the GPU",
+    )
     args = ap.parse_args()
     if args.small:
         args.backend, args.steps, args.warmup, args.size = "hf", 3, 1, "357m"
@@ -85,33 +93,81 @@ class MPS:
                 break
             time.sleep(0.2)
         else:
-            raise SystemExit("--async_under_mps: no MPS control pipe in "
-                             f"{self.env['CUDA_MPS_PIPE_DIRECTORY']} after 10 s")
+            raise SystemExit(
+                f"--async_under_mps: no MPS control pipe in {self.env['CUDA_MPS_PIPE_DIRECTORY']} after 10 s"
+            )
         print(f"[mps] control daemon started ({self.env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
         return self.env
 
     def __exit__(self, *exc) -> None:
-        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **self.env},
-                       timeout=60)
+        subprocess.run(
+            ["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **self.env}, timeout=60
+        )
         time.sleep(2)
         log = os.path.join(self.env["CUDA_MPS_LOG_DIRECTORY"], "control.log")
         if os.path.exists(log):
             print("[mps] control.log tail:\n" + "".join(open(log).readlines()[-6:]), flush=True)
 
 
-def run(args, model: str, data: str, name: str, *, split: bool, residency: str = "auto",
-        extra: tuple[str, ...] = (), env_extra: dict | None = None) -> dict:
-    e2e = SimpleNamespace(size=args.size, algo="grpo", backend=args.backend, zero_stage=1 if args.small else 3,
-                          micro=32, steps=args.steps, lr=1e-6, kl=0.001, gpu_util=args.gpu_util, residency=residency,
-                          sleep_level=0, ckpt=False, split=split, enforce_eager=False, extra=[])
+def run(
+    args,
+    model: str,
+    data: str,
+    name: str,
+    *,
+    split: bool,
+    residency: str = "auto",
+    extra: tuple[str, ...] = (),
+    env_extra: dict | None = None,
+) -> dict:
+    e2e = SimpleNamespace(
+        size=args.size,
+        algo="grpo",
+        backend=args.backend,
+        zero_stage=1 if args.small else 3,
+        micro=32,
+        steps=args.steps,
+        lr=1e-6,
+        kl=0.001,
+        gpu_util=args.gpu_util,
+        residency=residency,
+        sleep_level=0,
+        ckpt=False,
+        split=split,
+        enforce_eager=False,
+        extra=[],
+    )
     save = os.path.join(args.workdir, "runs", f"async-{name}")
     cmd = [*command(e2e, model, data, save), "--overwrite", *extra]
     if args.small:  # short generations, no bf16 kernels needed on a CPU
-        cmd += ["--generate_max_len", "16", "--no_bf16", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
-                "--train_batch_size", "8", "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [*(str(ROOT / "packages" / p / "src") for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")),
-         os.environ.get("PYTHONPATH", "")]), **(env_extra or {})}
+        cmd += [
+            "--generate_max_len",
+            "16",
+            "--no_bf16",
+            "--rollout_batch_size",
+            "4",
+            "--n_samples_per_prompt",
+            "2",
+            "--train_batch_size",
+            "8",
+            "--micro_train_batch_size",
+            "8",
+            "--micro_rollout_batch_size",
+            "8",
+        ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [
+                *(
+                    str(ROOT / "packages" / p / "src")
+                    for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")
+                ),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+        **(env_extra or {}),
+    }
     print(f"[{name}] {shlex.join(cmd)}", flush=True)
     start = time.time()
     proc = subprocess.run(cmd, env=env)
@@ -120,8 +176,10 @@ def run(args, model: str, data: str, name: str, *, split: bool, residency: str =
     result = summarize(os.path.join(save, "metrics.jsonl"), args.warmup)
     result["wall_s"] = time.time() - start
     result["async"] = _async_mode(save)
-    print(f"[{name}] median step {result['step_s']:.3f} s, async mode {result['async']}, "
-          f"wall {result['wall_s']:.0f} s", flush=True)
+    print(
+        f"[{name}] median step {result['step_s']:.3f} s, async mode {result['async']}, wall {result['wall_s']:.0f} s",
+        flush=True,
+    )
     return result
 
 
@@ -148,41 +206,59 @@ def main() -> int:
     results = {}
     # one GPU: the best synchronous colocated plan against async on the shared GPU
     for residency in args.sync_plans:
-        results[f"sync-colocated-{residency}"] = run(args, model, data, f"sync-colocated-{residency}", split=False,
-                                                     residency=residency)
+        results[f"sync-colocated-{residency}"] = run(
+            args, model, data, f"sync-colocated-{residency}", split=False, residency=residency
+        )
     best = min((r["step_s"], k) for k, r in results.items())
     if args.async_under_mps:
         with MPS() as mps_env:
-            results["async-colocated"] = run(args, model, data, "async-colocated-mps", split=False,
-                                             extra=("--async_train",), env_extra=mps_env)
+            results["async-colocated"] = run(
+                args, model, data, "async-colocated-mps", split=False, extra=("--async_train",), env_extra=mps_env
+            )
     else:
         results["async-colocated"] = run(args, model, data, "async-colocated", split=False, extra=("--async_train",))
     fell_back = results["async-colocated"]["async"] != "async"
-    rows.append(Row("async speedup colocated x", best[0] / results["async-colocated"]["step_s"],
-                    f"x (sync: {best[1]} {best[0]:.2f} s/step, of {'/'.join(args.sync_plans)}; "
-                    f"async {results['async-colocated']['step_s']:.2f} "
-                    f"s/step{' under CUDA MPS (synchronous runs without)' if args.async_under_mps else ''}"
-                    f"{'; FELL BACK to synchronous turns' if fell_back else ''}; goal >= 1.3)",
-                    record=not fell_back))
+    rows.append(
+        Row(
+            "async speedup colocated x",
+            best[0] / results["async-colocated"]["step_s"],
+            f"x (sync: {best[1]} {best[0]:.2f} s/step, of {'/'.join(args.sync_plans)}; "
+            f"async {results['async-colocated']['step_s']:.2f} "
+            f"s/step{' under CUDA MPS (synchronous runs without)' if args.async_under_mps else ''}"
+            f"{'; FELL BACK to synchronous turns' if fell_back else ''}; goal >= 1.3)",
+            record=not fell_back,
+        )
+    )
     if args.gpus == 2:
         results["sync-split"] = run(args, model, data, "sync-split", split=True)
         results["async-split"] = run(args, model, data, "async-split", split=True, extra=("--async_train",))
-        results["async-split-partial"] = run(args, model, data, "async-split-partial", split=True,
-                                             extra=("--async_train", "--partial_rollout"))
-        rows.append(Row("async speedup split x", results["sync-split"]["step_s"] / results["async-split"]["step_s"],
-                        f"x (sync split {results['sync-split']['step_s']:.2f} s/step, one-step-off "
-                        f"{results['async-split']['step_s']:.2f}; goal >= 1.5)"))
-        rows.append(Row("partial rollout speedup x",
-                        results["async-split"]["step_s"] / results["async-split-partial"]["step_s"],
-                        f"x (one-step-off {results['async-split']['step_s']:.2f} s/step, with partial rollouts "
-                        f"{results['async-split-partial']['step_s']:.2f}; split)"))
+        results["async-split-partial"] = run(
+            args, model, data, "async-split-partial", split=True, extra=("--async_train", "--partial_rollout")
+        )
+        rows.append(
+            Row(
+                "async speedup split x",
+                results["sync-split"]["step_s"] / results["async-split"]["step_s"],
+                f"x (sync split {results['sync-split']['step_s']:.2f} s/step, one-step-off "
+                f"{results['async-split']['step_s']:.2f}; goal >= 1.5)",
+            )
+        )
+        rows.append(
+            Row(
+                "partial rollout speedup x",
+                results["async-split"]["step_s"] / results["async-split-partial"]["step_s"],
+                f"x (one-step-off {results['async-split']['step_s']:.2f} s/step, with partial rollouts "
+                f"{results['async-split-partial']['step_s']:.2f}; split)",
+            )
+        )
     device = "cpu (--small: logic check)" if args.small else _gpu_label(args.gpus)
     print_table(f"asynchronous training, {args.size} ({device})", rows)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"async-{args.size}.json"), "w") as f:
-            json.dump({k: {kk: vv for kk, vv in v.items() if kk != "phases_s"} for k, v in results.items()}, f,
-                      indent=1)
+            json.dump(
+                {k: {kk: vv for kk, vv in v.items() if kk != "phases_s"} for k, v in results.items()}, f, indent=1
+            )
     if args.record and not args.small:
         print(f"appended {append_results(rows, device)} rows to bench/RESULTS.md")
     return 0

@@ -37,17 +37,65 @@ WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16), "7b": 
 def command(args, model: str, data: str, save: str) -> list[str]:
     prompts, samples, max_new, prompt_len, micro_rollout = WORKLOADS[args.size]
     per_step = prompts * samples
-    cmd = [sys.executable, "-m", "hybrid_cli", args.algo,
-           "--pretrain", model, "--prompt_data", data, "--input_key", "prompt",
-           "--reward_fn", f"{HERE}/peer_workload.py:copy_first", "--backend", args.backend,
-           "--actor_num_nodes", "1", "--actor_num_gpus_per_node", "1", "--ref_num_nodes", "1", "--ref_num_gpus_per_node", "1",
-           "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "1",
-           "--zero_stage", str(args.zero_stage), "--bf16", "--rollout_batch_size", str(prompts),
-           "--n_samples_per_prompt", str(samples), "--train_batch_size", str(per_step),
-           "--micro_train_batch_size", str(min(args.micro, per_step)), "--micro_rollout_batch_size", str(micro_rollout),
-           "--prompt_max_len", str(prompt_len), "--generate_max_len", str(max_new), "--max_steps", str(args.steps),
-           "--actor_learning_rate", str(args.lr), "--temperature", "1.0", "--init_kl_coef", str(args.kl),
-           "--save_path", save, "--seed", "0", "--residency", args.residency]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_cli",
+        args.algo,
+        "--pretrain",
+        model,
+        "--prompt_data",
+        data,
+        "--input_key",
+        "prompt",
+        "--reward_fn",
+        f"{HERE}/peer_workload.py:copy_first",
+        "--backend",
+        args.backend,
+        "--actor_num_nodes",
+        "1",
+        "--actor_num_gpus_per_node",
+        "1",
+        "--ref_num_nodes",
+        "1",
+        "--ref_num_gpus_per_node",
+        "1",
+        "--vllm_num_engines",
+        "1",
+        "--vllm_tensor_parallel_size",
+        "1",
+        "--zero_stage",
+        str(args.zero_stage),
+        "--bf16",
+        "--rollout_batch_size",
+        str(prompts),
+        "--n_samples_per_prompt",
+        str(samples),
+        "--train_batch_size",
+        str(per_step),
+        "--micro_train_batch_size",
+        str(min(args.micro, per_step)),
+        "--micro_rollout_batch_size",
+        str(micro_rollout),
+        "--prompt_max_len",
+        str(prompt_len),
+        "--generate_max_len",
+        str(max_new),
+        "--max_steps",
+        str(args.steps),
+        "--actor_learning_rate",
+        str(args.lr),
+        "--temperature",
+        "1.0",
+        "--init_kl_coef",
+        str(args.kl),
+        "--save_path",
+        save,
+        "--seed",
+        "0",
+        "--residency",
+        args.residency,
+    ]
     if args.backend != "hf":  # the built-in engine has no memory pool (nor CUDA graphs): hybrid refuses these there
         cmd += ["--vllm_gpu_memory_utilization", str(args.gpu_util)]
     if args.sleep_level:
@@ -77,14 +125,21 @@ def summarize(metrics_path: str, warmup: int) -> dict:
     med = {p: statistics.median(s.get(f"time/{p}", 0.0) for s in steady) for p in PHASES}
     wall = steady_step_times([s["wall_time"] for s in steps], warmup) if len(steps) > warmup else []
     step_s = statistics.median(wall) if wall else statistics.median(s["time/step"] for s in steady)
-    overhead = statistics.median((s.get("time/sleep", 0) + s.get("time/wake", 0) + s.get("time/sync", 0)) / s["time/step"]
-                                 for s in steady)
-    return {"steps": len(steps), "steady_steps": len(wall) or len(steady), "step_s": step_s,
-            "step_s_inside": statistics.median(s["time/step"] for s in steady), "phases_s": med,
-            "sleep_wake_sync_share_pct": 100 * overhead, "rewards": [s["reward"] for s in steps],
-            "step_times": [s["time/step"] for s in steps],
-            "step_ends": [s.get("wall_time") for s in steps],  # the one clock's raw times (bench/peer_ratio.py)
-            "response_len": statistics.median(s.get("response_len", 0.0) for s in steady)}
+    overhead = statistics.median(
+        (s.get("time/sleep", 0) + s.get("time/wake", 0) + s.get("time/sync", 0)) / s["time/step"] for s in steady
+    )
+    return {
+        "steps": len(steps),
+        "steady_steps": len(wall) or len(steady),
+        "step_s": step_s,
+        "step_s_inside": statistics.median(s["time/step"] for s in steady),
+        "phases_s": med,
+        "sleep_wake_sync_share_pct": 100 * overhead,
+        "rewards": [s["reward"] for s in steps],
+        "step_times": [s["time/step"] for s in steps],
+        "step_ends": [s.get("wall_time") for s in steps],  # the one clock's raw times (bench/peer_ratio.py)
+        "response_len": statistics.median(s.get("response_len", 0.0) for s in steady),
+    }
 
 
 def peak_error(save: str, samples_csv: str, warmup: int) -> dict:
@@ -102,8 +157,11 @@ def peak_error(save: str, samples_csv: str, warmup: int) -> dict:
         if seen is None or not predicted:
             continue
         pred_gib = predicted / 2**30
-        rows[plan_phase] = {"predicted_gib": pred_gib, "measured_gib": seen,
-                            "error_pct": 100 * abs(seen - pred_gib) / pred_gib}
+        rows[plan_phase] = {
+            "predicted_gib": pred_gib,
+            "measured_gib": seen,
+            "error_pct": 100 * abs(seen - pred_gib) / pred_gib,
+        }
     worst = max((r["error_pct"] for r in rows.values()), default=None)
     return {"phases": rows, "worst_error_pct": worst, "moves": plan["moves"], "capacity_gib": plan["capacity"] / 2**30}
 
@@ -123,8 +181,9 @@ def main() -> int:
     ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing (always on above 357m)")
     ap.add_argument("--split", action="store_true", help="engine on GPU 1, trainer on GPU 0")
     ap.add_argument("--zero_stage", type=int, default=3, help="the actor's ZeRO stage (the issue's set-up: 3)")
-    ap.add_argument("--kl", type=float, default=0.001,
-                    help="--init_kl_coef; 0 runs no reference model (TRL's default beta = 0)")
+    ap.add_argument(
+        "--kl", type=float, default=0.001, help="--init_kl_coef; 0 runs no reference model (TRL's default beta = 0)"
+    )
     ap.add_argument("--tag", default="", help="suffix of the run folder and JSON name (variants of one algo)")
     ap.add_argument("--enforce_eager", action="store_true")
     ap.add_argument("--workdir", default=None, help="default /tmp/peer (357m) or /tmp/peer-<size>")
@@ -144,9 +203,18 @@ def main() -> int:
     print("command:", shlex.join(cmd), flush=True)
     if args.dry:
         return 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [*(os.path.join(ROOT, "packages", p, "src") for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")),
-         os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [
+                *(
+                    os.path.join(ROOT, "packages", p, "src")
+                    for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")
+                ),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    }
     from gpu_sampler import start as start_sampler
 
     samples_csv = os.path.join(workdir, f"mem-{tag}.csv")
@@ -165,9 +233,11 @@ def main() -> int:
         result.update(summarize(metrics, args.warmup))
         prompts, samples, _, _, _ = WORKLOADS[args.size]
         result["tokens_per_s"] = prompts * samples * result["response_len"] / result["step_s"]
-        print(f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.2f} s "
-              f"(after {args.warmup} warm-up), sleep+wake+sync {result['sleep_wake_sync_share_pct']:.1f} %, "
-              f"{result['tokens_per_s']:.0f} generated tokens/s")
+        print(
+            f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.2f} s "
+            f"(after {args.warmup} warm-up), sleep+wake+sync {result['sleep_wake_sync_share_pct']:.1f} %, "
+            f"{result['tokens_per_s']:.0f} generated tokens/s"
+        )
         print(f"{'phase':<10} {'s (median)':>10}")
         for p, v in result["phases_s"].items():
             print(f"{p:<10} {v:>10.3f}")
@@ -175,8 +245,10 @@ def main() -> int:
     if sampler is not None and "step_s" in result and os.path.exists(os.path.join(save, "residency.json")):
         result["peaks"] = peak_error(save, samples_csv, args.warmup)
         for phase, r in result["peaks"]["phases"].items():
-            print(f"peak {phase:<12} predicted {r['predicted_gib']:6.2f} GiB  measured {r['measured_gib']:6.2f} GiB  "
-                  f"error {r['error_pct']:5.1f} %")
+            print(
+                f"peak {phase:<12} predicted {r['predicted_gib']:6.2f} GiB  measured {r['measured_gib']:6.2f} GiB  "
+                f"error {r['error_pct']:5.1f} %"
+            )
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"e2e-{tag}.json"), "w") as f:

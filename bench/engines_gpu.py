@@ -39,18 +39,40 @@ for pkg in ("hybrid-core", "hybrid-engines"):  # runnable from a plain checkout 
     sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
 
 METRICS = {  # first column of bench/RESULTS.md, exactly as issue 5 names them -> unit
-    "vllm sleep level 1 GiB left": "GiB", "vllm sleep level 2 GiB left": "GiB", "vllm wake s": "s",
-    "vllm weight update GB/s": "GB/s", "vllm weight update NCCL GB/s": "GB/s", "vllm greedy match after update %": "%",
+    "vllm sleep level 1 GiB left": "GiB",
+    "vllm sleep level 2 GiB left": "GiB",
+    "vllm wake s": "s",
+    "vllm weight update GB/s": "GB/s",
+    "vllm weight update NCCL GB/s": "GB/s",
+    "vllm greedy match after update %": "%",
     # every greedy token of the updated engine is the built-in model's argmax or within TIE_TOL of it (see below)
     "vllm greedy tokens argmax or near-tie after update %": "%",
 }
 SIZES = {  # Llama shapes; "medium" is ~0.4 B parameters (1.6 GB in float32)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256),
-    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=4, vocab_size=8192),
-    "medium": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
-                   num_key_value_heads=4, vocab_size=8192),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    "small": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ),
+    "medium": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ),
 }
 HEADER = "| metric | value | unit | device | date | command |\n| --- | --- | --- | --- | --- | --- |\n"
 
@@ -62,8 +84,9 @@ def build_models(root: Path, size: str, seeds=(0, 1, 2)) -> dict[int, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = SIZES[size]
-    config = LlamaConfig(**shape, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        **shape, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False
+    )
     dirs = {}
     for seed in seeds:
         path = root / f"llama-{size}-seed{seed}"
@@ -82,8 +105,9 @@ def save_tokenizer(vocab_size: int, path: Path) -> None:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            pad_token="<unk>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+    ).save_pretrained(path)
 
 
 def make_prompts(vocab_size: int, count: int = 16, seed: int = 0) -> list[list[int]]:
@@ -123,8 +147,11 @@ def flatten(outputs):
 def compare(ours, ref) -> dict:
     same = [a[0] == b[0] for a, b in zip(ours, ref)]
     diffs = [abs(x - y) for a, b, ok in zip(ours, ref, same) if ok and a[1] and b[1] for x, y in zip(a[1], b[1])]
-    return {"match_pct": 100.0 * sum(same) / max(len(same), 1), "completions": len(same),
-            "max_abs_logprob_diff": max(diffs, default=None)}
+    return {
+        "match_pct": 100.0 * sum(same) / max(len(same), 1),
+        "completions": len(same),
+        "max_abs_logprob_diff": max(diffs, default=None),
+    }
 
 
 #: A greedy choice whose log-prob is within this of the reference model's best token is a near-tie: two correct
@@ -153,7 +180,7 @@ def teacher_forced(model_dir: str, prompts, ours, dtype: str, device: str) -> di
                 continue
             prompt = prompts[i // per_prompt]
             ids = torch.tensor([prompt + tokens], device=device)
-            lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+            lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
             chosen = lp.gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0]
             gap = lp.max(-1).values - chosen
             n += len(tokens)
@@ -163,9 +190,14 @@ def teacher_forced(model_dir: str, prompts, ours, dtype: str, device: str) -> di
             if logprobs:
                 worst_diff = max(worst_diff, float((chosen.cpu() - torch.tensor(logprobs)).abs().max()))
     del model
-    return {"tokens": n, "argmax_pct": 100.0 * argmax / max(n, 1), "near_tie_pct": 100.0 * ties / max(n, 1),
-            "argmax_or_tie_pct": 100.0 * (argmax + ties) / max(n, 1), "worst_gap": worst_gap,
-            "max_abs_logprob_diff": worst_diff}
+    return {
+        "tokens": n,
+        "argmax_pct": 100.0 * argmax / max(n, 1),
+        "near_tie_pct": 100.0 * ties / max(n, 1),
+        "argmax_or_tie_pct": 100.0 * (argmax + ties) / max(n, 1),
+        "worst_gap": worst_gap,
+        "max_abs_logprob_diff": worst_diff,
+    }
 
 
 # ---- trainer processes -----------------------------------------------------------------------------------------------
@@ -248,8 +280,12 @@ def visible_gpus() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env:
         return [g.strip() for g in env.split(",") if g.strip()]
-    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return [str(i) for i in range(int(out.stdout.strip() or 0))]
 
 
@@ -305,8 +341,14 @@ def run_gpu(args, run: Run) -> None:
         for dtype in dict.fromkeys([args.dtype, "bfloat16"]):
             try:
                 start = time.perf_counter()
-                engine = VLLMEngine(dirs[0], dtype=dtype, gpu_memory_utilization=args.gpu_mem, enforce_eager=True,
-                                    max_model_len=1024, seed=0)
+                engine = VLLMEngine(
+                    dirs[0],
+                    dtype=dtype,
+                    gpu_memory_utilization=args.gpu_mem,
+                    enforce_eager=True,
+                    max_model_len=1024,
+                    seed=0,
+                )
                 run.info.update(dtype=dtype, engine_start_s=round(time.perf_counter() - start, 2))
                 break
             except Exception as e:  # float32 refused: say so and go on in bfloat16
@@ -394,8 +436,11 @@ def run_gpu(args, run: Run) -> None:
         if updated:
             run.metrics["vllm greedy match after update %"] = round(min(updated), 2)
     with run.phase("teacher-forced check (built-in model)"):
-        forced = {key: teacher_forced(dirs[seed], prompts, outputs[key], dtype, "cuda")
-                  for key, seed in (("w0", 0), ("w1", 1), ("w2", 2)) if key in outputs}
+        forced = {
+            key: teacher_forced(dirs[seed], prompts, outputs[key], dtype, "cuda")
+            for key, seed in (("w0", 0), ("w1", 1), ("w2", 2))
+            if key in outputs
+        }
         run.info["greedy_teacher_forced"] = forced
         updated = [f["argmax_or_tie_pct"] for k, f in forced.items() if k != "w0"]
         if updated:
@@ -428,8 +473,11 @@ def run_dry(args, run: Run) -> None:
 def record(results: dict, path: Path = ROOT / "bench" / "RESULTS.md") -> int:
     """Append one row per metric (creating the file with its header); returns the rows written."""
     date = results.get("date", datetime.date.today().isoformat())
-    rows = [f"| {name} | {value} | {METRICS[name]} | {results.get('device', '?')} | {date} | `{results['command']}` |\n"
-            for name, value in results["metrics"].items() if value is not None]
+    rows = [
+        f"| {name} | {value} | {METRICS[name]} | {results.get('device', '?')} | {date} | `{results['command']}` |\n"
+        for name, value in results["metrics"].items()
+        if value is not None
+    ]
     if not path.exists():
         path.write_text(HEADER)
     with path.open("a") as f:
@@ -454,14 +502,22 @@ def main(argv=None) -> int:
         return 0
     run = Run(args)
     (run_dry if args.dry else run_gpu)(args, run)
-    results = {"command": "python bench/engines_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "date": datetime.date.today().isoformat(), "device": run.info.get("device", "cpu (dry)"),
-               "metrics": run.metrics, "info": run.info, "errors": run.errors}
+    results = {
+        "command": "python bench/engines_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.date.today().isoformat(),
+        "device": run.info.get("device", "cpu (dry)"),
+        "metrics": run.metrics,
+        "info": run.info,
+        "errors": run.errors,
+    }
     print("\n| metric | value | unit |\n| --- | --- | --- |")
     for name, unit in METRICS.items():
         print(f"| {name} | {run.metrics.get(name, 'n/a')} | {unit} |")
-    print(json.dumps({"info": run.info, "errors": [e["phase"] + ": " + e["error"] for e in run.errors]}, indent=1,
-                     default=str))
+    print(
+        json.dumps(
+            {"info": run.info, "errors": [e["phase"] + ": " + e["error"] for e in run.errors]}, indent=1, default=str
+        )
+    )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], "engines_gpu.json").write_text(json.dumps(results, indent=1, default=str))

@@ -70,8 +70,16 @@ def _stamp(what: str) -> None:
 
 
 def _summary(times: dict, tokens: dict) -> dict:
-    return {name: {"median_s": statistics.median(t), "min_s": min(t), "times": t,
-                   "tokens": int(statistics.median(tokens[name]))} for name, t in times.items() if t}
+    return {
+        name: {
+            "median_s": statistics.median(t),
+            "min_s": min(t),
+            "times": t,
+            "tokens": int(statistics.median(tokens[name])),
+        }
+        for name, t in times.items()
+        if t
+    }
 
 
 def round_robin(variants: dict, repeats: int, checkpoint=None) -> dict:
@@ -104,15 +112,19 @@ def main() -> int:
     ap.add_argument("--gpu_util", type=float, default=0.18, help="each of the 2 engines' share of the GPU")
     ap.add_argument("--repeats", type=int, default=12)
     ap.add_argument("--record", action="store_true", help="append the row to bench/RESULTS.md")
-    ap.add_argument("--vllm_mp", action="store_true",
-                    help="A-D only, vLLM's engine core in its own process (vLLM's default; ours runs it in-process)")
+    ap.add_argument(
+        "--vllm_mp",
+        action="store_true",
+        help="A-D only, vLLM's engine core in its own process (vLLM's default; ours runs it in-process)",
+    )
     args = ap.parse_args()
     if args.vllm_mp and args.record:
         ap.error("--vllm_mp times vLLM's multi-process mode beside our adapter; it records no row (drop --record)")
     _stamp("start")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.vllm_mp else os.environ.get(
-        "VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
+        "1" if args.vllm_mp else os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    )
 
     import json as _json
     import random
@@ -134,9 +146,15 @@ def main() -> int:
     lines = [_json.loads(line)["prompt"] for line in open(os.path.join(os.path.dirname(args.model), "prompts.jsonl"))]
     prompts = [tok(rng.choice(lines), add_special_tokens=False)["input_ids"] for _ in range(args.prompts)]
     eos = tok.eos_token_id
-    engine_kwargs = dict(model=args.model, gpu_memory_utilization=args.gpu_util, dtype="bfloat16", seed=0,
-                         enable_sleep_mode=True, enable_prefix_caching=False,
-                         max_model_len=max(map(len, prompts)) + args.max_new)
+    engine_kwargs = dict(
+        model=args.model,
+        gpu_memory_utilization=args.gpu_util,
+        dtype="bfloat16",
+        seed=0,
+        enable_sleep_mode=True,
+        enable_prefix_caching=False,
+        max_model_len=max(map(len, prompts)) + args.max_new,
+    )
 
     engine = VLLMEngine(**engine_kwargs)  # A and D: vLLM in this process
     _stamp("in-process engine built")
@@ -144,10 +162,18 @@ def main() -> int:
 
     llm = engine.llm
     req = [{"prompt_token_ids": p} for p in prompts]
-    plain = vllm.SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new, stop_token_ids=[eos],
-                                detokenize=False)
-    with_logprobs = vllm.SamplingParams(n=args.samples, temperature=1.0, max_tokens=args.max_new,
-                                        stop_token_ids=[eos], detokenize=False, logprobs=0, flat_logprobs=True)
+    plain = vllm.SamplingParams(
+        n=args.samples, temperature=1.0, max_tokens=args.max_new, stop_token_ids=[eos], detokenize=False
+    )
+    with_logprobs = vllm.SamplingParams(
+        n=args.samples,
+        temperature=1.0,
+        max_tokens=args.max_new,
+        stop_token_ids=[eos],
+        detokenize=False,
+        logprobs=0,
+        flat_logprobs=True,
+    )
     ours = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, n=args.samples, stop_token_ids=(eos,))
     from hybrid_engines.sampling_map import expand_rows, vllm_sampling_kwargs
 
@@ -203,8 +229,11 @@ def main() -> int:
     # for the length of their call, so no second engine has to be built (each takes ~40 s).
     cluster = connect(num_gpus=1)
     placed = place(PlacementSpec.from_ranges({"rollout": "0"}).plan())
-    actor = ray.remote(TimedEngineActor).options(**placed.actor_options("rollout", 0), runtime_env=worker_runtime_env(),
-                                                 max_restarts=0).remote("vllm", engine_kwargs)
+    actor = (
+        ray.remote(TimedEngineActor)
+        .options(**placed.actor_options("rollout", 0), runtime_env=worker_runtime_env(), max_restarts=0)
+        .remote("vllm", engine_kwargs)
+    )
     ray.get(actor.ready.remote(), timeout=600)
     group = EngineGroup("rollout", "vllm", [actor], [1], timeout_s=600)
     _stamp("engine actor built")
@@ -219,14 +248,17 @@ def main() -> int:
             hops.setdefault(name, []).append(time.perf_counter() - start - with_exit)
             gc_exits.setdefault(name, []).append(with_exit - generated)
             return generated, out
+
         return call
 
-    variants.update({
-        "E ray group": lambda: group.generate(prompts, ours),
-        "E0 ray group no logprobs": lambda: group.generate(prompts, no_lp),
-        "F in-actor": inside("F in-actor"),
-        "G in-actor 1 thread": inside("G in-actor 1 thread", threads=1),
-    })
+    variants.update(
+        {
+            "E ray group": lambda: group.generate(prompts, ours),
+            "E0 ray group no logprobs": lambda: group.generate(prompts, no_lp),
+            "F in-actor": inside("F in-actor"),
+            "G in-actor 1 thread": inside("G in-actor 1 thread", threads=1),
+        }
+    )
     threads = ray.get(actor.where.remote(), timeout=60)["torch_threads"]
     results = round_robin(variants, args.repeats, checkpoint)
     results["machine_load"] = {"before": load_before, "after": machine_load()}
@@ -251,19 +283,25 @@ def main() -> int:
         pct = lambda a, b: 100 * (med[a] / med[b] - 1)  # noqa: E731
         hop = results["F in-actor"]["ray_hop_median_s"]
         rows = [
-            Row("generate overhead vs vLLM alone %", pct("E0 ray group no logprobs", "A vllm n=8"),
+            Row(
+                "generate overhead vs vLLM alone %",
+                pct("E0 ray group no logprobs", "A vllm n=8"),
                 f"% (no log-probs on either side: our EngineGroup.generate through its Ray actor "
                 f"{med['E0 ray group no logprobs']:.3f} s vs vllm.LLM.generate n={args.samples} alone "
                 f"{med['A vllm n=8']:.3f} s, median of {args.repeats} round-robin calls; in-process adapter "
                 f"{med['D0 adapter no logprobs']:.3f} s; the loop's generate with the rollout correction off; "
-                f"goal <= 5)"),
-            Row("generate overhead vs vLLM alone %", pct("E ray group", "B vllm n=8 logprobs"),
+                f"goal <= 5)",
+            ),
+            Row(
+                "generate overhead vs vLLM alone %",
+                pct("E ray group", "B vllm n=8 logprobs"),
                 f"% (with the sampled tokens' log-probs on both sides: ours {med['E ray group']:.3f} s vs vLLM alone "
                 f"{med['B vllm n=8 logprobs']:.3f} s; the loop's default generate (the rollout correction needs "
                 f"them) against plain vLLM: {pct('E ray group', 'A vllm n=8'):+.1f} %, of which vLLM's own log-prob "
                 f"cost {pct('B vllm n=8 logprobs', 'A vllm n=8'):+.1f} %; in-actor {med['F in-actor']:.3f} s, Ray hop "
                 f"{hop * 1000:.0f} ms, engine actor on {threads} torch threads "
-                f"(1: {med['G in-actor 1 thread']:.3f} s); goal <= 5)"),
+                f"(1: {med['G in-actor 1 thread']:.3f} s); goal <= 5)",
+            ),
         ]
         print(f"appended {append_results(rows, _device())} rows to bench/RESULTS.md")
     return 0
@@ -271,16 +309,23 @@ def main() -> int:
 
 def _print_table(results: dict, load_before: dict) -> None:
     base = results["A vllm n=8"]["median_s"]
-    print(f"\nload average before {load_before['loadavg']}, after {results['machine_load']['after']['loadavg']} "
-          f"({load_before['cpus']} CPUs); vLLM engine core "
-          f"{'in its own process' if os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '1' else 'in-process'}")
+    print(
+        f"\nload average before {load_before['loadavg']}, after {results['machine_load']['after']['loadavg']} "
+        f"({load_before['cpus']} CPUs); vLLM engine core "
+        f"{'in its own process' if os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING') == '1' else 'in-process'}"
+    )
     print(f"{'variant':<26}{'median s':>10}{'min s':>9}{'tokens':>8}{'vs A %':>9}")
     for name, r in results.items():
         if isinstance(r, dict) and "median_s" in r:
-            extra = (f"   hop {1000 * r['ray_hop_median_s']:.1f} ms, collector back on {1000 * r['gc_exit_median_s']:.1f} ms"
-                     if "ray_hop_median_s" in r else "")
-            print(f"{name:<26}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['tokens']:>8}"
-                  f"{100 * (r['median_s'] / base - 1):>9.1f}{extra}")
+            extra = (
+                f"   hop {1000 * r['ray_hop_median_s']:.1f} ms, collector back on {1000 * r['gc_exit_median_s']:.1f} ms"
+                if "ray_hop_median_s" in r
+                else ""
+            )
+            print(
+                f"{name:<26}{r['median_s']:>10.3f}{r['min_s']:>9.3f}{r['tokens']:>8}"
+                f"{100 * (r['median_s'] / base - 1):>9.1f}{extra}"
+            )
 
 
 def _device() -> str:

@@ -27,8 +27,11 @@ def start(path: str, period_ms: int = 100) -> subprocess.Popen | None:
     if shutil.which("nvidia-smi") is None:
         return None
     out = open(path, "w")
-    return subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,index,memory.used", "--format=csv,noheader,nounits",
-                             f"-lms={period_ms}"], stdout=out, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=timestamp,index,memory.used", "--format=csv,noheader,nounits", f"-lms={period_ms}"],
+        stdout=out,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def read_samples(path: str) -> list[tuple[float, int, float]]:

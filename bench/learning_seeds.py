@@ -67,17 +67,22 @@ def main() -> int:
     print(f"settings: {settings}", flush=True)
     for algo in args.algos:
         for seed in _seeds(args.seeds):
-            config = CONFIGS[algo](save_path=tempfile.mkdtemp(prefix=f"learn-{algo}-{seed}-"),
-                                   **{**settings, "seed": seed, "final_checkpoint": False})
+            config = CONFIGS[algo](
+                save_path=tempfile.mkdtemp(prefix=f"learn-{algo}-{seed}-"),
+                **{**settings, "seed": seed, "final_checkpoint": False},
+            )
             start = time.monotonic()
             rewards = [m["reward"] for m in train(config)["history"]]
             took = time.monotonic() - start
-            smooth = [statistics.mean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+            smooth = [statistics.mean(rewards[max(0, i - 4) : i + 1]) for i in range(len(rewards))]
             first = next((i + 1 for i, r in enumerate(rewards) if r >= 0.9), None)
             crossed = next((i + 1 for i, r in enumerate(smooth) if i >= 4 and r >= 0.9), None)
-            print(f"{algo:9s} seed {seed:3d}: reward >= 0.9 first at step {first}, 5-step mean at step {crossed}; "
-                  f"last-8 mean {statistics.mean(rewards[-8:]):.3f}, last-5 {statistics.mean(rewards[-5:]):.3f}; "
-                  f"{took:.0f} s", flush=True)
+            print(
+                f"{algo:9s} seed {seed:3d}: reward >= 0.9 first at step {first}, 5-step mean at step {crossed}; "
+                f"last-8 mean {statistics.mean(rewards[-8:]):.3f}, last-5 {statistics.mean(rewards[-5:]):.3f}; "
+                f"{took:.0f} s",
+                flush=True,
+            )
             print(f"    rewards {[round(r, 2) for r in rewards]}", flush=True)
     return 0
 

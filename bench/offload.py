@@ -107,8 +107,10 @@ def bench_ours(args, device: torch.device, rows: list[Row], pcie: tuple[float, f
         logits_before = model(tokens).logits.float().cpu()
     digest_before = fingerprint(state_tensors(model, master, opt))
     nbytes = sum(t.numel() * t.element_size() for t in state_tensors(model, master, opt))
-    print(f"role state: {nbytes / 1e9:.2f} GB ({sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params)",
-          flush=True)
+    print(
+        f"role state: {nbytes / 1e9:.2f} GB ({sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params)",
+        flush=True,
+    )
     _release(device)
     awake = _footprint(device, model, master, opt)
 
@@ -122,8 +124,11 @@ def bench_ours(args, device: torch.device, rows: list[Row], pcie: tuple[float, f
         w = off.wake()
         sleeps.append(s)
         wakes.append(w)
-        print(f"cycle {i}: sleep {s.bytes / 1e9:.2f} GB in {s.seconds:.3f} s ({s.gbps:.1f} GB/s), "
-              f"wake {w.seconds:.3f} s ({w.gbps:.1f} GB/s), asleep footprint {asleep[-1]} B", flush=True)
+        print(
+            f"cycle {i}: sleep {s.bytes / 1e9:.2f} GB in {s.seconds:.3f} s ({s.gbps:.1f} GB/s), "
+            f"wake {w.seconds:.3f} s ({w.gbps:.1f} GB/s), asleep footprint {asleep[-1]} B",
+            flush=True,
+        )
     with torch.no_grad():
         exact_logits = torch.equal(model(tokens).logits.float().cpu(), logits_before)
     exact_state = fingerprint(state_tensors(model, master, opt)) == digest_before
@@ -139,21 +144,29 @@ def bench_ours(args, device: torch.device, rows: list[Row], pcie: tuple[float, f
         Row("offload GB/s", off_gbps, "GB/s (steady median, StateOffloader)"),
         Row("reload GB/s", on_gbps, "GB/s (steady median, StateOffloader)"),
         Row("first/steady cycle ratio", cycle[0] / statistics.median(cycle[i] for i in steady), "x (sleep+wake)"),
-        Row("asleep GPU footprint %", 100.0 * max(asleep) / awake if awake else 0.0,
-            "% of awake (torch reserved)" if device.type == "cuda" else "% of awake (state bytes held)"),
+        Row(
+            "asleep GPU footprint %",
+            100.0 * max(asleep) / awake if awake else 0.0,
+            "% of awake (torch reserved)" if device.type == "cuda" else "% of awake (state bytes held)",
+        ),
         Row("offload GB/s (first cycle)", sleeps[0].gbps, "GB/s", record=False),
         Row("reload GB/s (first cycle)", wakes[0].gbps, "GB/s", record=False),
         Row("offload / pinned D2H copy", 100.0 * off_gbps / pcie[0], "% (target >= 90)", record=False),
         Row("reload / pinned H2D copy", 100.0 * on_gbps / pcie[1], "% (target >= 90)", record=False),
-        Row("host buffer allocation (pinning)", off.host_alloc.seconds, f"s for {off.host_alloc.bytes / 1e9:.2f} GB",
-            record=False),
+        Row(
+            "host buffer allocation (pinning)",
+            off.host_alloc.seconds,
+            f"s for {off.host_alloc.bytes / 1e9:.2f} GB",
+            record=False,
+        ),
         Row("StateOffloader construction", construct_s, "s", record=False),
         Row("state moved per cycle", sleeps[-1].bytes / 1e9, "GB", record=False),
     ]
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        rows.append(Row("device memory in use after wake (incl. CUDA context)", (total - free) / 1e9, "GB",
-                        record=False))
+        rows.append(
+            Row("device memory in use after wake (incl. CUDA context)", (total - free) / 1e9, "GB", record=False)
+        )
     off.close()
     del model, master, opt, off
     _release(device)
@@ -185,14 +198,20 @@ def bench_deepspeed(args, device: torch.device, rows: list[Row]) -> None:
     os.environ.pop("LOCAL_WORLD_SIZE", None)  # on CPU it sends DeepSpeed down a ~10x slower path
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                               timeout=timedelta(seconds=300), verbose=False)
+    deepspeed.init_distributed(
+        dist_backend="nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=300), verbose=False
+    )
     bf16 = device.type == "cuda"
     model = build_llama(args.small, device, torch.bfloat16 if bf16 else torch.float32)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "bf16": {"enabled": bf16}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-              "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": bf16},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
     t = time.perf_counter()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     print(f"DeepSpeed engine ready in {time.perf_counter() - t:.1f} s", flush=True)
@@ -208,19 +227,33 @@ def bench_deepspeed(args, device: torch.device, rows: list[Row]) -> None:
         w = off.wake()
         sleeps.append(s)
         wakes.append(w)
-        print(f"DeepSpeed cycle {i}: offload {s.bytes / 1e9:.2f} GB in {s.seconds:.3f} s ({s.gbps:.1f} GB/s), "
-              f"reload {w.seconds:.3f} s ({w.gbps:.1f} GB/s)", flush=True)
+        print(
+            f"DeepSpeed cycle {i}: offload {s.bytes / 1e9:.2f} GB in {s.seconds:.3f} s ({s.gbps:.1f} GB/s), "
+            f"reload {w.seconds:.3f} s ({w.gbps:.1f} GB/s)",
+            flush=True,
+        )
     steady = range(1, len(sleeps)) if len(sleeps) > 1 else range(len(sleeps))
     # Rates over the same role state as ours (bf16 params + fp32 master + Adam moments: 14 bytes/param). DeepSpeed's
     # own byte count also lists buffers it frees and re-allocates without copying (its gradient buffers): dividing
     # that by the time gave a reload above the PCIe limit on the H100 (71 GB/s > 55 GB/s), i.e. not a copy rate.
     state_bytes = 14 * sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     rows += [
-        Row("DeepSpeed offload GB/s", state_bytes / 1e9 / statistics.median(sleeps[i].seconds for i in steady),
-            f"GB/s ({state_bytes / 1e9:.2f} GB role state / ZeRO-3 offload_states time, steady median)"),
-        Row("DeepSpeed reload GB/s", state_bytes / 1e9 / statistics.median(wakes[i].seconds for i in steady),
-            f"GB/s ({state_bytes / 1e9:.2f} GB role state / ZeRO-3 reload_states time, steady median)"),
-        Row("DeepSpeed bytes it reports per cycle", sleeps[-1].bytes / 1e9, "GB (incl. freed-only buffers)", record=False),
+        Row(
+            "DeepSpeed offload GB/s",
+            state_bytes / 1e9 / statistics.median(sleeps[i].seconds for i in steady),
+            f"GB/s ({state_bytes / 1e9:.2f} GB role state / ZeRO-3 offload_states time, steady median)",
+        ),
+        Row(
+            "DeepSpeed reload GB/s",
+            state_bytes / 1e9 / statistics.median(wakes[i].seconds for i in steady),
+            f"GB/s ({state_bytes / 1e9:.2f} GB role state / ZeRO-3 reload_states time, steady median)",
+        ),
+        Row(
+            "DeepSpeed bytes it reports per cycle",
+            sleeps[-1].bytes / 1e9,
+            "GB (incl. freed-only buffers)",
+            record=False,
+        ),
         Row("DeepSpeed first offload", sleeps[0].seconds, "s (includes its host pinning)", record=False),
     ]
     del engine, model, off
@@ -254,8 +287,10 @@ def main() -> int:
     nbytes = int((0.05 if args.small else args.copy_gb) * (1 << 30))
     d2h, h2d = copy_rates(device, nbytes)
     what = "pinned" if device.type == "cuda" else "host memcpy, no PCIe"
-    limit = [Row("pinned PCIe copy GB/s", d2h, f"GB/s device->host ({what})"),
-             Row("pinned PCIe copy GB/s", h2d, f"GB/s host->device ({what})")]
+    limit = [
+        Row("pinned PCIe copy GB/s", d2h, f"GB/s device->host ({what})"),
+        Row("pinned PCIe copy GB/s", h2d, f"GB/s host->device ({what})"),
+    ]
     suffix = " (--small: logic check only)" if args.small else ""
     sections = [("StateOffloader", lambda rows: bench_ours(args, device, rows, (d2h, h2d)))]
     if not args.skip_deepspeed:
@@ -276,6 +311,7 @@ def main() -> int:
         print(f"FAILED sections: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

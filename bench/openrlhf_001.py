@@ -34,13 +34,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 ARGS_FILE = os.path.join(ROOT, "tests", "hybrid_cli", "data", "openrlhf_commands", "001_hybrid_8gpu.args")
 PHASES = ("generate", "sleep", "wake", "infer", "reward", "train", "sync")
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<sep>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<sep>{% endif %}"
+)
 # ~1.0B parameters: 18 Llama layers of width 2048 (GQA 16/8 heads), vocabulary 32000, untied head.
-POLICY_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=18, num_attention_heads=16,
-                    num_key_value_heads=8, vocab_size=32000)
-REWARD_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=4, vocab_size=32000)
+POLICY_SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=18,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    vocab_size=32000,
+)
+REWARD_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=32000,
+)
 SPECIALS = ("<pad>", "<s>", "</s>", "<sep>", "<unk>")
 
 
@@ -52,8 +66,14 @@ def tokenizer(vocab_size: int):
     vocab.update({f"t{i}": i + len(SPECIALS) for i in range(vocab_size - len(SPECIALS))})
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                                  sep_token="<sep>", unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        sep_token="<sep>",
+        unk_token="<unk>",
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -64,11 +84,19 @@ def build(root: str, prompts: int = 4096, seed: int = 0, small: bool = False) ->
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     policy, reward, data = (os.path.join(root, n) for n in ("policy", "reward", "prompts.jsonl"))
-    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=4096, rope_theta=500000.0,
-               tie_word_embeddings=False)
+    ids = dict(
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
     policy_shape = {**REWARD_SHAPE, "hidden_size": 128, "intermediate_size": 256} if small else POLICY_SHAPE
-    for path, cls, shape, extra in ((policy, LlamaForCausalLM, policy_shape, {}),
-                                    (reward, LlamaForSequenceClassification, REWARD_SHAPE, {"num_labels": 1})):
+    for path, cls, shape, extra in (
+        (policy, LlamaForCausalLM, policy_shape, {}),
+        (reward, LlamaForSequenceClassification, REWARD_SHAPE, {"num_labels": 1}),
+    ):
         if not os.path.exists(os.path.join(path, "config.json")):
             torch.manual_seed(seed)
             with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 1B is slow on CPU
@@ -80,8 +108,10 @@ def build(root: str, prompts: int = 4096, seed: int = 0, small: bool = False) ->
         rng = random.Random(seed)
         with open(data + ".tmp", "w") as f:
             for _ in range(prompts):
-                text = " ".join(f"t{rng.randrange(POLICY_SHAPE['vocab_size'] - len(SPECIALS))}"
-                                for _ in range(rng.randrange(16, 65)))
+                text = " ".join(
+                    f"t{rng.randrange(POLICY_SHAPE['vocab_size'] - len(SPECIALS))}"
+                    for _ in range(rng.randrange(16, 65))
+                )
                 f.write(json.dumps({"context_messages": [{"role": "user", "content": text}]}) + "\n")
         os.replace(data + ".tmp", data)
     return policy, reward, data
@@ -95,11 +125,18 @@ def document_argv() -> list[str]:
 def command(args, policy: str, reward: str, data: str, save: str) -> list[str]:
     engines = args.gpus // args.tp
     replace = {
-        "--ref_num_gpus_per_node": str(args.gpus), "--reward_num_gpus_per_node": str(args.gpus),
-        "--actor_num_gpus_per_node": str(args.gpus), "--vllm_num_engines": str(engines),
-        "--vllm_tensor_parallel_size": str(args.tp), "--pretrain": policy, "--reward_pretrain": reward,
-        "--prompt_data": data, "--save_path": os.path.join(save, "final"), "--ckpt_path": os.path.join(save, "ckpt"),
-        "--rollout_batch_size": str(1024 * args.gpus // 8), "--prompt_max_len": str(args.max_len),
+        "--ref_num_gpus_per_node": str(args.gpus),
+        "--reward_num_gpus_per_node": str(args.gpus),
+        "--actor_num_gpus_per_node": str(args.gpus),
+        "--vllm_num_engines": str(engines),
+        "--vllm_tensor_parallel_size": str(args.tp),
+        "--pretrain": policy,
+        "--reward_pretrain": reward,
+        "--prompt_data": data,
+        "--save_path": os.path.join(save, "final"),
+        "--ckpt_path": os.path.join(save, "ckpt"),
+        "--rollout_batch_size": str(1024 * args.gpus // 8),
+        "--prompt_max_len": str(args.max_len),
         "--generate_max_len": str(args.max_len),
     }
     argv = document_argv()
@@ -111,14 +148,18 @@ def command(args, policy: str, reward: str, data: str, save: str) -> list[str]:
 def summarize(run_dir: str, warmup: int) -> dict:
     steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steady = steps[warmup:] or steps
-    return {"steps": len(steps), "steady_steps": len(steady),
-            "step_s": statistics.median(s["time/step"] for s in steady),
-            "phases_s": {p: statistics.median(s.get(f"time/{p}", 0.0) for s in steady) for p in PHASES},
-            "sync_s": statistics.median(s.get("time/sync", 0.0) for s in steady),
-            "step_times": [s["time/step"] for s in steps], "rewards": [s.get("reward") for s in steps],
-            # engine vs actor log-probs of the same tokens: numerics only when the weight sync delivered the weights
-            "logprob_gap": [s.get("rollout/logprob_gap") for s in steps],
-            "logprob_gap_max": [s.get("rollout/logprob_gap_max") for s in steps]}
+    return {
+        "steps": len(steps),
+        "steady_steps": len(steady),
+        "step_s": statistics.median(s["time/step"] for s in steady),
+        "phases_s": {p: statistics.median(s.get(f"time/{p}", 0.0) for s in steady) for p in PHASES},
+        "sync_s": statistics.median(s.get("time/sync", 0.0) for s in steady),
+        "step_times": [s["time/step"] for s in steps],
+        "rewards": [s.get("reward") for s in steps],
+        # engine vs actor log-probs of the same tokens: numerics only when the weight sync delivered the weights
+        "logprob_gap": [s.get("rollout/logprob_gap") for s in steps],
+        "logprob_gap_max": [s.get("rollout/logprob_gap_max") for s in steps],
+    }
 
 
 def main() -> int:
@@ -131,7 +172,9 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/r001")
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--build_only", action="store_true")
-    ap.add_argument("--small", action="store_true", help="2-layer stand-ins (a CPU check of the script with --backend hf)")
+    ap.add_argument(
+        "--small", action="store_true", help="2-layer stand-ins (a CPU check of the script with --backend hf)"
+    )
     ap.add_argument("--backend", default=None, help="override the engine backend (vllm as written; hf for a CPU check)")
     args = ap.parse_args()
     if args.gpus % args.tp:
@@ -139,8 +182,11 @@ def main() -> int:
 
     tag = f"001-{args.gpus}gpu-tp{args.tp}"
     save = os.path.join(args.workdir, "runs", tag)
-    paths = (os.path.join(args.workdir, n) for n in ("policy", "reward", "prompts.jsonl")) if args.dry else \
-        build(args.workdir, small=args.small)
+    paths = (
+        (os.path.join(args.workdir, n) for n in ("policy", "reward", "prompts.jsonl"))
+        if args.dry
+        else build(args.workdir, small=args.small)
+    )
     cmd = command(args, *paths, save)
     print("command:", shlex.join(cmd), flush=True)
     if args.dry or args.build_only:
@@ -149,9 +195,18 @@ def main() -> int:
     sys.path.insert(0, HERE)
     import gpu_sampler
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [*(os.path.join(ROOT, "packages", p, "src") for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")),
-         os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [
+                *(
+                    os.path.join(ROOT, "packages", p, "src")
+                    for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")
+                ),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    }
     out = os.environ.get("OUT")
     samples = os.path.join(out or args.workdir, f"mem-{tag}.csv")
     sampler = gpu_sampler.start(samples)
@@ -166,8 +221,12 @@ def main() -> int:
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         result.update(summarize(run_dir, args.warmup))
         print(f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.2f} s after {args.warmup} warm-up")
-        print("engine vs actor log-prob gap per step (mean / max):",
-              ", ".join(f"{a:.4f}/{b:.3f}" for a, b in zip(result["logprob_gap"], result["logprob_gap_max"]) if a is not None))
+        print(
+            "engine vs actor log-prob gap per step (mean / max):",
+            ", ".join(
+                f"{a:.4f}/{b:.3f}" for a, b in zip(result["logprob_gap"], result["logprob_gap_max"]) if a is not None
+            ),
+        )
         print(f"{'phase':<10} {'s (median)':>10}")
         for p, v in result["phases_s"].items():
             print(f"{p:<10} {v:>10.3f}")

@@ -49,9 +49,17 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _peer_process import DEFAULTS, WORKLOADS, failure, gpu_name, installed_version, run_peer  # noqa: E402,F401
-from _peer_process import summarize_steps  # noqa: E402
 from _common import MIN_MEASURED_STEPS, steady_step_times  # noqa: E402
+from _peer_process import (  # noqa: E402
+    DEFAULTS,
+    WORKLOADS,
+    failure,
+    gpu_name,
+    installed_version,
+    run_peer,
+    summarize_steps,
+)
+
 STANDIN = os.path.join(HERE, "openrlhf_standin")
 REWARD_FILE = os.path.join(HERE, "openrlhf_reward.py")
 #: where bench/sessions/openrlhf_session.sh installs OpenRLHF and the packages it carries (kept apart from /tmp/site:
@@ -69,26 +77,82 @@ def command(args, model: str, data: str) -> list[str]:
     zero_stage, kl = (1, 0.0) if args.setup == "matched" else (3, 0.001)
     if args.zero_stage is not None:
         zero_stage = args.zero_stage
-    cmd = [sys.executable, "-m", "openrlhf.cli.train_ppo_ray",
-           "--actor.model_name_or_path", model, "--reward.remote_url", REWARD_FILE,
-           "--data.prompt_dataset", data, "--data.input_key", "prompt",
-           "--data.max_samples", str(args.steps * prompts), "--data.max_len", str(prompt_len + max_new),
-           "--rollout.max_new_tokens", str(max_new), "--rollout.batch_size", str(prompts),
-           "--rollout.n_samples_per_prompt", str(samples), "--rollout.micro_batch_size", str(micro_rollout),
-           "--rollout.temperature", "1.0", "--rollout.top_p", "1.0",
-           "--train.batch_size", str(per_step), "--train.micro_batch_size", str(min(args.micro, per_step)),
-           "--train.max_epochs", "1", "--train.num_episodes", "1", "--train.seed", "0",
-           "--algo.advantage.estimator", "group_norm", "--algo.kl.init_coef", str(kl),
-           "--actor.adam.lr", str(args.lr),
-           "--actor.num_nodes", "1", "--actor.num_gpus_per_node", "1",
-           "--ref.num_nodes", "1", "--ref.num_gpus_per_node", "1",
-           "--reward.num_nodes", "1", "--reward.num_gpus_per_node", "1",
-           "--vllm.num_engines", "1", "--vllm.tensor_parallel_size", "1",
-           "--vllm.gpu_memory_utilization", str(args.gpu_util), "--train.colocate_all",
-           "--ds.zero_stage", str(zero_stage), "--ds.param_dtype", "bf16",
-           "--ds.attn_implementation", "sdpa",
-           "--logger.logging_steps", "1", "--ckpt.output_dir", os.path.join(args.workdir, "openrlhf-ckpt"),
-           "--ckpt.path", os.path.join(args.workdir, "openrlhf-ckpt", "checkpoints")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "openrlhf.cli.train_ppo_ray",
+        "--actor.model_name_or_path",
+        model,
+        "--reward.remote_url",
+        REWARD_FILE,
+        "--data.prompt_dataset",
+        data,
+        "--data.input_key",
+        "prompt",
+        "--data.max_samples",
+        str(args.steps * prompts),
+        "--data.max_len",
+        str(prompt_len + max_new),
+        "--rollout.max_new_tokens",
+        str(max_new),
+        "--rollout.batch_size",
+        str(prompts),
+        "--rollout.n_samples_per_prompt",
+        str(samples),
+        "--rollout.micro_batch_size",
+        str(micro_rollout),
+        "--rollout.temperature",
+        "1.0",
+        "--rollout.top_p",
+        "1.0",
+        "--train.batch_size",
+        str(per_step),
+        "--train.micro_batch_size",
+        str(min(args.micro, per_step)),
+        "--train.max_epochs",
+        "1",
+        "--train.num_episodes",
+        "1",
+        "--train.seed",
+        "0",
+        "--algo.advantage.estimator",
+        "group_norm",
+        "--algo.kl.init_coef",
+        str(kl),
+        "--actor.adam.lr",
+        str(args.lr),
+        "--actor.num_nodes",
+        "1",
+        "--actor.num_gpus_per_node",
+        "1",
+        "--ref.num_nodes",
+        "1",
+        "--ref.num_gpus_per_node",
+        "1",
+        "--reward.num_nodes",
+        "1",
+        "--reward.num_gpus_per_node",
+        "1",
+        "--vllm.num_engines",
+        "1",
+        "--vllm.tensor_parallel_size",
+        "1",
+        "--vllm.gpu_memory_utilization",
+        str(args.gpu_util),
+        "--train.colocate_all",
+        "--ds.zero_stage",
+        str(zero_stage),
+        "--ds.param_dtype",
+        "bf16",
+        "--ds.attn_implementation",
+        "sdpa",
+        "--logger.logging_steps",
+        "1",
+        "--ckpt.output_dir",
+        os.path.join(args.workdir, "openrlhf-ckpt"),
+        "--ckpt.path",
+        os.path.join(args.workdir, "openrlhf-ckpt", "checkpoints"),
+    ]
     if not args.no_sleep:  # the hybrid engine's memory saver: vLLM and DeepSpeed release the GPU between phases
         cmd += ["--vllm.enable_sleep", "--ds.enable_sleep"]
     if args.ckpt:
@@ -104,13 +168,20 @@ def environment(site: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (STANDIN, site, env.get("PYTHONPATH", "")) if p)
     # OpenRLHF drives vLLM's AsyncLLMEngine as its authors run it: the engine core in its own process.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_DISABLED="true",
-               PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8")  # its step line starts with an emoji
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_DISABLED="true",
+        PYTHONUNBUFFERED="1",
+        PYTHONIOENCODING="utf-8",
+    )  # its step line starts with an emoji
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else FlashInfer JIT-compiles its sampler for minutes
     return env
 
 
 # ---- OpenRLHF's log ------------------------------------------------------------------------------------------------
+
 
 def parse_status(text: str) -> dict[str, float]:
     """The numbers of one step's status dict as OpenRLHF logs it (a Python dict repr; a regex when not literal)."""
@@ -140,18 +211,29 @@ def summarize(steps: list[dict], warmup: int) -> dict:
     lines' arrival times, ``warmup`` steps dropped), None with fewer than ``MIN_MEASURED_STEPS`` measured steps or
     an arrival time missing; ``step_s_inside``: OpenRLHF's own ``timing/step_total``; the phases' medians after
     ``warmup`` steps (all steps if there are no more than that)."""
-    out = summarize_steps(steps, warmup, step="timing/step_total", phase="timing/{}", phases=PHASES,
-                          response_len="rollout/response_length_mean", reward="rollout/reward_mean")
+    out = summarize_steps(
+        steps,
+        warmup,
+        step="timing/step_total",
+        phase="timing/{}",
+        phases=PHASES,
+        response_len="rollout/response_length_mean",
+        reward="rollout/reward_mean",
+    )
     out["step_s_inside"] = out.pop("step_s")
     ends = [s["t"] for s in steps]
     steady = steady_step_times(ends, warmup) if None not in ends and len(ends) > warmup else []
-    out.update(step_ends=ends if None not in ends else None, steady_step_s=steady,
-               steady_steps=len(steady),
-               step_s=statistics.median(steady) if len(steady) >= MIN_MEASURED_STEPS else None)
+    out.update(
+        step_ends=ends if None not in ends else None,
+        steady_step_s=steady,
+        steady_steps=len(steady),
+        step_s=statistics.median(steady) if len(steady) >= MIN_MEASURED_STEPS else None,
+    )
     return out
 
 
 # ---- running it ----------------------------------------------------------------------------------------------------
+
 
 def run(cmd: list[str], env: dict, log_path: str, timeout: float, expected_steps: int, grace: float) -> dict:
     """Run OpenRLHF in its own process group, teeing its output to ``log_path`` with arrival times of the step lines.
@@ -159,8 +241,16 @@ def run(cmd: list[str], env: dict, log_path: str, timeout: float, expected_steps
     Once every expected step is logged it gets ``grace`` seconds to save and exit; after that (or at ``timeout``)
     the whole group is stopped: the timing is already in the log.
     """
-    return run_peer(cmd, env, log_path, timeout=timeout, expected_steps=expected_steps, grace=grace,
-                    count_steps=lambda lines: len(parse_log(lines)), echo=("Global step", "Error", "Traceback"))
+    return run_peer(
+        cmd,
+        env,
+        log_path,
+        timeout=timeout,
+        expected_steps=expected_steps,
+        grace=grace,
+        count_steps=lambda lines: len(parse_log(lines)),
+        echo=("Global step", "Error", "Traceback"),
+    )
 
 
 PARSE_CHECK = r"""
@@ -193,11 +283,12 @@ else:
 def check(cmd: list[str], env: dict) -> dict:
     """Run OpenRLHF's own parser and its post-parse checks on ``cmd`` (imports everything it imports; no Ray, no
     GPU): ``{"ok": bool, "args": the hierarchized namespace, "error": ...}``."""
-    proc = subprocess.run([sys.executable, "-c", PARSE_CHECK, *cmd[3:]], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", PARSE_CHECK, *cmd[3:]], env=env, capture_output=True, text=True, timeout=600
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("PARSED "):
-            return {"ok": True, "args": json.loads(line[len("PARSED "):])}
+            return {"ok": True, "args": json.loads(line[len("PARSED ") :])}
     out = (proc.stdout + proc.stderr).splitlines()
     return {"ok": False, "rc": proc.returncode, **failure(out, keep=40)}
 
@@ -227,44 +318,79 @@ def compare(orl: dict, ours: dict) -> tuple[list, list[str]]:
     sfx += "" if setup == "matched" else f" {setup}"
     asleep = orl.get("sleep", True)  # JSONs from before --no_sleep: always asleep
     sfx += "" if asleep else " nosleep"
-    what = (f"{size}, {WORKLOADS[size][0]} x {WORKLOADS[size][1]}, <= {WORKLOADS[size][2]} new tokens, "
-            f"{'ZeRO-1, no reference' if setup == 'matched' else 'ZeRO-3 + reference'}, colocated "
-            + ("with sleep" if asleep else "without sleep (all resident)")
-            + (f"; partial: {orl['partial']}" if orl.get("partial") else ""))
+    what = (
+        f"{size}, {WORKLOADS[size][0]} x {WORKLOADS[size][1]}, <= {WORKLOADS[size][2]} new tokens, "
+        f"{'ZeRO-1, no reference' if setup == 'matched' else 'ZeRO-3 + reference'}, colocated "
+        + ("with sleep" if asleep else "without sleep (all resident)")
+        + (f"; partial: {orl['partial']}" if orl.get("partial") else "")
+    )
     inside = orl.get("step_s_inside")
     rows = []
     if orl_ok:
         ph = orl["phases_s"]
-        rows += [Row(f"OpenRLHF grpo step{sfx} s", orl["step_s"],
-                     f"s (OpenRLHF 0.11.2, wall time between step ends, median of {orl.get('steady_steps', '?')} "
-                     f"after {orl['warmup']} warm-up"
-                     + (f"; its timing/step_total {inside:.3f} s" if inside is not None else "") + f"; {what})"),
-                 Row(f"OpenRLHF weight sync{sfx} s", ph["broadcast"],
-                     "s (timing/broadcast: " + ("vLLM weights woken + " if asleep else "")
-                     + "parameters sent one by one over CUDA IPC"
-                     + (f"; ours {ours['phases_s']['sync']:.3f} s same call)" if ours_ok else ")")),
-                 Row(f"OpenRLHF generation{sfx} s", ph["generation"],
-                     f"s (timing/generation: {'wake + rollout + sleep' if asleep else 'rollout'})"),
-                 Row(f"OpenRLHF make_experience{sfx} s", ph["make_experience"],
-                     "s (timing/make_experience: rewards, old/reference log-probs)"),
-                 Row(f"OpenRLHF ppo_train{sfx} s", ph["ppo_train"],
-                     "s (timing/ppo_train: " + ("DeepSpeed reload + actor update + offload" if asleep
-                                               else "actor update") + ")")]
+        rows += [
+            Row(
+                f"OpenRLHF grpo step{sfx} s",
+                orl["step_s"],
+                f"s (OpenRLHF 0.11.2, wall time between step ends, median of {orl.get('steady_steps', '?')} "
+                f"after {orl['warmup']} warm-up"
+                + (f"; its timing/step_total {inside:.3f} s" if inside is not None else "")
+                + f"; {what})",
+            ),
+            Row(
+                f"OpenRLHF weight sync{sfx} s",
+                ph["broadcast"],
+                "s (timing/broadcast: "
+                + ("vLLM weights woken + " if asleep else "")
+                + "parameters sent one by one over CUDA IPC"
+                + (f"; ours {ours['phases_s']['sync']:.3f} s same call)" if ours_ok else ")"),
+            ),
+            Row(
+                f"OpenRLHF generation{sfx} s",
+                ph["generation"],
+                f"s (timing/generation: {'wake + rollout + sleep' if asleep else 'rollout'})",
+            ),
+            Row(
+                f"OpenRLHF make_experience{sfx} s",
+                ph["make_experience"],
+                "s (timing/make_experience: rewards, old/reference log-probs)",
+            ),
+            Row(
+                f"OpenRLHF ppo_train{sfx} s",
+                ph["ppo_train"],
+                "s (timing/ppo_train: "
+                + ("DeepSpeed reload + actor update + offload" if asleep else "actor update")
+                + ")",
+            ),
+        ]
     if orl_ok and ours_ok and not asleep:
-        problems.append("OpenRLHF ran without sleep: its ratio is the protocol's median of >= 3 same-call ratios "
-                        "(bench/peer_ratio.py --openrlhf), not made from one call here")
+        problems.append(
+            "OpenRLHF ran without sleep: its ratio is the protocol's median of >= 3 same-call ratios "
+            "(bench/peer_ratio.py --openrlhf), not made from one call here"
+        )
     elif orl_ok and ours_ok:
         name = "speedup vs OpenRLHF x" if size == "357m" else f"speedup vs OpenRLHF {size.upper()} x"
         if setup != "matched":
             name = name[:-2] + f" {setup} x"
         extra = [f for f in OUR_EXTRA_FLAGS if f in ours.get("command", "").split()]
-        rows.append(Row(name, orl["step_s"] / ours["step_s"],
-                        f"x (OpenRLHF {orl['step_s']:.3f} s / ours {ours['step_s']:.3f} s, same call, same model "
-                        f"folder" + (f"; ours with {' '.join(extra)}" if extra else "")
-                        + f"; ours median of {ours.get('steady_steps', '?')} step(s) after warm-up; goal 1.5)"))
+        rows.append(
+            Row(
+                name,
+                orl["step_s"] / ours["step_s"],
+                f"x (OpenRLHF {orl['step_s']:.3f} s / ours {ours['step_s']:.3f} s, same call, same model "
+                f"folder"
+                + (f"; ours with {' '.join(extra)}" if extra else "")
+                + f"; ours median of {ours.get('steady_steps', '?')} step(s) after warm-up; goal 1.5)",
+            )
+        )
         if ours["phases_s"].get("sync"):
-            rows.append(Row(f"weight sync speedup vs OpenRLHF{sfx} x", ph["broadcast"] / ours["phases_s"]["sync"],
-                            f"x (OpenRLHF {ph['broadcast']:.3f} s / ours {ours['phases_s']['sync']:.3f} s)"))
+            rows.append(
+                Row(
+                    f"weight sync speedup vs OpenRLHF{sfx} x",
+                    ph["broadcast"] / ours["phases_s"]["sync"],
+                    f"x (OpenRLHF {ph['broadcast']:.3f} s / ours {ours['phases_s']['sync']:.3f} s)",
+                )
+            )
     return rows, problems
 
 
@@ -298,14 +424,21 @@ def main() -> int:
     ap.add_argument("--setup", choices=["matched", "zero3ref"], default="matched")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--micro", type=int, default=None,
-                    help="train micro-batch (default: 64 at 357m, 32 with zero3ref, 8 at 1.5b: as our runs)")
+    ap.add_argument(
+        "--micro",
+        type=int,
+        default=None,
+        help="train micro-batch (default: 64 at 357m, 32 with zero3ref, 8 at 1.5b: as our runs)",
+    )
     ap.add_argument("--zero_stage", type=int, default=None, help="override the set-up's ZeRO stage")
     ap.add_argument("--gpu_util", type=float, default=None, help="vLLM memory fraction (0.35 at 357m, 0.3 at 1.5b)")
     ap.add_argument("--ckpt", action="store_true", default=None, help="gradient checkpointing (always at 1.5b)")
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--no_sleep", action="store_true",
-                    help="without --vllm.enable_sleep --ds.enable_sleep (OpenRLHF's default): all stays resident")
+    ap.add_argument(
+        "--no_sleep",
+        action="store_true",
+        help="without --vllm.enable_sleep --ds.enable_sleep (OpenRLHF's default): all stays resident",
+    )
     ap.add_argument("--enforce_eager", action="store_true")
     ap.add_argument("--workdir", default=None, help="default /tmp/peer (357m) or /tmp/peer-<size>: e2e_gpu.py's")
     ap.add_argument("--site", default=DEFAULT_SITE, help="where OpenRLHF and its carried packages are installed")
@@ -343,10 +476,20 @@ def main() -> int:
         res = check(cmd, env)
         if res["ok"]:
             a = res["args"]
-            keys = ("algo.advantage.estimator", "algo.kl.init_coef", "ds.zero_stage", "ds.attn_implementation",
-                    "ds.packing_samples", "ds.enable_sleep", "vllm.enable_sleep", "train.colocate_all",
-                    "train.micro_batch_size", "rollout.micro_batch_size", "actor.gradient_checkpointing_enable",
-                    "reward.remote_url")
+            keys = (
+                "algo.advantage.estimator",
+                "algo.kl.init_coef",
+                "ds.zero_stage",
+                "ds.attn_implementation",
+                "ds.packing_samples",
+                "ds.enable_sleep",
+                "vllm.enable_sleep",
+                "train.colocate_all",
+                "train.micro_batch_size",
+                "rollout.micro_batch_size",
+                "actor.gradient_checkpointing_enable",
+                "reward.remote_url",
+            )
             picked = {}
             for key in keys:
                 node = a
@@ -360,9 +503,16 @@ def main() -> int:
         return 0 if res["ok"] else 2
 
     log_path = os.path.join(args.workdir, f"{tag}.log")
-    result = {"tag": tag, "size": args.size, "setup": args.setup, "warmup": args.warmup, "sleep": not args.no_sleep,
-              "command": shlex.join(cmd),
-              "openrlhf": installed_version("openrlhf", env), "device": gpu_name()}
+    result = {
+        "tag": tag,
+        "size": args.size,
+        "setup": args.setup,
+        "warmup": args.warmup,
+        "sleep": not args.no_sleep,
+        "command": shlex.join(cmd),
+        "openrlhf": installed_version("openrlhf", env),
+        "device": gpu_name(),
+    }
     r = run(cmd, env, log_path, args.timeout, args.steps, args.grace)
     result.update(rc=r["rc"], stopped=r["stopped"], wall_s=r["wall_s"], log=log_path)
     steps = parse_log(r["lines"])
@@ -375,28 +525,36 @@ def main() -> int:
     if result.get("step_s") is not None:
         prompts, samples = WORKLOADS[args.size][:2]
         result["tokens_per_s"] = prompts * samples * result["response_len"] / result["step_s"]
-        print(f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.3f} s (wall time between step ends, "
-              f"{result['steady_steps']} after {args.warmup} warm-up; OpenRLHF's timing/step_total "
-              f"{result['step_s_inside']:.3f} s), {result['tokens_per_s']:.0f} generated tokens/s, mean response "
-              f"{result['response_len']:.0f} tokens")
+        print(
+            f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.3f} s (wall time between step ends, "
+            f"{result['steady_steps']} after {args.warmup} warm-up; OpenRLHF's timing/step_total "
+            f"{result['step_s_inside']:.3f} s), {result['tokens_per_s']:.0f} generated tokens/s, mean response "
+            f"{result['response_len']:.0f} tokens"
+        )
         print(f"{'phase':<16} {'s (median)':>10}")
         for p, v in result["phases_s"].items():
             print(f"{p:<16} {v:>10.3f}")
         print("reward per step:", " ".join(f"{x:.3f}" for x in result["rewards"] if x is not None))
         if r["rc"] not in (0, None) and r["stopped"] is None:
             result["note"] = f"exited {r['rc']} after the last step (the final save?): " + " | ".join(
-                failure(text)["error_lines"])
+                failure(text)["error_lines"]
+            )
     elif "step_s" in result:  # it ran, but too few steps for the one clock: no figure, and what to change
         measured = result["steady_steps"]
-        result["error"] = (f"{measured} measured step(s) after {args.warmup} warm-up: a figure needs >= "
-                           f"{MIN_MEASURED_STEPS} (run --steps >= {args.warmup + MIN_MEASURED_STEPS}"
-                           + (", or give it a longer --timeout)" if result.get("partial") else ")"))
+        result["error"] = (
+            f"{measured} measured step(s) after {args.warmup} warm-up: a figure needs >= "
+            f"{MIN_MEASURED_STEPS} (run --steps >= {args.warmup + MIN_MEASURED_STEPS}"
+            + (", or give it a longer --timeout)" if result.get("partial") else ")")
+        )
         print(f"\n{tag}: FAILED: {result['error']}")
     else:
         result["steps"] = len(steps)
         result.update(failure(text))
-        result["error"] = (result["error_lines"][-1] if result["error_lines"] else
-                           f"rc {r['rc']}, stopped {r['stopped']}, {len(steps)} of {args.steps} steps logged")
+        result["error"] = (
+            result["error_lines"][-1]
+            if result["error_lines"]
+            else f"rc {r['rc']}, stopped {r['stopped']}, {len(steps)} of {args.steps} steps logged"
+        )
         print(f"\n{tag}: FAILED after {len(steps)} of {args.steps} steps (rc {r['rc']}, stopped {r['stopped']})")
         print("---- last traceback ----")
         print("\n".join(result["traceback"]) or "(none in the log)")

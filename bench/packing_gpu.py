@@ -46,14 +46,26 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=64, help="samples in the rollout (one optimizer update)")
     ap.add_argument("--micro", type=int, default=8, help="micro_train_batch_size (samples)")
     ap.add_argument("--prompt-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
-    ap.add_argument("--response-len", type=int, nargs=2, default=(32, 1536), metavar=("MIN", "MAX"),
-                    help="log-uniform between MIN and MAX (prompt + response <= the model's 2048 positions)")
+    ap.add_argument(
+        "--response-len",
+        type=int,
+        nargs=2,
+        default=(32, 1536),
+        metavar=("MIN", "MAX"),
+        help="log-uniform between MIN and MAX (prompt + response <= the model's 2048 positions)",
+    )
     ap.add_argument("--repeats", type=int, default=3, help="timed train calls per mode (after one warm-up)")
     ap.add_argument("--dynamic", action="store_true", help="also: packed + --use_dynamic_batch")
     ap.add_argument("--max-tokens", type=int, default=16384, help="train_max_tokens_per_gpu of --dynamic")
     ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--packed-attention", nargs="+", default=["auto"], choices=MODES, metavar="MODE",
-                    help=f"packed attention path(s) to time, of {', '.join(MODES)} (the first is the headline)")
+    ap.add_argument(
+        "--packed-attention",
+        nargs="+",
+        default=["auto"],
+        choices=MODES,
+        metavar="MODE",
+        help=f"packed attention path(s) to time, of {', '.join(MODES)} (the first is the headline)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     args = ap.parse_args()
@@ -76,9 +88,15 @@ def ragged_rollout(args, vocab: int):
         prompts.append(torch.randint(3, vocab, (plen,), generator=g).tolist())
         group = []
         for _ in range(8):
-            rlen = int(torch.exp(torch.empty(1).uniform_(float(torch.log(torch.tensor(float(lo)))),
-                                                           float(torch.log(torch.tensor(float(hi)))),
-                                                           generator=g)))
+            rlen = int(
+                torch.exp(
+                    torch.empty(1).uniform_(
+                        float(torch.log(torch.tensor(float(lo)))),
+                        float(torch.log(torch.tensor(float(hi)))),
+                        generator=g,
+                    )
+                )
+            )
             group.append(torch.randint(3, vocab, (rlen,), generator=g).tolist())
         completions.append(group)
     ro = Rollout.from_generations(prompts, completions, pad_id=0)
@@ -91,11 +109,24 @@ def make_worker(args, model_dir: str, device, **changes):
     from hybrid_algos.train.workers.policy import PolicyWorker
 
     cfg = GRPOConfig(
-        rollout_batch_size=args.samples // 8, n_samples_per_prompt=8, train_batch_size=args.samples,
-        micro_train_batch_size=args.micro, micro_rollout_batch_size=args.micro, max_epochs=1,
-        zero_stage=2, bf16=device.type == "cuda", deepspeed_enable_sleep=False, init_kl_coef=0.0,
-        use_kl_loss=False, enable_vllm_is_correction=False, actor_learning_rate=1e-6,
-        gradient_checkpointing=args.gradient_checkpointing, prompt_max_len=4096, generate_max_len=8192, **changes)
+        rollout_batch_size=args.samples // 8,
+        n_samples_per_prompt=8,
+        train_batch_size=args.samples,
+        micro_train_batch_size=args.micro,
+        micro_rollout_batch_size=args.micro,
+        max_epochs=1,
+        zero_stage=2,
+        bf16=device.type == "cuda",
+        deepspeed_enable_sleep=False,
+        init_kl_coef=0.0,
+        use_kl_loss=False,
+        enable_vllm_is_correction=False,
+        actor_learning_rate=1e-6,
+        gradient_checkpointing=args.gradient_checkpointing,
+        prompt_max_len=4096,
+        generate_max_len=8192,
+        **changes,
+    )
     worker = PolicyWorker("actor", 0, 1, cfg, tempfile.mkdtemp(prefix="packing-bench-"))
     worker.where = lambda: {}  # no Ray here
     worker.setup(model_dir, "127.0.0.1", free_port(), total_steps=10)
@@ -109,8 +140,9 @@ def ran_paths(calls_before: dict) -> str:
     return "+".join(sorted(packed)) if packed else "transformers' own (dense N x N mask under sdpa)"
 
 
-def time_mode(args, model_dir, rollout, device, label: str, attention: str | None = None,
-              **changes) -> tuple[float, float, str]:
+def time_mode(
+    args, model_dir, rollout, device, label: str, attention: str | None = None, **changes
+) -> tuple[float, float, str]:
     if attention is not None:
         os.environ[packed_attention.ENV] = attention
     calls = dict(packed_attention.CALLS)
@@ -127,8 +159,11 @@ def time_mode(args, model_dir, rollout, device, label: str, attention: str | Non
             times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     path = ran_paths(calls) if changes.get("packing_samples") else "padded"
-    print(f"{label}: {[round(x, 3) for x in times]} s, {stats.get('actor/micro_batches', 0):.0f} micro-batches, "
-          f"peak {peak:.1f} GiB, attention: {path}", flush=True)
+    print(
+        f"{label}: {[round(x, 3) for x in times]} s, {stats.get('actor/micro_batches', 0):.0f} micro-batches, "
+        f"peak {peak:.1f} GiB, attention: {path}",
+        flush=True,
+    )
     del worker
     gc.collect()
     if device.type == "cuda":
@@ -153,27 +188,55 @@ def main() -> int:
         rollout = ragged_rollout(args, vocab)
         real = int(rollout.attention_mask.sum())
         padded = sum(mb.sequences.numel() for mb in rollout.micro_batches(args.micro))
-        print(f"rollout: {rollout.batch_size} samples, {real} real tokens, {padded} tokens in padded micro-batches "
-              f"({real / padded:.0%} real)", flush=True)
+        print(
+            f"rollout: {rollout.batch_size} samples, {real} real tokens, {padded} tokens in padded micro-batches "
+            f"({real / padded:.0%} real)",
+            flush=True,
+        )
         t_pad, m_pad, _ = time_mode(args, model_dir, rollout, device, "padded")
         first, *others = args.packed_attention
-        t_pack, m_pack, path = time_mode(args, model_dir, rollout, device, f"packed ({first})", first,
-                                         packing_samples=True)
-        rows = [Row("train s padded", t_pad, f"s (median of {args.repeats}; {args.samples} samples, micro-batches "
-                    f"of {args.micro}, {padded} tokens incl. padding)"),
-                Row("train s packed", t_pack, f"s (median of {args.repeats}; same rollout, {real} real tokens; "
-                    f"attention: {path})"),
-                Row("packed / padded x", t_pack / t_pad, f"x (goal <= 0.7; attention: {path})"),
-                Row("real-token share %", 100 * real / padded, "% of the padded micro-batches' tokens", record=False)]
+        t_pack, m_pack, path = time_mode(
+            args, model_dir, rollout, device, f"packed ({first})", first, packing_samples=True
+        )
+        rows = [
+            Row(
+                "train s padded",
+                t_pad,
+                f"s (median of {args.repeats}; {args.samples} samples, micro-batches "
+                f"of {args.micro}, {padded} tokens incl. padding)",
+            ),
+            Row(
+                "train s packed",
+                t_pack,
+                f"s (median of {args.repeats}; same rollout, {real} real tokens; attention: {path})",
+            ),
+            Row("packed / padded x", t_pack / t_pad, f"x (goal <= 0.7; attention: {path})"),
+            Row("real-token share %", 100 * real / padded, "% of the padded micro-batches' tokens", record=False),
+        ]
         if device.type == "cuda":
-            rows += [Row("train peak GiB padded", m_pad, "GiB (torch max allocated)", record=False),
-                     Row("train peak GiB packed", m_pack, "GiB (torch max allocated)", record=False)]
+            rows += [
+                Row("train peak GiB padded", m_pad, "GiB (torch max allocated)", record=False),
+                Row("train peak GiB packed", m_pack, "GiB (torch max allocated)", record=False),
+            ]
         if args.dynamic:
-            t_dyn, _, p = time_mode(args, model_dir, rollout, device, "packed + dynamic batch", first,
-                                    packing_samples=True, use_dynamic_batch=True,
-                                    train_max_tokens_per_gpu=args.max_tokens)
-            rows.append(Row("train s packed dynamic", t_dyn, f"s (median of {args.repeats}; "
-                            f"train_max_tokens_per_gpu {args.max_tokens}; attention: {p})"))
+            t_dyn, _, p = time_mode(
+                args,
+                model_dir,
+                rollout,
+                device,
+                "packed + dynamic batch",
+                first,
+                packing_samples=True,
+                use_dynamic_batch=True,
+                train_max_tokens_per_gpu=args.max_tokens,
+            )
+            rows.append(
+                Row(
+                    "train s packed dynamic",
+                    t_dyn,
+                    f"s (median of {args.repeats}; train_max_tokens_per_gpu {args.max_tokens}; attention: {p})",
+                )
+            )
         # The other attention paths last, each allowed to fail: a dense N x N mask can run out of memory after the
         # runs before it (DeepSpeed engines do not hand all of their memory back), and the rows above must survive.
         for mode in others:
@@ -184,8 +247,13 @@ def main() -> int:
                 gc.collect()
                 torch.cuda.empty_cache()
                 continue
-            rows.append(Row(f"train s packed {mode}", t, f"s (median of {args.repeats}; attention: {p}; "
-                            f"{t / t_pad:.3f} x padded)"))
+            rows.append(
+                Row(
+                    f"train s packed {mode}",
+                    t,
+                    f"s (median of {args.repeats}; attention: {p}; {t / t_pad:.3f} x padded)",
+                )
+            )
     label = device_label(device)
     print_table(f"train phase, padded vs packed ({label})", rows)
     if args.record and not args.small:

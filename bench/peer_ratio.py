@@ -51,8 +51,16 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import MIN_MEASURED_STEPS, WARMUP_STEPS, Row, append_results, free_port, print_table  # noqa: E402
-from _common import RESULTS, steady_step_times  # noqa: E402
+from _common import (  # noqa: E402  # noqa: E402
+    MIN_MEASURED_STEPS,
+    RESULTS,
+    WARMUP_STEPS,
+    Row,
+    append_results,
+    free_port,
+    print_table,
+    steady_step_times,
+)
 from _peer_process import failure, gpu_name, installed_version, stop_group  # noqa: E402
 
 #: a ratio row is the median of at least this many same-call ratios
@@ -60,8 +68,13 @@ MIN_TURNS = 3
 SIDES = ("ours", "trl-default", "trl-sleep", "openrlhf-nosleep", "openrlhf-sleep")
 PEERS = SIDES[1:]
 PROGRAMS = {"ours": "e2e_gpu.py", "trl": "trl_grpo_peer.py", "openrlhf": "openrlhf_peer.py"}
-LABELS = {"ours": "ours", "trl-default": "TRL default", "trl-sleep": "TRL sleep",
-          "openrlhf-nosleep": "OpenRLHF nosleep", "openrlhf-sleep": "OpenRLHF sleep"}
+LABELS = {
+    "ours": "ours",
+    "trl-default": "TRL default",
+    "trl-sleep": "TRL sleep",
+    "openrlhf-nosleep": "OpenRLHF nosleep",
+    "openrlhf-sleep": "OpenRLHF sleep",
+}
 
 
 def program(side: str) -> str:
@@ -84,27 +97,47 @@ class Workload:
 WORKLOADS = {
     # TRL's defaults on our side: no reference (TRL's beta 0), ZeRO-1, one micro-batch of the whole step (TRL: 64)
     "357m-matched": Workload(
-        "357m", "357M, 8 prompts x 8, <= 128 new tokens, TRL-matched: no reference, ZeRO-1, one micro-batch of 64",
-        ours=("--kl", "0", "--zero_stage", "1", "--micro", "64"), trl=(), openrlhf_setup="matched",
-        metrics={"trl-default": "speedup vs TRL default x", "trl-sleep": "speedup vs TRL sleep x",
-                 "openrlhf-nosleep": "speedup vs OpenRLHF nosleep x", "openrlhf-sleep": "speedup vs OpenRLHF sleep x"}),
+        "357m",
+        "357M, 8 prompts x 8, <= 128 new tokens, TRL-matched: no reference, ZeRO-1, one micro-batch of 64",
+        ours=("--kl", "0", "--zero_stage", "1", "--micro", "64"),
+        trl=(),
+        openrlhf_setup="matched",
+        metrics={
+            "trl-default": "speedup vs TRL default x",
+            "trl-sleep": "speedup vs TRL sleep x",
+            "openrlhf-nosleep": "speedup vs OpenRLHF nosleep x",
+            "openrlhf-sleep": "speedup vs OpenRLHF sleep x",
+        },
+    ),
     # the issue's set-up on our side (ZeRO-3 actor + reference, KL 0.001, micro-batches of 32); TRL at its own
     "357m-zero3ref": Workload(
-        "357m", "357M, 8 prompts x 8, <= 128 new tokens; ours ZeRO-3 + reference (KL 0.001), micro-batches of 32; "
+        "357m",
+        "357M, 8 prompts x 8, <= 128 new tokens; ours ZeRO-3 + reference (KL 0.001), micro-batches of 32; "
         "TRL at its own set-up (no reference)",
-        ours=(), trl=(), openrlhf_setup="zero3ref",
-        metrics={"trl-default": "speedup vs TRL ZeRO-3+ref default x", "trl-sleep": "speedup vs TRL ZeRO-3+ref sleep x",
-                 "openrlhf-nosleep": "speedup vs OpenRLHF zero3ref nosleep x",
-                 "openrlhf-sleep": "speedup vs OpenRLHF zero3ref sleep x"}),
+        ours=(),
+        trl=(),
+        openrlhf_setup="zero3ref",
+        metrics={
+            "trl-default": "speedup vs TRL ZeRO-3+ref default x",
+            "trl-sleep": "speedup vs TRL ZeRO-3+ref sleep x",
+            "openrlhf-nosleep": "speedup vs OpenRLHF zero3ref nosleep x",
+            "openrlhf-sleep": "speedup vs OpenRLHF zero3ref sleep x",
+        },
+    ),
     "1.5b": Workload(
-        "1.5b", "1.3B Qwen2-1.5B-shaped, 32 prompts x 8, 256-token prompts, <= 1024 new tokens, no reference, "
+        "1.5b",
+        "1.3B Qwen2-1.5B-shaped, 32 prompts x 8, 256-token prompts, <= 1024 new tokens, no reference, "
         "ZeRO-1, micro-batches of 8, gradient checkpointing, vLLM at 0.3 of the GPU",
         ours=("--kl", "0", "--zero_stage", "1", "--micro", "8", "--gpu_util", "0.3"),
         trl=("--prompts", "32", "--max_new", "1024", "--micro", "8", "--ckpt", "--gpu_util", "0.3"),
         openrlhf_setup="matched",
-        metrics={"trl-default": "speedup vs TRL 1.5B default x", "trl-sleep": "speedup vs TRL 1.5B sleep x",
-                 "openrlhf-nosleep": "speedup vs OpenRLHF 1.5B nosleep x",
-                 "openrlhf-sleep": "speedup vs OpenRLHF 1.5B sleep x"}),
+        metrics={
+            "trl-default": "speedup vs TRL 1.5B default x",
+            "trl-sleep": "speedup vs TRL 1.5B sleep x",
+            "openrlhf-nosleep": "speedup vs OpenRLHF 1.5B nosleep x",
+            "openrlhf-sleep": "speedup vs OpenRLHF 1.5B sleep x",
+        },
+    ),
 }
 
 
@@ -115,24 +148,59 @@ def turn_order(sides: list[str], turns: int) -> list[list[str]]:
 
 # ---- the sides' commands -------------------------------------------------------------------------------------------
 
+
 def side_command(side: str, turn: int, args, scripts: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The command of ``side`` in ``turn`` (1-based) and what it adds to the environment."""
     wl = WORKLOADS[args.workload]
     script = scripts.get(program(side)) or os.path.join(HERE, PROGRAMS[program(side)])
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     if side == "ours":
-        cmd = [sys.executable, script, "--algo", "grpo", "--size", wl.size, *common, "--workdir", args.workdir,
-               "--tag", our_tag(args.workload, turn), "--backend", args.backend, *wl.ours]
+        cmd = [
+            sys.executable,
+            script,
+            "--algo",
+            "grpo",
+            "--size",
+            wl.size,
+            *common,
+            "--workdir",
+            args.workdir,
+            "--tag",
+            our_tag(args.workload, turn),
+            "--backend",
+            args.backend,
+            *wl.ours,
+        ]
         return cmd + (["--small"] if args.small else []), {}
     if program(side) == "trl":
         cmd = [sys.executable, script, os.path.join(args.workdir, "model"), "vllm", *common, *wl.trl]
         # one process of torch.distributed's env:// world (what `accelerate launch` would set)
-        env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port())}
+        env = {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }
         return cmd + (["--sleep"] if side == "trl-sleep" else []), env
     # OpenRLHF stops itself inside our limit (its log then still gives the steps it made) and gets 30 s to save
-    cmd = [sys.executable, script, "--size", wl.size, "--setup", wl.openrlhf_setup, *common, "--workdir", args.workdir,
-           "--site", args.openrlhf_site, "--timeout", str(max(60, args.run_timeout - 60)), "--grace", "30"]
+    cmd = [
+        sys.executable,
+        script,
+        "--size",
+        wl.size,
+        "--setup",
+        wl.openrlhf_setup,
+        *common,
+        "--workdir",
+        args.workdir,
+        "--site",
+        args.openrlhf_site,
+        "--timeout",
+        str(max(60, args.run_timeout - 60)),
+        "--grace",
+        "30",
+    ]
     return cmd + (["--no_sleep"] if side == "openrlhf-nosleep" else []), {}
 
 
@@ -141,6 +209,7 @@ def our_tag(workload: str, turn: int) -> str:
 
 
 # ---- running one side ----------------------------------------------------------------------------------------------
+
 
 def run_side(cmd: list[str], env: dict, log_path: str, timeout: float) -> dict:
     """``cmd`` in a process group of its own, its output to ``log_path``; stopped at ``timeout``; whatever it left
@@ -168,8 +237,12 @@ def run_side(cmd: list[str], env: dict, log_path: str, timeout: float) -> dict:
 def gpu_used_mib() -> int | None:
     """Memory in use on the machine's GPUs (all processes), or None without nvidia-smi."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     values = [int(v) for v in out.split() if v.strip().isdigit()]
@@ -189,14 +262,21 @@ def wait_gpu_quiet(limit_mib: int = 2000, wait_s: float = 60) -> int | None:
 
 # ---- reading one side ----------------------------------------------------------------------------------------------
 
+
 def measurement(steady: list[float], error: str | None = None, **info) -> dict:
     """A side's figure from its steady step times (after the warm-up, on the one clock): the median, or an error."""
     steady = [float(s) for s in steady]
     if error is None and len(steady) < MIN_MEASURED_STEPS:
-        error = (f"{len(steady)} measured step(s) after the warm-up: the clock needs >= {MIN_MEASURED_STEPS} "
-                 "(raise --steps)")
-    return {"ok": error is None, "median_s": statistics.median(steady) if error is None else None,
-            "steady_s": steady, "error": error, **info}
+        error = (
+            f"{len(steady)} measured step(s) after the warm-up: the clock needs >= {MIN_MEASURED_STEPS} (raise --steps)"
+        )
+    return {
+        "ok": error is None,
+        "median_s": statistics.median(steady) if error is None else None,
+        "steady_s": steady,
+        "error": error,
+        **info,
+    }
 
 
 def _log_lines(log_path: str) -> list[str]:
@@ -212,7 +292,7 @@ def _why(run: dict, lines: list[str]) -> str:
     if run.get("stopped") == "timeout":
         return "stopped at its time limit (--run_timeout)"
     errors = failure(lines)["error_lines"]
-    last = errors[-1].strip() if errors else next((l.strip() for l in reversed(lines) if l.strip()), "no output")
+    last = errors[-1].strip() if errors else next((ln.strip() for ln in reversed(lines) if ln.strip()), "no output")
     return f"exit {run.get('rc')}: {last[:300]}"
 
 
@@ -236,7 +316,7 @@ def read_ours(side_dir: str, run: dict, warmup: int) -> dict:
 def read_trl(side_dir: str, run: dict, warmup: int) -> dict:
     """trl_grpo_peer.py's ``RESULT {json}`` line: its steady step times (step-end callback, same warm-up)."""
     lines = _log_lines(run["log"])
-    results = [l.split("RESULT ", 1)[1] for l in lines if l.startswith("RESULT ")]
+    results = [ln.split("RESULT ", 1)[1] for ln in lines if ln.startswith("RESULT ")]
     if not results:
         return measurement([], error=f"no RESULT line: {_why(run, lines)}")
     res = json.loads(results[-1])
@@ -266,6 +346,7 @@ READERS = {"ours": read_ours, "trl": read_trl, "openrlhf": read_openrlhf}
 
 # ---- the rows ------------------------------------------------------------------------------------------------------
 
+
 def ratio_rows(data: dict) -> tuple[list[Row], list[str]]:
     """One row per peer from the run's JSON: the median of its turns' ratios (>= MIN_TURNS), ``failed`` when the
     peer failed and too few ratios are left, else printed only. Returns ``(rows, problems)``."""
@@ -279,36 +360,54 @@ def ratio_rows(data: dict) -> tuple[list[Row], list[str]]:
         metric, label = wl.metrics[peer], LABELS[peer]
         ran = [t for t in turns if (t, peer) in by]
         failed = [t for t in ran if not by[(t, peer)]["ok"]]
-        pairs = [(by[(t, peer)]["median_s"], by[(t, "ours")]["median_s"]) for t in ran
-                 if t in ours_ok and by[(t, peer)]["ok"]]
+        pairs = [
+            (by[(t, peer)]["median_s"], by[(t, "ours")]["median_s"])
+            for t in ran
+            if t in ours_ok and by[(t, peer)]["ok"]
+        ]
         ratios = [p / o for p, o in pairs]
         notes = []
         if failed:
-            notes.append(f"{label} failed in {len(failed)} of {len(ran)} turns: "
-                         f"{_cell(by[(failed[0], peer)]['error'])}")
+            notes.append(
+                f"{label} failed in {len(failed)} of {len(ran)} turns: {_cell(by[(failed[0], peer)]['error'])}"
+            )
         if ours_failed:
-            notes.append(f"ours failed in {len(ours_failed)} of {len(turns)} turns: "
-                         f"{_cell(by[(ours_failed[0], 'ours')]['error'])}")
+            notes.append(
+                f"ours failed in {len(ours_failed)} of {len(turns)} turns: "
+                f"{_cell(by[(ours_failed[0], 'ours')]['error'])}"
+            )
         versions = sorted({str(by[(t, peer)].get("version")) for t in ran if by[(t, peer)].get("version")})
-        context = (f"{wl.what}; {label}{' ' + '/'.join(versions) if versions else ''}; one clock: wall time between "
-                   f"step ends, {data['warmup']} warm-up dropped, {data['steps'] - data['warmup']} measured steps "
-                   f"asked of each side; same model folder; order alternated ABC/CBA over turns")
+        context = (
+            f"{wl.what}; {label}{' ' + '/'.join(versions) if versions else ''}; one clock: wall time between "
+            f"step ends, {data['warmup']} warm-up dropped, {data['steps'] - data['warmup']} measured steps "
+            f"asked of each side; same model folder; order alternated ABC/CBA over turns"
+        )
         if len(ratios) >= MIN_TURNS:
             peer_s, ours_s = statistics.median(p for p, _ in pairs), statistics.median(o for _, o in pairs)
-            unit = (f"x ({min(ratios):.3f}-{max(ratios):.3f} min-max over {len(ratios)} turns, {label} {peer_s:.3f} s "
-                    f"/ ours {ours_s:.3f} s medians; " + "; ".join(notes + [context]) + ")")
+            unit = (
+                f"x ({min(ratios):.3f}-{max(ratios):.3f} min-max over {len(ratios)} turns, {label} {peer_s:.3f} s "
+                f"/ ours {ours_s:.3f} s medians; " + "; ".join([*notes, context]) + ")"
+            )
             rows.append(Row(metric, statistics.median(ratios), unit))
             problems += [f"{metric}: {n}" for n in notes]
             continue
         left = f"{len(ratios)} ratio(s) left" + (": " + ", ".join(f"{r:.3f}" for r in ratios) if ratios else "")
         if failed:  # the peer's failure is the result: recorded as such, never a figure from fewer turns
-            rows.append(Row(metric, "failed", f"x ({'; '.join(notes)}; {left}, a figure needs >= {MIN_TURNS}; "
-                                               f"{context})"))
+            rows.append(
+                Row(metric, "failed", f"x ({'; '.join(notes)}; {left}, a figure needs >= {MIN_TURNS}; {context})")
+            )
             problems.append(f"{metric}: {label} failed ({len(failed)} of {len(ran)} turns)")
         else:
             value = statistics.median(ratios) if ratios else float("nan")
-            rows.append(Row(metric, value, f"x ({left} of {len(turns)} turn(s): a row needs >= {MIN_TURNS} same-call "
-                                           f"ratios" + "".join(f"; {n}" for n in notes) + ")", record=False))
+            rows.append(
+                Row(
+                    metric,
+                    value,
+                    f"x ({left} of {len(turns)} turn(s): a row needs >= {MIN_TURNS} same-call "
+                    f"ratios" + "".join(f"; {n}" for n in notes) + ")",
+                    record=False,
+                )
+            )
             problems.append(f"{metric}: {left}, a row needs >= {MIN_TURNS}" + "".join(f"; {n}" for n in notes))
     return rows, problems
 
@@ -323,16 +422,20 @@ def print_turns(data: dict) -> None:
     for r in data["runs"]:
         median = f"{r['median_s']:.3f}" if r["ok"] else "-"
         note = r["error"] or (f"partial: {r['partial']}" if r.get("partial") else "")
-        print(f"{r['turn']:>4}  {r['position']:>2}  {r['side']:<17} {median:>9} {len(r['steady_s']):>5}  "
-              f"{r['wall_s']:.0f} s{'; ' + note if note else ''}")
+        print(
+            f"{r['turn']:>4}  {r['position']:>2}  {r['side']:<17} {median:>9} {len(r['steady_s']):>5}  "
+            f"{r['wall_s']:.0f} s{'; ' + note if note else ''}"
+        )
 
 
 def report(data: dict, record: bool, device: str | None = None) -> int:
     """Print the turns and the rows of a run's JSON; append the recordable rows when asked (and allowed)."""
     print_turns(data)
     rows, problems = ratio_rows(data)
-    print_table(f"peer ratios, {data['workload']} ({len(sorted({r['turn'] for r in data['runs']}))} turn(s), "
-                f"{data['device']})", rows)
+    print_table(
+        f"peer ratios, {data['workload']} ({len(sorted({r['turn'] for r in data['runs']}))} turn(s), {data['device']})",
+        rows,
+    )
     for p in problems:
         print("NOTE:", p)
     if record:
@@ -346,28 +449,45 @@ def report(data: dict, record: bool, device: str | None = None) -> int:
 
 # ---- the run -------------------------------------------------------------------------------------------------------
 
+
 def parse(argv: list[str]):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="357m-matched")
     ap.add_argument("--turns", type=int, default=MIN_TURNS, help=f"turns in this call (rows need >= {MIN_TURNS})")
-    ap.add_argument("--peers", nargs="+", choices=PEERS, default=None,
-                    help="the peers to run (default: trl-default trl-sleep; with --openrlhf also openrlhf-nosleep "
-                         "openrlhf-sleep)")
+    ap.add_argument(
+        "--peers",
+        nargs="+",
+        choices=PEERS,
+        default=None,
+        help="the peers to run (default: trl-default trl-sleep; with --openrlhf also openrlhf-nosleep openrlhf-sleep)",
+    )
     ap.add_argument("--openrlhf", action="store_true", help="OpenRLHF without and with sleep among the default peers")
     ap.add_argument("--openrlhf_site", default="/tmp/site-orl", help="where OpenRLHF is installed (openrlhf_peer.py)")
     ap.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="steps dropped on every side")
-    ap.add_argument("--steps", type=int, default=None,
-                    help=f"steps of every side (default: warm-up + {MIN_MEASURED_STEPS + 1})")
+    ap.add_argument(
+        "--steps", type=int, default=None, help=f"steps of every side (default: warm-up + {MIN_MEASURED_STEPS + 1})"
+    )
     ap.add_argument("--run_timeout", type=float, default=900, help="seconds one side may run before it is stopped")
-    ap.add_argument("--workdir", default=None,
-                    help="the model folder's parent (default /tmp/peer at 357m, /tmp/peer-<size>, with --small "
-                         "/tmp/peer-small-<size>), built first if missing")
-    ap.add_argument("--out", default=None, help="the run's JSON and logs (default /tmp/peer_ratio/<workload>; "
-                                                "its earlier turn folders are replaced)")
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="the model folder's parent (default /tmp/peer at 357m, /tmp/peer-<size>, with --small "
+        "/tmp/peer-small-<size>), built first if missing",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="the run's JSON and logs (default /tmp/peer_ratio/<workload>; its earlier turn folders are replaced)",
+    )
     ap.add_argument("--backend", default="vllm", help="our engine (vllm; hf with --small: a CPU check, not recorded)")
     ap.add_argument("--small", action="store_true", help="a 2-layer model of the workload's shape (not recorded)")
-    ap.add_argument("--script", action="append", default=[], metavar="PROGRAM=PATH",
-                    help="a stand-in with the same arguments for ours / trl / openrlhf (a CPU check, not recorded)")
+    ap.add_argument(
+        "--script",
+        action="append",
+        default=[],
+        metavar="PROGRAM=PATH",
+        help="a stand-in with the same arguments for ours / trl / openrlhf (a CPU check, not recorded)",
+    )
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md (or $BENCH_RESULTS)")
     ap.add_argument("--dry", action="store_true", help="print every turn's commands; build and run nothing")
     args = ap.parse_args(argv)
@@ -375,9 +495,11 @@ def parse(argv: list[str]):
         ap.error("--warmup must be >= 1: the first step has no start on the step-end clock (bench/_common.py)")
     args.steps = args.steps if args.steps is not None else args.warmup + MIN_MEASURED_STEPS + 1
     if args.steps < args.warmup + MIN_MEASURED_STEPS:
-        ap.error(f"--steps {args.steps} leaves {args.steps - args.warmup} measured step(s) after --warmup "
-                 f"{args.warmup}: the clock needs >= {MIN_MEASURED_STEPS} "
-                 f"(--steps >= {args.warmup + MIN_MEASURED_STEPS})")
+        ap.error(
+            f"--steps {args.steps} leaves {args.steps - args.warmup} measured step(s) after --warmup "
+            f"{args.warmup}: the clock needs >= {MIN_MEASURED_STEPS} "
+            f"(--steps >= {args.warmup + MIN_MEASURED_STEPS})"
+        )
     if args.turns < 1:
         ap.error("--turns must be >= 1")
     if args.peers is not None and args.openrlhf:
@@ -391,8 +513,9 @@ def parse(argv: list[str]):
             ap.error(f"--script {item!r}: give PROGRAM=PATH with PROGRAM one of {', '.join(PROGRAMS)}")
         args.scripts[name] = os.path.abspath(path)
     size = WORKLOADS[args.workload].size
-    args.workdir = args.workdir or (f"/tmp/peer-small-{size}" if args.small else
-                                    "/tmp/peer" if size == "357m" else f"/tmp/peer-{size}")
+    args.workdir = args.workdir or (
+        f"/tmp/peer-small-{size}" if args.small else "/tmp/peer" if size == "357m" else f"/tmp/peer-{size}"
+    )
     args.out = args.out or os.path.join("/tmp/peer_ratio", args.workload)
     why = []
     if args.record and args.turns < MIN_TURNS:
@@ -413,14 +536,18 @@ def check_installed(args, ap) -> None:
     """Refuse to start a long run whose peers cannot import (a stand-in of a program needs nothing)."""
     programs = {program(s) for s in args.sides} - {"ours"} - set(args.scripts)
     if "trl" in programs and installed_version("trl", os.environ) is None:
-        ap.error("TRL is not importable here (pip install trl; on a lent GPU bench/sessions/residency_session.sh stage "
-                 "carries it), or run without the TRL peers (--peers openrlhf-...)")
+        ap.error(
+            "TRL is not importable here (pip install trl; on a lent GPU bench/sessions/residency_session.sh stage "
+            "carries it), or run without the TRL peers (--peers openrlhf-...)"
+        )
     if "openrlhf" in programs:
         from openrlhf_peer import environment
 
         if installed_version("openrlhf", environment(args.openrlhf_site)) is None:
-            ap.error(f"OpenRLHF is not installed in --openrlhf_site {args.openrlhf_site} "
-                     "(bench/sessions/openrlhf_session.sh stage), or run without the OpenRLHF peers")
+            ap.error(
+                f"OpenRLHF is not installed in --openrlhf_site {args.openrlhf_site} "
+                "(bench/sessions/openrlhf_session.sh stage), or run without the OpenRLHF peers"
+            )
 
 
 def build_workload(args) -> None:
@@ -437,11 +564,22 @@ def build_workload(args) -> None:
 
 def run(args) -> dict:
     order = turn_order(args.sides, args.turns)
-    data = {"workload": args.workload, "what": WORKLOADS[args.workload].what, "sides": args.sides,
-            "turns": args.turns, "steps": args.steps, "warmup": args.warmup, "order": order, "runs": [],
-            "device": gpu_name(), "command": shlex.join(["python", os.path.relpath(__file__, ROOT), *args.argv]),
-            "recordable": args.why_not_recordable is None, "why_not_recordable": args.why_not_recordable,
-            "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "workdir": args.workdir}
+    data = {
+        "workload": args.workload,
+        "what": WORKLOADS[args.workload].what,
+        "sides": args.sides,
+        "turns": args.turns,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "order": order,
+        "runs": [],
+        "device": gpu_name(),
+        "command": shlex.join(["python", os.path.relpath(__file__, ROOT), *args.argv]),
+        "recordable": args.why_not_recordable is None,
+        "why_not_recordable": args.why_not_recordable,
+        "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "workdir": args.workdir,
+    }
     if data["device"] == "cpu" and data["recordable"]:
         data.update(recordable=False, why_not_recordable="no GPU (nvidia-smi) on the machine that ran it")
     os.makedirs(args.out, exist_ok=True)
@@ -456,9 +594,15 @@ def run(args) -> dict:
             cmd, extra_env = side_command(side, turn, args, args.scripts)
             if side == "ours":  # a fresh run folder: its metrics.jsonl must hold this run's steps only
                 shutil.rmtree(_our_save(args, turn), ignore_errors=True)
-            entry = {"turn": turn, "position": position, "side": side, "command": shlex.join(cmd),
-                     "log": os.path.join(side_dir, "log.txt"), "gpu_mib_before": wait_gpu_quiet(),
-                     "load_before": _load()}
+            entry = {
+                "turn": turn,
+                "position": position,
+                "side": side,
+                "command": shlex.join(cmd),
+                "log": os.path.join(side_dir, "log.txt"),
+                "gpu_mib_before": wait_gpu_quiet(),
+                "load_before": _load(),
+            }
             entry.update(run_side(cmd, {**os.environ, **extra_env, "OUT": side_dir}, entry["log"], args.run_timeout))
             entry.update(READERS[program(side)](side_dir, entry, args.warmup))
             if side == "ours":
@@ -466,8 +610,11 @@ def run(args) -> dict:
             data["runs"].append(entry)
             with open(json_path, "w") as f:
                 json.dump(data, f, indent=1)
-            what = (f"{entry['median_s']:.3f} s/step (median of {len(entry['steady_s'])})" if entry["ok"]
-                    else f"FAILED: {entry['error']}")
+            what = (
+                f"{entry['median_s']:.3f} s/step (median of {len(entry['steady_s'])})"
+                if entry["ok"]
+                else f"FAILED: {entry['error']}"
+            )
             print(f"  [{position}] {side:<17} {what}  ({entry['wall_s']:.0f} s, log {entry['log']})", flush=True)
     data["json"] = json_path
     return data
@@ -475,8 +622,9 @@ def run(args) -> dict:
 
 def _our_save(args, turn: int) -> str:
     """e2e_gpu.py's run folder for our tag (its naming: <algo>-<size>-colocated-<tag>)."""
-    return os.path.join(args.workdir, "runs",
-                        f"grpo-{WORKLOADS[args.workload].size}-colocated-{our_tag(args.workload, turn)}")
+    return os.path.join(
+        args.workdir, "runs", f"grpo-{WORKLOADS[args.workload].size}-colocated-{our_tag(args.workload, turn)}"
+    )
 
 
 def _keep_our_run(args, turn: int, side_dir: str) -> None:

@@ -33,8 +33,15 @@ SHAPES = {
 }
 
 
-def build(root: str, *, size: str = "357m", layers: int | None = None, hidden: int | None = None,
-          seed: int = 0, prompts: int = 256) -> tuple[str, str]:
+def build(
+    root: str,
+    *,
+    size: str = "357m",
+    layers: int | None = None,
+    hidden: int | None = None,
+    seed: int = 0,
+    prompts: int = 256,
+) -> tuple[str, str]:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -49,11 +56,21 @@ def build(root: str, *, size: str = "357m", layers: int | None = None, hidden: i
         n_layers, width, heads, kv_heads, inter, prompt_len, tied = SHAPES[size]
         if hidden is not None:  # a small variant of the shape (CPU checks of the scripts)
             width, inter, heads, kv_heads = hidden, hidden * 54 // 10, 14 if hidden % 14 == 0 else 4, 2
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=inter,
-                          num_hidden_layers=layers or n_layers, num_attention_heads=heads,
-                          num_key_value_heads=kv_heads, max_position_embeddings=4096 if size != "357m" else 1024,
-                          pad_token_id=VOCAB - 2, eos_token_id=VOCAB - 1, bos_token_id=None, tie_word_embeddings=tied,
-                          rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+        cfg = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=width,
+            intermediate_size=inter,
+            num_hidden_layers=layers or n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=4096 if size != "357m" else 1024,
+            pad_token_id=VOCAB - 2,
+            eos_token_id=VOCAB - 1,
+            bos_token_id=None,
+            tie_word_embeddings=tied,
+            rope_theta=1_000_000.0,
+            rms_norm_eps=1e-6,
+        )
         torch.manual_seed(seed)
         # Built on the CPU, in bf16: a GPU build in the background would take memory from the runs beside it
         # (vLLM's start-up profiling refuses to start when other processes' GPU memory changes under it).
@@ -74,7 +91,9 @@ def build(root: str, *, size: str = "357m", layers: int | None = None, hidden: i
         prompt_len = SHAPES[size][5]
         with open(data, "w") as f:
             for _ in range(prompts):
-                f.write(json.dumps({"prompt": " ".join(f"t{rng.randrange(VOCAB - 3)}" for _ in range(prompt_len))}) + "\n")
+                f.write(
+                    json.dumps({"prompt": " ".join(f"t{rng.randrange(VOCAB - 3)}" for _ in range(prompt_len))}) + "\n"
+                )
     return model_dir, data
 
 

@@ -47,11 +47,19 @@ class Figure:
 
 FIGURES = (
     # Against the peers, as first measured (TRL / OpenRLHF with their engines asleep; see the fair-protocol rows below).
-    Figure("`hybrid grpo` 357M, vLLM, one GPU, TRL's set-up, vs TRL 1.16 (vLLM colocate + sleep)",
-           "speedup vs TRL x", "x", ">= 1.5"),
+    Figure(
+        "`hybrid grpo` 357M, vLLM, one GPU, TRL's set-up, vs TRL 1.16 (vLLM colocate + sleep)",
+        "speedup vs TRL x",
+        "x",
+        ">= 1.5",
+    ),
     Figure("the same with ZeRO-3 requested + a reference model", "speedup vs TRL ZeRO-3+ref x", "x", ">= 1.2"),
-    Figure("~1.5B Qwen2-shaped, 32 prompts x 8, <= 1024 new tokens, one GPU, vs TRL", "speedup vs TRL 1.5B x", "x",
-           ">= 1.3"),
+    Figure(
+        "~1.5B Qwen2-shaped, 32 prompts x 8, <= 1024 new tokens, one GPU, vs TRL",
+        "speedup vs TRL 1.5B x",
+        "x",
+        ">= 1.3",
+    ),
     Figure("~7B + reference + vLLM on one 80 GB GPU, ours", "grpo step s 7B auto", "s/step"),
     Figure("~7B, TRL on the same folder and batch (bf16 weights and AdamW state)", "TRL grpo step s 7B", "s/step"),
     Figure("OpenRLHF 0.11.2 on the same GPU and folder, 357M (both sleeping)", "speedup vs OpenRLHF x", "x", ">= 1.5"),
@@ -71,10 +79,20 @@ FIGURES = (
     Figure("residency plan vs nvidia-smi on 4 GPUs, worst phase", "residency peak error 4gpu %", "%", "<= 10"),
     # One GPU, the parts.
     Figure("residency plan vs nvidia-smi on one GPU, worst phase", "residency peak error %", "%", "<= 10"),
-    Figure("generation through our engine actor vs `vllm.LLM.generate` alone, without log-probs",
-           "generate overhead vs vLLM alone %", "%", "<= 5", variant="no log-probs on either side"),
-    Figure("the same, with the sampled tokens' log-probs on both sides", "generate overhead vs vLLM alone %", "%",
-           "<= 5", variant="with the sampled tokens' log-probs"),
+    Figure(
+        "generation through our engine actor vs `vllm.LLM.generate` alone, without log-probs",
+        "generate overhead vs vLLM alone %",
+        "%",
+        "<= 5",
+        variant="no log-probs on either side",
+    ),
+    Figure(
+        "the same, with the sampled tokens' log-probs on both sides",
+        "generate overhead vs vLLM alone %",
+        "%",
+        "<= 5",
+        variant="with the sampled tokens' log-probs",
+    ),
     Figure("sleep + wake + sync share of the 1.5B step", "sleep+wake+sync share 1.5B %", "%", "<= 10"),
     Figure("offload of a role's state (pinned, flat per-dtype buffers)", "offload GB/s", "GB/s"),
     Figure("reload of a role's state", "reload GB/s", "GB/s"),
@@ -133,8 +151,10 @@ def _meets(value: float, goal: str) -> str:
 
 
 def render(rows: list[Result]) -> str:
-    out = ["| what | figure (median of the latest date's rows) | rows | goal | device, date |",
-           "| --- | --- | --- | --- | --- |"]
+    out = [
+        "| what | figure (median of the latest date's rows) | rows | goal | device, date |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for fig in FIGURES:
         got = latest(rows, fig.metric, fig.variant)
         if not got:
@@ -144,14 +164,18 @@ def render(rows: list[Result]) -> str:
         failed = len(got) - len(values)
         devices = ", ".join(sorted({_short_device(r.device) for r in got}))
         if not values:
-            out.append(f"| {fig.what} | **failed** ({got[-1].unit}) | {len(got)} | {fig.goal}: no figure | "
-                       f"{devices}, {got[0].date} |")
+            out.append(
+                f"| {fig.what} | **failed** ({got[-1].unit}) | {len(got)} | {fig.goal}: no figure | "
+                f"{devices}, {got[0].date} |"
+            )
             continue
         median = statistics.median(values)
         spread = f" (range {_number(min(values))}-{_number(max(values))})" if len(values) > 1 else ""
         spread += f", {failed} failed" if failed else ""
-        out.append(f"| {fig.what} | **{_number(median)} {fig.unit}**{spread} | {len(got)} | "
-                   f"{_meets(median, fig.goal)} | {devices}, {got[0].date} |")
+        out.append(
+            f"| {fig.what} | **{_number(median)} {fig.unit}**{spread} | {len(got)} | "
+            f"{_meets(median, fig.goal)} | {devices}, {got[0].date} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -174,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     wanted = splice(readme, table)
     if args.check:
         if wanted != readme:
-            print("README.md's measured table differs from bench/RESULTS.md: run python bench/readme_figures.py --write",
-                  file=sys.stderr)
+            print(
+                "README.md's measured table differs from bench/RESULTS.md: run python bench/readme_figures.py --write",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if args.write:

@@ -31,8 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Row, append_results, device_label, print_table
 
 for _pkg in ("hybrid-core", "hybrid-engines", "hybrid-algos"):  # a plain checkout (no editable install)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "packages", _pkg,
-                                    "src"))
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "packages", _pkg, "src")
+    )
 
 #: name -> (hidden, layers, intermediate, heads, kv heads, vocabulary, tied embeddings)
 SHAPES = {
@@ -47,9 +48,16 @@ def model_config(shape: str, max_len: int):
     from transformers import LlamaConfig
 
     hidden, layers, inter, heads, kv, vocab, tied = SHAPES[shape]
-    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
-                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
-                       tie_word_embeddings=tied, max_position_embeddings=max(max_len, 128))
+    return LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        max_position_embeddings=max(max_len, 128),
+    )
 
 
 def predicted_bytes(folder: str, args, gpu_bytes: float) -> tuple[float, dict[str, float]]:
@@ -57,13 +65,30 @@ def predicted_bytes(folder: str, args, gpu_bytes: float) -> tuple[float, dict[st
     from hybrid_algos.train import CONFIGS
     from hybrid_algos.train.placement import build_plan, build_residency
 
-    config = CONFIGS["ppo"](pretrain=folder, reward_fn="bench_reward:none", init_kl_coef=0.001, bf16=True,
-                            flash_attn=args.flash_attn, micro_rollout_batch_size=args.micro,
-                            micro_train_batch_size=args.micro, train_batch_size=args.micro, rollout_batch_size=args.micro,
-                            n_samples_per_prompt=1, prompt_max_len=args.prompt_len,
-                            generate_max_len=args.response_len, backend="hf", residency="all-sleep")
-    plan, _ = build_residency(config, build_plan(config), folder, prompt_len=args.prompt_len,
-                              generate_len=args.response_len, gpu_bytes=gpu_bytes)
+    config = CONFIGS["ppo"](
+        pretrain=folder,
+        reward_fn="bench_reward:none",
+        init_kl_coef=0.001,
+        bf16=True,
+        flash_attn=args.flash_attn,
+        micro_rollout_batch_size=args.micro,
+        micro_train_batch_size=args.micro,
+        train_batch_size=args.micro,
+        rollout_batch_size=args.micro,
+        n_samples_per_prompt=1,
+        prompt_max_len=args.prompt_len,
+        generate_max_len=args.response_len,
+        backend="hf",
+        residency="all-sleep",
+    )
+    plan, _ = build_residency(
+        config,
+        build_plan(config),
+        folder,
+        prompt_len=args.prompt_len,
+        generate_len=args.response_len,
+        gpu_bytes=gpu_bytes,
+    )
     items = {item: v for (role, item), v in plan.breakdown(0, "reference").items() if role == "reference"}
     return sum(items.values()), items
 
@@ -89,8 +114,9 @@ def measure(model_cfg, args, device) -> tuple[float, float]:
     else:
         before = 0
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(model_cfg, dtype=torch.bfloat16,
-                                                 attn_implementation=attn_implementation(Flags))
+        model = AutoModelForCausalLM.from_config(
+            model_cfg, dtype=torch.bfloat16, attn_implementation=attn_implementation(Flags)
+        )
     model = install_token_scores(model.eval().requires_grad_(False))
     gen = torch.Generator().manual_seed(0)
     length = args.prompt_len + args.response_len
@@ -129,16 +155,26 @@ def main() -> int:
     predicted, items = predicted_bytes(folder, args, gpu_bytes)
     before, peak = measure(model_cfg, args, device)
     measured = before + peak
-    rows = [Row("reference phase peak GiB predicted", predicted / GiB,
-                f"GiB ({args.shape}, {args.micro} x ({args.prompt_len} + {args.response_len}) tokens, vocabulary "
-                f"{model_cfg.vocab_size}; " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in items.items()) + ")",
-                record=device.type == "cuda")]
+    rows = [
+        Row(
+            "reference phase peak GiB predicted",
+            predicted / GiB,
+            f"GiB ({args.shape}, {args.micro} x ({args.prompt_len} + {args.response_len}) tokens, vocabulary "
+            f"{model_cfg.vocab_size}; " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in items.items()) + ")",
+            record=device.type == "cuda",
+        )
+    ]
     if device.type == "cuda":
         error = 100 * (predicted - measured) / measured
-        rows += [Row("reference phase peak GiB measured", measured / GiB,
-                     f"GiB (context {before / GiB:.2f} + allocator peak {peak / GiB:.2f}; same shape; predicted "
-                     f"{error:+.1f} %)"),
-                 Row("reference phase peak error %", abs(error), "% |predicted - measured| / measured", record=False)]
+        rows += [
+            Row(
+                "reference phase peak GiB measured",
+                measured / GiB,
+                f"GiB (context {before / GiB:.2f} + allocator peak {peak / GiB:.2f}; same shape; predicted "
+                f"{error:+.1f} %)",
+            ),
+            Row("reference phase peak error %", abs(error), "% |predicted - measured| / measured", record=False),
+        ]
     print_table(f"reference phase at {args.prompt_len + args.response_len} tokens on {device_label(device)}", rows)
     out = os.environ.get("OUT")
     if out:

@@ -24,8 +24,14 @@ def main() -> int:
     from hybrid_engines.protocol import SamplingParams
     from hybrid_engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_util, enable_sleep_mode=True, dtype="bfloat16",
-                        seed=0, max_model_len=256)
+    engine = VLLMEngine(
+        args.model,
+        gpu_memory_utilization=args.gpu_util,
+        enable_sleep_mode=True,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=256,
+    )
     prompts = [[5 + i, 17, 3 * i + 1, 99] for i in range(8)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=32, n=1)
     before = [o[0].token_ids for o in engine.generate(prompts, greedy)]
@@ -48,13 +54,21 @@ def main() -> int:
         engine.release_kv_cache()
         engine.wake_up(["kv_cache"])
         cycles.append([o[0].token_ids for o in engine.generate(prompts, greedy)] == before)
-    result = {"kv_release_gib": (free1 - free0) / 2**30, "kv_release_reported_gib": released.bytes / 2**30,
-              "kv_release_s": release_s, "kv_reacquire_s": wake_s, "generate_refused_while_released": refused,
-              "greedy_identical_after_release": after == before, "cycles_identical": cycles}
+    result = {
+        "kv_release_gib": (free1 - free0) / 2**30,
+        "kv_release_reported_gib": released.bytes / 2**30,
+        "kv_release_s": release_s,
+        "kv_reacquire_s": wake_s,
+        "generate_refused_while_released": refused,
+        "greedy_identical_after_release": after == before,
+        "cycles_identical": cycles,
+    }
     engine.shutdown()
     print(json.dumps(result, indent=1))
-    print(f"\nvllm kv release GiB   {result['kv_release_gib']:.2f}\nvllm kv release s     {release_s:.4f}\n"
-          f"vllm kv reacquire s   {wake_s:.4f}\ngreedy identical      {after == before and all(cycles)}")
+    print(
+        f"\nvllm kv release GiB   {result['kv_release_gib']:.2f}\nvllm kv release s     {release_s:.4f}\n"
+        f"vllm kv reacquire s   {wake_s:.4f}\ngreedy identical      {after == before and all(cycles)}"
+    )
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "residency_gpu.json"), "w") as f:

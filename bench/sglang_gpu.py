@@ -12,7 +12,8 @@ teacher-forced by the updated model (``bench/engines_gpu.py``'s check, reused). 
 vLLM carry's path) generates greedily from the same model folder and prompts, and ``hybrid compare``'s agreement
 gives the per-token log-prob difference of the two engines.
 
-    export PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD/packages/hybrid-core/src:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-cli/src
+    export PYTHONPATH=/tmp/site-sglang:/tmp/site:$PWD/packages/hybrid-core/src
+    export PYTHONPATH=$PYTHONPATH:$PWD/packages/hybrid-engines/src:$PWD/packages/hybrid-cli/src
     python bench/sglang_gpu.py                # on the GPU machine; --record appends the rows to bench/RESULTS.md
     python bench/sglang_gpu.py --dry          # CPU: models, reference path, IPC payload round trip, compare, rows
     python bench/sglang_gpu.py --append-from sglang_gpu.json   # here, after a GPU run: its rows into RESULTS.md
@@ -52,10 +53,10 @@ UNITS = {  # first column of bench/RESULTS.md, as issue 19 names them
     "sglang weight update GB/s": "GB/s (colocated, CUDA-IPC flattened buckets -> update_weights_from_tensor)",
     "sglang weight update NCCL GB/s": "GB/s (SGLang's own group, GPU 0 -> GPU 1, flattened buckets)",
     "sglang greedy tokens argmax or near-tie after update %": "% of teacher-forced tokens that are the updated "
-                                                             "model's argmax or within 0.02 nats of it (worst update)",
+    "model's argmax or within 0.02 nats of it (worst update)",
     "sglang outputs identical after every sleep/wake cycle": "1 = yes (greedy, vs the first run; 0 = no)",
     "vllm vs sglang logprob diff mean": "nats per token (greedy, same prompts and weights, positions before the "
-                                        "first divergence)",
+    "first divergence)",
     "vllm vs sglang logprob diff max": "nats per token (as above)",
     "vllm vs sglang token agreement %": "% of generated positions before the first divergence",
 }
@@ -96,11 +97,13 @@ def sglang_nccl_trainer(conn, gpu: str, model_dir: str, dtype: str, bucket_bytes
 
         model = eg._trainer_model(gpu, model_dir, dtype)
         transport = SGLangTransport()
-        group = transport.join("127.0.0.1", port, 2, backend="nccl", timeout_s=300, device="cuda:0",
-                               group_name="hybrid-bench")
+        group = transport.join(
+            "127.0.0.1", port, 2, backend="nccl", timeout_s=300, device="cuda:0", group_name="hybrid-bench"
+        )
         while conn.recv() == "go":
-            conn.send(("done", transport.broadcast(group, model.named_parameters(), bucket_bytes=bucket_bytes)
-                       .as_dict()))
+            conn.send(
+                ("done", transport.broadcast(group, model.named_parameters(), bucket_bytes=bucket_bytes).as_dict())
+            )
         transport.close_group(group)
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -148,14 +151,30 @@ def vllm_outputs(model_dir: str, prompts, new_tokens: int, dtype: str, gpu_mem: 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp, "vllm.json")
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                            if p and "site-sglang" not in p)
-        cmd = [sys.executable, __file__, "--vllm-generate", str(out), "--model", model_dir, "--dtype", dtype,
-               "--new-tokens", str(new_tokens), "--gpu-mem", str(gpu_mem), "--prompts", json.dumps(prompts)]
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and "site-sglang" not in p
+        )
+        cmd = [
+            sys.executable,
+            __file__,
+            "--vllm-generate",
+            str(out),
+            "--model",
+            model_dir,
+            "--dtype",
+            dtype,
+            "--new-tokens",
+            str(new_tokens),
+            "--gpu-mem",
+            str(gpu_mem),
+            "--prompts",
+            json.dumps(prompts),
+        ]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
-            raise RuntimeError(f"vLLM subprocess failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n"
-                               f"{done.stderr[-3000:]}")
+            raise RuntimeError(
+                f"vLLM subprocess failed (rc {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
         return json.loads(out.read_text())
 
 
@@ -163,10 +182,17 @@ def vllm_generate(args) -> int:
     from hybrid_engines.protocol import SamplingParams
     from hybrid_engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(args.model, dtype=args.dtype, gpu_memory_utilization=args.gpu_mem, enforce_eager=True,
-                        max_model_len=1024, seed=0)
-    outs = eg.flatten(engine.generate(json.loads(args.prompts),
-                                      SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)))
+    engine = VLLMEngine(
+        args.model,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_mem,
+        enforce_eager=True,
+        max_model_len=1024,
+        seed=0,
+    )
+    outs = eg.flatten(
+        engine.generate(json.loads(args.prompts), SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens))
+    )
     engine.shutdown()
     Path(args.vllm_generate).write_text(json.dumps(outs))
     return 0
@@ -177,8 +203,12 @@ def compare_engines(a, b) -> dict:
     from hybrid_cli.compare import agreement
 
     res = agreement([x[0] for x in a], [y[0] for y in b], [x[1] for x in a], [y[1] for y in b])
-    return {"token_agreement": res.token_agreement, "identical_sequences": res.identical_sequences,
-            "mean_abs_logprob_diff": res.mean_abs_logprob_diff, "max_abs_logprob_diff": res.max_abs_logprob_diff}
+    return {
+        "token_agreement": res.token_agreement,
+        "identical_sequences": res.identical_sequences,
+        "mean_abs_logprob_diff": res.mean_abs_logprob_diff,
+        "max_abs_logprob_diff": res.max_abs_logprob_diff,
+    }
 
 
 # ---- the GPU run -------------------------------------------------------------------------------------------------
@@ -206,15 +236,23 @@ def run_gpu(args, run) -> None:
                 # float32: SGLang's Hopper default (FA3) takes 16-bit inputs only; its Triton kernels take float32
                 backend = args.attention_backend or ("triton" if dtype == "float32" else None)
                 extra = {"attention_backend": backend} if backend else {}
-                engine = SGLangEngine(dirs[0], dtype=dtype, gpu_memory_utilization=args.gpu_mem,
-                                      enforce_eager=args.enforce_eager, max_model_len=1024, seed=0,
-                                      deterministic=args.deterministic, **extra)
+                engine = SGLangEngine(
+                    dirs[0],
+                    dtype=dtype,
+                    gpu_memory_utilization=args.gpu_mem,
+                    enforce_eager=args.enforce_eager,
+                    max_model_len=1024,
+                    seed=0,
+                    deterministic=args.deterministic,
+                    **extra,
+                )
                 run.info["attention_backend"] = backend or "SGLang's default"
                 run.info.update(dtype=dtype, engine_start_s=round(time.perf_counter() - start, 2))
                 break
             except Exception as e:  # float32 refused: say so and go on in bfloat16
-                run.errors.append({"phase": f"engine start ({dtype})", "error": repr(e),
-                                   "traceback": traceback.format_exc()})
+                run.errors.append(
+                    {"phase": f"engine start ({dtype})", "error": repr(e), "traceback": traceback.format_exc()}
+                )
         import sglang
 
         run.info["sglang"] = sglang.__version__
@@ -230,7 +268,9 @@ def run_gpu(args, run) -> None:
         run.metrics["sglang sleep GiB left"] = max(run.info["gib_left_level1"])
         run.metrics["sglang wake weights s"] = median(run.info["wake_weights_s"])
         run.metrics["sglang wake kv_cache s"] = median(run.info["wake_kv_s"])
-        run.metrics["sglang wake s"] = median([a + b for a, b in zip(run.info["wake_weights_s"], run.info["wake_kv_s"])])
+        run.metrics["sglang wake s"] = median(
+            [a + b for a, b in zip(run.info["wake_weights_s"], run.info["wake_kv_s"])]
+        )
     with run.phase("sleep level 2"):
         engine.sleep(2)
         run.metrics["sglang sleep level 2 GiB left"] = used_gib()
@@ -284,8 +324,11 @@ def run_gpu(args, run) -> None:
     if same:
         run.metrics["sglang outputs identical after every sleep/wake cycle"] = int(all(same.values()))
     with run.phase("teacher-forced check (built-in model)"):
-        forced = {key: eg.teacher_forced(dirs[seed], prompts, outputs[key], dtype, "cuda")
-                  for key, seed in (("w0", 0), ("w1", 1), ("w2", 2)) if key in outputs}
+        forced = {
+            key: eg.teacher_forced(dirs[seed], prompts, outputs[key], dtype, "cuda")
+            for key, seed in (("w0", 0), ("w1", 1), ("w2", 2))
+            if key in outputs
+        }
         run.info["greedy_teacher_forced"] = forced
         updated = [f["argmax_or_tie_pct"] for k, f in forced.items() if k != "w0"]
         if updated:
@@ -338,8 +381,9 @@ def run_dry(args, run) -> None:
         payload = SGLangTransport().encode_ipc([bucket])
         obj = pickle.loads(payload.data[0])
         flat = obj["flattened_tensor"]
-        got.update({m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).clone()
-                    for m in obj["metadata"]})
+        got.update(
+            {m.name: flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape).clone() for m in obj["metadata"]}
+        )
 
     sender = IpcBucketSender(1 << 16, device="cpu")
     sender.send(model.named_parameters(), deliver=deliver, wait=lambda _: None)
@@ -363,14 +407,19 @@ def main(argv=None) -> int:
     # bfloat16: SGLang 0.5.16's rmsnorm kernel refuses float32, and a scheduler that fails makes SGLang SIGQUIT its
     # parent -- this process -- so there is no falling back from float32 within one run
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--gpu-mem", type=float, default=0.3, help="SGLang mem_fraction_static / vLLM gpu_memory_utilization")
+    p.add_argument(
+        "--gpu-mem", type=float, default=0.3, help="SGLang mem_fraction_static / vLLM gpu_memory_utilization"
+    )
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--cycles", type=int, default=2, help="level-1 sleep/wake cycles before the update")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--attention-backend", help="SGLang attention backend (default: triton in float32, else SGLang's)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="SGLang's deterministic inference (what the training loop uses for seeded sampling)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="SGLang's deterministic inference (what the training loop uses for seeded sampling)",
+    )
     p.add_argument("--workdir", default="/tmp/hybrid_sglang_gpu")
     p.add_argument("--append-from", help="append the rows of a finished GPU run's sglang_gpu.json to RESULTS.md, exit")
     p.add_argument("--vllm-generate", help=argparse.SUPPRESS)  # internal: the vLLM subprocess
@@ -393,13 +442,26 @@ def main(argv=None) -> int:
     rows = [Row(name, value, UNITS[name]) for name, value in run.metrics.items() if value is not None]
     if rows:
         print_table("sglang_gpu", rows)
-    print(json.dumps({"info": run.info, "errors": [e["phase"] + ": " + e["error"] for e in run.errors]}, indent=1,
-                     default=str))
+    print(
+        json.dumps(
+            {"info": run.info, "errors": [e["phase"] + ": " + e["error"] for e in run.errors]}, indent=1, default=str
+        )
+    )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], "sglang_gpu.json").write_text(json.dumps(
-            {"device": device, "argv": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
-             "metrics": run.metrics, "info": run.info, "errors": run.errors}, indent=1, default=str))
+        Path(os.environ["OUT"], "sglang_gpu.json").write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "argv": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
+                    "metrics": run.metrics,
+                    "info": run.info,
+                    "errors": run.errors,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     if args.record and not args.dry and rows:
         print(f"appended {append_results(rows, device)} rows to bench/RESULTS.md")
     return 1 if run.errors else 0

@@ -47,40 +47,153 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STAGE, CARRY = ".stage-sglang", ".carry-sglang"
 LIMIT = 60 * 2**20  # per part; a device call carries 64 MiB with the project tree
-PLATFORMS = ("manylinux_2_39_x86_64", "manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
-             "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")
-SGLANG = ["sglang==0.5.16", "sglang-kernel==0.4.5", "torch_memory_saver==0.0.10",
-          # the transformers 0.5.16 pins (the image's 5.17 breaks its import) and the tokenizers that one accepts
-          "transformers==5.12.1", "tokenizers==0.22.2",
-          # imported on the engine's start-up path, missing on the image
-          "ipython", "traitlets", "decorator", "jedi", "parso", "matplotlib-inline", "pexpect", "ptyprocess",
-          "prompt-toolkit", "wcwidth", "stack-data", "asttokens", "executing", "pure-eval", "pygments",
-          "mistral-common", "pycountry", "pydantic-extra-types", "einops", "opentelemetry-api", "importlib-metadata",
-          "zipp", "msgspec", "pyzmq", "orjson", "pybase64", "setproctitle", "uvloop", "fastapi", "starlette",
-          "uvicorn", "h11", "click", "python-multipart", "pydantic", "pydantic-core", "annotated-types",
-          "typing-inspection", "annotated-doc", "aiohttp", "aiohappyeyeballs", "aiosignal", "attrs", "frozenlist",
-          "multidict", "propcache", "yarl", "openai==2.6.1", "anyio", "sniffio", "distro", "httpx", "httpcore",
-          "jiter", "partial-json-parser", "compressed-tensors", "gguf", "xgrammar==0.2.1", "soundfile", "cffi",
-          "pycparser", "loguru", "nvidia-ml-py", "watchfiles", "zstandard", "dill", "jsonschema", "referencing",
-          "rpds-py", "jsonschema-specifications", "interegular", "llguidance>=1.7.6,<2", "outlines-core",
-          "blobfile==3.0.0", "pycryptodomex", "lxml", "psutil"]
-FLASHINFER = ["flashinfer-python==0.6.14", "apache-tvm-ffi==0.1.11", "nvidia-cudnn-frontend", "cuda-python",
-              "cuda-bindings", "cuda-pathfinder"]
+PLATFORMS = (
+    "manylinux_2_39_x86_64",
+    "manylinux_2_35_x86_64",
+    "manylinux_2_34_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
+SGLANG = [
+    "sglang==0.5.16",
+    "sglang-kernel==0.4.5",
+    "torch_memory_saver==0.0.10",
+    # the transformers 0.5.16 pins (the image's 5.17 breaks its import) and the tokenizers that one accepts
+    "transformers==5.12.1",
+    "tokenizers==0.22.2",
+    # imported on the engine's start-up path, missing on the image
+    "ipython",
+    "traitlets",
+    "decorator",
+    "jedi",
+    "parso",
+    "matplotlib-inline",
+    "pexpect",
+    "ptyprocess",
+    "prompt-toolkit",
+    "wcwidth",
+    "stack-data",
+    "asttokens",
+    "executing",
+    "pure-eval",
+    "pygments",
+    "mistral-common",
+    "pycountry",
+    "pydantic-extra-types",
+    "einops",
+    "opentelemetry-api",
+    "importlib-metadata",
+    "zipp",
+    "msgspec",
+    "pyzmq",
+    "orjson",
+    "pybase64",
+    "setproctitle",
+    "uvloop",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "h11",
+    "click",
+    "python-multipart",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "annotated-doc",
+    "aiohttp",
+    "aiohappyeyeballs",
+    "aiosignal",
+    "attrs",
+    "frozenlist",
+    "multidict",
+    "propcache",
+    "yarl",
+    "openai==2.6.1",
+    "anyio",
+    "sniffio",
+    "distro",
+    "httpx",
+    "httpcore",
+    "jiter",
+    "partial-json-parser",
+    "compressed-tensors",
+    "gguf",
+    "xgrammar==0.2.1",
+    "soundfile",
+    "cffi",
+    "pycparser",
+    "loguru",
+    "nvidia-ml-py",
+    "watchfiles",
+    "zstandard",
+    "dill",
+    "jsonschema",
+    "referencing",
+    "rpds-py",
+    "jsonschema-specifications",
+    "interegular",
+    "llguidance>=1.7.6,<2",
+    "outlines-core",
+    "blobfile==3.0.0",
+    "pycryptodomex",
+    "lxml",
+    "psutil",
+]
+FLASHINFER = [
+    "flashinfer-python==0.6.14",
+    "apache-tvm-ffi==0.1.11",
+    "nvidia-cudnn-frontend",
+    "cuda-python",
+    "cuda-bindings",
+    "cuda-pathfinder",
+]
 # What the device check imports: SGLang's engine path for a dense Llama / Qwen model.
-CHECK_MODULES = ("sglang", "sglang.srt.entrypoints.engine", "sglang.srt.managers.scheduler",
-                 "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",
-                 "sglang.srt.model_executor.model_runner", "sglang.srt.models.llama", "sglang.srt.models.qwen2",
-                 "sglang.srt.models.qwen3", "sglang.srt.layers.attention.flashattention_backend",
-                 "sglang.srt.layers.attention.flashinfer_backend", "sglang.srt.layers.attention.triton_backend",
-                 "sglang.srt.utils.torch_memory_saver_adapter", "torch_memory_saver", "sgl_kernel", "flashinfer")
+CHECK_MODULES = (
+    "sglang",
+    "sglang.srt.entrypoints.engine",
+    "sglang.srt.managers.scheduler",
+    "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.model_executor.model_runner",
+    "sglang.srt.models.llama",
+    "sglang.srt.models.qwen2",
+    "sglang.srt.models.qwen3",
+    "sglang.srt.layers.attention.flashattention_backend",
+    "sglang.srt.layers.attention.flashinfer_backend",
+    "sglang.srt.layers.attention.triton_backend",
+    "sglang.srt.utils.torch_memory_saver_adapter",
+    "torch_memory_saver",
+    "sgl_kernel",
+    "flashinfer",
+)
 
 
 def download(specs: list[str], dest: str) -> None:
     os.makedirs(dest, exist_ok=True)
     platform_args = [a for p in PLATFORMS for a in ("--platform", p)]
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-           "3.12", "--implementation", "cp", *platform_args, "-d", dest, *specs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        "3.12",
+        "--implementation",
+        "cp",
+        *platform_args,
+        "-d",
+        dest,
+        *specs,
+    ]
     subprocess.run(cmd, check=True)
 
 
@@ -147,8 +260,10 @@ def check_imports() -> int:
         except BaseException as e:  # noqa: BLE001  (report every kind, go on)
             failed += 1
             missing = getattr(e, "name", None)
-            print(f"FAILED  {m}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                  + (f"  [missing module: {missing}]" if missing else ""))
+            print(
+                f"FAILED  {m}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                + (f"  [missing module: {missing}]" if missing else "")
+            )
             traceback.print_exc(limit=-3, file=sys.stdout)
     import sglang
     import torch
@@ -166,20 +281,28 @@ def dry() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         src, out = os.path.join(tmp, "src"), os.path.join(tmp, "out")
         os.makedirs(src)
-        sizes = {"big-0.1-cp312-cp312-manylinux_2_34_x86_64.whl": 250_001, "small-1.0-py3-none-any.whl": 9_000,
-                 "mid-2.0-cp39-abi3-manylinux2014_x86_64.whl": 120_000}
+        sizes = {
+            "big-0.1-cp312-cp312-manylinux_2_34_x86_64.whl": 250_001,
+            "small-1.0-py3-none-any.whl": 9_000,
+            "mid-2.0-cp39-abi3-manylinux2014_x86_64.whl": 120_000,
+        }
         blobs = {n: os.urandom(s) for n, s in sizes.items()}
         for n, b in blobs.items():
             open(os.path.join(src, n), "wb").write(b)
         n_parts = chunk(src, out, limit=100_000)
         pieces: dict[str, list[tuple[str, bytes]]] = {}
         for d in sorted(os.listdir(out)):
-            folder = sum(os.path.getsize(os.path.join(out, d, f)) for f in os.listdir(os.path.join(out, d))
-                         if f != "_assemble.sh")
+            folder = sum(
+                os.path.getsize(os.path.join(out, d, f))
+                for f in os.listdir(os.path.join(out, d))
+                if f != "_assemble.sh"
+            )
             assert folder <= 100_000, (d, folder)
             for f in os.listdir(os.path.join(out, d)):
                 if f != "_assemble.sh":
-                    pieces.setdefault(f.rsplit(".part", 1)[0], []).append((f, open(os.path.join(out, d, f), "rb").read()))
+                    pieces.setdefault(f.rsplit(".part", 1)[0], []).append(
+                        (f, open(os.path.join(out, d, f), "rb").read())
+                    )
         for n, b in blobs.items():
             assert b"".join(data for _, data in sorted(pieces[n])) == b, n
         need = glibc_needed(list(sizes))
@@ -210,8 +333,10 @@ def main() -> int:
     need = glibc_needed(wheels)
     total = sum(os.path.getsize(w) for w in wheels) / 2**20
     n = chunk(STAGE, CARRY)
-    print(f"{len(wheels)} wheels, {total:.0f} MiB -> {n} parts in {CARRY}/ (p00..p{n - 1:02d}); glibc needed "
-          f">= {need[0]}.{need[1]}. Device calls, back to back:")
+    print(
+        f"{len(wheels)} wheels, {total:.0f} MiB -> {n} parts in {CARRY}/ (p00..p{n - 1:02d}); glibc needed "
+        f">= {need[0]}.{need[1]}. Device calls, back to back:"
+    )
     for k in range(n):
         last = " --install" if k == n - 1 else ""
         print(f'  carry [".{CARRY[1:]}/p{k:02d}"]: bash {CARRY}/p{k:02d}/_assemble.sh {CARRY}/p{k:02d}{last}')

@@ -13,6 +13,7 @@ trl` (not a dependency of hybrid). Timed on the clock of every peer comparison (
 Prints one `RESULT {json}` line with the seconds per step; an out-of-memory
 failure prints `RESULT {"error": ...}` (the 7B workload is expected to need settings TRL does not make by itself).
 """
+
 import argparse
 import json
 import os
@@ -32,8 +33,11 @@ ap.add_argument("--micro", type=int, default=64, help="completions per micro-bat
 ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing")
 ap.add_argument("--steps", type=int, default=8)
 ap.add_argument("--warmup", type=int, default=2, help="steps dropped before timing (the same as ours)")
-ap.add_argument("--sleep", action="store_true",
-                help="vllm_enable_sleep_mode=True (TRL's default is off: use it where the run does not fit without)")
+ap.add_argument(
+    "--sleep",
+    action="store_true",
+    help="vllm_enable_sleep_mode=True (TRL's default is off: use it where the run does not fit without)",
+)
 ap.add_argument("--gpu_util", type=float, default=0.3)
 args = ap.parse_args()
 
@@ -79,29 +83,63 @@ class Clock(TrainerCallback):
 
 per_step = args.prompts * args.generations
 clock = Clock()
-result = {"trl": trl.__version__, "mode": args.mode, "model_dir": args.model_dir, "completions_per_step": per_step,
-          "max_completion_length": args.max_new}
+result = {
+    "trl": trl.__version__,
+    "mode": args.mode,
+    "model_dir": args.model_dir,
+    "completions_per_step": per_step,
+    "max_completion_length": args.max_new,
+}
 try:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16)
     result["params_M"] = round(sum(p.numel() for p in model.parameters()) / 1e6)
     config = GRPOConfig(
-        output_dir="/tmp/trl-out", per_device_train_batch_size=args.micro, gradient_accumulation_steps=per_step // args.micro,
-        num_generations=args.generations, max_completion_length=args.max_new, learning_rate=1e-6, bf16=True,
-        logging_steps=1, max_steps=args.steps, report_to="none", save_strategy="no", temperature=1.0,
-        gradient_checkpointing=args.ckpt, use_vllm=args.mode == "vllm",
-        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_util, "vllm_enable_sleep_mode": args.sleep}
-           if args.mode == "vllm" else {}))
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_copy_first, args=config, train_dataset=ds,
-                          processing_class=tok, callbacks=[clock])
+        output_dir="/tmp/trl-out",
+        per_device_train_batch_size=args.micro,
+        gradient_accumulation_steps=per_step // args.micro,
+        num_generations=args.generations,
+        max_completion_length=args.max_new,
+        learning_rate=1e-6,
+        bf16=True,
+        logging_steps=1,
+        max_steps=args.steps,
+        report_to="none",
+        save_strategy="no",
+        temperature=1.0,
+        gradient_checkpointing=args.ckpt,
+        use_vllm=args.mode == "vllm",
+        **(
+            {
+                "vllm_mode": "colocate",
+                "vllm_gpu_memory_utilization": args.gpu_util,
+                "vllm_enable_sleep_mode": args.sleep,
+            }
+            if args.mode == "vllm"
+            else {}
+        ),
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_copy_first,
+        args=config,
+        train_dataset=ds,
+        processing_class=tok,
+        callbacks=[clock],
+    )
     t0 = time.perf_counter()
     trainer.train()
     total = time.perf_counter() - t0
     steps = steady_step_times(clock.t, args.warmup)
     median = median_step(clock.t, args.warmup)
-    result.update(step_s=[round(s, 3) for s in steps], total_s=round(total, 1), warmup=args.warmup,
-                  sleep=args.sleep, median_step_s=round(median, 3) if median is not None else None,
-                  peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
-                  tokens_per_step=None)
+    result.update(
+        step_s=[round(s, 3) for s in steps],
+        total_s=round(total, 1),
+        warmup=args.warmup,
+        sleep=args.sleep,
+        median_step_s=round(median, 3) if median is not None else None,
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        tokens_per_step=None,
+    )
 except torch.OutOfMemoryError as e:  # noqa: BLE001 - the report is the point
     result["error"] = f"CUDA out of memory: {str(e).splitlines()[0][:300]}"
 except Exception as e:  # noqa: BLE001

@@ -43,8 +43,16 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _peer_process import DEFAULTS, WORKLOADS, failure, gpu_name, installed_version, run_peer  # noqa: E402,F401
-from _peer_process import summarize_steps  # noqa: E402
+from _peer_process import (  # noqa: E402
+    DEFAULTS,
+    WORKLOADS,
+    failure,
+    gpu_name,
+    installed_version,
+    run_peer,
+    summarize_steps,
+)
+
 REWARD_FILE = os.path.join(HERE, "verl_reward.py")
 #: where bench/sessions/verl_session.sh installs verl and what it carries (its own target, beside /tmp/site)
 DEFAULT_SITE = "/tmp/site-verl"
@@ -60,11 +68,19 @@ NP_SCALAR = re.compile(r"^np\.\w+\((.*)\)$")
 
 # ---- the data -------------------------------------------------------------------------------------------------------
 
+
 def rows(prompts: list[str]) -> list[dict]:
     """verl RL-dataset rows for our prompts: chat messages under ``prompt``, the reward's inputs beside them."""
-    return [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": p}], "ability": "copy",
-             "reward_model": {"style": "rule", "ground_truth": p.split()[0]},
-             "extra_info": {"index": i, "prompt": p}} for i, p in enumerate(prompts)]
+    return [
+        {
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": p}],
+            "ability": "copy",
+            "reward_model": {"style": "rule", "ground_truth": p.split()[0]},
+            "extra_info": {"index": i, "prompt": p},
+        }
+        for i, p in enumerate(prompts)
+    ]
 
 
 def write_data(prompts_jsonl: str, out_dir: str, count: int) -> str:
@@ -73,8 +89,10 @@ def write_data(prompts_jsonl: str, out_dir: str, count: int) -> str:
 
     prompts = [json.loads(line)["prompt"] for line in open(prompts_jsonl)]
     if len(prompts) < count:
-        raise SystemExit(f"{prompts_jsonl} holds {len(prompts)} prompts, the run needs {count}: fewer --steps, or "
-                         f"rebuild it (bench/peer_workload.py)")
+        raise SystemExit(
+            f"{prompts_jsonl} holds {len(prompts)} prompts, the run needs {count}: fewer --steps, or "
+            f"rebuild it (bench/peer_workload.py)"
+        )
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"train-{count}.parquet")
     pd.DataFrame(rows(prompts[:count])).to_parquet(path, index=False)
@@ -83,6 +101,7 @@ def write_data(prompts_jsonl: str, out_dir: str, count: int) -> str:
 
 # ---- the command ----------------------------------------------------------------------------------------------------
 
+
 def overrides(args, model: str, data: str) -> list[str]:
     """verl 0.9.1's Hydra overrides for one run (see the module docstring for what each set-up means)."""
     prompts, samples, max_new, prompt_len, micro_rollout = WORKLOADS[args.size]
@@ -90,41 +109,72 @@ def overrides(args, model: str, data: str) -> list[str]:
     micro = min(args.micro, per_step)
     a, r = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
     out = [
-        "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=true", "algorithm.use_kl_in_reward=false",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.norm_adv_by_std_in_grpo=true",
+        "algorithm.use_kl_in_reward=false",
         # the data: our prompts in order, exactly `steps` steps of `prompts` prompts
-        f"data.train_files={data}", f"data.val_files={data}", f"data.train_batch_size={prompts}",
-        f"data.train_max_samples={args.steps * prompts}", f"data.val_max_samples={prompts}",
-        f"data.max_prompt_length={prompt_len}", f"data.max_response_length={max_new}",
-        "data.shuffle=false", "data.filter_overlong_prompts=false", "data.truncation=error", "data.seed=0",
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+        f"data.train_batch_size={prompts}",
+        f"data.train_max_samples={args.steps * prompts}",
+        f"data.val_max_samples={prompts}",
+        f"data.max_prompt_length={prompt_len}",
+        f"data.max_response_length={max_new}",
+        "data.shuffle=false",
+        "data.filter_overlong_prompts=false",
+        "data.truncation=error",
+        "data.seed=0",
         # the model: our folder, sdpa (no flash-attn on the device), padded batches, our prompt tokens verbatim
-        f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.use_remove_padding=false",
+        f"actor_rollout_ref.model.path={model}",
+        "actor_rollout_ref.model.use_remove_padding=false",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.ckpt).lower()}",
         f"actor_rollout_ref.model.custom_chat_template='{CHAT_TEMPLATE}'",
         # the actor: one optimizer step of all `per_step` samples per step, in micro-batches of `micro`
-        f"{a}.strategy=fsdp", f"{a}.optim.lr={args.lr}", f"{a}.ppo_mini_batch_size={prompts}",
-        f"{a}.ppo_micro_batch_size_per_gpu={micro}", f"{a}.ppo_epochs=1", f"{a}.use_dynamic_bsz=false",
+        f"{a}.strategy=fsdp",
+        f"{a}.optim.lr={args.lr}",
+        f"{a}.ppo_mini_batch_size={prompts}",
+        f"{a}.ppo_micro_batch_size_per_gpu={micro}",
+        f"{a}.ppo_epochs=1",
+        f"{a}.use_dynamic_bsz=false",
         f"{a}.entropy_coeff=0",
         # the rollout: vLLM in verl's hybrid engine, `samples` per prompt, sampling as ours (temperature 1, top-p 1)
-        f"{r}.name=vllm", f"{r}.n={samples}", f"{r}.tensor_model_parallel_size=1",
-        f"{r}.gpu_memory_utilization={args.gpu_util}", f"{r}.temperature=1.0", f"{r}.top_p=1.0", f"{r}.top_k=-1",
-        f"{r}.log_prob_micro_batch_size_per_gpu={micro_rollout}", f"{r}.enforce_eager={str(args.enforce_eager).lower()}",
+        f"{r}.name=vllm",
+        f"{r}.n={samples}",
+        f"{r}.tensor_model_parallel_size=1",
+        f"{r}.gpu_memory_utilization={args.gpu_util}",
+        f"{r}.temperature=1.0",
+        f"{r}.top_p=1.0",
+        f"{r}.top_k=-1",
+        f"{r}.log_prob_micro_batch_size_per_gpu={micro_rollout}",
+        f"{r}.enforce_eager={str(args.enforce_eager).lower()}",
         f"{r}.seed=0",
         "actor_rollout_ref.hybrid_engine=true",
         # one GPU, no validation, no checkpoint: only the training steps
-        "trainer.n_gpus_per_node=1", "trainer.nnodes=1", f"trainer.total_training_steps={args.steps}",
-        "trainer.total_epochs=1", "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
-        "trainer.logger=[console,file]", "trainer.project_name=hybrid_peer",
+        "trainer.n_gpus_per_node=1",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.total_epochs=1",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console,file]",
+        "trainer.project_name=hybrid_peer",
         f"trainer.experiment_name=verl-{args.size}-{args.setup}",
         f"trainer.default_local_dir={os.path.join(args.workdir, 'verl-ckpt')}",
         f"trainer.use_v1={'false' if args.legacy else 'true'}",
         # the reward: copy_first through verl's custom reward function hook
-        f"reward.custom_reward_function.path={REWARD_FILE}", "reward.custom_reward_function.name=compute_score",
+        f"reward.custom_reward_function.path={REWARD_FILE}",
+        "reward.custom_reward_function.name=compute_score",
         f"hydra.run.dir={os.path.join(args.workdir, 'verl-hydra')}",
     ]
     if args.setup == "lowvar":  # verl's GRPO recipe: reference model, low-variance KL as a loss term
-        out += [f"{a}.use_kl_loss=true", f"{a}.kl_loss_coef=0.001", f"{a}.kl_loss_type=low_var_kl",
-                f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro_rollout}"]
+        out += [
+            f"{a}.use_kl_loss=true",
+            f"{a}.kl_loss_coef=0.001",
+            f"{a}.kl_loss_type=low_var_kl",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro_rollout}",
+        ]
     else:
         out += [f"{a}.use_kl_loss=false"]
     return out + list(args.extra)
@@ -161,8 +211,15 @@ def environment(site: str, metrics_path: str | None = None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([site, *rest] if site else rest)
     # verl drives vLLM's AsyncLLM as its authors run it: the engine core in its own process.
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
-               PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8", RAY_DEDUP_LOGS="0")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        WANDB_MODE="disabled",
+        PYTHONUNBUFFERED="1",
+        PYTHONIOENCODING="utf-8",
+        RAY_DEDUP_LOGS="0",
+    )
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else FlashInfer JIT-compiles its sampler for minutes
     if metrics_path:
         env["VERL_FILE_LOGGER_PATH"] = metrics_path  # verl's `file` logger: one JSON line of metrics per step
@@ -170,6 +227,7 @@ def environment(site: str, metrics_path: str | None = None) -> dict:
 
 
 # ---- verl's log ----------------------------------------------------------------------------------------------------
+
 
 def _number(text: str) -> float | None:
     text = text.strip()
@@ -220,8 +278,11 @@ def parse_metrics_file(path: str) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut by the stop
-        data = {k: float(v) for k, v in rec.get("data", {}).items()
-                if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        data = {
+            k: float(v)
+            for k, v in rec.get("data", {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if "timing_s/step" in data:
             steps.append({"step": int(rec["step"]), "status": data, "t": None})
     return steps
@@ -229,11 +290,19 @@ def parse_metrics_file(path: str) -> list[dict]:
 
 def summarize(steps: list[dict], warmup: int) -> dict:
     """Median per-step times after ``warmup`` steps (all steps if there are no more than that)."""
-    return summarize_steps(steps, warmup, step="timing_s/step", phase="timing_s/{}", phases=PHASES,
-                           response_len="response_length/mean", reward="critic/score/mean")
+    return summarize_steps(
+        steps,
+        warmup,
+        step="timing_s/step",
+        phase="timing_s/{}",
+        phases=PHASES,
+        response_len="response_length/mean",
+        reward="critic/score/mean",
+    )
 
 
 # ---- running it ----------------------------------------------------------------------------------------------------
+
 
 def run(cmd: list[str], env: dict, log_path: str, timeout: float, expected_steps: int, grace: float) -> dict:
     """Run verl in its own process group, teeing its output to ``log_path`` with arrival times of the step lines.
@@ -241,9 +310,17 @@ def run(cmd: list[str], env: dict, log_path: str, timeout: float, expected_steps
     Once every expected step is logged it gets ``grace`` seconds to exit; after that (or at ``timeout``) the whole
     group is stopped: the timing is already in the log.
     """
-    return run_peer(cmd, env, log_path, timeout=timeout, expected_steps=expected_steps, grace=grace,
-                    count_steps=lambda lines: len(parse_log(lines)), echo=("timing_s/step", "Error", "Traceback"),
-                    echo_width=400)
+    return run_peer(
+        cmd,
+        env,
+        log_path,
+        timeout=timeout,
+        expected_steps=expected_steps,
+        grace=grace,
+        count_steps=lambda lines: len(parse_log(lines)),
+        echo=("timing_s/step", "Error", "Traceback"),
+        echo_width=400,
+    )
 
 
 COMPOSE_CHECK = r"""
@@ -306,16 +383,18 @@ print("COMPOSED " + json.dumps({"reference": ref, "critic": critic, "values": pi
 def check(cmd: list[str], env: dict) -> dict:
     """Compose verl's own config with the overrides (its ``ppo_trainer`` defaults) and run its ``validate_config``:
     ``{"ok": bool, "values": the settings that matter, "reference": bool, ...}`` (no Ray, no GPU)."""
-    proc = subprocess.run([sys.executable, "-c", COMPOSE_CHECK, *cmd[3:]], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPOSE_CHECK, *cmd[3:]], env=env, capture_output=True, text=True, timeout=600
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("COMPOSED "):
-            return {"ok": True, **json.loads(line[len("COMPOSED "):])}
+            return {"ok": True, **json.loads(line[len("COMPOSED ") :])}
     out = (proc.stdout + proc.stderr).splitlines()
     return {"ok": False, "rc": proc.returncode, **failure(out, keep=40)}
 
 
 # ---- the comparison rows -------------------------------------------------------------------------------------------
+
 
 def compare(peer: dict, ours: dict) -> tuple[list, list[str]]:
     """Rows for bench/RESULTS.md from one verl JSON and our e2e JSON of the same call; the speedup only when both
@@ -332,30 +411,47 @@ def compare(peer: dict, ours: dict) -> tuple[list, list[str]]:
     size, setup = peer.get("size", "357m"), peer.get("setup", "matched")
     sfx = "" if size == "357m" else f" {size.upper()}"
     sfx += "" if setup == "matched" else f" {setup}"
-    what = (f"{size}, {WORKLOADS[size][0]} x {WORKLOADS[size][1]}, <= {WORKLOADS[size][2]} new tokens, FSDP + vLLM "
-            f"colocated with sleep, sdpa, no remove-padding, "
-            f"{'no reference' if setup == 'matched' else 'reference + low_var_kl loss 0.001'}"
-            + (", legacy trainer" if peer.get("legacy") else "")
-            + (f"; partial: {peer['partial']}" if peer.get("partial") else ""))
+    what = (
+        f"{size}, {WORKLOADS[size][0]} x {WORKLOADS[size][1]}, <= {WORKLOADS[size][2]} new tokens, FSDP + vLLM "
+        f"colocated with sleep, sdpa, no remove-padding, "
+        f"{'no reference' if setup == 'matched' else 'reference + low_var_kl loss 0.001'}"
+        + (", legacy trainer" if peer.get("legacy") else "")
+        + (f"; partial: {peer['partial']}" if peer.get("partial") else "")
+    )
     rows = []
     if peer_ok:
         ph = peer["phases_s"]
-        rows += [Row(f"verl grpo step{sfx} s", peer["step_s"],
-                     f"s (verl {peer.get('verl') or RELEASE} timing_s/step, median after {peer['warmup']} warm-up; "
-                     f"{what})"),
-                 Row(f"verl weight sync{sfx} s", ph["update_weights"],
-                     "s (timing_s/update_weights: vLLM woken + actor weights sent"
-                     + (f"; ours {ours['phases_s']['sync']:.3f} s same call)" if ours_ok else ")")),
-                 Row(f"verl gen{sfx} s", ph["gen"], "s (timing_s/gen: rollout through the agent loop + vLLM sleep)"),
-                 Row(f"verl update_actor{sfx} s", ph["update_actor"], "s (timing_s/update_actor: FSDP update)"),
-                 Row(f"verl old_log_prob{sfx} s", ph["old_log_prob"] + ph["ref"],
-                     "s (timing_s/old_log_prob + timing_s/ref: log-prob passes)")]
+        rows += [
+            Row(
+                f"verl grpo step{sfx} s",
+                peer["step_s"],
+                f"s (verl {peer.get('verl') or RELEASE} timing_s/step, median after {peer['warmup']} warm-up; {what})",
+            ),
+            Row(
+                f"verl weight sync{sfx} s",
+                ph["update_weights"],
+                "s (timing_s/update_weights: vLLM woken + actor weights sent"
+                + (f"; ours {ours['phases_s']['sync']:.3f} s same call)" if ours_ok else ")"),
+            ),
+            Row(f"verl gen{sfx} s", ph["gen"], "s (timing_s/gen: rollout through the agent loop + vLLM sleep)"),
+            Row(f"verl update_actor{sfx} s", ph["update_actor"], "s (timing_s/update_actor: FSDP update)"),
+            Row(
+                f"verl old_log_prob{sfx} s",
+                ph["old_log_prob"] + ph["ref"],
+                "s (timing_s/old_log_prob + timing_s/ref: log-prob passes)",
+            ),
+        ]
     if peer_ok and ours_ok:
         name = "speedup vs verl x" if size == "357m" else f"speedup vs verl {size.upper()} x"
         if setup != "matched":
             name = name[:-2] + f" {setup} x"
-        rows.append(Row(name, peer["step_s"] / ours["step_s"],
-                        f"x (verl {peer['step_s']:.3f} s / ours {ours['step_s']:.3f} s, same call, same model folder)"))
+        rows.append(
+            Row(
+                name,
+                peer["step_s"] / ours["step_s"],
+                f"x (verl {peer['step_s']:.3f} s / ours {ours['step_s']:.3f} s, same call, same model folder)",
+            )
+        )
     return rows, problems
 
 
@@ -383,6 +479,7 @@ def compare_main(argv: list[str]) -> int:
 
 # ---- main ----------------------------------------------------------------------------------------------------------
 
+
 def _prompts_for(args) -> str:
     """Our prompts file; for --dry without a built workload, the same prompts from a tiny model's build (prompts do
     not depend on the model's width), so the real model folder is never made with the wrong shape."""
@@ -408,7 +505,9 @@ def main() -> int:
     ap.add_argument("--ckpt", action="store_true", default=None, help="gradient checkpointing (always at 1.5b)")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--enforce_eager", action="store_true")
-    ap.add_argument("--legacy", action="store_true", help="verl's deprecated main_ppo_v0 trainer (trainer.use_v1=false)")
+    ap.add_argument(
+        "--legacy", action="store_true", help="verl's deprecated main_ppo_v0 trainer (trainer.use_v1=false)"
+    )
     ap.add_argument("--workdir", default=None, help="default /tmp/peer (357m) or /tmp/peer-<size>: e2e_gpu.py's")
     ap.add_argument("--site", default=DEFAULT_SITE, help="where verl and its carried packages are installed")
     ap.add_argument("--timeout", type=float, default=540, help="seconds before the run is stopped")
@@ -443,8 +542,10 @@ def main() -> int:
             env["VERL_PEER_TOKENIZER_MODEL"] = os.path.join(os.path.dirname(prompts_jsonl), "model")
         res = check(cmd, env)
         if res["ok"]:
-            print("verl composed and validated the config (reference model: "
-                  f"{res['reference']}):", json.dumps(res["values"], default=str))
+            print(
+                f"verl composed and validated the config (reference model: {res['reference']}):",
+                json.dumps(res["values"], default=str),
+            )
             pc = res.get("prompt_check")
             print("prompt as verl's agent loop renders it:", json.dumps(pc) if pc else "not checked (no tokenizer)")
             if pc and not pc["equal_to_ours"]:
@@ -458,8 +559,16 @@ def main() -> int:
     log_path = os.path.join(args.workdir, f"{tag}.log")
     if os.path.exists(metrics_path):
         os.remove(metrics_path)  # this call's run only
-    result = {"tag": tag, "size": args.size, "setup": args.setup, "warmup": args.warmup, "legacy": args.legacy,
-              "command": shlex.join(cmd), "verl": installed_version("verl", env), "device": gpu_name()}
+    result = {
+        "tag": tag,
+        "size": args.size,
+        "setup": args.setup,
+        "warmup": args.warmup,
+        "legacy": args.legacy,
+        "command": shlex.join(cmd),
+        "verl": installed_version("verl", env),
+        "device": gpu_name(),
+    }
     r = run(cmd, env, log_path, args.timeout, args.steps, args.grace)
     result.update(rc=r["rc"], stopped=r["stopped"], wall_s=r["wall_s"], log=log_path)
     steps, result["metrics_source"] = parse_log(r["lines"]), "console"
@@ -474,9 +583,11 @@ def main() -> int:
         result.update(summarize(steps, args.warmup))
         samples = WORKLOADS[args.size][1]
         result["tokens_per_s"] = prompts * samples * result["response_len"] / result["step_s"]
-        print(f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.3f} s (timing_s/step, after "
-              f"{args.warmup} warm-up; wall between step lines {result.get('wall_step_s', float('nan')):.3f} s), "
-              f"{result['tokens_per_s']:.0f} generated tokens/s, mean response {result['response_len']:.0f} tokens")
+        print(
+            f"\n{tag}: {result['steps']} steps, median step {result['step_s']:.3f} s (timing_s/step, after "
+            f"{args.warmup} warm-up; wall between step lines {result.get('wall_step_s', float('nan')):.3f} s), "
+            f"{result['tokens_per_s']:.0f} generated tokens/s, mean response {result['response_len']:.0f} tokens"
+        )
         print(f"{'phase':<16} {'s (median)':>10}")
         for p, v in result["phases_s"].items():
             print(f"{p:<16} {v:>10.3f}")
@@ -486,8 +597,11 @@ def main() -> int:
     else:
         result["steps"] = len(steps)
         result.update(failure(text))
-        result["error"] = (result["error_lines"][-1] if result["error_lines"] else
-                           f"rc {r['rc']}, stopped {r['stopped']}, {len(steps)} of {args.steps} steps logged")
+        result["error"] = (
+            result["error_lines"][-1]
+            if result["error_lines"]
+            else f"rc {r['rc']}, stopped {r['stopped']}, {len(steps)} of {args.steps} steps logged"
+        )
         print(f"\n{tag}: FAILED after {len(steps)} of {args.steps} steps (rc {r['rc']}, stopped {r['stopped']})")
         print("---- last traceback ----")
         print("\n".join(result["traceback"]) or "(none in the log)")

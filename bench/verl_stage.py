@@ -52,30 +52,97 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STAGE, CARRY = ".stage-verl", ".carry-verl"
 LIMIT = 60 * 2**20  # one device call carries 64 MiB with the project tree
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")
-WHEELS = ["verl==0.9.1", "transferqueue==0.1.11", "tensordict==0.10.0", "pyvers==0.1.0", "orjson==3.13.0",
-          "hydra-core==1.3.8", "omegaconf==2.3.0", "codetiming==1.4.0", "torchdata==0.11.0", "pylatexenc==2.11",
-          "model-hosting-container-standards==0.1.16", "jmespath==1.1.0", "supervisor==4.3.0"]
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
+WHEELS = [
+    "verl==0.9.1",
+    "transferqueue==0.1.11",
+    "tensordict==0.10.0",
+    "pyvers==0.1.0",
+    "orjson==3.13.0",
+    "hydra-core==1.3.8",
+    "omegaconf==2.3.0",
+    "codetiming==1.4.0",
+    "torchdata==0.11.0",
+    "pylatexenc==2.11",
+    "model-hosting-container-standards==0.1.16",
+    "jmespath==1.1.0",
+    "supervisor==4.3.0",
+]
 SDISTS = ["antlr4-python3-runtime==4.9.3"]  # pure Python, no wheel on PyPI: built here
 #: what `python -m verl.trainer.main_ppo` with the FSDP engine, vLLM rollout, agent loop and reward loop imports
-CHECK_MODULES = ("hydra", "omegaconf", "antlr4", "codetiming", "tensordict", "torchdata.stateful_dataloader", "orjson",
-                 "transfer_queue", "verl", "verl.trainer.main_ppo", "verl.trainer.main_ppo_v0",
-                 "verl.trainer.ppo.v1.trainer_sync", "verl.trainer.ppo.v1.agent_loop_tq", "verl.workers.engine_workers",
-                 "verl.workers.engine.fsdp", "verl.utils.dataset.rl_dataset", "verl.experimental.agent_loop",
-                 "verl.experimental.reward_loop", "verl.checkpoint_engine",
-                 "vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server",
-                 "verl.workers.rollout.vllm_rollout.vllm_async_server", "verl.workers.rollout.vllm_rollout.utils")
-VERSIONS = ("verl", "transferqueue", "tensordict", "hydra-core", "omegaconf", "torch", "transformers", "vllm", "ray",
-            "datasets", "pyarrow", "pandas", "peft", "accelerate")
+CHECK_MODULES = (
+    "hydra",
+    "omegaconf",
+    "antlr4",
+    "codetiming",
+    "tensordict",
+    "torchdata.stateful_dataloader",
+    "orjson",
+    "transfer_queue",
+    "verl",
+    "verl.trainer.main_ppo",
+    "verl.trainer.main_ppo_v0",
+    "verl.trainer.ppo.v1.trainer_sync",
+    "verl.trainer.ppo.v1.agent_loop_tq",
+    "verl.workers.engine_workers",
+    "verl.workers.engine.fsdp",
+    "verl.utils.dataset.rl_dataset",
+    "verl.experimental.agent_loop",
+    "verl.experimental.reward_loop",
+    "verl.checkpoint_engine",
+    "vllm.entrypoints.cli.serve",
+    "vllm.entrypoints.openai.api_server",
+    "verl.workers.rollout.vllm_rollout.vllm_async_server",
+    "verl.workers.rollout.vllm_rollout.utils",
+)
+VERSIONS = (
+    "verl",
+    "transferqueue",
+    "tensordict",
+    "hydra-core",
+    "omegaconf",
+    "torch",
+    "transformers",
+    "vllm",
+    "ray",
+    "datasets",
+    "pyarrow",
+    "pandas",
+    "peft",
+    "accelerate",
+)
 
 
 def download(dest: str) -> None:
     os.makedirs(dest, exist_ok=True)
     platform_args = [a for p in PLATFORMS for a in ("--platform", p)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", "3.12", "--implementation", "cp", *platform_args, "-d", dest, *WHEELS],
-                   check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platform_args,
+            "-d",
+            dest,
+            *WHEELS,
+        ],
+        check=True,
+    )
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dest, *SDISTS], check=True)
 
 
@@ -85,8 +152,10 @@ def carry(stage: str, out: str) -> list[str]:
     wheels = sorted(glob.glob(os.path.join(stage, "*.whl")))
     total = sum(os.path.getsize(w) for w in wheels)
     if total > LIMIT:
-        raise SystemExit(f"{total / 2**20:.1f} MiB of wheels do not fit one device call ({LIMIT / 2**20:.0f} MiB): "
-                         "cut them into parts as bench/sglang_stage.py does")
+        raise SystemExit(
+            f"{total / 2**20:.1f} MiB of wheels do not fit one device call ({LIMIT / 2**20:.0f} MiB): "
+            "cut them into parts as bench/sglang_stage.py does"
+        )
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     for w in wheels:
@@ -165,8 +234,14 @@ def plan_install(wheels: list[str], target: str, path: list[str] | None = None) 
         if elsewhere:
             m, where = next(iter(elsewhere.items()))
             have = _version_in(dist, where)
-            plan.append((wheel, False, f"{m} already provided by {where} ({dist} {have or 'version unknown'}"
-                                       f"{'' if have == version else f'; carried {version} not installed'})"))
+            plan.append(
+                (
+                    wheel,
+                    False,
+                    f"{m} already provided by {where} ({dist} {have or 'version unknown'}"
+                    f"{'' if have == version else f'; carried {version} not installed'})",
+                )
+            )
         elif any(found.values()):
             have = _version_in(dist, target)
             if have == version:
@@ -187,8 +262,23 @@ def install_absent(wheels: list[str], target: str) -> int:
     print(f"carried wheels: {len(chosen)} to install into {target}, {len(plan) - len(chosen)} skipped")
     if not chosen:
         return 0
-    return subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                           "--no-cache-dir", "--upgrade", "--target", target, *chosen]).returncode
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            target,
+            *chosen,
+        ]
+    ).returncode
 
 
 def vllm_staged() -> bool:
@@ -218,8 +308,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry", action="store_true", help="print the plan only")
     ap.add_argument("--check-imports", action="store_true", help="(device) import verl's run path")
-    ap.add_argument("--install-absent", nargs="+", metavar="WHEEL",
-                    help="(device) install those of these wheels whose modules the environment lacks into --target")
+    ap.add_argument(
+        "--install-absent",
+        nargs="+",
+        metavar="WHEEL",
+        help="(device) install those of these wheels whose modules the environment lacks into --target",
+    )
     ap.add_argument("--target", default="/tmp/site-verl", help="where --install-absent installs")
     ap.add_argument("--vllm-staged", action="store_true", help="exit 0 where vLLM is importable, else 1")
     a = ap.parse_args()
@@ -239,8 +333,10 @@ def main() -> int:
     total = sum(os.path.getsize(f) for f in files) / 2**20
     for f in files:
         print(f"  {os.path.basename(f):<75} {os.path.getsize(f) / 2**20:6.2f} MiB")
-    print(f"{CARRY}/: {len(files)} wheels, {total:.1f} MiB. On the device, with carry [\"{CARRY}\"]: "
-          "bash bench/sessions/verl_session.sh stage")
+    print(
+        f'{CARRY}/: {len(files)} wheels, {total:.1f} MiB. On the device, with carry ["{CARRY}"]: '
+        "bash bench/sessions/verl_session.sh stage"
+    )
     return 0
 
 

@@ -39,11 +39,34 @@ while True:
 
 def main() -> int:
     save = "/tmp/wake_guard_run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [*(os.path.join(ROOT, "packages", p, "src") for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")),
-         os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "hybrid_cli", "grpo", "--backend", "vllm", "--vllm_gpu_memory_utilization", "0.3",
-           "--max_steps", "30", "--save_path", save, "--step_timeout_s", "120"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [
+                *(
+                    os.path.join(ROOT, "packages", p, "src")
+                    for p in ("hybrid-core", "hybrid-engines", "hybrid-algos", "hybrid-cli")
+                ),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_cli",
+        "grpo",
+        "--backend",
+        "vllm",
+        "--vllm_gpu_memory_utilization",
+        "0.3",
+        "--max_steps",
+        "30",
+        "--save_path",
+        save,
+        "--step_timeout_s",
+        "120",
+    ]
     print("command:", " ".join(cmd), flush=True)
     log_path = os.path.join(os.environ.get("OUT", "/tmp"), "wake_guard_run.log")
     metrics = os.path.join(save, "metrics.jsonl")
@@ -55,7 +78,9 @@ def main() -> int:
         hog = None
         while run.poll() is None and time.time() - start < 420:
             if hog is None and os.path.exists(metrics) and sum(1 for _ in open(metrics)) >= 2:
-                hog = subprocess.Popen([sys.executable, "-c", HOG, str(256 << 20)], stdout=log, stderr=subprocess.STDOUT)
+                hog = subprocess.Popen(
+                    [sys.executable, "-c", HOG, str(256 << 20)], stdout=log, stderr=subprocess.STDOUT
+                )
                 hog_started = time.time()
             time.sleep(0.2)
         if run.poll() is None:
@@ -68,7 +93,9 @@ def main() -> int:
     steps_done = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
     guard_lines = [line for line in text.splitlines() if "cannot wake on GPU" in line]
     result = {
-        "rc": rc, "wall_s": round(time.time() - start, 1), "steps_done": steps_done,
+        "rc": rc,
+        "wall_s": round(time.time() - start, 1),
+        "steps_done": steps_done,
         "hog_pid": hog.pid if hog else None,
         "seconds_from_hog_to_exit": round(time.time() - hog_started, 1) if hog else None,
         "guard_error": guard_lines[-1][-1500:] if guard_lines else None,
@@ -76,8 +103,11 @@ def main() -> int:
         "cuda_oom_in_log": "out of memory" in text.lower() and not guard_lines,
         "command": " ".join(cmd),
     }
-    result["verdict"] = ("PASS: the wake guard stopped the run with its own error" if guard_lines and rc != 0 else
-                         "FAIL: no wake-guard error" + (" (CUDA OOM instead)" if "out of memory" in text.lower() else ""))
+    result["verdict"] = (
+        "PASS: the wake guard stopped the run with its own error"
+        if guard_lines and rc != 0
+        else "FAIL: no wake-guard error" + (" (CUDA OOM instead)" if "out of memory" in text.lower() else "")
+    )
     print(json.dumps(result, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "wake_guard.json"), "w") as f:

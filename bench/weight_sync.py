@@ -8,10 +8,13 @@
 Each mode runs several syncs; the first (mapping handles, building the communicator) is reported apart, the rate
 is the median of the others. After the last sync the engine's weights are checked bit-exact against the sender's.
 
-Verification (every sync checked against per-piece checksums, ``hybrid_core.weight_sync.verify``, read back from
-the engine's parameters): the rounds alternate verified and unverified syncs after the first; metric
-``weight sync verify overhead %`` = (median verified - median unverified) / median unverified. Then one sync with a
-byte flipped in flight at the engine (``HYBRID_FAULT=receiver:bucket:corrupt:2``) must fail naming the parameter.
+Verification (checksums of the checked pieces, ``hybrid_core.weight_sync.verify``, read back from the engine's
+parameters; which pieces: ``hybrid_core.weight_sync.sampling``): after the first sync (a run's first: every piece),
+the rounds cycle through ``sampled`` (the default: a rotating 1/32 of the pieces), unverified and ``full`` (every
+piece) syncs; metrics ``weight sync verify overhead %`` (sampled) and ``weight sync verify overhead full %`` =
+(median verified - median unverified) / median unverified. Then one ``full`` sync with a byte flipped in flight at
+the engine (``HYBRID_FAULT=receiver:bucket:corrupt:2``) must fail naming the parameter. The checksum path of each
+side's device (``torch._int_mm`` or the reductions that stand in for it) is printed.
 
     python bench/weight_sync.py [--record]     # GPU(s)
     python bench/weight_sync.py --small        # tiny model on CPU (shared memory + gloo): logic check only
@@ -34,10 +37,16 @@ from _common import Row, append_results, build_llama, device_label, free_port, p
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model on CPU")
-    ap.add_argument("--mode", choices=("auto", "ipc", "nccl", "both"), default="auto",
-                    help="auto: ipc, plus nccl when 2 GPUs are visible (on CPU both run, the second over gloo)")
+    ap.add_argument(
+        "--mode",
+        choices=("auto", "ipc", "nccl", "both"),
+        default="auto",
+        help="auto: ipc, plus nccl when 2 GPUs are visible (on CPU both run, the second over gloo)",
+    )
     ap.add_argument("--bucket-mb", type=float, default=None, help="default 512 (GPU), 1/32 with --small")
-    ap.add_argument("--rounds", type=int, default=9, help="syncs per mode: 1 warm-up, then verified/unverified pairs")
+    ap.add_argument(
+        "--rounds", type=int, default=13, help="syncs per mode: 1 warm-up, then sampled / unverified / full in turn"
+    )
     ap.add_argument("--timeout", type=float, default=300, help="seconds for any one wait")
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     return ap.parse_args()
@@ -98,6 +107,8 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
         while (msg := requests.get(timeout=600)) is not None:
             if msg == "fingerprint":
                 replies.put(("fingerprint", fingerprint(model)))
+            elif msg == "path":
+                replies.put(("path", _path(dev)))
             elif isinstance(msg, tuple) and msg[0] == "corrupt":
                 _corrupt_next(msg[1])
                 replies.put(("ok", None))
@@ -112,8 +123,9 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
         replies.put(("error", traceback.format_exc()))
 
 
-def group_engine(small: bool, device: str, port: int, backend: str, bucket_bytes: int, timeout: float, requests,
-                 replies) -> None:
+def group_engine(
+    small: bool, device: str, port: int, backend: str, bucket_bytes: int, timeout: float, requests, replies
+) -> None:
     """Rank 1 of a sync group: receives broadcast buckets into its own model on its own device (verified against
     its parameters when the sender sends checksums)."""
     from hybrid_core.errors import WeightSyncMismatch
@@ -137,6 +149,8 @@ def group_engine(small: bool, device: str, port: int, backend: str, bucket_bytes
         while (msg := requests.get(timeout=600)) is not None:
             if msg == "fingerprint":
                 replies.put(("fingerprint", fingerprint(model)))
+            elif msg == "path":
+                replies.put(("path", _path(dev)))
             elif isinstance(msg, tuple) and msg[0] == "corrupt":
                 _corrupt_next(msg[1])
                 replies.put(("ok", None))
@@ -187,22 +201,28 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
             while index not in acked:
                 acked.add(_reply(replies, "ack", args.timeout))
 
-        rates, times = [], {True: [], False: []}
+        rates, times = [], {mode: [] for mode in MODES}
         for r in range(args.rounds):
             acked.clear()
-            sender.verify = verified(r)
+            mode, sender.verify = policy(r)
             start = time.perf_counter()
             stats = sender.send(model.named_parameters(), deliver, wait)
             seconds = time.perf_counter() - start
             if r:
-                times[sender.verify].append(seconds)
-            if sender.verify:
+                times[mode].append(seconds)
+            if mode != "off":
                 rates.append(stats.bytes / seconds / 1e9)
-            print(f"ipc sync {r}{'' if sender.verify else ' (unverified)'}: {stats.bytes / 1e9:.3f} GB in "
-                  f"{seconds * 1e3:.1f} ms ({stats.bytes / seconds / 1e9:.1f} GB/s)", flush=True)
+            print(
+                f"ipc sync {r} ({describe(sender.verify)}): {stats.bytes / 1e9:.3f} GB in "
+                f"{seconds * 1e3:.1f} ms ({stats.bytes / seconds / 1e9:.1f} GB/s)",
+                flush=True,
+            )
         requests.put("fingerprint")
         exact = _reply(replies, "fingerprint", args.timeout) == fingerprint(model)
-        sender.verify = True
+        requests.put("path")
+        paths = f"checksums: sender {_path(device)}, engine {_reply(replies, 'path', args.timeout)}"
+        print(f"ipc {paths}", flush=True)
+        sender.verify = "full"
         requests.put(("corrupt", 2))
         _reply(replies, "ok", args.timeout)
         acked.clear()
@@ -232,10 +252,15 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
     print("ipc: engine weights bit-exact", flush=True)
     _check_caught("ipc", caught)
     what = "CUDA IPC buckets" if device.type == "cuda" else "shared-memory buckets, CPU"
-    rows += [Row("weight sync GB/s", statistics.median(rates[1:] or rates),
-                 f"GB/s ({what}, {args.bucket_mb:g} MB, median, verified)"),
-             Row("weight sync GB/s (first sync)", rates[0], "GB/s (maps the handles)", record=False),
-             overhead_row(times, what, args)]
+    rows += [
+        Row(
+            "weight sync GB/s",
+            statistics.median(rates[1:] or rates),
+            f"GB/s ({what}, {args.bucket_mb:g} MB, median, verified)",
+        ),
+        Row("weight sync GB/s (first sync)", rates[0], "GB/s (maps the handles)", record=False),
+        *overhead_rows(times, what, args, paths),
+    ]
 
 
 def bench_group(args, device: torch.device, rows: list[Row]) -> None:
@@ -251,29 +276,38 @@ def bench_group(args, device: torch.device, rows: list[Row]) -> None:
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
     port = free_port()
-    engine = ctx.Process(target=group_engine, args=(args.small, engine_dev, port, backend, bucket_bytes, args.timeout,
-                                                    requests, replies), daemon=True)
+    engine = ctx.Process(
+        target=group_engine,
+        args=(args.small, engine_dev, port, backend, bucket_bytes, args.timeout, requests, replies),
+        daemon=True,
+    )
     engine.start()
     try:
         group = create_sync_group("127.0.0.1", port, 0, 2, backend=backend, timeout_s=args.timeout, device=sender_dev)
         sender = WeightSender(group, bucket_bytes)
-        rates, times = [], {True: [], False: []}
+        rates, times = [], {mode: [] for mode in MODES}
         for r in range(args.rounds):
-            sender.verify = verified(r)
+            mode, sender.verify = policy(r)
             requests.put(metas)
             start = time.perf_counter()
             stats = sender.send(model.named_parameters())
             _reply(replies, "received", args.timeout)  # the sync ends when the engine has checked it
             seconds = time.perf_counter() - start
             if r:
-                times[sender.verify].append(seconds)
-            if sender.verify:
+                times[mode].append(seconds)
+            if mode != "off":
                 rates.append(stats.gbps)
-            print(f"{backend} sync {r}{'' if sender.verify else ' (unverified)'}: {stats.bytes / 1e9:.3f} GB in "
-                  f"{seconds * 1e3:.1f} ms ({stats.bytes / seconds / 1e9:.1f} GB/s)", flush=True)
+            print(
+                f"{backend} sync {r} ({describe(sender.verify)}): {stats.bytes / 1e9:.3f} GB in "
+                f"{seconds * 1e3:.1f} ms ({stats.bytes / seconds / 1e9:.1f} GB/s)",
+                flush=True,
+            )
         requests.put("fingerprint")
         exact = _reply(replies, "fingerprint", args.timeout) == fingerprint(model)
-        sender.verify = True
+        requests.put("path")
+        paths = f"checksums: sender {_path(sender_dev)}, engine {_reply(replies, 'path', args.timeout)}"
+        print(f"{backend} {paths}", flush=True)
+        sender.verify = "full"
         requests.put(("corrupt", 2))
         _reply(replies, "ok", args.timeout)
         requests.put(metas)
@@ -290,32 +324,70 @@ def bench_group(args, device: torch.device, rows: list[Row]) -> None:
         raise AssertionError(f"the engine's weights differ from the sender's after the {backend} syncs")
     print(f"{backend}: engine weights bit-exact", flush=True)
     _check_caught(backend, caught)
-    what = 'NCCL, GPU 0 -> GPU 1' if on_gpu else 'gloo over loopback, CPU'
+    what = "NCCL, GPU 0 -> GPU 1" if on_gpu else "gloo over loopback, CPU"
     unit = f"GB/s ({what}, {args.bucket_mb:g} MB, median, verified)"
-    rows += [Row("weight sync NCCL GB/s", statistics.median(rates[1:] or rates), unit),
-             Row("weight sync NCCL GB/s (first sync)", rates[0], "GB/s", record=False),
-             overhead_row(times, what, args)]
+    rows += [
+        Row("weight sync NCCL GB/s", statistics.median(rates[1:] or rates), unit),
+        Row("weight sync NCCL GB/s (first sync)", rates[0], "GB/s", record=False),
+        *overhead_rows(times, what, args, paths),
+    ]
 
 
-def verified(round_: int) -> bool:
-    """Round 0 (warm-up) and odd rounds verify, even rounds do not: pairs close in time."""
-    return round_ == 0 or round_ % 2 == 1
+MODES = ("sampled", "off", "full")
 
 
-def overhead_row(times: dict[bool, list[float]], what: str, args) -> Row:
-    on, off = statistics.median(times[True]), statistics.median(times[False])
-    pct = (on - off) / off * 100
-    print(f"verify: median {on * 1e3:.2f} ms verified vs {off * 1e3:.2f} ms unverified ({pct:+.2f} %)", flush=True)
-    return Row("weight sync verify overhead %", pct,
-               f"% of the sync's time ({what}, {args.bucket_mb:g} MB; median of {len(times[True])} verified "
-               f"{on * 1e3:.2f} ms vs {len(times[False])} unverified {off * 1e3:.2f} ms; a byte flipped in flight "
-               "was caught naming the parameter)")
+def policy(round_: int):
+    """Round 0: a run's first sync (sampled mode checks every piece); then sampled, unverified, full in turn (close
+    in time), the sampled ones numbered as a run's syncs 1, 2, ... (each checks another group of pieces)."""
+    from hybrid_core.weight_sync import VerifyPolicy
+
+    if round_ == 0:
+        return "warm-up", VerifyPolicy("sampled", 0)
+    mode = MODES[(round_ - 1) % len(MODES)]
+    return mode, VerifyPolicy(mode, (round_ - 1) // len(MODES) + 1)
+
+
+def describe(p) -> str:
+    return {"off": "unverified", "full": "full check"}.get(p.mode) or (
+        "first sync: every piece" if p.sync == 0 else f"sampled, sync {p.sync}"
+    )
+
+
+def _path(device) -> str:
+    from hybrid_core.weight_sync import checksum_path
+
+    return checksum_path(device)
+
+
+def overhead_rows(times: dict[str, list[float]], what: str, args, paths: str) -> list[Row]:
+    from hybrid_core.weight_sync.sampling import PERIOD
+
+    off = statistics.median(times["off"])
+    rows = []
+    for mode, name, how in (
+        ("sampled", "weight sync verify overhead %", f"sampled: 1/{PERIOD} of the pieces a sync"),
+        ("full", "weight sync verify overhead full %", "full: every piece"),
+    ):
+        on = statistics.median(times[mode])
+        pct = (on - off) / off * 100
+        print(f"verify {mode}: median {on * 1e3:.2f} ms vs {off * 1e3:.2f} ms unverified ({pct:+.2f} %)", flush=True)
+        rows.append(
+            Row(
+                name,
+                pct,
+                f"% of the sync's time ({what}, {args.bucket_mb:g} MB, {how}; median of "
+                f"{len(times[mode])} {on * 1e3:.2f} ms vs {len(times['off'])} unverified {off * 1e3:.2f} ms; "
+                f"{paths}; a byte flipped in flight was caught naming the parameter)",
+            )
+        )
+    return rows
 
 
 def _check_caught(mode: str, caught: str | None) -> None:
     if not caught or "weight sync verify" not in caught or "checked in the engine's parameter" not in caught:
-        raise AssertionError(f"{mode}: a byte flipped in flight was not reported as a mismatch naming the parameter "
-                             f"(got {caught!r})")
+        raise AssertionError(
+            f"{mode}: a byte flipped in flight was not reported as a mismatch naming the parameter (got {caught!r})"
+        )
     print(f"{mode}: corrupted sync caught: {caught[:200]}", flush=True)
 
 
@@ -330,8 +402,12 @@ def main() -> int:
             print("no GPU: use --small for the CPU logic check", file=sys.stderr)
             return 2
         device = torch.device("cuda", torch.cuda.current_device())
-    modes = {"auto": ["ipc"] + (["nccl"] if args.small or torch.cuda.device_count() >= 2 else []),
-             "both": ["ipc", "nccl"], "ipc": ["ipc"], "nccl": ["nccl"]}[args.mode]
+    modes = {
+        "auto": ["ipc"] + (["nccl"] if args.small or torch.cuda.device_count() >= 2 else []),
+        "both": ["ipc", "nccl"],
+        "ipc": ["ipc"],
+        "nccl": ["nccl"],
+    }[args.mode]
     if "nccl" in modes and not args.small and torch.cuda.device_count() < 2:
         print("nccl mode needs two visible GPUs", file=sys.stderr)
         return 2
@@ -356,6 +432,7 @@ def main() -> int:
         print(f"FAILED modes: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

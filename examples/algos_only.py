@@ -20,8 +20,16 @@ import sys
 import torch
 from torch import nn
 
-from hybrid_algos import (AdvantageInputs, aggregate_loss, clipped_value_loss, compute_advantages, kl_estimate,
-                          kl_penalty, logprobs_from_logits, ppo_policy_loss)
+from hybrid_algos import (
+    AdvantageInputs,
+    aggregate_loss,
+    clipped_value_loss,
+    compute_advantages,
+    kl_estimate,
+    kl_penalty,
+    logprobs_from_logits,
+    ppo_policy_loss,
+)
 
 VOCAB, STOP, MAX_NEW = 10, 0, 3  # token 0 stops a response; symbols are 1..9
 PROMPTS, SAMPLES = 16, 8  # per step: 16 prompts x 8 samples (the GRPO / RLOO group)
@@ -32,8 +40,11 @@ class ToyPolicy(nn.Module):
 
     def __init__(self, hidden: int = 32):
         super().__init__()
-        self.prompt, self.prev, self.pos = nn.Embedding(VOCAB, hidden), nn.Embedding(VOCAB + 1, hidden), \
-            nn.Embedding(MAX_NEW, hidden)
+        self.prompt, self.prev, self.pos = (
+            nn.Embedding(VOCAB, hidden),
+            nn.Embedding(VOCAB + 1, hidden),
+            nn.Embedding(MAX_NEW, hidden),
+        )
         self.body = nn.Sequential(nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
         self.lm_head, self.value_head = nn.Linear(hidden, VOCAB), nn.Linear(hidden, 1)
 
@@ -77,8 +88,14 @@ def train(estimator: str, steps: int, seed: int = 0) -> list[float]:
             old_logprobs = logprobs_from_logits(logits, responses)
             ref_logprobs = logprobs_from_logits(reference(prompts, responses)[0], responses)
         if estimator == "gae":  # PPO: the KL penalty is part of the reward; a critic gives the baseline
-            inputs = AdvantageInputs(mask, scores, token_rewards=kl_penalty(old_logprobs, ref_logprobs, mask, 0.01),
-                                     values=old_values, gamma=1.0, lam=0.95)
+            inputs = AdvantageInputs(
+                mask,
+                scores,
+                token_rewards=kl_penalty(old_logprobs, ref_logprobs, mask, 0.01),
+                values=old_values,
+                gamma=1.0,
+                lam=0.95,
+            )
         elif estimator == "reinforce_plus_plus":  # no critic: whitened reward-to-go, KL in the reward
             inputs = AdvantageInputs(mask, scores, token_rewards=kl_penalty(old_logprobs, ref_logprobs, mask, 0.01))
         else:  # grpo / rloo: compare the samples of each prompt; KL goes into the loss instead

@@ -26,8 +26,14 @@ import tempfile
 import ray
 import torch
 
-from hybrid_algos import (AdvantageInputs, aggregate_loss, compute_advantages, kl_estimate, logprobs_from_logits,
-                          ppo_policy_loss)
+from hybrid_algos import (
+    AdvantageInputs,
+    aggregate_loss,
+    compute_advantages,
+    kl_estimate,
+    logprobs_from_logits,
+    ppo_policy_loss,
+)
 from hybrid_algos.train.tasks import EOS, SyntheticTask
 from hybrid_algos.train.tiny import save_tiny_model
 from hybrid_core.cluster import connect
@@ -73,7 +79,7 @@ class Trainer:
     @staticmethod
     def response_logprobs(model, seqs: torch.Tensor, prompt_len: int) -> torch.Tensor:
         # Every prompt has the same length and responses are right-padded, so no attention mask is needed.
-        logits = model(input_ids=seqs).logits[:, prompt_len - 1:-1]
+        logits = model(input_ids=seqs).logits[:, prompt_len - 1 : -1]
         return logprobs_from_logits(logits, seqs[:, prompt_len:])
 
     def train(self, seqs, mask, advantages, engine_logprobs, prompt_len: int) -> dict:
@@ -96,8 +102,11 @@ class Trainer:
 
     def push_weights(self, engine) -> object:
         """Pack the weights into shared buckets and have the engine (a Ray actor on this GPU) load each one."""
-        return self.sender.send(self.policy.named_parameters(), deliver=engine.update_weights_from_ipc.remote,
-                                wait=lambda ref: get_with_timeout(ref, TIMEOUT_S, "engine: update_weights_from_ipc"))
+        return self.sender.send(
+            self.policy.named_parameters(),
+            deliver=engine.update_weights_from_ipc.remote,
+            wait=lambda ref: get_with_timeout(ref, TIMEOUT_S, "engine: update_weights_from_ipc"),
+        )
 
 
 class TrainerHandle:
@@ -130,8 +139,14 @@ def to_batch(task: SyntheticTask, prompts, outputs, max_new: int):
 
 def engine_kwargs(backend: str, model_path: str, seed: int, dtype: str = "float32") -> dict:
     if backend == "vllm":
-        return {"model": model_path, "dtype": dtype, "gpu_memory_utilization": 0.3, "enforce_eager": True,
-                "max_model_len": 64, "seed": seed}
+        return {
+            "model": model_path,
+            "dtype": dtype,
+            "gpu_memory_utilization": 0.3,
+            "enforce_eager": True,
+            "max_model_len": 64,
+            "seed": seed,
+        }
     return {"model": model_path, "dtype": dtype, "seed": seed}
 
 
@@ -163,50 +178,79 @@ def main(argv=None) -> list[float]:
     placed = place(plan, timeout_s=60)
     turnstile = Turnstile.create(f"grpo-{os.getpid()}", timeout_s=TIMEOUT_S)
     trainer_options = {**placed.actor_options("actor", 0), "runtime_env": worker_runtime_env(QUIET)}
-    trainer = ray.remote(Trainer).options(**trainer_options).remote(
-        model_path, lr=args.lr, kl_coef=1e-3, epochs=2, minibatch=32, seed=args.seed)
+    trainer = (
+        ray.remote(Trainer)
+        .options(**trainer_options)
+        .remote(model_path, lr=args.lr, kl_coef=1e-3, epochs=2, minibatch=32, seed=args.seed)
+    )
     call = lambda ref, what: get_with_timeout(ref, TIMEOUT_S, what)  # noqa: E731
     # The residency plan, from what the trainer holds (policy + reference + AdamW state, one piece) and the engine.
     trainer_bytes = call(trainer.state_bytes.remote(), "trainer: state_bytes")
     engine_bytes = trainer_bytes // 4  # the policy alone, without the reference and the optimizer state
-    layout = {0: (GpuShare(RoleSize("actor", "trainer", {"params": trainer_bytes, "grads": 0, "optimizer": 0})),
-                  GpuShare(RoleSize("rollout", "engine", {"weights": engine_bytes, "kv_cache": 0})))}
-    step = (Phase("generate", "rollout", {"rollout": ("weights", "kv_cache")}, work=("generate",)),
-            Phase("actor_train", "actor", {"actor": ("params", "grads", "optimizer")}, work=("train",)),
-            Phase("sync", "actor", {"actor": ("params",), "rollout": ("weights",)}, work=("sync",),
-                  holds={("rollout", "weights"): "generate"}))  # the step: synced weights stay until generated with
+    layout = {
+        0: (
+            GpuShare(RoleSize("actor", "trainer", {"params": trainer_bytes, "grads": 0, "optimizer": 0})),
+            GpuShare(RoleSize("rollout", "engine", {"weights": engine_bytes, "kv_cache": 0})),
+        )
+    }
+    step = (
+        Phase("generate", "rollout", {"rollout": ("weights", "kv_cache")}, work=("generate",)),
+        Phase("actor_train", "actor", {"actor": ("params", "grads", "optimizer")}, work=("train",)),
+        Phase(
+            "sync",
+            "actor",
+            {"actor": ("params",), "rollout": ("weights",)},
+            work=("sync",),
+            holds={("rollout", "weights"): "generate"},
+        ),
+    )  # the step: synced weights stay until generated with
     residency = plan_residency(layout, args.gpu_gib * 2**30, phases=step, mode=args.residency, engine_sleep_level=2)
     print(residency.render())
-    owner = ResidencyOwner(residency, {"actor": TrainerHandle(trainer, gpus)}, turnstile=turnstile,
-                           timeout_s=TIMEOUT_S)
+    owner = ResidencyOwner(residency, {"actor": TrainerHandle(trainer, gpus)}, turnstile=turnstile, timeout_s=TIMEOUT_S)
     owner.tag = 0
     owner.to_phase_state("generate")  # the engine's phase comes first: the trainer leaves before it starts
-    engines = launch_engines(placed, "rollout", backend=args.backend, timeout_s=TIMEOUT_S, env_vars=QUIET,
-                             engine_kwargs=engine_kwargs(args.backend, model_path, args.seed, args.engine_dtype))
+    engines = launch_engines(
+        placed,
+        "rollout",
+        backend=args.backend,
+        timeout_s=TIMEOUT_S,
+        env_vars=QUIET,
+        engine_kwargs=engine_kwargs(args.backend, model_path, args.seed, args.engine_dtype),
+    )
     owner.add_role("rollout", engines)
     rewards = []
     try:
         for step in range(args.steps):
             prompts = task.prompts(args.prompts, seed=args.seed * 100_000 + step)
-            params = SamplingParams(temperature=1.0, max_new_tokens=task.answer_len + 1, n=args.samples,
-                                    stop_token_ids=(EOS,), seed=step)
+            params = SamplingParams(
+                temperature=1.0, max_new_tokens=task.answer_len + 1, n=args.samples, stop_token_ids=(EOS,), seed=step
+            )
             owner.tag = step
             owner.enter("generate")  # the engine's KV cache (and its weights, after a level-2 sleep) come back
             outputs = engines.generate([q.prompt_ids for q in prompts], params)
             seqs, mask, engine_lp, scores = to_batch(task, prompts, outputs, params.max_new_tokens)
             advantages, _ = compute_advantages("grpo", AdvantageInputs(mask, scores, n_samples_per_prompt=args.samples))
-            owner.enter("actor_train")  # the engine sleeps (its weights dropped: the sync refills them), the trainer wakes
-            stats = call(trainer.train.remote(seqs, mask, advantages, engine_lp, len(prompts[0].prompt_ids)),
-                         "trainer: train")
+            owner.enter(
+                "actor_train"
+            )  # the engine sleeps (its weights dropped: the sync refills them), the trainer wakes
+            stats = call(
+                trainer.train.remote(seqs, mask, advantages, engine_lp, len(prompts[0].prompt_ids)), "trainer: train"
+            )
             owner.enter("sync")  # the one moment both share the GPU: the engine's weights only, no KV cache
             synced = call(trainer.push_weights.remote(engines.actors[0]), "trainer: push_weights")
             rewards.append(scores.mean().item())
-            moved = {(e["role"], e["direction"]): e["bytes"] for e in owner.log if e.get("tag") == step
-                     and e["event"] == "move"}
-            print(f"step {step:3d} | reward {rewards[-1]:.3f} | pg_loss {stats['pg_loss']:+.4f} | kl {stats['kl']:.2e}"
-                  f" | engine/trainer logprob gap {stats['gap']:.1e} | trainer sleep "
-                  f"{moved.get(('actor', 'off'), 0) / 1e6:.1f} MB wake {moved.get(('actor', 'on'), 0) / 1e6:.1f} MB"
-                  f" | sync {synced.bytes / 1e6:.1f} MB {synced.seconds * 1e3:.0f} ms", flush=True)
+            moved = {
+                (e["role"], e["direction"]): e["bytes"]
+                for e in owner.log
+                if e.get("tag") == step and e["event"] == "move"
+            }
+            print(
+                f"step {step:3d} | reward {rewards[-1]:.3f} | pg_loss {stats['pg_loss']:+.4f} | kl {stats['kl']:.2e}"
+                f" | engine/trainer logprob gap {stats['gap']:.1e} | trainer sleep "
+                f"{moved.get(('actor', 'off'), 0) / 1e6:.1f} MB wake {moved.get(('actor', 'on'), 0) / 1e6:.1f} MB"
+                f" | sync {synced.bytes / 1e6:.1f} MB {synced.seconds * 1e3:.0f} ms",
+                flush=True,
+            )
         owner.finish()
     finally:
         engines.shutdown()
@@ -215,8 +259,10 @@ def main(argv=None) -> list[float]:
         placed.remove()
         ray.shutdown()
     k = min(3, len(rewards))
-    print(f"reward: first {k} steps {statistics.mean(rewards[:k]):.3f} -> last {k} steps "
-          f"{statistics.mean(rewards[-k:]):.3f}")
+    print(
+        f"reward: first {k} steps {statistics.mean(rewards[:k]):.3f} -> last {k} steps "
+        f"{statistics.mean(rewards[-k:]):.3f}"
+    )
     return rewards
 
 

@@ -35,10 +35,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from algos_only import MAX_NEW, PROMPTS, SAMPLES, STOP, VOCAB, ToyPolicy, reward  # noqa: E402
+from algos_only import MAX_NEW, PROMPTS, SAMPLES, STOP, VOCAB, ToyPolicy, reward
 
-from hybrid_algos import (AdvantageInputs, compute_advantages, compute_policy_loss,  # noqa: E402
-                          logprobs_from_logits, rollout_correction)
+from hybrid_algos import (
+    AdvantageInputs,
+    compute_advantages,
+    compute_policy_loss,
+    logprobs_from_logits,
+    rollout_correction,
+)
 
 SCENARIOS = ("exact", "glitch", "hot_token", "noise")
 HOT = 5  # the symbol the hot_token engine favours (wrong for 8 of the 9 prompts)
@@ -86,13 +91,20 @@ def run(scenario: str, correction: str, seed: int, steps: int = 200) -> dict[str
             old = logprobs_from_logits(policy(prompts, responses)[0], responses)
         advantages, _ = compute_advantages("grpo", AdvantageInputs(mask, scores, n_samples_per_prompt=SAMPLES))
         method, low = ("tis", 0.5) if correction == "tis_low" else (correction, None)
-        corr = rollout_correction(old, engine_lp, mask, "tis" if method == "none" else method, low=low,
-                                  high=5.0 if correction == "tis_low" else None)
+        corr = rollout_correction(
+            old,
+            engine_lp,
+            mask,
+            "tis" if method == "none" else method,
+            low=low,
+            high=5.0 if correction == "tis_low" else None,
+        )
         weights = None if correction == "none" else corr.weights
         for _ in range(2):  # two PPO epochs over the batch
             logprobs = logprobs_from_logits(policy(prompts, responses)[0], responses)
-            loss, _ = compute_policy_loss("ppo", logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.28,
-                                          is_weights=weights)
+            loss, _ = compute_policy_loss(
+                "ppo", logprobs, old, advantages, mask, clip_low=0.2, clip_high=0.28, is_weights=weights
+            )
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -100,8 +112,12 @@ def run(scenario: str, correction: str, seed: int, steps: int = 200) -> dict[str
     eval_gen = torch.Generator().manual_seed(99)
     prompts = torch.randint(1, VOCAB, (512,), generator=eval_gen)
     responses, _, _ = sample(policy, prompts, "exact", eval_gen)
-    return {"engine_reward": statistics.mean(rewards[-10:]), "policy_reward": reward(prompts, responses).mean().item(),
-            "mismatch_kl": corr.stats["kl"].item(), "min_logprob": old[mask].min().item()}
+    return {
+        "engine_reward": statistics.mean(rewards[-10:]),
+        "policy_reward": reward(prompts, responses).mean().item(),
+        "mismatch_kl": corr.stats["kl"].item(),
+        "min_logprob": old[mask].min().item(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,14 +128,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # tensors this small run fastest on one thread
-    print("| engine | correction | engine reward | trained policy reward | engine-trainer KL | lowest trainer log-prob |")
+    print(
+        "| engine | correction | engine reward | trained policy reward | engine-trainer KL | lowest trainer log-prob |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for scenario in args.scenario:
         for correction in args.corrections:
             runs = [run(scenario, correction, seed, args.steps) for seed in args.seeds]
             cell = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
-            print(f"| {scenario} | {correction} | {cell['engine_reward']:.2f} | {cell['policy_reward']:.2f} | "
-                  f"{cell['mismatch_kl']:.2f} | {cell['min_logprob']:.0f} |", flush=True)
+            print(
+                f"| {scenario} | {correction} | {cell['engine_reward']:.2f} | {cell['policy_reward']:.2f} | "
+                f"{cell['mismatch_kl']:.2f} | {cell['min_logprob']:.0f} |",
+                flush=True,
+            )
     return 0
 
 

@@ -203,7 +203,8 @@ def test_no_import_circles(known):
     edges = graph(known)
     found = cycles(edges)
     assert not found, "import circles (move the shared piece down into the lower module):\n" + "\n".join(
-        describe(c, edges, known) for c in found)
+        describe(c, edges, known) for c in found
+    )
 
 
 def test_the_layers_hold(known):
@@ -229,7 +230,9 @@ def test_the_scan_finds_lazy_and_type_only_circles(tmp_path):
     fake = modules([src])
     edges = graph(fake)
     assert sorted(sorted(c) for c in cycles(edges)) == [
-        ["hybrid_core.a", "hybrid_core.a", "hybrid_core.b"], ["hybrid_core.c", "hybrid_core.c", "hybrid_core.d"]]
+        ["hybrid_core.a", "hybrid_core.a", "hybrid_core.b"],
+        ["hybrid_core.c", "hybrid_core.c", "hybrid_core.d"],
+    ]
     assert edges["hybrid_core.b"]["hybrid_core.a"][0].where == "function"
     assert edges["hybrid_core.c"]["hybrid_core.d"][0].where == "TYPE_CHECKING"
 

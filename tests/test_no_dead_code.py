@@ -52,8 +52,12 @@ def word_counts(root: Path, corpus: tuple[str, ...] = CORPUS) -> collections.Cou
         files = [top] if top.is_file() else sorted(top.rglob("*")) if top.is_dir() else []
         for path in files:
             parts = path.relative_to(root).parts
-            if path.suffix not in SUFFIXES or not path.is_file() or "__pycache__" in parts or any(
-                    p.startswith(".") and p != ".ci" for p in parts):
+            if (
+                path.suffix not in SUFFIXES
+                or not path.is_file()
+                or "__pycache__" in parts
+                or any(p.startswith(".") and p != ".ci" for p in parts)
+            ):
                 continue
             try:
                 counts.update(WORD.findall(path.read_text(errors="replace")))
@@ -64,15 +68,19 @@ def word_counts(root: Path, corpus: tuple[str, ...] = CORPUS) -> collections.Cou
 
 def unreferenced(root: Path) -> list[str]:
     counts = word_counts(root)
-    return [f"{path.relative_to(root)}:{line} {qualified}"
-            for path, line, qualified in definitions(sorted(root.glob("packages/*/src")))
-            if counts[qualified.rpartition(".")[2]] <= 1 and qualified not in ALLOWED]
+    return [
+        f"{path.relative_to(root)}:{line} {qualified}"
+        for path, line, qualified in definitions(sorted(root.glob("packages/*/src")))
+        if counts[qualified.rpartition(".")[2]] <= 1 and qualified not in ALLOWED
+    ]
 
 
 def test_every_function_class_and_method_is_referenced():
     found = unreferenced(ROOT)
-    assert not found, ("referenced nowhere (not called, imported, registered, documented or named in a string): "
-                       "delete it, or use it:\n  " + "\n  ".join(found))
+    assert not found, (
+        "referenced nowhere (not called, imported, registered, documented or named in a string): "
+        "delete it, or use it:\n  " + "\n  ".join(found)
+    )
 
 
 def test_the_check_finds_an_unreferenced_function(tmp_path):
@@ -84,8 +92,11 @@ def test_the_check_finds_an_unreferenced_function(tmp_path):
         "def used():\n    pass\n\n\ndef forgotten_helper():\n    pass\n\n\n"
         "class Worker:\n    def by_name(self):\n        pass\n\n    def __repr__(self):\n        return ''\n\n"
         "    def stale_method(self):\n        pass\n\n\n"
-        "@register('x')\ndef registered_loss():\n    pass\n\n\nused()\ncall('by_name')\n")
+        "@register('x')\ndef registered_loss():\n    pass\n\n\nused()\ncall('by_name')\n"
+    )
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "page.md").write_text("`Worker` does the work.\n")
-    assert unreferenced(tmp_path) == ["packages/p/src/pkg/m.py:5 forgotten_helper",
-                                      "packages/p/src/pkg/m.py:16 Worker.stale_method"]
+    assert unreferenced(tmp_path) == [
+        "packages/p/src/pkg/m.py:5 forgotten_helper",
+        "packages/p/src/pkg/m.py:16 Worker.stale_method",
+    ]

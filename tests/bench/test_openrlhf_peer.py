@@ -27,17 +27,21 @@ FLAGS = json.loads((ROOT / "packages/hybrid-cli/src/hybrid_cli/data/openrlhf_fla
 
 # What OpenRLHF 0.11.2 prints once per step (ppo_trainer.py: logger.info(f"✨ Global step {n}: {status}")), as it
 # reaches the driver through Ray's log forwarding; other lines around it as they appear in a run.
-STATUS = ("{{'policy_loss': -0.0123, 'actor_lr': 1e-06, 'ppo_clip_ratio': 0.0, 'kl': 0.0, 'reward': {r}, "
-          "'response_length': 128.0, 'timing/make_experience': {me}, 'timing/ppo_train': {pt}, "
-          "'timing/broadcast': {bc}, 'rollout/reward_mean': {r}, 'rollout/reward_std': 0.05, "
-          "'rollout/response_length_mean': 127.5, 'rollout/truncated_rate': 1.0, 'rollout/num_samples': 64.0, "
-          "'timing/generation': {gen}, 'timing/step_total': {tot}}}")
+STATUS = (
+    "{{'policy_loss': -0.0123, 'actor_lr': 1e-06, 'ppo_clip_ratio': 0.0, 'kl': 0.0, 'reward': {r}, "
+    "'response_length': 128.0, 'timing/make_experience': {me}, 'timing/ppo_train': {pt}, "
+    "'timing/broadcast': {bc}, 'rollout/reward_mean': {r}, 'rollout/reward_std': 0.05, "
+    "'rollout/response_length_mean': 127.5, 'rollout/truncated_rate': 1.0, 'rollout/num_samples': 64.0, "
+    "'timing/generation': {gen}, 'timing/step_total': {tot}}}"
+)
 PREFIX = "(PPOTrainer pid=4242) INFO 11-24 03:14:{s:02d} ppo_trainer.py:551] ✨ Global step {n}: "
 
 
 def sample_log(times):
-    lines = ["2026-11-24 03:13:50,000\tINFO worker.py:1917 -- Started a local Ray instance.",
-             "(LLMRayActor pid=4300) INFO 11-24 03:14:00 [gpu_model_runner.py:2650] Model loading took 0.68 GiB"]
+    lines = [
+        "2026-11-24 03:13:50,000\tINFO worker.py:1917 -- Started a local Ray instance.",
+        "(LLMRayActor pid=4300) INFO 11-24 03:14:00 [gpu_model_runner.py:2650] Model loading took 0.68 GiB",
+    ]
     for n, (gen, me, pt, bc) in enumerate(times, start=1):
         lines.append(f"(PPOTrainer pid=4242) INFO 11-24 03:14:{n:02d} ppo_trainer.py:224] Sample: ['t1 t2 t3', 0.1]")
         status = STATUS.format(r=0.01 * n, me=me, pt=pt, bc=bc, gen=gen, tot=round(gen + me + pt + bc, 6))
@@ -47,8 +51,13 @@ def sample_log(times):
 
 
 def test_parse_log_reads_every_step_line_and_summarize_takes_the_median_after_warmup():
-    times = [(5.0, 2.0, 3.0, 1.0), (0.4, 0.2, 0.3, 0.1), (0.5, 0.2, 0.4, 0.2), (0.6, 0.3, 0.5, 0.1),
-             (9.0, 0.2, 0.3, 0.1)]
+    times = [
+        (5.0, 2.0, 3.0, 1.0),
+        (0.4, 0.2, 0.3, 0.1),
+        (0.5, 0.2, 0.4, 0.2),
+        (0.6, 0.3, 0.5, 0.1),
+        (9.0, 0.2, 0.3, 0.1),
+    ]
     lines = sample_log(times)
     arrivals = [(100.0 + i, line) for i, line in enumerate(lines)]
     steps = peer.parse_log(arrivals)
@@ -59,16 +68,18 @@ def test_parse_log_reads_every_step_line_and_summarize_takes_the_median_after_wa
     totals = sorted(sum(t) for t in times[1:])
     assert out["step_s_inside"] == pytest.approx((totals[1] + totals[2]) / 2)  # OpenRLHF's own timing/step_total
     assert out["step_s"] is None  # 4 measured steps: the one clock gives a figure from 5 (test_peer_ratio.py)
-    assert out["phases_s"] == pytest.approx({"generation": 0.55, "make_experience": 0.2, "ppo_train": 0.35,
-                                             "broadcast": 0.1})
+    assert out["phases_s"] == pytest.approx(
+        {"generation": 0.55, "make_experience": 0.2, "ppo_train": 0.35, "broadcast": 0.1}
+    )
     assert out["response_len"] == 127.5
     assert out["rewards"] == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
     assert out["wall_step_s"] == pytest.approx(3.0)  # three lines per step, one second apart here
 
 
 def test_a_status_that_is_not_a_literal_is_read_by_the_regex():
-    line = PREFIX.format(s=1, n=7) + ("{'kl': np.float64(0.25), 'timing/step_total': 1.5, 'generated': tensor([1]), "
-                                      "'timing/broadcast': 2e-05}")
+    line = PREFIX.format(s=1, n=7) + (
+        "{'kl': np.float64(0.25), 'timing/step_total': 1.5, 'generated': tensor([1]), 'timing/broadcast': 2e-05}"
+    )
     (step,) = peer.parse_log([line])
     assert step["step"] == 7
     assert step["status"]["kl"] == 0.25 and step["status"]["timing/step_total"] == 1.5
@@ -76,10 +87,15 @@ def test_a_status_that_is_not_a_literal_is_read_by_the_regex():
 
 
 def test_failure_reports_the_actor_traceback_and_the_error():
-    lines = ["(PolicyModelActor pid=77) INFO loading", "Traceback (most recent call last):",
-             '  File "/tmp/site-orl/openrlhf/cli/train_ppo_ray.py", line 167, in train',
-             "    ray.get(refs)", "ray.exceptions.RayTaskError(ImportError): ray::PolicyModelActor.init()",
-             "(PolicyModelActor pid=77) ImportError: cannot import name 'X' from 'vllm.y'", "shutting down"]
+    lines = [
+        "(PolicyModelActor pid=77) INFO loading",
+        "Traceback (most recent call last):",
+        '  File "/tmp/site-orl/openrlhf/cli/train_ppo_ray.py", line 167, in train',
+        "    ray.get(refs)",
+        "ray.exceptions.RayTaskError(ImportError): ray::PolicyModelActor.init()",
+        "(PolicyModelActor pid=77) ImportError: cannot import name 'X' from 'vllm.y'",
+        "shutting down",
+    ]
     got = peer.failure(lines)
     assert got["traceback"][0].startswith("Traceback") and any("RayTaskError" in ln for ln in got["traceback"])
     assert got["error_lines"][-1].endswith("cannot import name 'X' from 'vllm.y'")
@@ -87,8 +103,21 @@ def test_failure_reports_the_actor_traceback_and_the_error():
 
 
 def _args(**kw):
-    base = dict(size="357m", setup="matched", steps=10, warmup=2, micro=64, zero_stage=None, gpu_util=0.35,
-                ckpt=False, lr=1e-6, enforce_eager=False, workdir="/tmp/peer", extra=[], no_sleep=False)
+    base = dict(
+        size="357m",
+        setup="matched",
+        steps=10,
+        warmup=2,
+        micro=64,
+        zero_stage=None,
+        gpu_util=0.35,
+        ckpt=False,
+        lr=1e-6,
+        enforce_eager=False,
+        workdir="/tmp/peer",
+        extra=[],
+        no_sleep=False,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -106,8 +135,10 @@ def _flag_values(cmd):
     return out
 
 
-@pytest.mark.parametrize("kw", [{}, {"setup": "zero3ref", "micro": 32},
-                                {"size": "1.5b", "micro": 8, "ckpt": True, "gpu_util": 0.3, "steps": 4}])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"setup": "zero3ref", "micro": 32}, {"size": "1.5b", "micro": 8, "ckpt": True, "gpu_util": 0.3, "steps": 4}],
+)
 def test_every_flag_is_one_of_openrlhf_0_11_2s_and_well_formed(kw):
     """Checked against the table extracted from OpenRLHF 0.11.2's own parser (hybrid_cli/data/openrlhf_flags.json);
     the GPU session also runs the real parser on it (`openrlhf_peer.py --check`)."""
@@ -185,8 +216,14 @@ def _fake_run(tmp_path, mode: str, expected_steps: int) -> dict:
     """``peer.run`` of FAKE_RUN in ``mode`` ("ok" or "fail"); it writes its child's pid to child.pid."""
     script = tmp_path / "fake.py"
     script.write_text(FAKE_RUN)
-    return peer.run([sys.executable, str(script), str(tmp_path / "child.pid"), mode], dict(os.environ),
-                    str(tmp_path / "log"), timeout=120, expected_steps=expected_steps, grace=1)
+    return peer.run(
+        [sys.executable, str(script), str(tmp_path / "child.pid"), mode],
+        dict(os.environ),
+        str(tmp_path / "log"),
+        timeout=120,
+        expected_steps=expected_steps,
+        grace=1,
+    )
 
 
 def _gone(tmp_path, within_s: float = 5.0) -> bool:
@@ -247,8 +284,15 @@ def test_reward_adapter_scores_what_our_runs_score_on_openrlhfs_decoded_query(tm
 
 
 def _orl(step=2.0, **kw):
-    return {"size": "357m", "setup": "matched", "warmup": 2, "step_s": step, "device": "NVIDIA H100 80GB HBM3",
-            "phases_s": {"generation": 0.8, "make_experience": 0.3, "ppo_train": 0.6, "broadcast": 0.3}, **kw}
+    return {
+        "size": "357m",
+        "setup": "matched",
+        "warmup": 2,
+        "step_s": step,
+        "device": "NVIDIA H100 80GB HBM3",
+        "phases_s": {"generation": 0.8, "make_experience": 0.3, "ppo_train": 0.6, "broadcast": 0.3},
+        **kw,
+    }
 
 
 def _ours(step=1.0, rc=0):
@@ -299,11 +343,29 @@ def test_main_writes_the_summary_or_the_failure_to_out(tmp_path, monkeypatch, ca
     script, pidfile = tmp_path / "fake.py", tmp_path / "child.pid"
     script.write_text(FAKE_RUN)
     monkeypatch.setattr(peer_workload, "build", lambda root, size: ("/m", "/d.jsonl"))
-    monkeypatch.setattr(peer, "command", lambda args, model, data: [sys.executable, str(script), str(pidfile), mode,
-                                                                    "8" if mode == "ok" else "3"])
+    monkeypatch.setattr(
+        peer,
+        "command",
+        lambda args, model, data: [sys.executable, str(script), str(pidfile), mode, "8" if mode == "ok" else "3"],
+    )
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(sys, "argv", ["openrlhf_peer.py", "--workdir", str(tmp_path), "--steps", "10", "--warmup", "2",
-                                      "--timeout", "8", "--grace", "1"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "openrlhf_peer.py",
+            "--workdir",
+            str(tmp_path),
+            "--steps",
+            "10",
+            "--warmup",
+            "2",
+            "--timeout",
+            "8",
+            "--grace",
+            "1",
+        ],
+    )
     rc = peer.main()
     result = json.loads((tmp_path / "openrlhf-357m-matched.json").read_text())
     out = capsys.readouterr().out

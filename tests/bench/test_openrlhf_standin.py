@@ -105,8 +105,13 @@ def test_rearrange_is_exported_for_openrlhf():
 def _gather_worker(rank: int, world: int, port: int, results):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                           timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=__import__("datetime").timedelta(seconds=60),
+    )
     try:
         x = torch.full((2, 3), float(rank + 1), requires_grad=True)
         out = dist_mod.all_gather(x, dist.group.WORLD)
@@ -141,7 +146,7 @@ def test_all_gather_concatenates_in_rank_order_over_a_real_gloo_group_and_is_the
         out, grad, alone = got[rank]
         assert out == expect and alone
         # every rank used the same weights, so each rank's slice gets the sum over the two ranks' gradients
-        assert torch.equal(torch.tensor(grad), 2 * weights[2 * rank:2 * rank + 2])
+        assert torch.equal(torch.tensor(grad), 2 * weights[2 * rank : 2 * rank + 2])
 
 
 def test_transformers_does_not_take_the_standin_for_flash_attn():

@@ -33,8 +33,11 @@ OOM = "CUDA out of memory: Tried to allocate 2.00 GiB"
 
 def test_turns_alternate_so_that_drift_favours_no_side():
     assert pr.turn_order(["ours", "trl-default", "trl-sleep"], 4) == [
-        ["ours", "trl-default", "trl-sleep"], ["trl-sleep", "trl-default", "ours"],
-        ["ours", "trl-default", "trl-sleep"], ["trl-sleep", "trl-default", "ours"]]
+        ["ours", "trl-default", "trl-sleep"],
+        ["trl-sleep", "trl-default", "ours"],
+        ["ours", "trl-default", "trl-sleep"],
+        ["trl-sleep", "trl-default", "ours"],
+    ]
     assert pr.turn_order(["ours", "trl-default"], 1) == [["ours", "trl-default"]]
 
 
@@ -46,13 +49,25 @@ def test_the_fair_protocol_metric_names_are_the_readmes():
     assert named[("1.5b", "trl-default")] == "speedup vs TRL 1.5B default x"
     assert named[("1.5b", "openrlhf-nosleep")] == "speedup vs OpenRLHF 1.5B nosleep x"
     figures = {f.metric for f in readme_figures.FIGURES}
-    assert {named[k] for k in [("357m-matched", "trl-default"), ("357m-matched", "trl-sleep"),
-                               ("357m-zero3ref", "trl-default"), ("1.5b", "trl-default"),
-                               ("1.5b", "openrlhf-nosleep")]} <= figures
+    assert {
+        named[k]
+        for k in [
+            ("357m-matched", "trl-default"),
+            ("357m-matched", "trl-sleep"),
+            ("357m-zero3ref", "trl-default"),
+            ("1.5b", "trl-default"),
+            ("1.5b", "openrlhf-nosleep"),
+        ]
+    } <= figures
     assert len(set(named.values())) == len(named), "two comparisons under one metric name"
     # the single-call rows of the sessions (another clock, peers asleep) keep names of their own
-    assert not set(named.values()) & {"speedup vs TRL x", "speedup vs TRL ZeRO-3+ref x", "speedup vs TRL 1.5B x",
-                                      "speedup vs OpenRLHF x", "speedup vs OpenRLHF 1.5B x"}
+    assert not set(named.values()) & {
+        "speedup vs TRL x",
+        "speedup vs TRL ZeRO-3+ref x",
+        "speedup vs TRL 1.5B x",
+        "speedup vs OpenRLHF x",
+        "speedup vs OpenRLHF 1.5B x",
+    }
 
 
 def _args(workload, **kw):
@@ -80,7 +95,10 @@ def test_every_side_runs_the_workloads_model_folder_and_batch_shape(workload):
         cmd = cmds[side]
         assert cmd[2:4] == [os.path.join(args.workdir, "model"), "vllm"]
         assert (_value(cmd, "--prompts", 8), _value(cmd, "--generations", 8), _value(cmd, "--max_new", 128)) == (
-            prompts, samples, max_new)
+            prompts,
+            samples,
+            max_new,
+        )
         assert ("--sleep" in cmd) == (side == "trl-sleep")  # TRL's default is no sleep
     for side in ("openrlhf-nosleep", "openrlhf-sleep"):
         cmd = cmds[side]
@@ -93,10 +111,15 @@ def test_every_side_runs_the_workloads_model_folder_and_batch_shape(workload):
 
 
 def test_refusals_name_the_setting_and_the_fix(capsys):
-    for argv, words in ((["--steps", "6"], "--steps >= 7"), (["--record", "--turns", "2"], ">= 3 same-call"),
-                        (["--record", "--small"], "--small"), (["--record", "--script", f"trl={__file__}"], "stand-in"),
-                        (["--peers", "trl-default", "--openrlhf"], "leave out --openrlhf"),
-                        (["--script", "verl=x.py"], "PROGRAM=PATH"), (["--warmup", "0"], "--warmup must be >= 1")):
+    for argv, words in (
+        (["--steps", "6"], "--steps >= 7"),
+        (["--record", "--turns", "2"], ">= 3 same-call"),
+        (["--record", "--small"], "--small"),
+        (["--record", "--script", f"trl={__file__}"], "stand-in"),
+        (["--peers", "trl-default", "--openrlhf"], "leave out --openrlhf"),
+        (["--script", "verl=x.py"], "PROGRAM=PATH"),
+        (["--warmup", "0"], "--warmup must be >= 1"),
+    ):
         with pytest.raises(SystemExit) as e:
             pr.parse(argv)
         assert e.value.code == 2
@@ -106,13 +129,27 @@ def test_refusals_name_the_setting_and_the_fix(capsys):
 def _entry(turn, side, median=None, error=None, n=MIN_MEASURED_STEPS + 1, version=None):
     """One side's record as run() writes it, made by peer_ratio's own measurement() from steady step times."""
     steady = [] if error else [median * f for f in (0.9, 1.0, 1.1, 1.0, 1.0, 1.0, 1.0)[:n]]
-    return {"turn": turn, "position": 1, "side": side, "wall_s": 1.0, "log": "",
-            **pr.measurement(steady, error=error, **({"version": version} if version else {}))}
+    return {
+        "turn": turn,
+        "position": 1,
+        "side": side,
+        "wall_s": 1.0,
+        "log": "",
+        **pr.measurement(steady, error=error, **({"version": version} if version else {})),
+    }
 
 
 def _data(runs, sides=("ours", "trl-default", "trl-sleep"), workload="357m-matched"):
-    return {"workload": workload, "sides": list(sides), "runs": runs, "steps": 8, "warmup": 2,
-            "device": "NVIDIA H100 80GB HBM3", "recordable": True, "command": "python bench/peer_ratio.py"}
+    return {
+        "workload": workload,
+        "sides": list(sides),
+        "runs": runs,
+        "steps": 8,
+        "warmup": 2,
+        "device": "NVIDIA H100 80GB HBM3",
+        "recordable": True,
+        "command": "python bench/peer_ratio.py",
+    }
 
 
 def test_a_row_is_the_median_of_the_turns_ratios_with_min_max_and_a_failed_turn_left_out(tmp_path):
@@ -121,9 +158,11 @@ def test_a_row_is_the_median_of_the_turns_ratios_with_min_max_and_a_failed_turn_
     trl_sleep = [2.0, 4.4, 2.2, 2.4]
     runs = []
     for t in range(4):
-        runs += [_entry(t + 1, "ours", ours[t]),
-                 _entry(t + 1, "trl-default", trl_default[t], error=None if trl_default[t] else OOM, version="1.16"),
-                 _entry(t + 1, "trl-sleep", trl_sleep[t], version="1.16")]
+        runs += [
+            _entry(t + 1, "ours", ours[t]),
+            _entry(t + 1, "trl-default", trl_default[t], error=None if trl_default[t] else OOM, version="1.16"),
+            _entry(t + 1, "trl-sleep", trl_sleep[t], version="1.16"),
+        ]
     rows, problems = pr.ratio_rows(_data(runs))
     by = {r.metric: r for r in rows}
     default, sleep = by["speedup vs TRL default x"], by["speedup vs TRL sleep x"]
@@ -144,8 +183,11 @@ def test_a_row_is_the_median_of_the_turns_ratios_with_min_max_and_a_failed_turn_
 def test_a_peer_that_failed_with_too_few_ratios_is_recorded_as_failed_never_a_figure():
     runs = []
     for t, (o, d) in enumerate([(1.0, None), (1.0, 1.4), (1.0, None)], start=1):
-        runs += [_entry(t, "ours", o), _entry(t, "trl-default", d, error=None if d else OOM),
-                 _entry(t, "trl-sleep", 2.0)]
+        runs += [
+            _entry(t, "ours", o),
+            _entry(t, "trl-default", d, error=None if d else OOM),
+            _entry(t, "trl-sleep", 2.0),
+        ]
     rows, problems = pr.ratio_rows(_data(runs))
     (default,) = [r for r in rows if r.metric == "speedup vs TRL default x"]
     assert default.value == "failed" and default.record
@@ -154,8 +196,14 @@ def test_a_peer_that_failed_with_too_few_ratios_is_recorded_as_failed_never_a_fi
 
 
 def test_our_failed_turn_gives_no_ratio_and_too_few_turns_give_no_recorded_row():
-    runs = [_entry(1, "ours", error="exit 1: RuntimeError: boom"), _entry(1, "trl-default", 1.5),
-            _entry(2, "ours", 1.0), _entry(2, "trl-default", 1.5), _entry(3, "ours", 1.0), _entry(3, "trl-default", 2.0)]
+    runs = [
+        _entry(1, "ours", error="exit 1: RuntimeError: boom"),
+        _entry(1, "trl-default", 1.5),
+        _entry(2, "ours", 1.0),
+        _entry(2, "trl-default", 1.5),
+        _entry(3, "ours", 1.0),
+        _entry(3, "trl-default", 2.0),
+    ]
     rows, problems = pr.ratio_rows(_data(runs, sides=("ours", "trl-default")))
     (row,) = rows
     assert not row.record and row.value == pytest.approx(1.75)  # 2 ratios: printed, not a RESULTS row
@@ -175,7 +223,7 @@ def test_a_side_needs_five_measured_steps_and_the_same_warmup(tmp_path):
     assert not got["ok"] and got["error"] == OOM
     log.write_text("Traceback (most recent call last):\nImportError: no module named trl\n")
     got = pr.read_trl(str(tmp_path), {"log": str(log), "rc": 1, "stopped": None}, warmup=2)
-    assert "no RESULT line: exit 1: ImportError: no module named trl" == got["error"]
+    assert got["error"] == "no RESULT line: exit 1: ImportError: no module named trl"
 
 
 def test_openrlhf_is_read_on_the_step_end_clock(tmp_path):
@@ -234,8 +282,9 @@ STANDIN = textwrap.dedent("""
 """)
 
 
-def test_a_whole_run_through_subprocesses_alternates_keeps_the_failure_and_makes_the_rows(tmp_path, capsys,
-                                                                                         monkeypatch):
+def test_a_whole_run_through_subprocesses_alternates_keeps_the_failure_and_makes_the_rows(
+    tmp_path, capsys, monkeypatch
+):
     standin = tmp_path / "standin.py"
     standin.write_text(STANDIN)
     workdir = tmp_path / "wd"
@@ -247,16 +296,38 @@ def test_a_whole_run_through_subprocesses_alternates_keeps_the_failure_and_makes
     monkeypatch.setenv("STANDIN_LOG", str(tmp_path / "calls.log"))
     monkeypatch.setenv("STANDIN_PLAN", json.dumps(plan))
     out = tmp_path / "out"
-    argv = ["--workload", "357m-matched", "--workdir", str(workdir), "--out", str(out), "--run_timeout", "120",
-            *[f"--script={p}={standin}" for p in ("ours", "trl")]]
+    argv = [
+        "--workload",
+        "357m-matched",
+        "--workdir",
+        str(workdir),
+        "--out",
+        str(out),
+        "--run_timeout",
+        "120",
+        *[f"--script={p}={standin}" for p in ("ours", "trl")],
+    ]
     rc = pr.main(argv)
     printed = capsys.readouterr().out
 
     assert (tmp_path / "calls.log").read_text().split() == [
-        "ours", "trl-default", "trl-sleep", "trl-sleep", "trl-default", "ours", "ours", "trl-default", "trl-sleep"]
+        "ours",
+        "trl-default",
+        "trl-sleep",
+        "trl-sleep",
+        "trl-default",
+        "ours",
+        "ours",
+        "trl-default",
+        "trl-sleep",
+    ]
     data = json.loads((out / "peer_ratio-357m-matched.json").read_text())
     assert [(r["turn"], r["side"]) for r in data["runs"]][:4] == [
-        (1, "ours"), (1, "trl-default"), (1, "trl-sleep"), (2, "trl-sleep")]
+        (1, "ours"),
+        (1, "trl-default"),
+        (1, "trl-sleep"),
+        (2, "trl-sleep"),
+    ]
     by = {(r["turn"], r["side"]): r for r in data["runs"]}
     assert by[(2, "trl-default")]["ok"] is False and by[(2, "trl-default")]["error"] == OOM
     assert by[(3, "ours")]["median_s"] == 2.0 and by[(3, "ours")]["steady_s"] == [2.0] * 6  # the warm-up dropped

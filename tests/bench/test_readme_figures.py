@@ -44,7 +44,8 @@ def test_median_of_the_newest_date_with_misses_and_range(tmp_path):
         "| generate overhead vs vLLM alone % | 40.0 | % (old variant) | NVIDIA H100 80GB HBM3 | 2026-11-24 | `c` |\n"
         "| generate overhead vs vLLM alone % | 0.3 | % (no log-probs on either side) | NVIDIA H100 | 2026-11-24 "
         "| `c` |\n",
-        encoding="utf-8")
+        encoding="utf-8",
+    )
     rows = gen.read_results(results)
     line = next(ln for ln in gen.render(rows).splitlines() if "vs TRL 1.16" in ln)
     # the median of the newest date's three rows, not the best one and not the older 2.50
@@ -57,8 +58,7 @@ def test_check_fails_on_a_hand_edited_figure(tmp_path, monkeypatch):
     gen = _generator()
     readme = tmp_path / "README.md"
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    readme.write_text(text.replace("**1.15 x**", "**1.59 x**", 1),
-                      encoding="utf-8")
+    readme.write_text(text.replace("**1.15 x**", "**1.59 x**", 1), encoding="utf-8")
     monkeypatch.setattr(gen, "README", readme)
     assert gen.main(["--check"]) == 1
 
@@ -69,7 +69,9 @@ def test_a_failed_measurement_is_shown_as_a_miss(tmp_path):
     results.write_text(
         "| metric | value | unit | device | date | command |\n| --- | --- | --- | --- | --- | --- |\n"
         "| speedup vs TRL default x | failed | x (TRL default: CUDA out of memory in 3 of 3 turns) | NVIDIA H100 | "
-        "2026-12-02 | `a` |\n", encoding="utf-8")
+        "2026-12-02 | `a` |\n",
+        encoding="utf-8",
+    )
     line = next(ln for ln in gen.render(gen.read_results(results)).splitlines() if "at its default (no sleep)" in ln)
     assert "**failed** (x (TRL default: CUDA out of memory" in line and ">= 1.5: no figure" in line
     assert "not measured yet" not in line

@@ -47,8 +47,20 @@ def test_data_file_holds_our_prompts_as_verl_rows(workload, tmp_path):
 
 
 def _args(**kw):
-    base = dict(size="357m", setup="matched", steps=10, warmup=2, micro=64, gpu_util=0.35, ckpt=False, lr=1e-6,
-                enforce_eager=False, legacy=False, workdir="/tmp/peer", extra=[])
+    base = dict(
+        size="357m",
+        setup="matched",
+        steps=10,
+        warmup=2,
+        micro=64,
+        gpu_util=0.35,
+        ckpt=False,
+        lr=1e-6,
+        enforce_eager=False,
+        legacy=False,
+        workdir="/tmp/peer",
+        extra=[],
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -62,8 +74,9 @@ def _values(overrides):
     return out
 
 
-@pytest.mark.parametrize("kw", [{}, {"setup": "lowvar"}, {"size": "1.5b", "micro": 8, "ckpt": True, "gpu_util": 0.3,
-                                                        "steps": 4}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"setup": "lowvar"}, {"size": "1.5b", "micro": 8, "ckpt": True, "gpu_util": 0.3, "steps": 4}]
+)
 def test_overrides_name_e2e_gpus_batch_shape_and_the_issues_set_up(kw):
     args = _args(**kw)
     v = _values(peer.overrides(args, "/m", "/d.parquet"))
@@ -137,11 +150,24 @@ def test_overrides_compose_against_verls_own_config(workload, tmp_path):
 # "step:N - key:value - ...", numbers through pprint.pformat, so numpy scalars read np.float64(...)), from the
 # TaskRunner actor through Ray's log forwarding; other lines around it as they appear in a run.
 def _metrics(n, gen, upd, sync, total):
-    return {"training/global_step": n, "training/epoch": 0, "actor/pg_loss": -0.0123, "actor/lr": 1e-06,
-            "critic/score/mean": 0.01 * n, "critic/rewards/mean": 0.01 * n, "response_length/mean": 127.5,
-            "response_length/clip_ratio": 0.9, "timing_s/gen": gen, "timing_s/reward": 0.01,
-            "timing_s/old_log_prob": 0.2, "timing_s/adv": 0.003, "timing_s/update_actor": upd,
-            "timing_s/update_weights": sync, "timing_s/step": total, "perf/throughput": 1234.5}
+    return {
+        "training/global_step": n,
+        "training/epoch": 0,
+        "actor/pg_loss": -0.0123,
+        "actor/lr": 1e-06,
+        "critic/score/mean": 0.01 * n,
+        "critic/rewards/mean": 0.01 * n,
+        "response_length/mean": 127.5,
+        "response_length/clip_ratio": 0.9,
+        "timing_s/gen": gen,
+        "timing_s/reward": 0.01,
+        "timing_s/old_log_prob": 0.2,
+        "timing_s/adv": 0.003,
+        "timing_s/update_actor": upd,
+        "timing_s/update_weights": sync,
+        "timing_s/step": total,
+        "perf/throughput": 1234.5,
+    }
 
 
 def _console(n, metrics, numpy=False):
@@ -153,9 +179,11 @@ def _console(n, metrics, numpy=False):
 
 
 def sample_log(times):
-    lines = ["2026-11-24 03:13:50,000\tINFO worker.py:1917 -- Started a local Ray instance.",
-             "(vLLMHttpServer pid=4300) INFO 11-24 03:14:00 [gpu_model_runner.py:2650] Model loading took 0.68 GiB",
-             "(TaskRunnerV1 pid=4242) step:0 - val-core/peer_copy_first/acc/mean@1:0.0"]  # validation: no timing
+    lines = [
+        "2026-11-24 03:13:50,000\tINFO worker.py:1917 -- Started a local Ray instance.",
+        "(vLLMHttpServer pid=4300) INFO 11-24 03:14:00 [gpu_model_runner.py:2650] Model loading took 0.68 GiB",
+        "(TaskRunnerV1 pid=4242) step:0 - val-core/peer_copy_first/acc/mean@1:0.0",
+    ]  # validation: no timing
     for n, (gen, upd, sync) in enumerate(times, start=1):
         total = round(gen + upd + sync + 0.213, 6)
         lines.append(_console(n, _metrics(n, gen, upd, sync, total), numpy=n % 2 == 0))
@@ -222,14 +250,17 @@ def test_verl_runs_without_the_trl_beside_it(monkeypatch, tmp_path):
 def test_reward_is_copy_first_of_the_decoded_response():
     prompt = "t5 t9 t5 t1"
     extra = peer.rows([prompt])[0]
-    got = verl_reward.compute_score(data_source=peer.DATA_SOURCE, solution_str="t5 t7 t5 t5",
-                                    ground_truth=extra["reward_model"]["ground_truth"],
-                                    extra_info=dict(extra["extra_info"], num_turns=2))
+    got = verl_reward.compute_score(
+        data_source=peer.DATA_SOURCE,
+        solution_str="t5 t7 t5 t5",
+        ground_truth=extra["reward_model"]["ground_truth"],
+        extra_info=dict(extra["extra_info"], num_turns=2),
+    )
     assert got == pytest.approx(0.75) == copy_first([prompt], ["t5 t7 t5 t5"])[0]
     assert verl_reward.compute_score(solution_str="", ground_truth="t5", extra_info={"prompt": prompt}) == 0.0
     with pytest.raises(ValueError, match="not the first token"):
         verl_reward.compute_score(solution_str="t1", ground_truth="t9", extra_info={"prompt": prompt})
-    with pytest.raises(ValueError, match="no extra_info.prompt"):
+    with pytest.raises(ValueError, match=r"no extra_info.prompt"):
         verl_reward.compute_score(solution_str="t1", ground_truth="t5", extra_info={})
 
 
@@ -256,8 +287,11 @@ def test_main_writes_the_summary_or_the_failure_to_out(tmp_path, monkeypatch, ca
     monkeypatch.setattr(peer_workload, "build", lambda root, size: ("/m", workload[1]))
     monkeypatch.setattr(peer, "command", lambda args, model, data: [sys.executable, str(script), mode])
     monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(sys, "argv", ["verl_peer.py", "--workdir", str(tmp_path), "--steps", "5", "--warmup", "1",
-                                      "--timeout", "6", "--grace", "1"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["verl_peer.py", "--workdir", str(tmp_path), "--steps", "5", "--warmup", "1", "--timeout", "6", "--grace", "1"],
+    )
     rc = peer.main()
     result = json.loads((tmp_path / "verl-357m-matched.json").read_text())
     out = capsys.readouterr().out
@@ -275,9 +309,24 @@ def test_main_writes_the_summary_or_the_failure_to_out(tmp_path, monkeypatch, ca
 
 
 def _verl(step=2.0, **kw):
-    return {"size": "357m", "setup": "matched", "warmup": 2, "step_s": step, "device": "NVIDIA H100 80GB HBM3",
-            "verl": "0.9.1", "phases_s": {"gen": 0.8, "reward": 0.01, "old_log_prob": 0.2, "ref": 0.0, "adv": 0.01,
-                                          "update_actor": 0.6, "update_weights": 0.3}, **kw}
+    return {
+        "size": "357m",
+        "setup": "matched",
+        "warmup": 2,
+        "step_s": step,
+        "device": "NVIDIA H100 80GB HBM3",
+        "verl": "0.9.1",
+        "phases_s": {
+            "gen": 0.8,
+            "reward": 0.01,
+            "old_log_prob": 0.2,
+            "ref": 0.0,
+            "adv": 0.01,
+            "update_actor": 0.6,
+            "update_weights": 0.3,
+        },
+        **kw,
+    }
 
 
 def _ours(step=1.0, rc=0):

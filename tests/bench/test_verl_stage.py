@@ -36,14 +36,24 @@ def make_wheel(folder: Path, dist: str, version: str, modules: dict[str, str], t
 
 def stage(args: list[str], pythonpath: list[Path]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "verl_stage.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "verl_stage.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_wheel_modules_reads_the_library_and_leaves_a_wheels_examples_and_tests_out(tmp_path):
     # TransferQueue's wheel lists its examples and tests as top-level packages beside the library
-    listed = make_wheel(tmp_path, "transfer-thing", "0.1", {"transfer_thing/__init__.py": "", "tests/__init__.py": ""},
-                        top_level=["recipe", "tests", "transfer_thing"])
+    listed = make_wheel(
+        tmp_path,
+        "transfer-thing",
+        "0.1",
+        {"transfer_thing/__init__.py": "", "tests/__init__.py": ""},
+        top_level=["recipe", "tests", "transfer_thing"],
+    )
     assert verl_stage.wheel_modules(str(listed)) == ("transfer-thing", "0.1", ["transfer_thing"])
     # no top_level.txt: read from the layout (a package, a single-file module; metadata folders left out)
     bare = make_wheel(tmp_path, "two-mods", "2.0", {"pkg_a/__init__.py": "", "single.py": "", "tests/t.py": ""})
@@ -54,8 +64,22 @@ def test_install_absent_never_shadows_what_the_environment_has_and_restages_only
     wheels, image, target = tmp_path / "w", tmp_path / "image", tmp_path / "site-verl"
     wheels.mkdir()
     old_beta = make_wheel(wheels, "beta", "1.0", {"beta/__init__.py": "V = 1\n"})
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(image),
-                    str(old_beta)], check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--target",
+            str(image),
+            str(old_beta),
+        ],
+        check=True,
+        timeout=120,
+    )
     (wheels / old_beta.name).unlink()
     alpha = make_wheel(wheels, "alpha", "1.0", {"alpha/__init__.py": "V = 1\n"})
     beta = make_wheel(wheels, "beta", "2.0", {"beta/__init__.py": "V = 2\n"})
@@ -84,8 +108,11 @@ def test_install_absent_never_shadows_what_the_environment_has_and_restages_only
 
 def test_the_preflight_names_vllms_server_and_knows_whether_vllm_is_staged(tmp_path):
     # verl's vLLM rollout starts vLLM's OpenAI server: its modules failed on the GPU where the LLM path did not
-    for mod in ("vllm.entrypoints.cli.serve", "vllm.entrypoints.openai.api_server",
-                "verl.workers.rollout.vllm_rollout.vllm_async_server"):
+    for mod in (
+        "vllm.entrypoints.cli.serve",
+        "vllm.entrypoints.openai.api_server",
+        "verl.workers.rollout.vllm_rollout.vllm_async_server",
+    ):
         assert mod in verl_stage.CHECK_MODULES
     assert any(w.startswith("model-hosting-container-standards==") for w in verl_stage.WHEELS)
     assert stage(["--vllm-staged"], [tmp_path]).returncode == (0 if verl_stage.vllm_staged() else 1)
@@ -97,11 +124,11 @@ def test_the_preflight_names_vllms_server_and_knows_whether_vllm_is_staged(tmp_p
 
 @pytest.mark.skipif(verl_stage.vllm_staged(), reason="here vLLM is importable: the point is a missing module")
 def test_session_check_phase_runs_the_preflight_alone_and_fails_on_a_missing_module(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "VERL_SITE": str(tmp_path / "site-verl"),
-           "PY": sys.executable}
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "VERL_SITE": str(tmp_path / "site-verl"), "PY": sys.executable}
     session = ROOT / "bench" / "sessions" / "verl_session.sh"
-    done = subprocess.run(["bash", str(session), "check"], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+    done = subprocess.run(
+        ["bash", str(session), "check"], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert "import FAIL vllm.entrypoints.openai.api_server" in done.stdout
     assert "verl import check:" in done.stdout and "failed" in done.stdout

@@ -56,8 +56,9 @@ def blocks(path: Path) -> list[Block]:
             raise AssertionError(f"{path}:{i + 1}: code block never closed")
         above = lines[i - 1].strip() if i > 0 else ""
         mark = _MARK.match(above)
-        found.append(Block(path, i + 1, opening.group(1), "\n".join(lines[i + 1:end]) + "\n",
-                           mark.group(1) if mark else None))
+        found.append(
+            Block(path, i + 1, opening.group(1), "\n".join(lines[i + 1 : end]) + "\n", mark.group(1) if mark else None)
+        )
         i = end + 1
     return found
 

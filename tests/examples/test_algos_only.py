@@ -29,8 +29,14 @@ sys.exit(code)
 
 
 def test_algos_only_learns_with_every_estimator_and_imports_torch_only(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     lines = result.stdout.splitlines()
     assert "OK" in lines and "HEAVY: none" in lines, result.stdout

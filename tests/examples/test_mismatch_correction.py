@@ -29,12 +29,19 @@ ROW = re.compile(r"\| (\w+) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| (-?[\d.]+) \| (-
 
 
 def test_uncorrected_run_drifts_and_the_corrected_one_does_not(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert "HEAVY: none" in result.stdout
-    rows = {(m[1], m[2]): tuple(float(x) for x in m.groups()[2:]) for m in map(ROW.match, result.stdout.splitlines())
-            if m}
+    rows = {
+        (m[1], m[2]): tuple(float(x) for x in m.groups()[2:]) for m in map(ROW.match, result.stdout.splitlines()) if m
+    }
     assert len(rows) == 4, result.stdout
     engine_reward, policy_reward, kl, lowest = 0, 1, 2, 3
     # an exact engine: the weights are exactly 1, the runs identical

@@ -22,8 +22,12 @@ DEADLINE_S = 300  # the docs promise seconds; the deadline only guards against a
 
 def _env() -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)  # the environment's `hybrid` script and python come first
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
 
 
 @pytest.mark.parametrize("block", RUN, ids=[b.id for b in RUN])
@@ -36,8 +40,10 @@ def test_block_runs(block, tmp_path: Path) -> None:
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
     start = time.monotonic()
     result = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=DEADLINE_S)
-    assert result.returncode == 0, (f"{block.id} failed (exit {result.returncode}):\n{block.code}\n--- stdout\n"
-                                    f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}")
+    assert result.returncode == 0, (
+        f"{block.id} failed (exit {result.returncode}):\n{block.code}\n--- stdout\n"
+        f"{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-4000:]}"
+    )
     assert result.stdout.strip(), f"{block.id} printed nothing: a README example should show its result"
     print(f"{block.id}: {time.monotonic() - start:.1f} s")
 

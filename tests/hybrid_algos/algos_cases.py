@@ -15,8 +15,9 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 
 @st.composite
-def masks(draw, max_batch: int = 6, max_len: int = 7, right_padded: bool = False, min_valid: int = 0,
-          min_batch: int = 1):
+def masks(
+    draw, max_batch: int = 6, max_len: int = 7, right_padded: bool = False, min_valid: int = 0, min_batch: int = 1
+):
     """A bool mask [B, T]; right-padded rows have >= ``min_valid`` tokens, otherwise any pattern (holes allowed)."""
     batch = draw(st.integers(min_batch, max_batch))
     length = draw(st.integers(max(1, min_valid), max_len))

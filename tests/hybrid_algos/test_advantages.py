@@ -19,19 +19,27 @@ from hybrid_algos import advantages as adv_module
 
 F64 = torch.float64
 CANONICAL = ["dr_grpo", "gae", "grpo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo"]
-OPENRLHF = {"gae": "gae", "reinforce": "reinforce_plus_plus", "reinforce_baseline": "reinforce_plus_plus_baseline",
-            "rloo": "rloo", "group_norm": "grpo", "dr_grpo": "dr_grpo"}
+OPENRLHF = {
+    "gae": "gae",
+    "reinforce": "reinforce_plus_plus",
+    "reinforce_baseline": "reinforce_plus_plus_baseline",
+    "rloo": "rloo",
+    "group_norm": "grpo",
+    "dr_grpo": "dr_grpo",
+}
 # 2 prompts x 3 samples, right-padded responses of lengths 3, 2, 3 | 1, 3, 2
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
 SCORES = torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0, 0.0], dtype=F64)
 
 
 def _broadcast(per_seq: list[float], mask: torch.Tensor = MASK) -> torch.Tensor:
-    return torch.tensor([[per_seq[i] if mask[i, t] else 0.0 for t in range(mask.shape[1])]
-                         for i in range(mask.shape[0])], dtype=F64)
+    return torch.tensor(
+        [[per_seq[i] if mask[i, t] else 0.0 for t in range(mask.shape[1])] for i in range(mask.shape[0])], dtype=F64
+    )
 
 
 # ---- registry ---------------------------------------------------------------------------------------------------
+
 
 def test_builtin_names_and_openrlhf_aliases():
     assert list_advantage_estimators(include_aliases=False) == CANONICAL
@@ -80,11 +88,14 @@ def test_registered_estimator_returning_wrong_shape_is_caught(clean_registry):
     assert e.value.field == "advantages"
 
 
-@pytest.mark.parametrize("name,kwargs,field", [
-    ("gae", {"scores": SCORES}, "values"),
-    ("grpo", {"scores": SCORES}, "group_ids"),
-    ("rloo", {"token_rewards": torch.zeros(6, 3), "n_samples_per_prompt": 3}, "scores"),
-])
+@pytest.mark.parametrize(
+    "name,kwargs,field",
+    [
+        ("gae", {"scores": SCORES}, "values"),
+        ("grpo", {"scores": SCORES}, "group_ids"),
+        ("rloo", {"token_rewards": torch.zeros(6, 3), "n_samples_per_prompt": 3}, "scores"),
+    ],
+)
 def test_missing_requirement_is_named(name, kwargs, field):
     with pytest.raises(AlgoInputError) as e:
         compute_advantages(name, AdvantageInputs(MASK, **kwargs))
@@ -92,6 +103,7 @@ def test_missing_requirement_is_named(name, kwargs, field):
 
 
 # ---- hand-computed cases ----------------------------------------------------------------------------------------
+
 
 def test_grpo_by_hand():
     adv, ret = compute_advantages("group_norm", AdvantageInputs(MASK, scores=SCORES, n_samples_per_prompt=3))
@@ -110,9 +122,9 @@ def test_dr_grpo_and_rloo_by_hand():
     s = SCORES.tolist()
     dr_expected, rl_expected = [], []
     for g in range(2):
-        group = s[3 * g:3 * g + 3]
+        group = s[3 * g : 3 * g + 3]
         for i, x in enumerate(group):
-            others = group[:i] + group[i + 1:]
+            others = group[:i] + group[i + 1 :]
             dr_expected.append(x - sum(group) / 3)
             rl_expected.append(x - sum(others) / 2)
     assert torch.allclose(dr, _broadcast(dr_expected))
@@ -120,8 +132,10 @@ def test_dr_grpo_and_rloo_by_hand():
 
 
 def test_reinforce_plus_plus_by_hand():
-    kl = torch.tensor([[-0.1, 0.2, -0.3], [0.1, 0.0, 9.0], [0.0, 0.0, 0.1], [0.5, 9.0, 9.0],
-                       [0.0, -0.2, 0.0], [0.3, 0.1, 9.0]], dtype=F64)
+    kl = torch.tensor(
+        [[-0.1, 0.2, -0.3], [0.1, 0.0, 9.0], [0.0, 0.0, 0.1], [0.5, 9.0, 9.0], [0.0, -0.2, 0.0], [0.3, 0.1, 9.0]],
+        dtype=F64,
+    )
     gamma = 0.9
     adv, ret = compute_advantages("reinforce", AdvantageInputs(MASK, scores=SCORES, token_rewards=kl, gamma=gamma))
     rewards = per_row(lambda x: x, kl, MASK)
@@ -135,7 +149,7 @@ def test_reinforce_plus_plus_by_hand():
 def test_reinforce_baseline_by_hand():
     adv, ret = compute_advantages("reinforce_baseline", AdvantageInputs(MASK, scores=SCORES, n_samples_per_prompt=3))
     s = SCORES.tolist()
-    shaped = [x - sum(s[3 * (i // 3):3 * (i // 3) + 3]) / 3 for i, x in enumerate(s)]
+    shaped = [x - sum(s[3 * (i // 3) : 3 * (i // 3) + 3]) / 3 for i, x in enumerate(s)]
     expected_ret = _broadcast(shaped)  # gamma = 1, no dense reward: the shaped score at every valid token
     assert torch.allclose(ret, expected_ret)
     assert torch.allclose(adv, ref_whiten(expected_ret, MASK))
@@ -165,8 +179,9 @@ def test_group_ids_in_any_order_match_consecutive_blocks():
 def test_dense_rewards_add_their_reward_to_go_in_group_estimators():
     dense = torch.tensor([[0.0, 0.0, -0.2]] * 6, dtype=F64)
     plain, _ = compute_advantages("grpo", AdvantageInputs(MASK, scores=SCORES, n_samples_per_prompt=3))
-    both, _ = compute_advantages("grpo", AdvantageInputs(MASK, scores=SCORES, token_rewards=dense,
-                                                         n_samples_per_prompt=3))
+    both, _ = compute_advantages(
+        "grpo", AdvantageInputs(MASK, scores=SCORES, token_rewards=dense, n_samples_per_prompt=3)
+    )
     assert torch.allclose(both - plain, per_row(lambda x: ref_rtg(x, 1.0), dense, MASK))
 
 
@@ -179,6 +194,7 @@ def test_singleton_groups():
 
 # ---- invariants --------------------------------------------------------------------------------------------------
 
+
 @st.composite
 def grouped(draw):
     groups = draw(st.integers(1, 4))
@@ -187,8 +203,9 @@ def grouped(draw):
     lengths = [draw(st.integers(0, length)) for _ in range(sum(sizes))]
     mask = torch.tensor([[t < n for t in range(length)] for n in lengths])
     ids = [g for g, n in enumerate(sizes) for _ in range(n)]
-    scores = torch.tensor(draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, -1.0, 3.5]), min_size=len(ids),
-                                        max_size=len(ids))), dtype=F64)
+    scores = torch.tensor(
+        draw(st.lists(st.sampled_from([0.0, 0.25, 1.0, -1.0, 3.5]), min_size=len(ids), max_size=len(ids))), dtype=F64
+    )
     return mask, scores, ids
 
 
@@ -204,15 +221,28 @@ def test_group_advantages_sum_to_zero_per_group(case, name):
 
 
 @FAST
-@given(case=grouped(), name=st.sampled_from(CANONICAL), seed=st.integers(0, 2**16),
-       gamma=st.floats(0.5, 1.0), lam=st.floats(0.0, 1.0))
+@given(
+    case=grouped(),
+    name=st.sampled_from(CANONICAL),
+    seed=st.integers(0, 2**16),
+    gamma=st.floats(0.5, 1.0),
+    lam=st.floats(0.0, 1.0),
+)
 def test_padding_never_changes_advantages(case, name, seed, gamma, lam):
     mask, scores, ids = case
     dense, values = randn(mask.shape, seed, 0.1), randn(mask.shape, seed + 1)
-    clean = AdvantageInputs(mask, scores=scores, token_rewards=dense, values=values, group_ids=ids, gamma=gamma,
-                            lam=lam)
-    dirty = AdvantageInputs(mask, scores=scores, token_rewards=garbage_under(dense, mask, seed + 2),
-                            values=garbage_under(values, mask, seed + 3), group_ids=ids, gamma=gamma, lam=lam)
+    clean = AdvantageInputs(
+        mask, scores=scores, token_rewards=dense, values=values, group_ids=ids, gamma=gamma, lam=lam
+    )
+    dirty = AdvantageInputs(
+        mask,
+        scores=scores,
+        token_rewards=garbage_under(dense, mask, seed + 2),
+        values=garbage_under(values, mask, seed + 3),
+        group_ids=ids,
+        gamma=gamma,
+        lam=lam,
+    )
     a, b = compute_advantages(name, clean), compute_advantages(name, dirty)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not a[0][~mask].any() and not a[1][~mask].any()  # 0 at padding
@@ -226,32 +256,37 @@ def test_gae_lambda_one_gamma_one_returns_minus_values(mask, seed):
     rtg = per_row(lambda x: ref_rtg(x, 1.0), rewards, mask)
     assert torch.allclose(ret, rtg)  # returns are the reward-to-go, so A (before whitening) = returns - values
     raw = ret - torch.where(mask, values, 0.0)
-    assert torch.allclose(compute_advantages("gae", AdvantageInputs(mask, token_rewards=rewards, values=values))[0],
-                          ref_whiten(raw, mask))
+    assert torch.allclose(
+        compute_advantages("gae", AdvantageInputs(mask, token_rewards=rewards, values=values))[0], ref_whiten(raw, mask)
+    )
 
 
 # ---- input checks ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"scores": torch.tensor([1.0, float("nan"), 0, 0, 0, 0])}, "scores"),
-    ({"scores": torch.tensor([1.0, float("inf"), 0, 0, 0, 0])}, "scores"),
-    ({"token_rewards": torch.full((6, 3), float("nan"))}, "token_rewards"),
-    ({"scores": SCORES, "values": torch.zeros(6, 3).index_fill_(1, torch.tensor([0]), float("inf"))}, "values"),
-    ({"scores": SCORES[:5]}, "scores"),
-    ({"scores": SCORES[:, None]}, "scores"),
-    ({"token_rewards": torch.zeros(6, 4)}, "token_rewards"),
-    ({"token_rewards": torch.zeros(6, 3, dtype=torch.long)}, "token_rewards"),
-    ({}, "scores"),
-    ({"scores": SCORES, "n_samples_per_prompt": 4}, "n_samples_per_prompt"),
-    ({"scores": SCORES, "n_samples_per_prompt": 3, "group_ids": [0] * 6}, "group_ids"),
-    ({"scores": SCORES, "group_ids": [0] * 5}, "group_ids"),
-    ({"scores": SCORES, "group_ids": torch.zeros(6)}, "group_ids"),
-    ({"scores": SCORES, "group_ids": torch.tensor(3)}, "group_ids"),
-    ({"scores": SCORES, "group_ids": 3}, "group_ids"),
-    ({"scores": SCORES, "group_ids": "abcdef"}, "group_ids"),
-    ({"scores": SCORES, "gamma": 1.5}, "gamma"),
-    ({"scores": SCORES, "eps": 0.0}, "eps"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"scores": torch.tensor([1.0, float("nan"), 0, 0, 0, 0])}, "scores"),
+        ({"scores": torch.tensor([1.0, float("inf"), 0, 0, 0, 0])}, "scores"),
+        ({"token_rewards": torch.full((6, 3), float("nan"))}, "token_rewards"),
+        ({"scores": SCORES, "values": torch.zeros(6, 3).index_fill_(1, torch.tensor([0]), float("inf"))}, "values"),
+        ({"scores": SCORES[:5]}, "scores"),
+        ({"scores": SCORES[:, None]}, "scores"),
+        ({"token_rewards": torch.zeros(6, 4)}, "token_rewards"),
+        ({"token_rewards": torch.zeros(6, 3, dtype=torch.long)}, "token_rewards"),
+        ({}, "scores"),
+        ({"scores": SCORES, "n_samples_per_prompt": 4}, "n_samples_per_prompt"),
+        ({"scores": SCORES, "n_samples_per_prompt": 3, "group_ids": [0] * 6}, "group_ids"),
+        ({"scores": SCORES, "group_ids": [0] * 5}, "group_ids"),
+        ({"scores": SCORES, "group_ids": torch.zeros(6)}, "group_ids"),
+        ({"scores": SCORES, "group_ids": torch.tensor(3)}, "group_ids"),
+        ({"scores": SCORES, "group_ids": 3}, "group_ids"),
+        ({"scores": SCORES, "group_ids": "abcdef"}, "group_ids"),
+        ({"scores": SCORES, "gamma": 1.5}, "gamma"),
+        ({"scores": SCORES, "eps": 0.0}, "eps"),
+    ],
+)
 def test_bad_inputs_are_named(kwargs, field):
     with pytest.raises(AlgoInputError) as e:
         AdvantageInputs(MASK, **kwargs)
@@ -268,8 +303,9 @@ def test_bad_masks_are_named(mask):
 
 def test_nan_under_padding_and_integer_scores_are_fine():
     rewards = garbage_under(torch.zeros(MASK.shape, dtype=F64), MASK, 0)
-    inputs = AdvantageInputs(MASK.long(), scores=torch.tensor([1, 0, 0, 1, 1, 0]), token_rewards=rewards,
-                             n_samples_per_prompt=3)
+    inputs = AdvantageInputs(
+        MASK.long(), scores=torch.tensor([1, 0, 0, 1, 1, 0]), token_rewards=rewards, n_samples_per_prompt=3
+    )
     assert inputs.response_mask.dtype == torch.bool and inputs.scores.dtype == torch.float32
     assert torch.isfinite(compute_advantages("grpo", inputs)[0]).all()
 
@@ -290,6 +326,6 @@ def test_a_group_whose_samples_all_scored_the_same_gets_exactly_zero(name, norma
     adv, ret = compute_advantages(name, AdvantageInputs(mask, scores=scores, n_samples_per_prompt=n))
     out = ret if name == "reinforce_baseline" else adv  # its advantages are whitened over the whole batch
     for g in (0, 1, 2, 4):
-        assert torch.equal(out[g * n:(g + 1) * n], torch.zeros(n, 5)), (g, out[g * n:(g + 1) * n].abs().max())
+        assert torch.equal(out[g * n : (g + 1) * n], torch.zeros(n, 5)), (g, out[g * n : (g + 1) * n].abs().max())
     for g in (3, 5):  # groups with a signal keep it
-        assert out[g * n:(g + 1) * n].abs().max() > 0.1
+        assert out[g * n : (g + 1) * n].abs().max() > 0.1

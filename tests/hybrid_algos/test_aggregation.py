@@ -18,7 +18,8 @@ def test_modes_by_hand():
     assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum").item() == pytest.approx((6 + 5) / 2)
     assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm").item() == pytest.approx((6 / 4 + 5 / 4) / 2)
     assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_len=10).item() == pytest.approx(
-        (6 / 10 + 5 / 10) / 2)
+        (6 / 10 + 5 / 10) / 2
+    )
 
 
 def test_gradients_by_hand():

@@ -43,8 +43,7 @@ REDUCTIONS = {
 
 
 @settings(max_examples=int(os.environ.get("HYBRID_ALGOS_FUZZ_EXAMPLES", "300")), deadline=None)
-@given(name=st.sampled_from(sorted(CALLS) + sorted(REDUCTIONS)), a=tensors(), b=tensors(), c=tensors(),
-       d=tensors())
+@given(name=st.sampled_from(sorted(CALLS) + sorted(REDUCTIONS)), a=tensors(), b=tensors(), c=tensors(), d=tensors())
 def test_garbage_in_gives_named_error_or_finite_result(name, a, b, c, d):
     try:
         out = {**CALLS, **REDUCTIONS}[name](a, b, c, d)
@@ -54,7 +53,7 @@ def test_garbage_in_gives_named_error_or_finite_result(name, a, b, c, d):
     if name in REDUCTIONS:
         return
     # accepted inputs were valid: the result holds no NaN/inf
-    for t in (out if isinstance(out, tuple) else (out,)):
+    for t in out if isinstance(out, tuple) else (out,):
         if isinstance(t, torch.Tensor):
             assert torch.isfinite(t.float()).all(), name
 

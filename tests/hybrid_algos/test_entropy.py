@@ -14,8 +14,9 @@ F64 = torch.float64
 def test_entropy_by_hand():
     logits = torch.tensor([[[0.0, 0.0], [math.log(1.0), math.log(3.0)], [5.0, 5.0]]], dtype=F64)
     out = entropy_from_logits(logits)
-    assert out[0].tolist() == pytest.approx([math.log(2), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)),
-                                             math.log(2)])
+    assert out[0].tolist() == pytest.approx(
+        [math.log(2), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), math.log(2)]
+    )
 
 
 def test_logprobs_by_hand():
@@ -26,8 +27,13 @@ def test_logprobs_by_hand():
 
 
 @FAST
-@given(batch=st.integers(1, 3), length=st.integers(1, 4), vocab=st.integers(1, 9), seed=st.integers(0, 2**16),
-       scale=st.floats(0.0, 30.0))
+@given(
+    batch=st.integers(1, 3),
+    length=st.integers(1, 4),
+    vocab=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    scale=st.floats(0.0, 30.0),
+)
 def test_entropy_bounds_and_logprobs_agree_with_log_softmax(batch, length, vocab, seed, scale):
     logits = randn((batch, length, vocab), seed, scale)
     h = entropy_from_logits(logits)

@@ -167,5 +167,7 @@ def test_k3_agrees_with_float64_on_both_sides_of_its_series(spread):
     logp = (ref + torch.randn(2048, generator=gen) * spread).requires_grad_(True)
     kl_estimate(logp, ref, "k3", max_value=None).sum().backward()
     d = (logp.detach() - ref).double()
-    assert torch.allclose(kl_estimate(logp.detach(), ref, "k3", max_value=None).double(), torch.exp(-d) - 1 + d, rtol=1e-4, atol=1e-12)
+    assert torch.allclose(
+        kl_estimate(logp.detach(), ref, "k3", max_value=None).double(), torch.exp(-d) - 1 + d, rtol=1e-4, atol=1e-12
+    )
     assert torch.allclose(logp.grad.double(), 1 - torch.exp(-d), rtol=1e-4, atol=1e-9)

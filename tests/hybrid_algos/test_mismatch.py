@@ -53,8 +53,12 @@ def ref_weights(method: str, old, eng, mask, low, high):
 
 
 @FAST
-@given(mask=masks(), seed=st.integers(0, 2**16), method=st.sampled_from(METHODS),
-       bounds=st.sampled_from([(None, None), (0.5, 2.0), (0.0, 5.0), (0.8, 1.25)]))
+@given(
+    mask=masks(),
+    seed=st.integers(0, 2**16),
+    method=st.sampled_from(METHODS),
+    bounds=st.sampled_from([(None, None), (0.5, 2.0), (0.0, 5.0), (0.8, 1.25)]),
+)
 def test_weights_match_the_reference(mask, seed, method, bounds):
     old = randn(mask.shape, seed, 0.5) - 1.0
     eng = old + randn(mask.shape, seed + 1, 0.4)
@@ -68,8 +72,9 @@ def test_weights_match_the_reference(mask, seed, method, bounds):
     assert torch.equal(out.keep, mask & ~rejected)
     assert not out.weights[~mask].any()
     # statistics over the valid tokens
-    rhos = [math.exp(float(old[i, t] - eng[i, t])) for i in range(mask.shape[0]) for t in range(mask.shape[1])
-            if mask[i, t]]
+    rhos = [
+        math.exp(float(old[i, t] - eng[i, t])) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]
+    ]
     n = len(rhos)
     st_ = {k: v.item() for k, v in out.stats.items()}
     assert st_["tokens"] == n
@@ -132,8 +137,15 @@ def test_weights_plug_into_every_loss():
 def test_register_a_correction_and_bad_inputs():
     saved = dict(mismatch_module._METHODS)
     try:
-        register_rollout_correction("geo-mis", "geometric-mean rejection only", weight_level=None, truncate=False,
-                                    reject_level="geometric", low=0.9, high=1.1)
+        register_rollout_correction(
+            "geo-mis",
+            "geometric-mean rejection only",
+            weight_level=None,
+            truncate=False,
+            reject_level="geometric",
+            low=0.9,
+            high=1.1,
+        )
         assert "geo-mis" in list_rollout_corrections()
         mask = torch.ones(2, 2, dtype=torch.bool)
         old = torch.zeros(2, 2, dtype=F64)
@@ -145,8 +157,11 @@ def test_register_a_correction_and_bad_inputs():
         mismatch_module._METHODS.update(saved)
     mask = torch.ones(1, 2, dtype=torch.bool)
     z = torch.zeros(1, 2)
-    for kwargs, field in (({"method": "nope"}, "vllm_is_correction_type"), ({"high": 0.0}, "high"),
-                          ({"low": 3.0, "high": 2.0}, "low")):
+    for kwargs, field in (
+        ({"method": "nope"}, "vllm_is_correction_type"),
+        ({"high": 0.0}, "high"),
+        ({"low": 3.0, "high": 2.0}, "low"),
+    ):
         with pytest.raises(AlgoInputError) as e:
             rollout_correction(z, z, mask, **kwargs)
         assert e.value.field == field

@@ -74,13 +74,20 @@ def test_float32_and_bfloat16_inputs_give_a_float32_loss():
 
 
 @FAST
-@given(mask=masks(), seed=st.integers(0, 2**16), mode=st.sampled_from(LOSS_AGG_MODES),
-       low=st.floats(0.0, 0.5), high=st.floats(0.0, 1.0), dual=st.sampled_from([None, 1.5, 3.0]))
+@given(
+    mask=masks(),
+    seed=st.integers(0, 2**16),
+    mode=st.sampled_from(LOSS_AGG_MODES),
+    low=st.floats(0.0, 0.5),
+    high=st.floats(0.0, 1.0),
+    dual=st.sampled_from([None, 1.5, 3.0]),
+)
 def test_clip_inactive_at_ratio_one(mask, seed, mode, low, high, dual):
     logp = randn(mask.shape, seed).requires_grad_(True)
     adv = randn(mask.shape, seed + 1)
-    loss, stats = ppo_policy_loss(logp, logp.detach(), adv, mask, clip_low=low, clip_high=high, dual_clip=dual,
-                                  agg_mode=mode)
+    loss, stats = ppo_policy_loss(
+        logp, logp.detach(), adv, mask, clip_low=low, clip_high=high, dual_clip=dual, agg_mode=mode
+    )
     assert torch.allclose(loss, aggregate_loss(-adv, mask, mode))
     assert stats["clip_frac"].item() == 0.0 and stats["approx_kl"].item() == 0.0
     loss.backward()
@@ -93,8 +100,9 @@ def test_clip_inactive_at_ratio_one(mask, seed, mode, low, high, dual):
 @given(log_ratio=st.floats(-25.0, 25.0), adv=st.floats(-100.0, -1e-3), dual=st.floats(1.01, 10.0))
 def test_dual_clip_bounds_the_loss_for_negative_advantages(log_ratio, adv, dual):
     lr = torch.tensor([[log_ratio]], dtype=F64)
-    loss, _ = ppo_policy_loss(lr, torch.zeros(1, 1, dtype=F64), torch.tensor([[adv]], dtype=F64),
-                              torch.ones(1, 1), dual_clip=dual)
+    loss, _ = ppo_policy_loss(
+        lr, torch.zeros(1, 1, dtype=F64), torch.tensor([[adv]], dtype=F64), torch.ones(1, 1), dual_clip=dual
+    )
     assert loss.item() <= -adv * dual * (1 + 1e-12)
     plain, _ = ppo_policy_loss(lr, torch.zeros(1, 1, dtype=F64), torch.tensor([[adv]], dtype=F64), torch.ones(1, 1))
     assert loss.item() == pytest.approx(min(plain.item(), -adv * dual))
@@ -108,21 +116,30 @@ def test_padding_never_changes_the_loss_or_its_gradient(mask, seed, mode):
     a_logp = logp.clone().requires_grad_(True)
     b_logp = garbage_under(logp, mask, seed + 3).requires_grad_(True)
     a, sa = ppo_policy_loss(a_logp, old, adv, mask, dual_clip=3.0, agg_mode=mode)
-    b, sb = ppo_policy_loss(b_logp, garbage_under(old, mask, seed + 4), garbage_under(adv, mask, seed + 5), mask,
-                            dual_clip=3.0, agg_mode=mode)
+    b, sb = ppo_policy_loss(
+        b_logp,
+        garbage_under(old, mask, seed + 4),
+        garbage_under(adv, mask, seed + 5),
+        mask,
+        dual_clip=3.0,
+        agg_mode=mode,
+    )
     assert torch.equal(a, b) and all(torch.equal(sa[k], sb[k]) for k in sa)
     a.backward(), b.backward()
     assert torch.equal(a_logp.grad, b_logp.grad) and not a_logp.grad[~mask].any()
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"clip_low": 1.0}, "clip_low"),
-    ({"clip_low": -0.1}, "clip_low"),
-    ({"clip_high": -0.1}, "clip_high"),
-    ({"dual_clip": 1.0}, "dual_clip"),
-    ({"agg_mode": "mean"}, "loss_agg_mode"),
-    ({"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"clip_low": 1.0}, "clip_low"),
+        ({"clip_low": -0.1}, "clip_low"),
+        ({"clip_high": -0.1}, "clip_high"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"agg_mode": "mean"}, "loss_agg_mode"),
+        ({"log_ratio_clamp": 0.0}, "log_ratio_clamp"),
+    ],
+)
 def test_bad_settings_are_named(kwargs, field):
     logp, old, adv, mask = _case()
     with pytest.raises(AlgoInputError) as e:

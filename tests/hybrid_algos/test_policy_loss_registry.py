@@ -46,8 +46,13 @@ def ref_aggregate(per_token: dict[tuple[int, int], float], mask, mode: str) -> f
         if not r:
             continue
         total = sum(per_token[(i, t)] for t in r)
-        seqs.append({"seq-mean-token-mean": total / len(r), "seq-mean-token-sum": total,
-                     "seq-mean-token-sum-norm": total / NORM}[mode])
+        seqs.append(
+            {
+                "seq-mean-token-mean": total / len(r),
+                "seq-mean-token-sum": total,
+                "seq-mean-token-sum-norm": total / NORM,
+            }[mode]
+        )
     return sum(seqs) / max(len(seqs), 1)
 
 
@@ -57,8 +62,11 @@ def agg_weight(mask, mode: str, i: int) -> float:
     if mode == "token-mean":
         return 1.0 / max(sum(len(r) for r in rows), 1)
     nseq = sum(1 for r in rows if r)
-    return {"seq-mean-token-mean": 1.0 / len(rows[i]), "seq-mean-token-sum": 1.0,
-            "seq-mean-token-sum-norm": 1.0 / NORM}[mode] / nseq
+    return {
+        "seq-mean-token-mean": 1.0 / len(rows[i]),
+        "seq-mean-token-sum": 1.0,
+        "seq-mean-token-sum-norm": 1.0 / NORM,
+    }[mode] / nseq
 
 
 def ref_ppo(r: float, a: float, low: float, high: float, dual: float | None) -> tuple[float, float]:
@@ -98,10 +106,16 @@ def reference(name, logp, old, adv, mask, w, low, high, dual, mode):
 
 
 @FAST
-@given(mask=masks(), seed=st.integers(0, 2**16), mode=st.sampled_from(LOSS_AGG_MODES),
-       name=st.sampled_from(["ppo", "gspo", "cispo", "dr_grpo"]), low=st.sampled_from([0.1, 0.2, 0.5]),
-       high=st.sampled_from([0.2, 0.28, 1.0]), dual=st.sampled_from([None, 1.5, 3.0]),
-       weighted=st.booleans())
+@given(
+    mask=masks(),
+    seed=st.integers(0, 2**16),
+    mode=st.sampled_from(LOSS_AGG_MODES),
+    name=st.sampled_from(["ppo", "gspo", "cispo", "dr_grpo"]),
+    low=st.sampled_from([0.1, 0.2, 0.5]),
+    high=st.sampled_from([0.2, 0.28, 1.0]),
+    dual=st.sampled_from([None, 1.5, 3.0]),
+    weighted=st.booleans(),
+)
 def test_losses_match_the_reference(mask, seed, mode, name, low, high, dual, weighted):
     if name in ("gspo", "cispo"):
         dual = None
@@ -110,8 +124,19 @@ def test_losses_match_the_reference(mask, seed, mode, name, low, high, dual, wei
     adv = randn(mask.shape, seed + 2)
     w = randn(mask.shape, seed + 3).abs() if weighted else torch.ones(mask.shape, dtype=F64)
     x = logp.clone().requires_grad_(True)
-    loss, stats = compute_policy_loss(name, x, old, adv, mask, clip_low=low, clip_high=high, dual_clip=dual,
-                                      agg_mode=mode, norm_len=NORM, is_weights=w if weighted else None)
+    loss, stats = compute_policy_loss(
+        name,
+        x,
+        old,
+        adv,
+        mask,
+        clip_low=low,
+        clip_high=high,
+        dual_clip=dual,
+        agg_mode=mode,
+        norm_len=NORM,
+        is_weights=w if weighted else None,
+    )
     loss.backward()
     want, want_grad = reference(name, logp, old, adv, mask, w, low, high, dual, mode)
     assert loss.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
@@ -177,8 +202,12 @@ def test_default_aggregation_comes_from_the_registry():
 
 
 @FAST
-@given(mask=masks(), seed=st.integers(0, 2**16), name=st.sampled_from(["ppo", "gspo", "cispo"]),
-       mode=st.sampled_from(LOSS_AGG_MODES))
+@given(
+    mask=masks(),
+    seed=st.integers(0, 2**16),
+    name=st.sampled_from(["ppo", "gspo", "cispo"]),
+    mode=st.sampled_from(LOSS_AGG_MODES),
+)
 def test_padding_never_changes_any_loss(mask, seed, name, mode):
     logp, old, adv = randn(mask.shape, seed), randn(mask.shape, seed + 1, 0.1), randn(mask.shape, seed + 2)
     old = logp + old
@@ -186,8 +215,15 @@ def test_padding_never_changes_any_loss(mask, seed, name, mode):
     a_logp = logp.clone().requires_grad_(True)
     b_logp = garbage_under(logp, mask, seed + 3).requires_grad_(True)
     a, sa = compute_policy_loss(name, a_logp, old, adv, mask, agg_mode=mode, is_weights=w)
-    b, sb = compute_policy_loss(name, b_logp, garbage_under(old, mask, seed + 4), garbage_under(adv, mask, seed + 5),
-                                mask, agg_mode=mode, is_weights=garbage_under(w, mask, seed + 7))
+    b, sb = compute_policy_loss(
+        name,
+        b_logp,
+        garbage_under(old, mask, seed + 4),
+        garbage_under(adv, mask, seed + 5),
+        mask,
+        agg_mode=mode,
+        is_weights=garbage_under(w, mask, seed + 7),
+    )
     assert torch.equal(a, b) and all(torch.equal(sa[k], sb[k]) for k in sa)
     a.backward(), b.backward()
     assert torch.equal(a_logp.grad, b_logp.grad) and not a_logp.grad[~mask].any()
@@ -248,13 +284,16 @@ def test_register_a_loss_with_one_decorated_function(monkeypatch):
     assert e.value.field == "name"
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"name": "nope"}, "policy_loss_type"),
-    ({"name": "gspo", "dual_clip": 2.0}, "dual_clip"),
-    ({"name": "cispo", "clip_low": 1.5}, "clip_low"),
-    ({"name": "ppo", "clip_low": 1.0}, "clip_low"),
-    ({"name": "ppo", "agg_mode": "sum"}, "loss_agg_mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"name": "nope"}, "policy_loss_type"),
+        ({"name": "gspo", "dual_clip": 2.0}, "dual_clip"),
+        ({"name": "cispo", "clip_low": 1.5}, "clip_low"),
+        ({"name": "ppo", "clip_low": 1.0}, "clip_low"),
+        ({"name": "ppo", "agg_mode": "sum"}, "loss_agg_mode"),
+    ],
+)
 def test_bad_settings_are_named(kwargs, field):
     kwargs = dict(kwargs)
     name = kwargs.pop("name")

@@ -27,7 +27,7 @@ def test_gae_by_hand():
     r = torch.tensor([[0.0, 0.0, 1.0]], dtype=F64)
     v = torch.tensor([[0.5, 0.2, 0.8]], dtype=F64)
     adv, ret = generalized_advantages(r, v, torch.ones(1, 3), gamma=0.9, lam=0.8)
-    a2 = 1.0 - 0.8                           # delta_2 (no value after the end)
+    a2 = 1.0 - 0.8  # delta_2 (no value after the end)
     a1 = (0.9 * 0.8 - 0.2) + 0.9 * 0.8 * a2  # delta_1 + gamma * lam * A_2
     a0 = (0.9 * 0.2 - 0.5) + 0.9 * 0.8 * a1
     assert adv[0].tolist() == pytest.approx([a0, a1, a2])

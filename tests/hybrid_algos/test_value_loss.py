@@ -23,8 +23,9 @@ def ref_token_loss(v: float, old: float, ret: float, clip: float | None) -> floa
 @pytest.mark.parametrize("clip", [0.2, 1.0, None])
 def test_loss_and_gradient_by_hand(clip):
     v = torch.tensor([V], dtype=F64, requires_grad=True)
-    loss, stats = clipped_value_loss(v, torch.tensor([OLD], dtype=F64), torch.tensor([R], dtype=F64),
-                                     torch.ones(1, 4), clip=clip)
+    loss, stats = clipped_value_loss(
+        v, torch.tensor([OLD], dtype=F64), torch.tensor([R], dtype=F64), torch.ones(1, 4), clip=clip
+    )
     per_token = [ref_token_loss(*x, clip) for x in zip(V, OLD, R)]
     assert loss.item() == pytest.approx(sum(per_token) / 4)
     loss.backward()
@@ -35,8 +36,11 @@ def test_loss_and_gradient_by_hand(clip):
         inside = clip is None or abs(x - old) <= clip
         grads.append(0.0 if clipped_wins and not inside else (x - ret) / 4)
     assert v.grad[0].tolist() == pytest.approx(grads)
-    n_clipped = sum((old + min(max(x - old, -clip), clip) - ret) ** 2 > (x - ret) ** 2
-                    for x, old, ret in zip(V, OLD, R)) if clip is not None else 0
+    n_clipped = (
+        sum((old + min(max(x - old, -clip), clip) - ret) ** 2 > (x - ret) ** 2 for x, old, ret in zip(V, OLD, R))
+        if clip is not None
+        else 0
+    )
     assert stats["clip_frac"].item() == pytest.approx(n_clipped / 4)
 
 
@@ -56,8 +60,9 @@ def test_padding_never_changes_the_loss_or_its_gradient(mask, seed, mode):
     a_v = v.clone().requires_grad_(True)
     b_v = garbage_under(v, mask, seed + 3).requires_grad_(True)
     a, _ = clipped_value_loss(a_v, old, ret, mask, agg_mode=mode)
-    b, _ = clipped_value_loss(b_v, garbage_under(old, mask, seed + 4), garbage_under(ret, mask, seed + 5), mask,
-                              agg_mode=mode)
+    b, _ = clipped_value_loss(
+        b_v, garbage_under(old, mask, seed + 4), garbage_under(ret, mask, seed + 5), mask, agg_mode=mode
+    )
     assert torch.equal(a, b)
     a.backward(), b.backward()
     assert torch.equal(a_v.grad, b_v.grad) and not a_v.grad[~mask].any()

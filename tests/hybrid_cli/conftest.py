@@ -8,8 +8,10 @@ import shlex
 
 import pytest
 
-CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<sep>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<sep>{% endif %}"
+)
 DATA = os.path.join(os.path.dirname(__file__), "data")
 COMMANDS = os.path.join(DATA, "openrlhf_commands")
 
@@ -55,19 +57,29 @@ def prompts_jsonl(tmp_path_factory):
 @pytest.fixture
 def reference_argv(tiny_model_dir, tiny_reward_dir, prompts_jsonl, tmp_path):
     """``reference_argv(name)``: a stored reference command line, model/data/output paths pointed at local stand-ins."""
-    return lambda name: _reference_argv(name, policy=tiny_model_dir, reward=tiny_reward_dir, prompts=prompts_jsonl,
-                                        out_dir=tmp_path)
+    return lambda name: _reference_argv(
+        name, policy=tiny_model_dir, reward=tiny_reward_dir, prompts=prompts_jsonl, out_dir=tmp_path
+    )
 
 
 def _reference_argv(name, *, policy, reward, prompts, out_dir):
     with open(os.path.join(COMMANDS, name)) as f:
         text = " ".join(line.strip() for line in f if line.strip() and not line.startswith("#"))
-    for var, value in (("${RLHF_CKPT_DIR}", str(out_dir)), ("$(now)", "t0"), ("$TIME", "t0"),
-                       ("$WANDB_API_KEY", "not-a-real-key")):
+    for var, value in (
+        ("${RLHF_CKPT_DIR}", str(out_dir)),
+        ("$(now)", "t0"),
+        ("$TIME", "t0"),
+        ("$WANDB_API_KEY", "not-a-real-key"),
+    ):
         text = text.replace(var, value)
     argv = shlex.split(text)
-    local = {"--pretrain": policy, "--reward_pretrain": reward, "--prompt_data": prompts,
-             "--save_path": str(out_dir / "final"), "--ckpt_path": str(out_dir / "ckpt")}
+    local = {
+        "--pretrain": policy,
+        "--reward_pretrain": reward,
+        "--prompt_data": prompts,
+        "--save_path": str(out_dir / "final"),
+        "--ckpt_path": str(out_dir / "ckpt"),
+    }
     return [local.get(argv[i - 1], word) if i else word for i, word in enumerate(argv)]
 
 
@@ -85,8 +97,17 @@ def script_prompts(tmp_path_factory):
         with open(path, "w") as f:
             for i in range(1024):
                 text = f"s{i % 8} s{(i // 8 + n) % 8}"
-                f.write(json.dumps({"context_messages": [{"role": "user", "content": text}], "prompt": text,
-                                    "input": text, "label": text.split()[0]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "context_messages": [{"role": "user", "content": text}],
+                            "prompt": text,
+                            "input": text,
+                            "label": text.split()[0],
+                        }
+                    )
+                    + "\n"
+                )
         paths.append(str(path))
     reward = folder / "reward_func.py"
     reward.write_text(OPENRLHF_REWARD_FILE)
@@ -100,5 +121,6 @@ def script_argv(tiny_model_dir, tiny_reward_dir, script_prompts, tmp_path):
     """``script_argv("flat/train_ppo_llama_ray.args")``: an OpenRLHF script's flags with local stand-ins."""
     from openrlhf_scripts import openrlhf_script_argv
 
-    return lambda name: openrlhf_script_argv(name, policy=tiny_model_dir, reward=tiny_reward_dir,
-                                             prompts=script_prompts, out_dir=tmp_path)
+    return lambda name: openrlhf_script_argv(
+        name, policy=tiny_model_dir, reward=tiny_reward_dir, prompts=script_prompts, out_dir=tmp_path
+    )

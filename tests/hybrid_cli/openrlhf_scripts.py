@@ -7,8 +7,14 @@ import shlex
 DATA = os.path.join(os.path.dirname(__file__), "data")
 SCRIPTS = os.path.join(DATA, "openrlhf_scripts")
 #: Flags (either spelling) whose value is a path or an id, and what the test puts there.
-_MODEL_FLAGS = {"pretrain": "policy", "actor.model_name_or_path": "policy", "reward_pretrain": "reward",
-                "reward.model_name_or_path": "reward", "critic_pretrain": "reward", "critic.model_name_or_path": "reward"}
+_MODEL_FLAGS = {
+    "pretrain": "policy",
+    "actor.model_name_or_path": "policy",
+    "reward_pretrain": "reward",
+    "reward.model_name_or_path": "reward",
+    "critic_pretrain": "reward",
+    "critic.model_name_or_path": "reward",
+}
 _OUT_FLAGS = ("save_path", "ckpt.output_dir", "ckpt_path", "ckpt.path", "logger.tensorboard_dir")
 _DATA_FLAGS = ("prompt_data", "data.prompt_dataset")
 _REWARD_FLAGS = ("remote_rm_url", "reward.remote_url")
@@ -18,7 +24,8 @@ _AGENT_FLAGS = ("agent_func_path", "train.agent_func_path")
 OPENRLHF_REWARD_FILE = (
     "import torch\n\n"
     "def reward_func(queries, prompts, labels):\n"
-    "    return torch.tensor([float(len(q) - len(p)) for q, p in zip(queries, prompts)])\n")
+    "    return torch.tensor([float(len(q) - len(p)) for q, p in zip(queries, prompts)])\n"
+)
 
 #: An OpenRLHF-shaped agent file (--agent_func_path), written as OpenRLHF's examples write theirs.
 OPENRLHF_AGENT_FILE = (
@@ -36,7 +43,8 @@ OPENRLHF_AGENT_FILE = (
     "                'sampling_params': states.get('sampling_params'), 'extra_logs': {'turn': self.turn}}\n\n\n"
     "class AgentExecutor(MultiTurnAgentExecutor):\n"
     "    def __init__(self):\n"
-    "        super().__init__(AgentInstance)\n")
+    "        super().__init__(AgentInstance)\n"
+)
 
 
 def read_args(path):

@@ -11,9 +11,26 @@ from hybrid_cli.main import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SMALL = ["--task", "lookup", "--task_length", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "4",
-         "--train_batch_size", "16", "--micro_train_batch_size", "16", "--seed", "5", "--no_use_tensorboard",
-         "--no_final_checkpoint", "--max_steps", "3"]
+SMALL = [
+    "--task",
+    "lookup",
+    "--task_length",
+    "1",
+    "--rollout_batch_size",
+    "4",
+    "--n_samples_per_prompt",
+    "4",
+    "--train_batch_size",
+    "16",
+    "--micro_train_batch_size",
+    "16",
+    "--seed",
+    "5",
+    "--no_use_tensorboard",
+    "--no_final_checkpoint",
+    "--max_steps",
+    "3",
+]
 
 OPENRLHF_FILE = '''
 import torch
@@ -72,8 +89,25 @@ def test_openrlhf_agent_file_runs_with_the_command_line(algo, tmp_path):
     agent = tmp_path / "agent_func.py"
     agent.write_text(OPENRLHF_FILE)
     run = tmp_path / algo
-    assert main([algo, "--save_path", str(run), "--agent_func_path", str(agent), "--max_turns", "2",
-                 "--max_new_tokens_per_turn", "2", "--generate_max_len", "12", *SMALL]) == 0
+    assert (
+        main(
+            [
+                algo,
+                "--save_path",
+                str(run),
+                "--agent_func_path",
+                str(agent),
+                "--max_turns",
+                "2",
+                "--max_new_tokens_per_turn",
+                "2",
+                "--generate_max_len",
+                "12",
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     assert "openrlhf" not in sys.modules  # the stand-in was there only while the file loaded
     history = _metrics(run)
     assert len(history) == 3
@@ -90,8 +124,23 @@ def test_hybrid_environment_file_runs_with_the_command_line(tmp_path):
     env = tmp_path / "env.py"
     env.write_text(HYBRID_FILE)
     run = tmp_path / "grpo"
-    assert main(["grpo", "--save_path", str(run), "--agent_func_path", f"{env}:Environment",
-                 "--max_new_tokens_per_turn", "2", "--generate_max_len", "8", *SMALL]) == 0
+    assert (
+        main(
+            [
+                "grpo",
+                "--save_path",
+                str(run),
+                "--agent_func_path",
+                f"{env}:Environment",
+                "--max_new_tokens_per_turn",
+                "2",
+                "--generate_max_len",
+                "8",
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     for m in _metrics(run):
         assert m["agent/turns"] == 2 and m["agent/info/second"] == 1 and m["agent/max_turns_frac"] == 0
         assert m["agent/turn1/env_tokens"] == 1 and m["agent/model_tokens"] <= 4  # "s5", as plain text: one token
@@ -100,8 +149,23 @@ def test_hybrid_environment_file_runs_with_the_command_line(tmp_path):
 def test_dry_run_names_the_environment_and_its_turns(tmp_path, capsys):
     agent = tmp_path / "agent_func.py"
     agent.write_text(OPENRLHF_FILE)
-    assert main(["grpo", "--dry-run", "--save_path", str(tmp_path / "run"), "--task", "lookup",
-                 "--agent_func_path", str(agent), "--max_turns", "4"]) == 0
+    assert (
+        main(
+            [
+                "grpo",
+                "--dry-run",
+                "--save_path",
+                str(tmp_path / "run"),
+                "--task",
+                "lookup",
+                "--agent_func_path",
+                str(agent),
+                "--max_turns",
+                "4",
+            ]
+        )
+        == 0
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert "OpenRLHF AgentExecutor" in out and "agent_func.py" in out and "up to 4 turns" in out
 

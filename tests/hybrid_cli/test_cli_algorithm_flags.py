@@ -16,10 +16,19 @@ from hybrid_algos import (
 from hybrid_cli.main import load_config, main
 from hybrid_cli.openrlhf_flags import rule_for
 
-OPENRLHF_FLAGS = ("policy_loss_type", "dynamic_filtering", "dynamic_filtering_reward_range",
-                  "enable_vllm_is_correction", "vllm_is_truncated_threshold", "use_dynamic_batch",
-                  "train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu", "packing_samples",
-                  "overlong_buffer_len", "overlong_penalty_factor")
+OPENRLHF_FLAGS = (
+    "policy_loss_type",
+    "dynamic_filtering",
+    "dynamic_filtering_reward_range",
+    "enable_vllm_is_correction",
+    "vllm_is_truncated_threshold",
+    "use_dynamic_batch",
+    "train_max_tokens_per_gpu",
+    "rollout_max_tokens_per_gpu",
+    "packing_samples",
+    "overlong_buffer_len",
+    "overlong_penalty_factor",
+)
 
 
 def test_help_lists_every_registry_entry_with_its_line(capsys):
@@ -37,12 +46,39 @@ def test_help_lists_every_registry_entry_with_its_line(capsys):
 
 
 def test_openrlhf_names_of_the_new_features_are_flags(tmp_path):
-    config, _, _ = load_config("ppo", [
-        "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--policy_loss_type", "gspo",
-        "--dynamic_filtering", "--dynamic_filtering_reward_range", "0", "1", "--enable_vllm_is_correction",
-        "--vllm_is_truncated_threshold", "0.5", "5.0", "--use_dynamic_batch", "--train_max_tokens_per_gpu", "8192",
-        "--rollout_max_tokens_per_gpu", "16384", "--packing_samples", "--overlong_buffer_len", "256",
-        "--overlong_penalty_factor", "1.0", "--generate_max_len", "1024", "--save_path", str(tmp_path)])
+    config, _, _ = load_config(
+        "ppo",
+        [
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "4",
+            "--policy_loss_type",
+            "gspo",
+            "--dynamic_filtering",
+            "--dynamic_filtering_reward_range",
+            "0",
+            "1",
+            "--enable_vllm_is_correction",
+            "--vllm_is_truncated_threshold",
+            "0.5",
+            "5.0",
+            "--use_dynamic_batch",
+            "--train_max_tokens_per_gpu",
+            "8192",
+            "--rollout_max_tokens_per_gpu",
+            "16384",
+            "--packing_samples",
+            "--overlong_buffer_len",
+            "256",
+            "--overlong_penalty_factor",
+            "1.0",
+            "--generate_max_len",
+            "1024",
+            "--save_path",
+            str(tmp_path),
+        ],
+    )
     assert config.policy_loss_type == "gspo" and config.policy_agg_mode == "seq-mean-token-mean"
     assert config.dynamic_filtering and config.dynamic_filtering_reward_range == (0.0, 1.0)
     assert config.enable_vllm_is_correction and config.correction_bounds == (0.5, 5.0)
@@ -51,8 +87,9 @@ def test_openrlhf_names_of_the_new_features_are_flags(tmp_path):
     for flag in OPENRLHF_FLAGS:  # OpenRLHF's own table maps each onto the setting that now exists
         assert rule_for(flag).kind not in ("refuse", "only"), (flag, rule_for(flag))
     # --max_tokens_per_gpu (the short name) is the training budget
-    config, _, _ = load_config("grpo", ["--use_dynamic_batch", "--max_tokens_per_gpu", "4096",
-                                        "--save_path", str(tmp_path)])
+    config, _, _ = load_config(
+        "grpo", ["--use_dynamic_batch", "--max_tokens_per_gpu", "4096", "--save_path", str(tmp_path)]
+    )
     assert config.train_max_tokens_per_gpu == 4096
 
 

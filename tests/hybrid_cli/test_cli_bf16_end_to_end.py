@@ -20,10 +20,39 @@ def test_grpo_trains_with_a_bf16_optimizer(tmp_path):
 
     ensure_cpu_ops_built()  # a fresh clone compiles DeepSpeed's CPU ops once: not this test's subject
     run = tmp_path / "run"
-    assert main(["grpo", "--max_steps", "2", "--save_path", str(run), "--task_length", "1", "--rollout_batch_size", "4",
-                 "--n_samples_per_prompt", "4", "--train_batch_size", "16", "--micro_train_batch_size", "8",
-                 "--save_steps", "2", "--seed", "5", "--actor_learning_rate", "2e-3", "--bf16", "--zero_stage", "2",
-                 "--bf16_master_weights", "--bf16_optimizer_states"]) == 0
+    assert (
+        main(
+            [
+                "grpo",
+                "--max_steps",
+                "2",
+                "--save_path",
+                str(run),
+                "--task_length",
+                "1",
+                "--rollout_batch_size",
+                "4",
+                "--n_samples_per_prompt",
+                "4",
+                "--train_batch_size",
+                "16",
+                "--micro_train_batch_size",
+                "8",
+                "--save_steps",
+                "2",
+                "--seed",
+                "5",
+                "--actor_learning_rate",
+                "2e-3",
+                "--bf16",
+                "--zero_stage",
+                "2",
+                "--bf16_master_weights",
+                "--bf16_optimizer_states",
+            ]
+        )
+        == 0
+    )
     assert not ray.is_initialized()
 
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -38,11 +67,19 @@ def test_grpo_trains_with_a_bf16_optimizer(tmp_path):
     saved = torch.load(states, map_location="cpu", weights_only=False)
     zero = saved["optimizer_state_dict"]
     assert {t.dtype for t in zero["single_partition_of_fp32_groups"]} == {torch.bfloat16}
-    moments = [v for s in zero["base_optimizer_state"]["state"].values() for k, v in s.items()
-               if k in ("exp_avg", "exp_avg_sq")]
+    moments = [
+        v
+        for s in zero["base_optimizer_state"]["state"].values()
+        for k, v in s.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    ]
     assert moments and {t.dtype for t in moments} == {torch.bfloat16}
-    assert saved["ds_config"]["bf16"] == {"enabled": True, "check_grad_overflow": False,
-                                          "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    assert saved["ds_config"]["bf16"] == {
+        "enabled": True,
+        "check_grad_overflow": False,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
 
     # and the run's plan says what bf16 master weights cost in precision
     notes = json.loads((run / "residency.json").read_text())["notes"]

@@ -28,9 +28,31 @@ def test_agreement_counts_positions_up_to_the_first_divergence():
 
 def test_hf_vs_hf_float32_vs_float64_agree(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "report.json"
-    rc = main(["compare", "--backend_a", "hf", "--backend_b", "hf", "--pretrain", tiny_model_dir, "--dtype_a",
-               "float32", "--dtype_b", "float64", "--batch_size_b", "3", "--max_samples", "12", "--generate_max_len",
-               "6", "--json", str(out), "--min_token_agreement", "0.99"])
+    rc = main(
+        [
+            "compare",
+            "--backend_a",
+            "hf",
+            "--backend_b",
+            "hf",
+            "--pretrain",
+            tiny_model_dir,
+            "--dtype_a",
+            "float32",
+            "--dtype_b",
+            "float64",
+            "--batch_size_b",
+            "3",
+            "--max_samples",
+            "12",
+            "--generate_max_len",
+            "6",
+            "--json",
+            str(out),
+            "--min_token_agreement",
+            "0.99",
+        ]
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["prompts"] == 12 and report["token_agreement"] == 1.0 and report["identical_sequences"] == 1.0
@@ -45,9 +67,31 @@ def test_different_weights_diverge_and_fail_the_gate(tiny_model_dir, tmp_path, p
 
     other = save_tiny_model(str(tmp_path / "other"), seed=7)
     out = tmp_path / "report.json"
-    rc = main(["compare", "--backend_a", "hf", "--backend_b", "hf", "--pretrain", tiny_model_dir, "--pretrain_b", other,
-               "--prompt_data", prompts_jsonl, "--input_key", "prompt", "--max_samples", "8", "--generate_max_len", "6",
-               "--json", str(out), "--min_token_agreement", "0.99"])
+    rc = main(
+        [
+            "compare",
+            "--backend_a",
+            "hf",
+            "--backend_b",
+            "hf",
+            "--pretrain",
+            tiny_model_dir,
+            "--pretrain_b",
+            other,
+            "--prompt_data",
+            prompts_jsonl,
+            "--input_key",
+            "prompt",
+            "--max_samples",
+            "8",
+            "--generate_max_len",
+            "6",
+            "--json",
+            str(out),
+            "--min_token_agreement",
+            "0.99",
+        ]
+    )
     assert rc == 1
     report = json.loads(out.read_text())
     assert report["token_agreement"] < 0.99 and report["diverged"]
@@ -58,6 +102,22 @@ def test_compare_input_errors(capsys, tiny_model_dir, prompts_jsonl):
     assert "backend_b" in capsys.readouterr().err
     assert main(["compare", "--backend_a", "hf", "--backend_b", "hf", "--prompt_data", prompts_jsonl]) == 2
     assert "input_key" in capsys.readouterr().err
-    assert main(["compare", "--backend_a", "hf", "--backend_b", "vllm", "--pretrain", tiny_model_dir,
-                 "--batch_size_b", "4", "--max_samples", "2"]) == 2
+    assert (
+        main(
+            [
+                "compare",
+                "--backend_a",
+                "hf",
+                "--backend_b",
+                "vllm",
+                "--pretrain",
+                tiny_model_dir,
+                "--batch_size_b",
+                "4",
+                "--max_samples",
+                "2",
+            ]
+        )
+        == 2
+    )
     assert "batch_size_b" in capsys.readouterr().err

@@ -26,9 +26,27 @@ def test_demo_dry_run(tmp_path, capsys):
 
 
 def test_grpo_dry_run_with_rlinf_ranges(capsys):
-    assert main(["grpo", "--dry-run", "--placement", "actor=0-1", "rollout=0-1", "reference=0-1",
-                 "--rollout_batch_size", "8", "--train_batch_size", "16", "--micro_train_batch_size", "4",
-                 "--actor_num_gpus_per_node", "2"]) == 0
+    assert (
+        main(
+            [
+                "grpo",
+                "--dry-run",
+                "--placement",
+                "actor=0-1",
+                "rollout=0-1",
+                "reference=0-1",
+                "--rollout_batch_size",
+                "8",
+                "--train_batch_size",
+                "16",
+                "--micro_train_batch_size",
+                "4",
+                "--actor_num_gpus_per_node",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     plan = out.split("placement:", 1)[1].split("prompts:")[0]
     assert "grpo: 2 GPU(s)" in out and "reference" in plan and "critic" not in plan  # GRPO has no critic role
@@ -36,16 +54,52 @@ def test_grpo_dry_run_with_rlinf_ranges(capsys):
 
 def test_placement_error_exits_2_naming_the_flag(capsys):
     # colocated engines must fill the actor's GPUs exactly (actor 2 GPUs, engines 3 x 1)
-    assert main(["ppo", "--dry-run", "--colocate_all_models", "--actor_num_gpus_per_node", "2",
-                 "--vllm_num_engines", "3", "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2"]) == 2
+    assert (
+        main(
+            [
+                "ppo",
+                "--dry-run",
+                "--colocate_all_models",
+                "--actor_num_gpus_per_node",
+                "2",
+                "--vllm_num_engines",
+                "3",
+                "--ref_num_gpus_per_node",
+                "2",
+                "--critic_num_gpus_per_node",
+                "2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "vllm_num_engines" in err and "Fix:" in err
 
 
 def test_too_few_prompts_for_one_rollout_batch(prompts_jsonl, capsys, tiny_model_dir, tiny_reward_dir):
-    assert main(["ppo", "--dry-run", "--pretrain", tiny_model_dir, "--prompt_data", prompts_jsonl, "--input_key",
-                 "prompt", "--reward_pretrain", tiny_reward_dir, "--max_samples", "20",
-                 "--rollout_batch_size", "32", "--train_batch_size", "32"]) == 2
+    assert (
+        main(
+            [
+                "ppo",
+                "--dry-run",
+                "--pretrain",
+                tiny_model_dir,
+                "--prompt_data",
+                prompts_jsonl,
+                "--input_key",
+                "prompt",
+                "--reward_pretrain",
+                tiny_reward_dir,
+                "--max_samples",
+                "20",
+                "--rollout_batch_size",
+                "32",
+                "--train_batch_size",
+                "32",
+            ]
+        )
+        == 2
+    )
     assert "rollout_batch_size" in capsys.readouterr().err
 
 
@@ -62,8 +116,21 @@ def test_own_prompts_need_a_reward(prompts_jsonl, capsys, tiny_model_dir, tmp_pa
 
 
 def test_missing_input_key_fails_before_anything_starts(prompts_jsonl, capsys, tiny_model_dir):
-    assert main(["ppo", "--dry-run", "--pretrain", tiny_model_dir, "--prompt_data", prompts_jsonl,
-                 "--input_key", "question"]) == 2
+    assert (
+        main(
+            [
+                "ppo",
+                "--dry-run",
+                "--pretrain",
+                tiny_model_dir,
+                "--prompt_data",
+                prompts_jsonl,
+                "--input_key",
+                "question",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "input_key" in err and "context_messages, prompt" in err
 
@@ -93,8 +160,9 @@ def test_dry_run_shows_what_moves_when_the_gpu_is_small(capsys):
     assert "residency: GPU 0, phase" in err and "usable of 0.5 GiB" in err and "Fix:" in err
 
 
-def test_dry_run_of_a_model_folder_without_a_tokenizer_names_the_folder(prompts_jsonl, capsys, tiny_model_dir,
-                                                                        tmp_path):
+def test_dry_run_of_a_model_folder_without_a_tokenizer_names_the_folder(
+    prompts_jsonl, capsys, tiny_model_dir, tmp_path
+):
     import shutil
 
     bare = tmp_path / "weights-only"
@@ -103,7 +171,22 @@ def test_dry_run_of_a_model_folder_without_a_tokenizer_names_the_folder(prompts_
         if name.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             name.unlink()
     (tmp_path / "reward.py").write_text("def score(prompts, completions, **kw):\n    return [0.0] * len(prompts)\n")
-    assert main(["grpo", "--dry-run", "--pretrain", str(bare), "--prompt_data", prompts_jsonl, "--input_key",
-                 "prompt", "--reward_fn", f"{tmp_path / 'reward.py'}:score"]) == 2
+    assert (
+        main(
+            [
+                "grpo",
+                "--dry-run",
+                "--pretrain",
+                str(bare),
+                "--prompt_data",
+                prompts_jsonl,
+                "--input_key",
+                "prompt",
+                "--reward_fn",
+                f"{tmp_path / 'reward.py'}:score",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert f"{bare} has no tokenizer files" in err and "Traceback" not in err

@@ -2,17 +2,36 @@
 GPU, whose fp32-master optimizer (12 bytes per parameter) goes to host memory, keeps its 6-byte bf16 optimizer on the
 GPU; the plan says so, with the precision note, and bad combinations stop with the flag named."""
 
-
 import pytest
 
 from hybrid_cli.main import main
 
 # The demo model (its tiny vocabulary) with a 7B body: ~6.5B parameters, sized on the meta device (nothing allocated).
-SEVEN_B = ["--tiny_model", "hidden_size=4096", "intermediate_size=11008", "num_hidden_layers=32",
-           "num_attention_heads=32", "num_key_value_heads=32", "--bf16", "--gpu_memory_gb", "80",
-           "--host_memory_gb", "124", "--zero_stage", "3", "--init_kl_coef", "0.01", "--backend", "vllm",
-           "--vllm_gpu_memory_utilization", "0.2", "--gradient_checkpointing", "--colocate_all_models",
-           "--actor_learning_rate", "1e-6"]
+SEVEN_B = [
+    "--tiny_model",
+    "hidden_size=4096",
+    "intermediate_size=11008",
+    "num_hidden_layers=32",
+    "num_attention_heads=32",
+    "num_key_value_heads=32",
+    "--bf16",
+    "--gpu_memory_gb",
+    "80",
+    "--host_memory_gb",
+    "124",
+    "--zero_stage",
+    "3",
+    "--init_kl_coef",
+    "0.01",
+    "--backend",
+    "vllm",
+    "--vllm_gpu_memory_utilization",
+    "0.2",
+    "--gradient_checkpointing",
+    "--colocate_all_models",
+    "--actor_learning_rate",
+    "1e-6",
+]
 BF16 = ["--bf16_master_weights", "--bf16_optimizer_states"]
 
 
@@ -51,12 +70,15 @@ def test_a_small_model_still_runs_zero_1_on_one_rank(capsys):
     assert "running ZeRO-1" in out and "kept, although" not in out
 
 
-@pytest.mark.parametrize("flags, field", [
-    (BF16, "bf16_master_weights"),  # no --bf16
-    (["--bf16", "--bf16_master_weights"], "bf16_master_weights"),  # fp32 moments outside CPU Adam
-    (["--bf16", "--bf16_optimizer_states"], "bf16_optimizer_states"),
-    (["--bf16", "--zero_stage", "0", *BF16], "bf16_master_weights"),
-])
+@pytest.mark.parametrize(
+    "flags, field",
+    [
+        (BF16, "bf16_master_weights"),  # no --bf16
+        (["--bf16", "--bf16_master_weights"], "bf16_master_weights"),  # fp32 moments outside CPU Adam
+        (["--bf16", "--bf16_optimizer_states"], "bf16_optimizer_states"),
+        (["--bf16", "--zero_stage", "0", *BF16], "bf16_master_weights"),
+    ],
+)
 def test_bad_combinations_stop_before_anything_starts(capsys, flags, field):
     assert main(["grpo", "--dry-run", *flags]) == 2
     assert f"{field}: " in capsys.readouterr().err

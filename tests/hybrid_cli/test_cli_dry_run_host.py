@@ -12,8 +12,17 @@ from hybrid_cli.main import main
 from hybrid_core.errors import ConfigError
 
 # The demo model (its tiny vocabulary) with a 7B body: ~6.5B parameters, sized on the meta device (nothing allocated).
-SEVEN_B = ["--tiny_model", "hidden_size=4096", "intermediate_size=11008", "num_hidden_layers=32",
-           "num_attention_heads=32", "num_key_value_heads=32", "--bf16", "--gpu_memory_gb", "80"]
+SEVEN_B = [
+    "--tiny_model",
+    "hidden_size=4096",
+    "intermediate_size=11008",
+    "num_hidden_layers=32",
+    "num_attention_heads=32",
+    "num_key_value_heads=32",
+    "--bf16",
+    "--gpu_memory_gb",
+    "80",
+]
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,13 @@ import pytest
 
 from hybrid_cli.main import main
 
-SPLIT_004 = ["004_comparison_01.args", "004_comparison_03.args", "004_comparison_05.args", "004_comparison_06.args",
-             "004_comparison_09.args"]
+SPLIT_004 = [
+    "004_comparison_01.args",
+    "004_comparison_03.args",
+    "004_comparison_05.args",
+    "004_comparison_06.args",
+    "004_comparison_09.args",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -31,9 +36,29 @@ def test_colocated_sglang_demo_syncs_by_ipc_into_update_weights_from_tensor(caps
 
 
 def test_sglang_tensor_parallel_engines_are_refused(capsys):
-    assert main(["grpo", "--backend", "sglang", "--dry-run", "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep",
-                 "--actor_num_gpus_per_node",
-                 "2", "--ref_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--vllm_tensor_parallel_size", "2",
-                 "--gpu_memory_gb", "80"]) == 2
+    assert (
+        main(
+            [
+                "grpo",
+                "--backend",
+                "sglang",
+                "--dry-run",
+                "--colocate_all_models",
+                "--vllm_enable_sleep",
+                "--deepspeed_enable_sleep",
+                "--actor_num_gpus_per_node",
+                "2",
+                "--ref_num_gpus_per_node",
+                "2",
+                "--vllm_num_engines",
+                "1",
+                "--vllm_tensor_parallel_size",
+                "2",
+                "--gpu_memory_gb",
+                "80",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "backend" in err and "RayEngine" in err

@@ -10,8 +10,22 @@ from hybrid_cli.main import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
-SMALL = ["--task_length", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
-         "--micro_train_batch_size", "8", "--save_steps", "1", "--seed", "7"]
+SMALL = [
+    "--task_length",
+    "1",
+    "--rollout_batch_size",
+    "4",
+    "--n_samples_per_prompt",
+    "2",
+    "--train_batch_size",
+    "8",
+    "--micro_train_batch_size",
+    "8",
+    "--save_steps",
+    "1",
+    "--seed",
+    "7",
+]
 
 
 def _metrics(run):
@@ -39,8 +53,10 @@ def test_grpo_run_then_resume(tmp_path):
     for m in lines:
         assert 0.0 <= m["reward"] <= 1.0 and m["time/generate"] > 0 and m["time/train"] > 0 and "actor/pg_loss" in m
     checkpoints = run / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == ["step-00000001",
-                                                                                           "step-00000002"]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-")) == [
+        "step-00000001",
+        "step-00000002",
+    ]
     assert json.loads((checkpoints / "latest.json").read_text())["step"] == 2
     assert (checkpoints / "step-00000002" / "COMPLETE.json").is_file()
     final = run / "final"

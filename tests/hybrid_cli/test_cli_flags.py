@@ -29,10 +29,30 @@ def test_every_config_field_is_a_flag():
 
 
 def test_types_switches_pairs_and_mappings(tmp_path):
-    c = config_of("--zero_stage", "3", "--bf16", "--actor_learning_rate", "5e-7", "--eps_clip_low_high", "0.2", "0.28",
-                  "--max_steps", "7", "--use_wandb", "KEY", "--placement", "actor=0-1", "rollout=0-1",
-                  "--tiny_model", "hidden_size=32", "num_hidden_layers=1", "--no_vllm_enable_sleep",
-                  "--deepspeed_enable_sleep", "--save_path", str(tmp_path))
+    c = config_of(
+        "--zero_stage",
+        "3",
+        "--bf16",
+        "--actor_learning_rate",
+        "5e-7",
+        "--eps_clip_low_high",
+        "0.2",
+        "0.28",
+        "--max_steps",
+        "7",
+        "--use_wandb",
+        "KEY",
+        "--placement",
+        "actor=0-1",
+        "rollout=0-1",
+        "--tiny_model",
+        "hidden_size=32",
+        "num_hidden_layers=1",
+        "--no_vllm_enable_sleep",
+        "--deepspeed_enable_sleep",
+        "--save_path",
+        str(tmp_path),
+    )
     assert c.zero_stage == 3 and c.bf16 is True and c.actor_learning_rate == 5e-7
     assert c.eps_clip_low_high == (0.2, 0.28) and c.clip_range == (0.2, 0.28)
     assert c.max_steps == 7 and c.use_wandb == "KEY"
@@ -58,17 +78,41 @@ def test_demo_defaults_vs_openrlhf_defaults(tiny_model_dir):
     demo = config_of()
     assert demo.colocate_all_models and demo.vllm_enable_sleep is None and demo.backend == "hf"  # residency decides
     # an OpenRLHF command line (its own model + OpenRLHF placement): OpenRLHF's defaults for what it does not give
-    openrlhf = ["--pretrain", tiny_model_dir, "--reward_pretrain", tiny_model_dir, "--actor_num_gpus_per_node", "2",
-                "--vllm_num_engines", "2", "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2",
-                "--reward_num_gpus_per_node", "2"]
+    openrlhf = [
+        "--pretrain",
+        tiny_model_dir,
+        "--reward_pretrain",
+        tiny_model_dir,
+        "--actor_num_gpus_per_node",
+        "2",
+        "--vllm_num_engines",
+        "2",
+        "--ref_num_gpus_per_node",
+        "2",
+        "--critic_num_gpus_per_node",
+        "2",
+        "--reward_num_gpus_per_node",
+        "2",
+    ]
     config, _, notes = load_config("ppo", openrlhf)
     assert not config.colocate_all_models and config.vllm_enable_sleep is None and config.deepspeed_enable_sleep is None
     assert config.backend == "vllm" and config.train_batch_size == 128 and config.vllm_gpu_memory_utilization == 0.95
     assert config.micro_train_batch_size == 1 and config.bf16  # 0.11.2's parser defaults, read from the data file
     assert "OpenRLHF's defaults" in notes[0] and "backend=vllm" in notes[0]
     # the same flags on the demo (no --pretrain) keep hybrid's defaults, and say so
-    config, _, notes = load_config("ppo", ["--actor_num_gpus_per_node", "2", "--vllm_num_engines", "2",
-                                           "--ref_num_gpus_per_node", "2", "--critic_num_gpus_per_node", "2"])
+    config, _, notes = load_config(
+        "ppo",
+        [
+            "--actor_num_gpus_per_node",
+            "2",
+            "--vllm_num_engines",
+            "2",
+            "--ref_num_gpus_per_node",
+            "2",
+            "--critic_num_gpus_per_node",
+            "2",
+        ],
+    )
     assert config.colocate_all_models and config.backend == "hf"
     # the demo's step (64 samples) over the 2 actor GPUs asked for: micro-batches of 32 fill one step exactly
     assert config.train_batch_size == DEMO_SETTINGS["train_batch_size"] and config.actor_num_gpus_per_node == 2
@@ -81,34 +125,71 @@ def test_demo_defaults_vs_openrlhf_defaults(tiny_model_dir):
     config = config_of("--no_colocate_all_models")
     assert not config.colocate_all_models and config.vllm_enable_sleep is None
     # a dotted flag alone marks an OpenRLHF command line
-    config, _, notes = load_config("ppo", ["--actor.model_name_or_path", tiny_model_dir, "--reward_pretrain",
-                                           tiny_model_dir, "--vllm.num_engines", "1", "--actor.num_gpus_per_node", "1",
-                                           "--critic.num_gpus_per_node", "1", "--ref.num_gpus_per_node", "1",
-                                           "--reward.num_gpus_per_node", "1", "--rollout.batch_size", "8",
-                                           "--train.batch_size", "8"])
+    config, _, notes = load_config(
+        "ppo",
+        [
+            "--actor.model_name_or_path",
+            tiny_model_dir,
+            "--reward_pretrain",
+            tiny_model_dir,
+            "--vllm.num_engines",
+            "1",
+            "--actor.num_gpus_per_node",
+            "1",
+            "--critic.num_gpus_per_node",
+            "1",
+            "--ref.num_gpus_per_node",
+            "1",
+            "--reward.num_gpus_per_node",
+            "1",
+            "--rollout.batch_size",
+            "8",
+            "--train.batch_size",
+            "8",
+        ],
+    )
     assert not config.colocate_all_models and config.backend == "vllm" and config.rollout_batch_size == 8
     # explicit flags still win over OpenRLHF's defaults
-    config = config_of("--pretrain", tiny_model_dir, "--colocate_all_models", "--actor_num_gpus_per_node", "1",
-                       "--backend", "hf", "--ref_num_gpus_per_node", "1", "--critic_num_gpus_per_node", "1",
-                       "--rollout_batch_size", "8", "--train_batch_size", "8", "--reward_pretrain", tiny_model_dir)
+    config = config_of(
+        "--pretrain",
+        tiny_model_dir,
+        "--colocate_all_models",
+        "--actor_num_gpus_per_node",
+        "1",
+        "--backend",
+        "hf",
+        "--ref_num_gpus_per_node",
+        "1",
+        "--critic_num_gpus_per_node",
+        "1",
+        "--rollout_batch_size",
+        "8",
+        "--train_batch_size",
+        "8",
+        "--reward_pretrain",
+        tiny_model_dir,
+    )
     assert config.colocate_all_models and config.backend == "hf" and config.rollout_batch_size == 8
 
 
-@pytest.mark.parametrize("argv, field, text", [
-    (["--lora_rank", "64"], "lora_rank", "--lora_rank is OpenRLHF-only: LoRA adapters"),
-    (["--ds.lora.rank", "64"], "ds.lora.rank", "--ds.lora.rank is OpenRLHF-only: LoRA adapters"),
-    (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", "OpenRLHF-only: ring attention"),
-    (["--actor_learning_rte", "1e-6"], "actor_learning_rte", "Did you mean --actor_learning_rate?"),
-    (["--train.colocate_al"], "train.colocate_al", "Did you mean --train.colocate_all?"),
-    (["--colocate_all_model"], "colocate_all_model", "Did you mean --colocate_all_models?"),
-    (["--zzz"], "zzz", "unknown flag --zzz"),
-    (["--pre", "x"], "pre", "unknown flag"),  # no abbreviations
-    (["--zero_stage", "three"], "zero_stage", "invalid"),
-    (["--bf16", "true"], "arguments", "unexpected value(s) true"),
-    (["-x"], "x", "two dashes"),
-    (["--eps_clip_low_high", "0.2"], "eps_clip_low_high", "expected 2 arguments"),
-    (["--placement", "actor"], "placement", "KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "argv, field, text",
+    [
+        (["--lora_rank", "64"], "lora_rank", "--lora_rank is OpenRLHF-only: LoRA adapters"),
+        (["--ds.lora.rank", "64"], "ds.lora.rank", "--ds.lora.rank is OpenRLHF-only: LoRA adapters"),
+        (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", "OpenRLHF-only: ring attention"),
+        (["--actor_learning_rte", "1e-6"], "actor_learning_rte", "Did you mean --actor_learning_rate?"),
+        (["--train.colocate_al"], "train.colocate_al", "Did you mean --train.colocate_all?"),
+        (["--colocate_all_model"], "colocate_all_model", "Did you mean --colocate_all_models?"),
+        (["--zzz"], "zzz", "unknown flag --zzz"),
+        (["--pre", "x"], "pre", "unknown flag"),  # no abbreviations
+        (["--zero_stage", "three"], "zero_stage", "invalid"),
+        (["--bf16", "true"], "arguments", "unexpected value(s) true"),
+        (["-x"], "x", "two dashes"),
+        (["--eps_clip_low_high", "0.2"], "eps_clip_low_high", "expected 2 arguments"),
+        (["--placement", "actor"], "placement", "KEY=VALUE"),
+    ],
+)
 def test_bad_flags_name_the_flag(argv, field, text):
     e = error_of(*argv)
     assert e.field == field and text in str(e)
@@ -161,8 +242,10 @@ def test_help_and_version(capsys):
 # ---- --config FILE.yaml -----------------------------------------------------------------------------------------
 def test_yaml_then_flags_override(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("zero_stage: 3\nactor_learning_rate: 5e-7\neps_clip_low_high: [0.2, 0.28]\nbf16: true\n"
-                    "rollout_batch_size: 32\ntrain_batch_size: 32\nplacement: {actor: '0', rollout: '0'}\n")
+    path.write_text(
+        "zero_stage: 3\nactor_learning_rate: 5e-7\neps_clip_low_high: [0.2, 0.28]\nbf16: true\n"
+        "rollout_batch_size: 32\ntrain_batch_size: 32\nplacement: {actor: '0', rollout: '0'}\n"
+    )
     c = config_of("--config", str(path))
     assert c.zero_stage == 3 and c.actor_learning_rate == 5e-7 and c.eps_clip_low_high == (0.2, 0.28) and c.bf16
     assert c.placement == {"actor": "0", "rollout": "0"}
@@ -171,15 +254,18 @@ def test_yaml_then_flags_override(tmp_path):
     assert isinstance(c, PPOConfig)
 
 
-@pytest.mark.parametrize("text, field, fragment", [
-    ("actor_learnig_rate: 1e-6\n", "actor_learnig_rate", "Did you mean actor_learning_rate?"),
-    ("lora_rank: 8\n", "lora_rank", "OpenRLHF-only: LoRA"),
-    ("zero_stage: three\n", "zero_stage", "invalid value 'three'"),
-    ("bf16: maybe\n", "bf16", "invalid value"),
-    ("dry_run: true\n", "dry_run", "command-line option"),
-    ("- a\n- b\n", "config", "must hold a mapping"),
-    ("a: [\n", "config", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text, field, fragment",
+    [
+        ("actor_learnig_rate: 1e-6\n", "actor_learnig_rate", "Did you mean actor_learning_rate?"),
+        ("lora_rank: 8\n", "lora_rank", "OpenRLHF-only: LoRA"),
+        ("zero_stage: three\n", "zero_stage", "invalid value 'three'"),
+        ("bf16: maybe\n", "bf16", "invalid value"),
+        ("dry_run: true\n", "dry_run", "command-line option"),
+        ("- a\n- b\n", "config", "must hold a mapping"),
+        ("a: [\n", "config", "not valid YAML"),
+    ],
+)
 def test_yaml_errors_name_the_key(tmp_path, text, field, fragment):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -193,10 +279,13 @@ def test_yaml_missing_file():
     assert error_of("--config", "/no/such.yaml").field == "config"
 
 
-@pytest.mark.parametrize("argv", [
-    ["--train.async_enable", "--train.async_queue_size", "2", "--train.partial_rollout_enable"],
-    ["--async_train", "--async_queue_size", "2", "--partial_rollout"],  # OpenRLHF's flat spelling
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--train.async_enable", "--train.async_queue_size", "2", "--train.partial_rollout_enable"],
+        ["--async_train", "--async_queue_size", "2", "--partial_rollout"],  # OpenRLHF's flat spelling
+    ],
+)
 def test_openrlhf_async_flags_map_to_asynchronous_training(argv):
     config = config_of(*argv)
     assert config.async_train and config.async_max_staleness == 2 and config.partial_rollout

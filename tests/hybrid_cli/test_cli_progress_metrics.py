@@ -13,9 +13,21 @@ from hybrid_core.errors import ConfigError
 
 
 def step_metrics(step, reward):
-    return {"step": step, "reward": reward, "kl": 0.01 * step, "response_len": 3.0, "time/generate": 1.5,
-            "time/infer": 0.25, "time/train": 2.0, "time/sync": 0.5, "time/sleep": 0.1, "time/wake": 0.2,
-            "time/step": 4.6, "bytes/sync": 2e9, "actor/pg_loss": float("nan")}
+    return {
+        "step": step,
+        "reward": reward,
+        "kl": 0.01 * step,
+        "response_len": 3.0,
+        "time/generate": 1.5,
+        "time/infer": 0.25,
+        "time/train": 2.0,
+        "time/sync": 0.5,
+        "time/sleep": 0.1,
+        "time/wake": 0.2,
+        "time/step": 4.6,
+        "bytes/sync": 2e9,
+        "actor/pg_loss": float("nan"),
+    }
 
 
 def rendered(renderable):
@@ -139,8 +151,10 @@ def test_wandb_receives_metrics_and_a_redacted_config(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
     from hybrid_cli.main import load_config
 
-    config = load_config("ppo", ["--use_wandb", "SECRET", "--wandb_project", "proj", "--wandb_run_name", "r1",
-                                 "--save_path", str(tmp_path)])[0]
+    config = load_config(
+        "ppo",
+        ["--use_wandb", "SECRET", "--wandb_project", "proj", "--wandb_run_name", "r1", "--save_path", str(tmp_path)],
+    )[0]
     logger = MetricsLogger.for_config(config)
     logger.on_start({"run_dir": str(tmp_path)})
     logger.on_step(step_metrics(1, 0.5))

@@ -100,6 +100,12 @@ def residency_of(config, plan):
     from hybrid_algos.train.placement import build_residency
     from hybrid_core.residency import GiB
 
-    residency, _ = build_residency(config, plan, config.pretrain, prompt_len=config.prompt_max_len,
-                                   generate_len=config.generate_max_len, gpu_bytes=80 * GiB)
+    residency, _ = build_residency(
+        config,
+        plan,
+        config.pretrain,
+        prompt_len=config.prompt_max_len,
+        generate_len=config.generate_max_len,
+        gpu_bytes=80 * GiB,
+    )
     return residency

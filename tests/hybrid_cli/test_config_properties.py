@@ -15,8 +15,19 @@ from hybrid_core.errors import ConfigError
 
 SPECS = field_specs(GRPOConfig)
 # Fields whose value names something on disk or a module to import: their checks are tested in test_invalid_inputs.
-SIDE_EFFECTS = {"reward_fn", "pretrain", "reward_pretrain", "critic_pretrain", "prompt_data", "save_path", "ckpt_path",
-                "ray_temp_dir", "use_wandb", "address", "plugins"}
+SIDE_EFFECTS = {
+    "reward_fn",
+    "pretrain",
+    "reward_pretrain",
+    "critic_pretrain",
+    "prompt_data",
+    "save_path",
+    "ckpt_path",
+    "ray_temp_dir",
+    "use_wandb",
+    "address",
+    "plugins",
+}
 FIELDS = sorted(n for n in SPECS if n not in SIDE_EFFECTS)
 NAMES = set(known_names(GRPOConfig)) | {"arguments", "config", "placement"}
 words = st.text(string.ascii_letters + string.digits + "-_.=,:{}[] ", min_size=0, max_size=12)
@@ -42,7 +53,7 @@ def test_any_text_for_any_flag_parses_or_names_a_setting(name, text):
 
 
 @QUICK
-@given(name=st.sampled_from([n for n in FIELDS if SPECS[n].kind == "int"]), value=st.integers(-10**6, 10**6))
+@given(name=st.sampled_from([n for n in FIELDS if SPECS[n].kind == "int"]), value=st.integers(-(10**6), 10**6))
 def test_integers_round_trip_or_are_refused_by_name(name, value):
     try:
         config = load_config("grpo", [f"--{name}", str(value)])[0]
@@ -52,20 +63,31 @@ def test_integers_round_trip_or_are_refused_by_name(name, value):
     assert getattr(config, name) == value
 
 
-batches = st.fixed_dictionaries({
-    "rollout_batch_size": st.integers(1, 64), "n_samples_per_prompt": st.integers(2, 8),
-    "train_batch_size": st.integers(1, 128), "micro_train_batch_size": st.integers(1, 32),
-    "actor_learning_rate": st.floats(1e-8, 1e-1), "eps_clip": st.floats(0.01, 0.99),
-    "bf16": st.booleans(), "zero_stage": st.integers(1, 3), "temperature": st.floats(0, 2),
-})
+batches = st.fixed_dictionaries(
+    {
+        "rollout_batch_size": st.integers(1, 64),
+        "n_samples_per_prompt": st.integers(2, 8),
+        "train_batch_size": st.integers(1, 128),
+        "micro_train_batch_size": st.integers(1, 32),
+        "actor_learning_rate": st.floats(1e-8, 1e-1),
+        "eps_clip": st.floats(0.01, 0.99),
+        "bf16": st.booleans(),
+        "zero_stage": st.integers(1, 3),
+        "temperature": st.floats(0, 2),
+    }
+)
 
 
 @QUICK
 @given(values=batches)
 def test_batch_arithmetic_is_accepted_exactly_when_it_divides(values):
     samples = values["rollout_batch_size"] * values["n_samples_per_prompt"]
-    divides = samples % values["train_batch_size"] == 0 and values["train_batch_size"] % values["micro_train_batch_size"] == 0
-    argv = [w for k, v in values.items() for w in ([f"--{k}"] if v is True else [] if v is False else [f"--{k}", repr(v)])]
+    divides = (
+        samples % values["train_batch_size"] == 0 and values["train_batch_size"] % values["micro_train_batch_size"] == 0
+    )
+    argv = [
+        w for k, v in values.items() for w in ([f"--{k}"] if v is True else [] if v is False else [f"--{k}", repr(v)])
+    ]
     try:
         config = load_config("grpo", argv)[0]
     except ConfigError as e:
@@ -92,7 +114,9 @@ def test_yaml_file_and_flags_give_the_same_config(values, tmp_path_factory):
     path = tmp_path_factory.mktemp("yaml") / "run.yaml"
     path.write_text(yaml.safe_dump(values))
     from_file = load_config("grpo", ["--config", str(path)])[0]
-    argv = [w for k, v in values.items() for w in ([f"--{k}"] if v is True else [] if v is False else [f"--{k}", repr(v)])]
+    argv = [
+        w for k, v in values.items() for w in ([f"--{k}"] if v is True else [] if v is False else [f"--{k}", repr(v)])
+    ]
     assert from_file == load_config("grpo", argv)[0]
 
 

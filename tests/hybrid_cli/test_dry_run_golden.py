@@ -31,8 +31,14 @@ CASES = {
     "ppo_1b_30gb": ("ppo", "sized", ["--gpu_memory_gb", "30"]),
 }
 #: a TinyLlama-1.1B-shaped config (sized from config.json alone: no weights are read by a dry run)
-SIZED = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-             num_key_value_heads=4, max_position_embeddings=2048)
+SIZED = dict(
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+)
 
 
 def sized_model(tiny_dir: str, folder) -> str:
@@ -93,9 +99,11 @@ def test_dry_run_output_is_unchanged(name, as_ci_machine, request, capsys):
         argv = ["--pretrain", sized_model(request.getfixturevalue("tiny_model_dir"), tmp / "sized")]
     elif stored is not None:
         argv = request.getfixturevalue("reference_argv")(stored)
-        paths = {request.getfixturevalue("tiny_model_dir"): "<policy>",
-                 request.getfixturevalue("tiny_reward_dir"): "<reward>",
-                 request.getfixturevalue("prompts_jsonl"): "<prompts>"}
+        paths = {
+            request.getfixturevalue("tiny_model_dir"): "<policy>",
+            request.getfixturevalue("tiny_reward_dir"): "<reward>",
+            request.getfixturevalue("prompts_jsonl"): "<prompts>",
+        }
     paths[str(tmp)] = "<run>"
     status = main([command, *argv, "--dry-run", *extra])
     out, err = capsys.readouterr()

@@ -34,20 +34,45 @@ CASES = [
     ("two rewards", ["--reward_pretrain", "{dir}", "--reward_fn", "json:loads"], "reward_fn"),
     ("train batch does not divide the samples", ["--train_batch_size", "5"], "train_batch_size"),
     ("micro batch does not divide the train batch", ["--micro_train_batch_size", "3"], "micro_train_batch_size"),
-    ("group estimator with one sample", ["--n_samples_per_prompt", "1", "--train_batch_size", "16",
-                                         "--micro_train_batch_size", "16"], "n_samples_per_prompt"),
+    (
+        "group estimator with one sample",
+        ["--n_samples_per_prompt", "1", "--train_batch_size", "16", "--micro_train_batch_size", "16"],
+        "n_samples_per_prompt",
+    ),
     ("fewer samples than a batch", ["--max_samples", "2"], "max_samples"),
     ("zero steps", ["--max_steps", "0"], "max_steps"),
     ("zero rollout batch", ["--rollout_batch_size", "0"], "rollout_batch_size"),
     ("unknown backend", ["--backend", "trt"], "backend"),
-    ("TP with the built-in engine", ["--vllm_tensor_parallel_size", "2", "--backend", "hf"], "vllm_tensor_parallel_size"),
-    ("engine sleep without colocation", ["--no_colocate_all_models", "--vllm_enable_sleep", "--backend", "hf"],
-     "vllm_enable_sleep"),
-    ("trainer sleep without colocation", ["--no_colocate_all_models", "--deepspeed_enable_sleep", "--backend", "hf"],
-     "deepspeed_enable_sleep"),
-    ("engines do not fill the actor's GPUs", ["--colocate_all_models", "--actor_num_gpus_per_node", "2",
-                                              "--vllm_num_engines", "3", "--ref_num_gpus_per_node", "2",
-                                              "--backend", "hf"], "vllm_num_engines"),
+    (
+        "TP with the built-in engine",
+        ["--vllm_tensor_parallel_size", "2", "--backend", "hf"],
+        "vllm_tensor_parallel_size",
+    ),
+    (
+        "engine sleep without colocation",
+        ["--no_colocate_all_models", "--vllm_enable_sleep", "--backend", "hf"],
+        "vllm_enable_sleep",
+    ),
+    (
+        "trainer sleep without colocation",
+        ["--no_colocate_all_models", "--deepspeed_enable_sleep", "--backend", "hf"],
+        "deepspeed_enable_sleep",
+    ),
+    (
+        "engines do not fill the actor's GPUs",
+        [
+            "--colocate_all_models",
+            "--actor_num_gpus_per_node",
+            "2",
+            "--vllm_num_engines",
+            "3",
+            "--ref_num_gpus_per_node",
+            "2",
+            "--backend",
+            "hf",
+        ],
+        "vllm_num_engines",
+    ),
     ("GPU range runs backwards", ["--placement", "actor=0-1", "rollout=3-2"], "placement.rollout"),
     ("placement word without GPUs", ["--placement", "actor"], "placement"),
     ("fewer declared GPUs than the plan", ["--num_gpus", "0"], "num_gpus"),
@@ -86,10 +111,25 @@ CASES = [
     ("model folder without tokenizer files", ["--pretrain", "{no_tokenizer_model}"], "pretrain"),
     ("model type unknown to transformers", ["--pretrain", "{unknown_type_model}"], "pretrain"),
     ("model ships code, no --trust_remote_code", ["--pretrain", "{remote_code_model}"], "trust_remote_code"),
-    ("corrupted reward model config.json", ["--reward_pretrain", "{bad_config_model}", "--prompt_data", "{data}",
-                                            "--input_key", "prompt"], "reward_pretrain"),
-    ("prompt file that is not UTF-8", ["--pretrain", "{model}", "--prompt_data", "{latin1_data}", "--input_key",
-                                       "prompt", "--reward_fn", "{good_reward}"], "prompt_data"),
+    (
+        "corrupted reward model config.json",
+        ["--reward_pretrain", "{bad_config_model}", "--prompt_data", "{data}", "--input_key", "prompt"],
+        "reward_pretrain",
+    ),
+    (
+        "prompt file that is not UTF-8",
+        [
+            "--pretrain",
+            "{model}",
+            "--prompt_data",
+            "{latin1_data}",
+            "--input_key",
+            "prompt",
+            "--reward_fn",
+            "{good_reward}",
+        ],
+        "prompt_data",
+    ),
     ("reward file with an ImportError", ["--reward_fn", "{import_error_reward}"], "reward_fn"),
     ("reward file with a SyntaxError", ["--reward_fn", "{syntax_error_reward}"], "reward_fn"),
     ("reward file raising at import", ["--reward_fn", "{raising_reward}"], "reward_fn"),
@@ -144,7 +184,9 @@ def _bad_folders(tmp_path, tiny_model):
         (p / "config.json").write_text(json.dumps({**config, **changes}))
 
     model_copy("unknown_type_model", lambda p: set_config(p, model_type="hybrid-no-such-arch"))
-    model_copy("remote_code_model", lambda p: set_config(p, auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}))
+    model_copy(
+        "remote_code_model", lambda p: set_config(p, auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    )
 
     file = tmp_path / "a-file"
     file.write_text("not a folder")
@@ -155,12 +197,17 @@ def _bad_folders(tmp_path, tiny_model):
     made["{read_only}"] = str(read_only) if os.geteuid() != 0 else "/proc/self/hybrid-read-only"  # root writes anyway
 
     latin1 = tmp_path / "latin1.jsonl"
-    latin1.write_bytes(json.dumps({"prompt": "s1 s2 caf\u00e9"}).encode("utf-8").replace(b"\\u00e9", "\u00e9".encode("latin-1")) + b"\n")
+    latin1.write_bytes(
+        json.dumps({"prompt": "s1 s2 caf\u00e9"}).encode("utf-8").replace(b"\\u00e9", "\u00e9".encode("latin-1"))
+        + b"\n"
+    )
     made["{latin1_data}"] = str(latin1)
-    rewards = {"import_error_reward": "import no_such_package_hybrid_xyz\n",
-               "syntax_error_reward": "def score(prompts, completions, **kw)\n    return [0.0]\n",
-               "raising_reward": "raise RuntimeError('configure me first')\n",
-               "good_reward": "def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n"}
+    rewards = {
+        "import_error_reward": "import no_such_package_hybrid_xyz\n",
+        "syntax_error_reward": "def score(prompts, completions, **kw)\n    return [0.0]\n",
+        "raising_reward": "raise RuntimeError('configure me first')\n",
+        "good_reward": "def score(prompts, completions, **kw):\n    return [0.0] * len(completions)\n",
+    }
     for name, text in rewards.items():
         path = tmp_path / f"{name}.py"
         path.write_text(text)
@@ -179,10 +226,19 @@ def _bad_folders(tmp_path, tiny_model):
             damage(path)
         made["{" + name + "}"] = str(run)
 
-    grpo = {"algorithm": "grpo", "advantage_estimator": "group_norm", "uses_critic": False, "actor_world_size": 1,
-            "critic_world_size": 0, "zero_stage": 2, "tiny_model": {}}
+    grpo = {
+        "algorithm": "grpo",
+        "advantage_estimator": "group_norm",
+        "uses_critic": False,
+        "actor_world_size": 1,
+        "critic_world_size": 0,
+        "zero_stage": 2,
+        "tiny_model": {},
+    }
     run_with_checkpoint("grpo_run", {"next_step": 2, "essentials": grpo})
-    run_with_checkpoint("damaged_run", {"next_step": 2}, lambda p: open(os.path.join(p, "driver_state.json"), "w").close())
+    run_with_checkpoint(
+        "damaged_run", {"next_step": 2}, lambda p: open(os.path.join(p, "driver_state.json"), "w").close()
+    )
     run_with_checkpoint("pickle_run", {"next_step": 2, "essentials": grpo}, _crafted_role_file)
     return made
 

@@ -39,8 +39,13 @@ def test_dry_run_refuses_a_prompts_file_that_is_not_utf8_naming_line_and_byte(tm
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "internal error" not in err
-    assert err.startswith(f"hybrid: error: prompt_data: {str(prompts)!r} is not UTF-8 text: line 2, byte 16 "
-                          "(b'\\xe9') cannot be decoded.") and "iconv" in err
+    assert (
+        err.startswith(
+            f"hybrid: error: prompt_data: {str(prompts)!r} is not UTF-8 text: line 2, byte 16 "
+            "(b'\\xe9') cannot be decoded."
+        )
+        and "iconv" in err
+    )
 
 
 def test_a_json_file_that_is_not_utf8_is_a_config_error(tmp_path):
@@ -54,7 +59,7 @@ def test_a_json_file_that_is_not_utf8_is_a_config_error(tmp_path):
 
 
 # ---- --use_wandb, checked before Ray starts -----------------------------------------------------------------------
-WANDB_CHECKS = textwrap.dedent('''
+WANDB_CHECKS = textwrap.dedent("""
     import http.server, json, os, sys, threading
 
     class Refuses(http.server.BaseHTTPRequestHandler):  # W&B's server, refusing every key
@@ -91,7 +96,7 @@ WANDB_CHECKS = textwrap.dedent('''
     logger.on_step({"step": 0, "reward": 0.5})
     logger.on_end({})
     print("RESULT " + json.dumps(out))
-''')
+""")
 
 
 def test_wandb_without_a_key_or_with_a_refused_key_stops_before_ray_and_without_a_server_logs_offline(tmp_path):
@@ -101,11 +106,23 @@ def test_wandb_without_a_key_or_with_a_refused_key_stops_before_ray_and_without_
     run = tmp_path / "run"
     key = "hybrid-test-" + "0123456789abcdef" * 3  # 40+ characters: W&B's server is asked (and refuses it)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and "proxy" not in k.lower()}
-    env.update(HOME=str(home), NETRC=str(home / ".netrc"), WANDB_CONFIG_DIR=str(home / "wandb"),
-               WANDB_CACHE_DIR=str(home / "cache"), WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    env.update(
+        HOME=str(home),
+        NETRC=str(home / ".netrc"),
+        WANDB_CONFIG_DIR=str(home / "wandb"),
+        WANDB_CACHE_DIR=str(home / "cache"),
+        WANDB_SILENT="true",
+        PYTHONUNBUFFERED="1",
+    )
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", WANDB_CHECKS, str(run), key], env=env, capture_output=True,
-                          text=True, timeout=240, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-c", WANDB_CHECKS, str(run), key],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     field, text = out["no_key"]
@@ -146,7 +163,7 @@ def test_ray_temp_dir_under_a_file_names_the_flag_and_the_file(tmp_path):
 
 
 # ---- Ctrl-C pressed again while the command ends ---------------------------------------------------------------------
-INTERRUPTED = textwrap.dedent('''
+INTERRUPTED = textwrap.dedent("""
     import sys, time
     import ray
     from hybrid_cli import main as cli
@@ -162,7 +179,7 @@ INTERRUPTED = textwrap.dedent('''
     cli._run = run_until_interrupted
     sys.argv = ["hybrid", "grpo"]
     sys.exit(cli.main())  # as the console script calls it
-''')
+""")
 
 
 def test_more_ctrl_cs_while_the_command_ends_exit_130_without_a_traceback(tmp_path):
@@ -170,8 +187,14 @@ def test_more_ctrl_cs_while_the_command_ends_exit_130_without_a_traceback(tmp_pa
     subject is what the command does once interrupted."""
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        cwd=tmp_path,
+    )
     try:
         assert proc.stdout.readline().strip() == "running", proc.stderr.read()
         proc.send_signal(signal.SIGINT)  # the first Ctrl-C

@@ -22,9 +22,30 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
-FLAGS = ["grpo", "--max_steps", "1", "--task_length", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2",
-         "--train_batch_size", "8", "--micro_train_batch_size", "8", "--init_kl_coef", "0",
-         "--no_colocate_all_models", "--vllm_num_engines", "1", "--gpus_per_node", "1", "--seed", "3"]
+FLAGS = [
+    "grpo",
+    "--max_steps",
+    "1",
+    "--task_length",
+    "1",
+    "--rollout_batch_size",
+    "4",
+    "--n_samples_per_prompt",
+    "2",
+    "--train_batch_size",
+    "8",
+    "--micro_train_batch_size",
+    "8",
+    "--init_kl_coef",
+    "0",
+    "--no_colocate_all_models",
+    "--vllm_num_engines",
+    "1",
+    "--gpus_per_node",
+    "1",
+    "--seed",
+    "3",
+]
 
 
 def _submit(command: list[str], *, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -53,13 +74,24 @@ def two_node_cluster():
     ensure_cpu_ops_built()  # compiled once per machine; not this test's subject
     temp = tempfile.mkdtemp(prefix="hymn", dir="/tmp")  # Ray's socket paths must stay short
     port = _free_port()
+
     # Ray's agents default to fixed ports (52365, ...), which another Ray on this machine may hold: take free ones.
     def own_ports():
         return {"dashboard_agent_listen_port": _free_port(), "metrics_export_port": _free_port()}
 
-    cluster = Cluster(initialize_head=True, connect=False, head_node_args={
-        "num_cpus": 2, "num_gpus": 1, "include_dashboard": True, "dashboard_host": "127.0.0.1",
-        "dashboard_port": port, "temp_dir": temp, **own_ports()})
+    cluster = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={
+            "num_cpus": 2,
+            "num_gpus": 1,
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "dashboard_port": port,
+            "temp_dir": temp,
+            **own_ports(),
+        },
+    )
     try:
         cluster.add_node(num_cpus=2, num_gpus=1, temp_dir=temp, **own_ports())
         cluster.wait_for_nodes()
@@ -78,9 +110,24 @@ def test_ray_job_submit_runs_hybrid_across_two_nodes(two_node_cluster, tmp_path)
     _, dashboard = two_node_cluster
     run = tmp_path / "run"
     env_vars = {k: os.environ[k] for k in ("PYTHONPATH", "TORCH_EXTENSIONS_DIR") if k in os.environ}
-    submit = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", dashboard,
-              "--runtime-env-json", json.dumps({"env_vars": env_vars}), "--",
-              sys.executable, "-m", "hybrid_cli", *FLAGS, "--save_path", str(run)]
+    submit = [
+        sys.executable,
+        "-m",
+        "ray.scripts.scripts",
+        "job",
+        "submit",
+        "--address",
+        dashboard,
+        "--runtime-env-json",
+        json.dumps({"env_vars": env_vars}),
+        "--",
+        sys.executable,
+        "-m",
+        "hybrid_cli",
+        *FLAGS,
+        "--save_path",
+        str(run),
+    ]
     result = _submit(submit, timeout=420)
     output = result.stdout + result.stderr
     assert result.returncode == 0 and "succeeded" in output, output[-4000:]
@@ -102,8 +149,11 @@ def test_ray_job_submit_runs_hybrid_across_two_nodes(two_node_cluster, tmp_path)
 def test_submitting_without_the_token_is_refused(two_node_cluster):
     _, dashboard = two_node_cluster
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}
-    result = _submit([sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", dashboard,
-                      "--", "true"], timeout=120, env=env)
+    result = _submit(
+        [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", dashboard, "--", "true"],
+        timeout=120,
+        env=env,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "submitted successfully" not in output
     assert "token authentication is enabled" in output, output[-2000:]

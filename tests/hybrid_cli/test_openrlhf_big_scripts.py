@@ -18,15 +18,31 @@ from openrlhf_scripts import openrlhf_script_argv
 from hybrid_cli.main import load_config, main
 
 #: The two models' shapes (their hub configs' sizes)
-L70 = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-           num_key_value_heads=8, max_position_embeddings=8192)
-CODELLAMA_34B = dict(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_hidden_layers=48,
-                     num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=16384)
+L70 = dict(
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+)
+CODELLAMA_34B = dict(
+    vocab_size=32000,
+    hidden_size=8192,
+    intermediate_size=22016,
+    num_hidden_layers=48,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    max_position_embeddings=16384,
+)
 GiB = 2**30
 # tests/hybrid_cli/conftest.py's template, spelled here: `from conftest import` is ambiguous under pytest-xdist
 # (tests/packaging has a conftest module too)
-CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<sep>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<sep>{% endif %}"
+)
 
 
 def _config_folder(path, shape):
@@ -45,7 +61,10 @@ def _config_folder(path, shape):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("big-configs")
-    return {"70b": _config_folder(root / "llama-3-70b", L70), "34b": _config_folder(root / "codellama-34b", CODELLAMA_34B)}
+    return {
+        "70b": _config_folder(root / "llama-3-70b", L70),
+        "34b": _config_folder(root / "codellama-34b", CODELLAMA_34B),
+    }
 
 
 def _argv(name, model, script_prompts, out_dir):
@@ -57,8 +76,14 @@ def _residency(argv, gpu_gib):
 
     config, _, _ = load_config("ppo", argv)
     plan = build_plan(config)
-    residency, run_config = build_residency(config, plan, config.pretrain, prompt_len=config.prompt_max_len,
-                                            generate_len=config.generate_max_len, gpu_bytes=gpu_gib * GiB)
+    residency, run_config = build_residency(
+        config,
+        plan,
+        config.pretrain,
+        prompt_len=config.prompt_max_len,
+        generate_len=config.generate_max_len,
+        gpu_bytes=gpu_gib * GiB,
+    )
     return config, plan, residency, run_config
 
 
@@ -70,8 +95,9 @@ def _params(folder, value_head=False):
     return count_params(AutoConfig.from_pretrained(folder), value_head=value_head)
 
 
-def test_the_70b_script_shards_its_reference_and_reward_model_over_their_gpus(folders, script_prompts, tmp_path,
-                                                                                capsys):
+def test_the_70b_script_shards_its_reference_and_reward_model_over_their_gpus(
+    folders, script_prompts, tmp_path, capsys
+):
     argv = _argv("flat/train_ppo_llama_ray_70b.args", folders["70b"], script_prompts, tmp_path)
     status = main(["ppo", *argv, "--dry-run", "--gpu_memory_gb", "80"])
     out, err = capsys.readouterr()
@@ -89,8 +115,9 @@ def test_the_70b_script_shards_its_reference_and_reward_model_over_their_gpus(fo
             assert residency.peak(gpu, role) < 45 * GiB
 
 
-def test_the_34b_script_without_engines_counts_the_built_in_engine_s_one_copy(folders, script_prompts, tmp_path,
-                                                                               capsys):
+def test_the_34b_script_without_engines_counts_the_built_in_engine_s_one_copy(
+    folders, script_prompts, tmp_path, capsys
+):
     argv = _argv("flat/train_ppo_llama_ray_34b.args", folders["34b"], script_prompts, tmp_path)
     status = main(["ppo", *argv, "--dry-run", "--gpu_memory_gb", "141"])  # an H200
     out, err = capsys.readouterr()

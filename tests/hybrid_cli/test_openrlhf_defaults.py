@@ -55,12 +55,21 @@ TABLE = {
     "enable_prefix_caching": ("vllm.enable_prefix_caching", "enable_prefix_caching", same),
     "enforce_eager": ("vllm.enforce_eager", "enforce_eager", same),
     "vllm_gpu_memory_utilization": ("vllm.gpu_memory_utilization", "vllm_gpu_memory_utilization", same),
-    "enable_vllm_is_correction": ("algo.advantage.is_correction_level", "enable_vllm_is_correction",
-                                  lambda d, c: d not in ("off", False)),
-    "vllm_is_correction_type": ("algo.advantage.is_correction_mode", "vllm_is_correction_type",
-                                lambda d, c: "tis"),  # no correction: the type is not read (0.10.1: tis)
-    "vllm_is_truncated_threshold": ("algo.advantage.is_correction_threshold", "vllm_is_truncated_threshold",
-                                    off_when_not_given),
+    "enable_vllm_is_correction": (
+        "algo.advantage.is_correction_level",
+        "enable_vllm_is_correction",
+        lambda d, c: d not in ("off", False),
+    ),
+    "vllm_is_correction_type": (
+        "algo.advantage.is_correction_mode",
+        "vllm_is_correction_type",
+        lambda d, c: "tis",
+    ),  # no correction: the type is not read (0.10.1: tis)
+    "vllm_is_truncated_threshold": (
+        "algo.advantage.is_correction_threshold",
+        "vllm_is_truncated_threshold",
+        off_when_not_given,
+    ),
     "async_train": ("train.async_enable", "async_train", same),
     "async_max_staleness": ("train.async_queue_size", "async_queue_size", same),
     "partial_rollout": ("train.partial_rollout_enable", "partial_rollout", same),
@@ -134,8 +143,11 @@ TABLE = {
     "use_wandb": ("logger.wandb.key", "use_wandb", same),
     "wandb_project": ("logger.wandb.project", "wandb_project", same),
     "dynamic_filtering": ("algo.dynamic_filtering_enable", "dynamic_filtering", same),
-    "dynamic_filtering_reward_range": ("algo.dynamic_filtering_range", "dynamic_filtering_reward_range",
-                                       off_when_not_given),
+    "dynamic_filtering_reward_range": (
+        "algo.dynamic_filtering_range",
+        "dynamic_filtering_reward_range",
+        off_when_not_given,
+    ),
     "use_tensorboard": ("logger.tensorboard_dir", "use_tensorboard", lambda d, c: d is not None),
 }
 #: Settings that keep hybrid's meaning, each said in a note: field -> (0.11.2's flag, 0.10.1's flag).
@@ -165,8 +177,11 @@ def lines(tiny_model_dir):
     }
 
 
-CASES = [pytest.param(release, command, id=f"{release}-{command}")
-         for release in (DOTTED, FLAT) for command in ("ppo", "grpo")]
+CASES = [
+    pytest.param(release, command, id=f"{release}-{command}")
+    for release in (DOTTED, FLAT)
+    for command in ("ppo", "grpo")
+]
 
 
 @pytest.mark.parametrize("release, command", CASES)
@@ -182,7 +197,9 @@ def test_every_setting_left_out_takes_openrlhf_s_default(release, command, lines
             continue
         if field == "advantage_estimator" and command == "grpo":
             assert config.advantage_estimator == "group_norm"  # the subcommand names the algorithm, and says so
-            assert any(n.startswith(f"differs from OpenRLHF {release}: --{flag} not given: OpenRLHF gae") for n in notes)
+            assert any(
+                n.startswith(f"differs from OpenRLHF {release}: --{flag} not given: OpenRLHF gae") for n in notes
+            )
             continue
         assert getattr(config, field) == meaning(defaults[flag], config), (release, command, field, flag)
         checked.append(field)
@@ -196,7 +213,7 @@ def test_every_setting_left_out_takes_openrlhf_s_default(release, command, lines
     cls = {"ppo": PPOConfig, "grpo": GRPOConfig}[command]
     assert f"OpenRLHF {release}" in notes[0] and "OpenRLHF's defaults" in notes[0]
     differences = [n for n in notes if n.startswith("differs from OpenRLHF")]
-    assert notes[1:1 + len(differences)] == differences
+    assert notes[1 : 1 + len(differences)] == differences
     for field, flags in DIFFERENT.items():
         assert getattr(config, field) == field_specs(cls)[field].default, field
         flag = flags[column]
@@ -204,7 +221,9 @@ def test_every_setting_left_out_takes_openrlhf_s_default(release, command, lines
         assert f"OpenRLHF {defaults[flag]}" in note and "Why: " in note
     assert given <= set(field_specs(cls))
     if release == DOTTED and command == "ppo":  # OpenRLHF's one sample per prompt, where PPO allows it
-        assert load_config("ppo", lines[release][:2])[0].n_samples_per_prompt == defaults["rollout.n_samples_per_prompt"]
+        assert (
+            load_config("ppo", lines[release][:2])[0].n_samples_per_prompt == defaults["rollout.n_samples_per_prompt"]
+        )
 
 
 @pytest.mark.parametrize("release", [DOTTED, FLAT])
@@ -222,8 +241,13 @@ def test_the_table_covers_every_flag_that_maps_to_a_setting(release):
             mapped.add(name)
     # the critic's optimizer settings are the actor's here (one optimizer setting each), and 0.10.1's sync backend is
     # hybrid's own default where it is nccl
-    shared = {n for n in mapped if n.startswith("critic.") and n.split(".", 1)[1] in
-              ("adam.betas", "adam.weight_decay", "lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm")}
+    shared = {
+        n
+        for n in mapped
+        if n.startswith("critic.")
+        and n.split(".", 1)[1]
+        in ("adam.betas", "adam.weight_decay", "lr_scheduler", "lr_warmup_ratio", "min_lr_ratio", "max_norm")
+    }
     sync = {"vllm.sync_backend", "vllm_sync_backend"}
     assert mapped - listed - shared - sync == set()
 
@@ -238,8 +262,9 @@ def test_openrlhf_s_correction_flags_mean_what_they_mean_there(tiny_model_dir):
     assert not config_of("--algo.advantage.is_correction_level", "off").enable_vllm_is_correction
     # token + clip is TIS, with OpenRLHF's bounds whether they are given or left at their default
     for extra in ((), ("--algo.advantage.is_correction_threshold", "0.5", "5.0")):
-        c = config_of("--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip",
-                      *extra)
+        c = config_of(
+            "--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_mode", "clip", *extra
+        )
         assert c.enable_vllm_is_correction and c.correction_type == "tis" and c.correction_bounds == (0.5, 5.0)
     c = config_of("--algo.advantage.is_correction_level", "token", "--algo.advantage.is_correction_threshold", "3")
     assert c.correction_type == "icepop" and c.correction_bounds == (0.0, 3.0)  # mode mask by default; HIGH alone
@@ -249,8 +274,9 @@ def test_openrlhf_s_correction_flags_mean_what_they_mean_there(tiny_model_dir):
     c = config_of("--algo.advantage.is_correction_enable", "--algo.advantage.is_correction_type", "icepop")
     assert c.correction_type == "icepop" and c.correction_bounds == (0.5, 5.0)
     # the flat era's switch on a flat line takes 0.10.1's bounds too
-    c, _, _ = load_config("ppo", ["--pretrain", tiny_model_dir, "--actor_num_gpus_per_node", "8",
-                                  "--enable_vllm_is_correction"])
+    c, _, _ = load_config(
+        "ppo", ["--pretrain", tiny_model_dir, "--actor_num_gpus_per_node", "8", "--enable_vllm_is_correction"]
+    )
     assert c.enable_vllm_is_correction and c.correction_bounds == (0.5, 5.0)
     # asynchronous training keeps hybrid's correction on, and says so (OpenRLHF: off unless asked)
     c, _, notes = load_config("ppo", [*line, "--train.async_enable", "--train.partial_rollout_enable"])
@@ -259,9 +285,22 @@ def test_openrlhf_s_correction_flags_mean_what_they_mean_there(tiny_model_dir):
 
 
 def test_given_flags_win_and_hybrid_s_own_lines_keep_hybrid_s_defaults(tiny_model_dir):
-    c = load_config("grpo", ["--actor.model_name_or_path", tiny_model_dir, "--rollout.n_samples_per_prompt", "4",
-                             "--algo.kl.estimator", "k3", "--algo.kl.use_loss", "--init_kl_coef", "0.001",
-                             "--actor.lr_warmup_ratio", "0"])[0]
+    c = load_config(
+        "grpo",
+        [
+            "--actor.model_name_or_path",
+            tiny_model_dir,
+            "--rollout.n_samples_per_prompt",
+            "4",
+            "--algo.kl.estimator",
+            "k3",
+            "--algo.kl.use_loss",
+            "--init_kl_coef",
+            "0.001",
+            "--actor.lr_warmup_ratio",
+            "0",
+        ],
+    )[0]
     assert (c.kl_estimator, c.use_kl_loss, c.init_kl_coef, c.lr_warmup_ratio) == ("k3", True, 0.001, 0.0)
     # GRPO compares a prompt's samples: OpenRLHF's one per prompt is refused, naming the setting (OpenRLHF asserts)
     from hybrid_core.errors import ConfigError
@@ -280,12 +319,18 @@ def test_given_flags_win_and_hybrid_s_own_lines_keep_hybrid_s_defaults(tiny_mode
 def test_the_data_files_are_openrlhf_s_parsers():
     data = orl.load_data()
     assert re.fullmatch(r"[0-9a-f]{40}", data["main_commit"])
-    assert {f["name"] for f in data["main_flags"]} == {"algo.advantage.is_correction_enable",
-                                                       "algo.advantage.is_correction_type"}
+    assert {f["name"] for f in data["main_flags"]} == {
+        "algo.advantage.is_correction_enable",
+        "algo.advantage.is_correction_type",
+    }
     dotted, flat = orl.release_defaults(DOTTED), orl.release_defaults(FLAT)
     assert set(dotted) == {f["name"] for f in data["flags"]}
     assert (dotted["algo.kl.estimator"], dotted["algo.kl.use_loss"], dotted["algo.kl.init_coef"]) == ("k1", False, 0.01)
-    assert (dotted["critic.value_clip"], dotted["algo.advantage.lambd"], dotted["actor.lr_warmup_ratio"]) == (0.5, 1, 0.03)
+    assert (dotted["critic.value_clip"], dotted["algo.advantage.lambd"], dotted["actor.lr_warmup_ratio"]) == (
+        0.5,
+        1,
+        0.03,
+    )
     assert dotted["algo.advantage.is_correction_level"] == "off" and flat["enable_vllm_is_correction"] is False
     assert flat["max_len"] == 2048 and "prompt_max_len" not in flat and "actor.adam.lr" not in flat
     with pytest.raises(ValueError, match="no defaults recorded"):

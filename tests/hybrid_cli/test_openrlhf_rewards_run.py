@@ -14,15 +14,39 @@ from hybrid_cli.main import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
-SMALL = ["--max_steps", "2", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
-         "--micro_train_batch_size", "8", "--micro_rollout_batch_size", "8", "--generate_max_len", "3",
-         "--prompt_max_len", "16", "--init_kl_coef", "0", "--actor_learning_rate", "1e-3", "--seed", "11",
-         "--call_timeout_s", "120", "--step_timeout_s", "240"]
+SMALL = [
+    "--max_steps",
+    "2",
+    "--rollout_batch_size",
+    "4",
+    "--n_samples_per_prompt",
+    "2",
+    "--train_batch_size",
+    "8",
+    "--micro_train_batch_size",
+    "8",
+    "--micro_rollout_batch_size",
+    "8",
+    "--generate_max_len",
+    "3",
+    "--prompt_max_len",
+    "16",
+    "--init_kl_coef",
+    "0",
+    "--actor_learning_rate",
+    "1e-3",
+    "--seed",
+    "11",
+    "--call_timeout_s",
+    "120",
+    "--step_timeout_s",
+    "240",
+]
 
 
 def _score(query: str, prompt: str) -> float:
     """What both rewards return: the completion's share of the symbol 's1' (deterministic, varied)."""
-    completion = query[len(prompt):]
+    completion = query[len(prompt) :]
     words = completion.split()
     return sum(w == "s1" for w in words) / max(len(words), 1)
 
@@ -81,8 +105,22 @@ def test_http_reward_server_trains_a_cpu_run(tmp_path, tiny_model_dir, prompts, 
     _prepare_cpu_ops()
     url, requests, answers = reward_server
     run = tmp_path / "run"
-    argv = ["grpo", "--pretrain", tiny_model_dir, "--prompt_data", prompts, "--input_key", "prompt",
-            "--label_key", "label", "--remote_rm_url", url, "--save_path", str(run), *SMALL]
+    argv = [
+        "grpo",
+        "--pretrain",
+        tiny_model_dir,
+        "--prompt_data",
+        prompts,
+        "--input_key",
+        "prompt",
+        "--label_key",
+        "label",
+        "--remote_rm_url",
+        url,
+        "--save_path",
+        str(run),
+        *SMALL,
+    ]
     assert main(argv) == 0
     assert not ray.is_initialized()
     assert len(requests) == 2  # one request per step, the whole batch
@@ -106,13 +144,30 @@ def test_openrlhf_reward_file_trains_a_cpu_run(tmp_path, tiny_model_dir, prompts
         " for q, p in zip(queries, prompts)]\n"
         f"    with open({str(calls)!r}, 'a') as f:\n"
         "        f.write(json.dumps({'n': len(queries), 'labels': labels, 'scores': scores}) + '\\n')\n"
-        "    return torch.tensor(scores)\n")
+        "    return torch.tensor(scores)\n"
+    )
     run = tmp_path / "run"
     # OpenRLHF 0.11.2's spelling: an OpenRLHF command line (its defaults: no engines, so the built-in engine on the
     # actor's one GPU; bf16 turned off for the CPU)
-    argv = ["grpo", "--actor.model_name_or_path", tiny_model_dir, "--data.prompt_dataset", prompts,
-            "--data.input_key", "prompt", "--data.label_key", "label", "--reward.remote_url", str(reward),
-            "--actor.num_gpus_per_node", "1", "--no_bf16", "--ckpt.output_dir", str(run), *SMALL]
+    argv = [
+        "grpo",
+        "--actor.model_name_or_path",
+        tiny_model_dir,
+        "--data.prompt_dataset",
+        prompts,
+        "--data.input_key",
+        "prompt",
+        "--data.label_key",
+        "label",
+        "--reward.remote_url",
+        str(reward),
+        "--actor.num_gpus_per_node",
+        "1",
+        "--no_bf16",
+        "--ckpt.output_dir",
+        str(run),
+        *SMALL,
+    ]
     assert main(argv) == 0
     recorded = [json.loads(line) for line in calls.read_text().splitlines()]
     assert [r["n"] for r in recorded] == [8, 8] and all(r["labels"] == ["s1"] * 8 for r in recorded)

@@ -38,85 +38,151 @@ _IS = "algo.advantage.is_correction_level"
 CASES = {
     # ---- OpenRLHF 0.11.2 (dotted) ------------------------------------------------------------------------------
     "dotted/train_ppo_ray_slurm.args": Case(
-        16, "actor 4 + engines 4 x TP 2 + critic 4; reference on the actor's, reward model on the critic's GPUs"),
+        16, "actor 4 + engines 4 x TP 2 + critic 4; reference on the actor's, reward model on the critic's GPUs"
+    ),
     "dotted/train_ppo_with_reward_fn.args": Case(
-        8, "actor 2 (reference on them) + engines 2 x TP 2 + critic 2 (from the actor); the reward is a file"),
+        8, "actor 2 (reference on them) + engines 2 x TP 2 + critic 2 (from the actor); the reward is a file"
+    ),
     "dotted/train_ppo_ray_hybrid_engine.args": Case(
-        8, "everything colocated on the actor's 8 GPUs, 4 engines x TP 2",
-        pending={"train.dynamic_batch_enable": "use_dynamic_batch", "train.max_tokens_per_gpu": "use_dynamic_batch",
-                 _IS: "enable_vllm_is_correction"}),
+        8,
+        "everything colocated on the actor's 8 GPUs, 4 engines x TP 2",
+        pending={
+            "train.dynamic_batch_enable": "use_dynamic_batch",
+            "train.max_tokens_per_gpu": "use_dynamic_batch",
+            _IS: "enable_vllm_is_correction",
+        },
+    ),
     "dotted/train_dapo_ray_hybrid_engine.args": Case(
-        8, "everything colocated on the actor's 8 GPUs (no reward model: a reward file)",
-        pending={"algo.dynamic_filtering_enable": "dynamic_filtering", _IS: "enable_vllm_is_correction"}),
+        8,
+        "everything colocated on the actor's 8 GPUs (no reward model: a reward file)",
+        pending={"algo.dynamic_filtering_enable": "dynamic_filtering", _IS: "enable_vllm_is_correction"},
+    ),
     "dotted/train_prorlv2_math_hybrid_engine.args": Case(
-        8, "everything colocated on the actor's 8 GPUs, 8 engines",
-        refused={"eval.dataset": "evaluation on a held-out set", "reward.stop_properly_penalty_coef": "rescaling the "
-                 "reward of completions cut"},
-        pending={"algo.dynamic_filtering_enable": "dynamic_filtering", "train.dynamic_batch_enable":
-                 "use_dynamic_batch", "train.max_tokens_per_gpu": "use_dynamic_batch", _IS: "enable_vllm_is_correction"}),
+        8,
+        "everything colocated on the actor's 8 GPUs, 8 engines",
+        refused={
+            "eval.dataset": "evaluation on a held-out set",
+            "reward.stop_properly_penalty_coef": "rescaling the reward of completions cut",
+        },
+        pending={
+            "algo.dynamic_filtering_enable": "dynamic_filtering",
+            "train.dynamic_batch_enable": "use_dynamic_batch",
+            "train.max_tokens_per_gpu": "use_dynamic_batch",
+            _IS: "enable_vllm_is_correction",
+        },
+    ),
     "dotted/train_reinforce_baseline_hybrid_engine.args": Case(
-        4, "actor 4, reference and 2 engines x TP 2 on the same GPUs",
+        4,
+        "actor 4, reference and 2 engines x TP 2 on the same GPUs",
         refused={"ds.ring_attn_size": "ring attention", "ds.ring_attn_head_stride": "ring attention"},
-        pending={"algo.dynamic_filtering_enable": "dynamic_filtering", "train.dynamic_batch_enable": "use_dynamic_batch",
-                 "rollout.max_tokens_per_gpu": "use_dynamic_batch", "train.max_tokens_per_gpu": "use_dynamic_batch",
-                 _IS: "enable_vllm_is_correction"}),
+        pending={
+            "algo.dynamic_filtering_enable": "dynamic_filtering",
+            "train.dynamic_batch_enable": "use_dynamic_batch",
+            "rollout.max_tokens_per_gpu": "use_dynamic_batch",
+            "train.max_tokens_per_gpu": "use_dynamic_batch",
+            _IS: "enable_vllm_is_correction",
+        },
+    ),
     "dotted/train_reinforce_baseline_ray_agent_async.args": Case(
-        4, "actor 4, reference and 2 engines x TP 2 on the same GPUs",
+        4,
+        "actor 4, reference and 2 engines x TP 2 on the same GPUs",
         refused={"ds.ring_attn_size": "ring attention", "ds.ring_attn_head_stride": "ring attention"},
-        pending={"algo.dynamic_filtering_enable": "dynamic_filtering", "train.dynamic_batch_enable": "use_dynamic_batch",
-                 "rollout.max_tokens_per_gpu": "use_dynamic_batch", "train.max_tokens_per_gpu": "use_dynamic_batch",
-                 _IS: "enable_vllm_is_correction"}),
+        pending={
+            "algo.dynamic_filtering_enable": "dynamic_filtering",
+            "train.dynamic_batch_enable": "use_dynamic_batch",
+            "rollout.max_tokens_per_gpu": "use_dynamic_batch",
+            "train.max_tokens_per_gpu": "use_dynamic_batch",
+            _IS: "enable_vllm_is_correction",
+        },
+    ),
     "dotted/train_flash_reinforce_ray_agent_async.args": Case(
-        8, "actor 1 + 7 engines (no reference at KL 0, no critic)",
-        refused={"rollout.vllm_generate_batch_size": "over-sampling",
-                 "algo.advantage.estimator": "FlashREINFORCE", "algo.advantage.is_correction_gating": "trust region"},
-        pending={_IS: "enable_vllm_is_correction", "algo.advantage.is_correction_threshold": "enable_vllm_is_correction"},
-        replace={"algo.advantage.estimator": "reinforce"}),
+        8,
+        "actor 1 + 7 engines (no reference at KL 0, no critic)",
+        refused={
+            "rollout.vllm_generate_batch_size": "over-sampling",
+            "algo.advantage.estimator": "FlashREINFORCE",
+            "algo.advantage.is_correction_gating": "trust region",
+        },
+        pending={
+            _IS: "enable_vllm_is_correction",
+            "algo.advantage.is_correction_threshold": "enable_vllm_is_correction",
+        },
+        replace={"algo.advantage.estimator": "reinforce"},
+    ),
     "dotted/train_vlm_math_hybrid_engine.args": Case(
-        4, "actor 4 with 4 engines on the same GPUs (KL 0: no reference)",
-        refused={"data.max_images_per_prompt": "vision-language training", "actor.freeze_visual_encoder":
-                 "vision-language training", "ds.attn_implementation": "'eager' attention"}),
+        4,
+        "actor 4 with 4 engines on the same GPUs (KL 0: no reference)",
+        refused={
+            "data.max_images_per_prompt": "vision-language training",
+            "actor.freeze_visual_encoder": "vision-language training",
+            "ds.attn_implementation": "'eager' attention",
+        },
+    ),
     # ---- the flat-flag era (issue 24's seventeen) -----------------------------------------------------------------
     "flat/train_dapo_ray_hybrid_engine.args": Case(
-        8, "everything colocated on the actor's 8 GPUs (a reward file, no reward model)",
-        pending={"dynamic_filtering": "dynamic_filtering", "dynamic_filtering_reward_range": "dynamic_filtering"}),
+        8,
+        "everything colocated on the actor's 8 GPUs (a reward file, no reward model)",
+        pending={"dynamic_filtering": "dynamic_filtering", "dynamic_filtering_reward_range": "dynamic_filtering"},
+    ),
     "flat/train_grpo_llama_ray.args": Case(8, "actor 4 + engines 2 + reference 1 + reward model 1"),
     "flat/train_grpo_ray_hybrid_engine.args": Case(8, "everything colocated on the actor's 8 GPUs"),
     "flat/train_gspo_ray_hybrid_engine.args": Case(
-        8, "everything colocated on the actor's 8 GPUs (KL 0: no reference)",
-        pending={"policy_loss_type": "policy_loss_type"}),
+        8,
+        "everything colocated on the actor's 8 GPUs (KL 0: no reference)",
+        pending={"policy_loss_type": "policy_loss_type"},
+    ),
     "flat/train_ppo_llama3_ray_colocate.args": Case(
-        8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model); reference and reward sleep"),
-    "flat/train_ppo_llama_ray.args": Case(
-        8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)"),
+        8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model); reference and reward sleep"
+    ),
+    "flat/train_ppo_llama_ray.args": Case(8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)"),
     "flat/train_ppo_llama_ray_34b.args": Case(
-        8, "actor 4 (no engines: generation on the actor's GPUs) + critic 2 + reference 1 + reward model 1"),
+        8, "actor 4 (no engines: generation on the actor's GPUs) + critic 2 + reference 1 + reward model 1"
+    ),
     "flat/train_ppo_llama_ray_70b.args": Case(32, "actor 8 + engines 4 x TP 2 + critic 8 + reference 4 + reward 4"),
     "flat/train_ppo_llama_ray_hybrid_engine.args": Case(8, "everything colocated on the actor's 8 GPUs"),
     "flat/train_ppo_llama_ray_hybrid_engine_dynamic_batch.args": Case(
-        8, "everything colocated on the actor's 8 GPUs",
-        pending={"use_dynamic_batch": "use_dynamic_batch", "train_max_tokens_per_gpu": "use_dynamic_batch"}),
+        8,
+        "everything colocated on the actor's 8 GPUs",
+        pending={"use_dynamic_batch": "use_dynamic_batch", "train_max_tokens_per_gpu": "use_dynamic_batch"},
+    ),
     "flat/train_ppo_llama_ray_remote_rm.args": Case(
-        7, "actor 4 (no engines) + critic 2 + reference 1; the reward is an HTTP server, so no reward model",
+        7,
+        "actor 4 (no engines) + critic 2 + reference 1; the reward is an HTTP server, so no reward model",
         refused={"train_batch_size": "16 samples per step is not a multiple of train_batch_size = 128"},
-        replace={"train_batch_size": "16"}),
+        replace={"train_batch_size": "16"},
+    ),
     "flat/train_ppo_llama_ray_ring.args": Case(
-        8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)",
-        refused={"ring_attn_size": "ring attention", "ring_head_stride": "ring attention"}),
+        8,
+        "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)",
+        refused={"ring_attn_size": "ring attention", "ring_head_stride": "ring attention"},
+    ),
     "flat/train_ppo_llama_ray_tensor_parallelism.args": Case(
-        8, "everything colocated on the actor's 8 GPUs",
-        refused={"ds_tensor_parallel_size": "tensor parallelism of the trainers"}),
+        8,
+        "everything colocated on the actor's 8 GPUs",
+        refused={"ds_tensor_parallel_size": "tensor parallelism of the trainers"},
+    ),
     "flat/train_ppo_llama_ray_with_dynamic_sampling.args": Case(
-        8, "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)",
-        refused={"custom_experience_filter": "filtering experiences with your own Python",
-                 "store_extra_buffers": "keeping filtered samples"}),
+        8,
+        "actor 2 (+ reference) + engines 2 x TP 2 + critic 2 (+ reward model)",
+        refused={
+            "custom_experience_filter": "filtering experiences with your own Python",
+            "store_extra_buffers": "keeping filtered samples",
+        },
+    ),
     "flat/train_reinforce_baseline_llama_ray_hybrid_engine.args": Case(
-        8, "everything colocated on the actor's 8 GPUs", pending={"enable_vllm_is_correction": "enable_vllm_is_correction"}),
+        8,
+        "everything colocated on the actor's 8 GPUs",
+        pending={"enable_vllm_is_correction": "enable_vllm_is_correction"},
+    ),
     "flat/train_reinforce_llama_ray.args": Case(8, "actor 4 + engines 2 + reference 1 + reward model 1"),
     "flat/train_reinforce_llama_ray_hybrid_engine.args": Case(8, "everything colocated on the actor's 8 GPUs"),
 }
-STORED = sorted(os.path.relpath(os.path.join(d, f), SCRIPTS) for d, _, files in os.walk(SCRIPTS) for f in files
-                if f.endswith(".args"))
+STORED = sorted(
+    os.path.relpath(os.path.join(d, f), SCRIPTS)
+    for d, _, files in os.walk(SCRIPTS)
+    for f in files
+    if f.endswith(".args")
+)
 FIELDS = set(field_specs(PPOConfig))
 
 
@@ -169,8 +235,7 @@ def test_script_as_written_is_accepted_with_its_plan_or_refused_for_its_reason(n
 @pytest.mark.parametrize("name", _params("without_refused"))
 def test_script_without_its_refused_flags_runs_the_plan_openrlhf_would(name, script_argv, script_prompts, capsys):
     case = CASES[name]
-    argv = _drop(script_argv(name), _blocking(case),
-                 case.replace)
+    argv = _drop(script_argv(name), _blocking(case), case.replace)
     argv += [w.replace("{reward_file}", script_prompts["reward"]) for w in case.add]
     status, out, err = _dry_run(argv, capsys)
     assert status == 0, err

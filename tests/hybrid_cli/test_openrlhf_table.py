@@ -18,8 +18,9 @@ from hybrid_cli.main import _subparser, build_parser, load_config
 from hybrid_core.errors import ConfigError
 
 FIELDS = field_specs(PPOConfig)
-TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "packages", "hybrid-cli", "tools",
-                    "extract_openrlhf_flags.py")
+TOOL = os.path.join(
+    os.path.dirname(__file__), "..", "..", "packages", "hybrid-cli", "tools", "extract_openrlhf_flags.py"
+)
 
 
 def settings_of(*argv: str, command: str = "ppo") -> tuple[dict, list[str]]:
@@ -36,11 +37,20 @@ def test_the_data_file_is_0_11_2_s_parser_and_every_flag_has_a_rule():
     dotted = [f for f in orl.openrlhf_flags().values() if f.dotted]
     assert len(dotted) == len(data["flags"]) == 167
     names = {f.name for f in dotted}
-    assert {"train.colocate_all", "vllm.num_engines", "vllm.enable_sleep", "ds.zero_stage", "ds.enable_sleep",
-            "algo.advantage.estimator", "actor.adam.lr"} <= names
+    assert {
+        "train.colocate_all",
+        "vllm.num_engines",
+        "vllm.enable_sleep",
+        "ds.zero_stage",
+        "ds.enable_sleep",
+        "algo.advantage.estimator",
+        "actor.adam.lr",
+    } <= names
     flat = {f["name"]: f for f in data["flat_flags"]}
     assert flat["vllm_num_engines"]["dotted"] == ["vllm.num_engines"] and flat["l2"]["dotted"] == [
-        "actor.adam.weight_decay", "critic.adam.weight_decay"]
+        "actor.adam.weight_decay",
+        "critic.adam.weight_decay",
+    ]
     assert flat["flash_attn"]["dotted"] == [] and flat["flash_attn"]["releases"] == ["0.3.8", "0.7.5"]
     assert orl.check_table(FIELDS) == []
 
@@ -56,15 +66,32 @@ def test_every_rule_kind_is_used_and_refusals_say_what_instead():
 
 _SAMPLES = {"int": "3", "float": "0.25", "str": "k2"}
 #: A valid value for the fields where the generic sample is not one.
-_VALUES = {"vllm_sync_backend": "gloo", "advantage_estimator": "rloo", "kl_estimator": "k2", "loss_agg_mode":
-           "seq-mean-token-mean", "prompt_split": "test", "input_key": "question", "label_key": "answer",
-           "input_template": "Q: {}", "pretrain": "/m", "critic_pretrain": "/c", "prompt_data": "/d.jsonl",
-           "prompt_data_probs": "1", "save_path": "/s", "ckpt_path": "/k", "use_wandb": "key", "wandb_project": "p",
-           "wandb_run_name": "r", "vllm_gpu_memory_utilization": "0.25"}
+_VALUES = {
+    "vllm_sync_backend": "gloo",
+    "advantage_estimator": "rloo",
+    "kl_estimator": "k2",
+    "loss_agg_mode": "seq-mean-token-mean",
+    "prompt_split": "test",
+    "input_key": "question",
+    "label_key": "answer",
+    "input_template": "Q: {}",
+    "pretrain": "/m",
+    "critic_pretrain": "/c",
+    "prompt_data": "/d.jsonl",
+    "prompt_data_probs": "1",
+    "save_path": "/s",
+    "ckpt_path": "/k",
+    "use_wandb": "key",
+    "wandb_project": "p",
+    "wandb_run_name": "r",
+    "vllm_gpu_memory_utilization": "0.25",
+}
 
 
-@pytest.mark.parametrize("name", sorted(n for n in orl.openrlhf_flags() if orl.rule_for(n).kind == "same"
-                                        and orl.rule_for(n).field in FIELDS))
+@pytest.mark.parametrize(
+    "name",
+    sorted(n for n in orl.openrlhf_flags() if orl.rule_for(n).kind == "same" and orl.rule_for(n).field in FIELDS),
+)
 def test_both_spellings_mean_hybrid_s_own_flag(name):
     flag = orl.openrlhf_flags()[name]
     field = orl.rule_for(name).field
@@ -82,76 +109,107 @@ def test_both_spellings_mean_hybrid_s_own_flag(name):
 
 def test_dotted_flags_in_a_config_file(tmp_path, tiny_model_dir):
     path = tmp_path / "run.yaml"
-    path.write_text(f"actor.model_name_or_path: {tiny_model_dir}\nvllm.num_engines: 1\nactor.num_gpus_per_node: 1\n"
-                    "train.colocate_all: true\nvllm.enable_sleep: true\nds.enable_sleep: true\nds.zero_stage: 3\n"
-                    "ds.param_dtype: bf16\nds.deepcompile: false\nrollout.batch_size: 8\ntrain.batch_size: 8\n"
-                    f"reward.model_name_or_path: {tiny_model_dir}\nref.num_gpus_per_node: 1\n"
-                    "critic.num_gpus_per_node: 1\nreward.num_gpus_per_node: 1\n")
+    path.write_text(
+        f"actor.model_name_or_path: {tiny_model_dir}\nvllm.num_engines: 1\nactor.num_gpus_per_node: 1\n"
+        "train.colocate_all: true\nvllm.enable_sleep: true\nds.enable_sleep: true\nds.zero_stage: 3\n"
+        "ds.param_dtype: bf16\nds.deepcompile: false\nrollout.batch_size: 8\ntrain.batch_size: 8\n"
+        f"reward.model_name_or_path: {tiny_model_dir}\nref.num_gpus_per_node: 1\n"
+        "critic.num_gpus_per_node: 1\nreward.num_gpus_per_node: 1\n"
+    )
     config, _, _notes = load_config("ppo", ["--config", str(path)])
     assert config.colocate_all_models and config.vllm_enable_sleep and config.deepspeed_enable_sleep
     assert config.zero_stage == 3 and config.bf16 and config.backend == "vllm"  # dotted keys: an OpenRLHF config
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--data.max_len", "2048"], {"prompt_max_len": 1024, "generate_max_len": 1024}),
-    (["--data.max_len", "9216", "--rollout.max_new_tokens", "8192"], {"prompt_max_len": 1024, "generate_max_len": 8192}),
-    (["--max_len", "600", "--prompt_max_len", "100"], {"prompt_max_len": 100, "generate_max_len": 500}),
-    (["--max_new_tokens", "77"], {"generate_max_len": 77}),
-    (["--ds.param_dtype", "bf16"], {"bf16": True}),
-    (["--ds.attn_implementation", "sdpa"], {"flash_attn": False}),
-    (["--attn_implementation", "flash_attention_2"], {"flash_attn": True}),
-    (["--max_global_steps", "7"], {"max_steps": 7}),
-    (["--use_kl_estimator_k3"], {"kl_estimator": "k3"}),
-    (["--use_tensorboard", "runs/tb"], {"use_tensorboard": True}),
-    (["--use_tensorboard", "false"], {"use_tensorboard": False}),
-    (["--logger.tensorboard_dir", "runs/tb"], {"use_tensorboard": True}),
-    (["--ref_reward_offload"], {"ref_reward_offload": True}),
-    (["--critic.adam.betas", "0.9", "0.99"], {"adam_betas": (0.9, 0.99)}),
-    (["--actor.adam.betas", "0.9", "0.99", "--critic.adam.betas", "0.9", "0.99"], {"adam_betas": (0.9, 0.99)}),
-    (["--remote_rm_url", "http://h:1/r,http://h:2/r"], {"reward_fn": "http://h:1/r,http://h:2/r"}),
-    (["--actor.lr_scheduler", "constant_with_warmup"], {"lr_scheduler": "constant_with_warmup"}),
-    (["--actor.lr_scheduler", "cosine_with_min_lr", "--actor.min_lr_ratio", "0.05"],
-     {"lr_scheduler": "cosine_with_min_lr", "min_lr_ratio": 0.05}),
-    (["--lr_scheduler", "cosine_with_min_lr"], {"lr_scheduler": "cosine_with_min_lr"}),
-    (["--critic.lr_scheduler", "cosine_with_min_lr", "--critic.min_lr_ratio", "0.2"],
-     {"lr_scheduler": "cosine_with_min_lr", "min_lr_ratio": 0.2}),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--data.max_len", "2048"], {"prompt_max_len": 1024, "generate_max_len": 1024}),
+        (
+            ["--data.max_len", "9216", "--rollout.max_new_tokens", "8192"],
+            {"prompt_max_len": 1024, "generate_max_len": 8192},
+        ),
+        (["--max_len", "600", "--prompt_max_len", "100"], {"prompt_max_len": 100, "generate_max_len": 500}),
+        (["--max_new_tokens", "77"], {"generate_max_len": 77}),
+        (["--ds.param_dtype", "bf16"], {"bf16": True}),
+        (["--ds.attn_implementation", "sdpa"], {"flash_attn": False}),
+        (["--attn_implementation", "flash_attention_2"], {"flash_attn": True}),
+        (["--max_global_steps", "7"], {"max_steps": 7}),
+        (["--use_kl_estimator_k3"], {"kl_estimator": "k3"}),
+        (["--use_tensorboard", "runs/tb"], {"use_tensorboard": True}),
+        (["--use_tensorboard", "false"], {"use_tensorboard": False}),
+        (["--logger.tensorboard_dir", "runs/tb"], {"use_tensorboard": True}),
+        (["--ref_reward_offload"], {"ref_reward_offload": True}),
+        (["--critic.adam.betas", "0.9", "0.99"], {"adam_betas": (0.9, 0.99)}),
+        (["--actor.adam.betas", "0.9", "0.99", "--critic.adam.betas", "0.9", "0.99"], {"adam_betas": (0.9, 0.99)}),
+        (["--remote_rm_url", "http://h:1/r,http://h:2/r"], {"reward_fn": "http://h:1/r,http://h:2/r"}),
+        (["--actor.lr_scheduler", "constant_with_warmup"], {"lr_scheduler": "constant_with_warmup"}),
+        (
+            ["--actor.lr_scheduler", "cosine_with_min_lr", "--actor.min_lr_ratio", "0.05"],
+            {"lr_scheduler": "cosine_with_min_lr", "min_lr_ratio": 0.05},
+        ),
+        (["--lr_scheduler", "cosine_with_min_lr"], {"lr_scheduler": "cosine_with_min_lr"}),
+        (
+            ["--critic.lr_scheduler", "cosine_with_min_lr", "--critic.min_lr_ratio", "0.2"],
+            {"lr_scheduler": "cosine_with_min_lr", "min_lr_ratio": 0.2},
+        ),
+    ],
+)
 def test_translations(argv, expected):
     values, _ = settings_of(*argv)
     assert {k: values[k] for k in expected} == expected
 
 
-@pytest.mark.parametrize("argv, field, fragment", [
-    (["--ds.param_dtype", "fp16"], "ds.param_dtype", "fp16 mixed precision"),
-    (["--ds.attn_implementation", "eager"], "ds.attn_implementation", "'eager' attention"),
-    (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", "ring attention"),
-    (["--ds.tensor_parallel_size", "2"], "ds.tensor_parallel_size", "AutoTP"),
-    (["--actor.lr_scheduler", "linear"], "actor.lr_scheduler", "learning-rate schedule"),
-    (["--actor.lr_scheduler", "cosine_with_min_lr", "--critic.lr_scheduler", "constant_with_warmup"],
-     "critic.lr_scheduler", "one --lr_scheduler for both"),
-    (["--actor.adam.betas", "0.9", "0.95", "--critic.adam.betas", "0.9", "0.99"], "critic.adam.betas",
-     "one --adam_betas for both"),
-    (["--reward.model_name_or_path", "a,b"], "reward.model_name_or_path", "several reward models"),
-    (["--algo.advantage.estimator", "flash_reinforce"], "algo.advantage.estimator", "--advantage_estimator reinforce"),
-    (["--data.max_len", "100", "--rollout.max_new_tokens", "100"], "data.max_len", "no room for a prompt"),
-    (["--rollout.batch_size", "8", "--rollout.vllm_generate_batch_size", "16"], "rollout.vllm_generate_batch_size",
-     "over-sampling"),
-    (["--custom_experience_filter", "f.py"], "custom_experience_filter", "unreleased OpenRLHF branch"),
-    (["--remote_rm_url", "rm.txt"], "remote_rm_url", "neither an http(s):// URL nor a .py file"),
-])
+@pytest.mark.parametrize(
+    "argv, field, fragment",
+    [
+        (["--ds.param_dtype", "fp16"], "ds.param_dtype", "fp16 mixed precision"),
+        (["--ds.attn_implementation", "eager"], "ds.attn_implementation", "'eager' attention"),
+        (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", "ring attention"),
+        (["--ds.tensor_parallel_size", "2"], "ds.tensor_parallel_size", "AutoTP"),
+        (["--actor.lr_scheduler", "linear"], "actor.lr_scheduler", "learning-rate schedule"),
+        (
+            ["--actor.lr_scheduler", "cosine_with_min_lr", "--critic.lr_scheduler", "constant_with_warmup"],
+            "critic.lr_scheduler",
+            "one --lr_scheduler for both",
+        ),
+        (
+            ["--actor.adam.betas", "0.9", "0.95", "--critic.adam.betas", "0.9", "0.99"],
+            "critic.adam.betas",
+            "one --adam_betas for both",
+        ),
+        (["--reward.model_name_or_path", "a,b"], "reward.model_name_or_path", "several reward models"),
+        (
+            ["--algo.advantage.estimator", "flash_reinforce"],
+            "algo.advantage.estimator",
+            "--advantage_estimator reinforce",
+        ),
+        (["--data.max_len", "100", "--rollout.max_new_tokens", "100"], "data.max_len", "no room for a prompt"),
+        (
+            ["--rollout.batch_size", "8", "--rollout.vllm_generate_batch_size", "16"],
+            "rollout.vllm_generate_batch_size",
+            "over-sampling",
+        ),
+        (["--custom_experience_filter", "f.py"], "custom_experience_filter", "unreleased OpenRLHF branch"),
+        (["--remote_rm_url", "rm.txt"], "remote_rm_url", "neither an http(s):// URL nor a .py file"),
+    ],
+)
 def test_refusals_name_the_flag_as_spelled_and_the_reason(argv, field, fragment):
     with pytest.raises(ConfigError) as e:
         settings_of(*argv)
     assert e.value.field == field and fragment in str(e.value) and e.value.fix
 
 
-@pytest.mark.parametrize("argv, note", [
-    (["--ds.ring_attn_size", "1"], "the value that changes nothing"),
-    (["--local_rank", "3"], "has no effect here"),
-    (["--actor_init_on_gpu"], "stopped using it"),
-    (["--eval.steps", "-1"], "has no effect here"),
-    (["--ds.attn_implementation", "flash_attention_3"], "FlashAttention-2"),
-])
+@pytest.mark.parametrize(
+    "argv, note",
+    [
+        (["--ds.ring_attn_size", "1"], "the value that changes nothing"),
+        (["--local_rank", "3"], "has no effect here"),
+        (["--actor_init_on_gpu"], "stopped using it"),
+        (["--eval.steps", "-1"], "has no effect here"),
+        (["--ds.attn_implementation", "flash_attention_3"], "FlashAttention-2"),
+    ],
+)
 def test_accepted_flags_that_change_nothing_say_so(argv, note):
     _, notes = settings_of(*argv)
     assert any(note in n for n in notes), notes
@@ -160,11 +218,13 @@ def test_accepted_flags_that_change_nothing_say_so(argv, note):
 def test_pending_settings_follow_the_config():
     """Flags another part of hybrid is adding: mapped once the config has the setting, refused (naming it) before;
     the value that changes nothing is accepted either way."""
-    for flag, field, value in (("actor.policy_loss_type", "policy_loss_type", "gspo"),
-                               ("policy_loss_type", "policy_loss_type", "gspo"),
-                               ("train.dynamic_batch_enable", "use_dynamic_batch", None),
-                               ("algo.dynamic_filtering_enable", "dynamic_filtering", None),
-                               ("enable_vllm_is_correction", "enable_vllm_is_correction", None)):
+    for flag, field, value in (
+        ("actor.policy_loss_type", "policy_loss_type", "gspo"),
+        ("policy_loss_type", "policy_loss_type", "gspo"),
+        ("train.dynamic_batch_enable", "use_dynamic_batch", None),
+        ("algo.dynamic_filtering_enable", "dynamic_filtering", None),
+        ("enable_vllm_is_correction", "enable_vllm_is_correction", None),
+    ):
         argv = [f"--{flag}"] + ([value] if value else [])
         if field in FIELDS:
             assert field in settings_of(*argv)[0]
@@ -188,8 +248,10 @@ def test_the_cli_resolves_hub_ids_before_validating(tmp_path, monkeypatch, tiny_
     assert e.value.field == "prompt_data"
     data = tmp_path / "p.jsonl"
     data.write_text(json.dumps({"prompt": "s1"}) + "\n")
-    config, _, notes = load_config("grpo", ["--pretrain", "org/tiny", "--prompt_data", str(data), "--input_key",
-                                            "prompt", "--reward_fn", "json:loads"])
+    config, _, notes = load_config(
+        "grpo",
+        ["--pretrain", "org/tiny", "--prompt_data", str(data), "--input_key", "prompt", "--reward_fn", "json:loads"],
+    )
     assert config.pretrain == str(repo / "snapshots" / "c0ffee") and any("Hugging Face cache" in n for n in notes)
 
 
@@ -203,7 +265,7 @@ def _tool():
 
 def test_the_generator_reads_a_parser_from_the_script_s_main_block():
     tool = _tool()
-    source = textwrap.dedent('''
+    source = textwrap.dedent("""
         import argparse
         import ray  # never imported: only the __main__ block's parser statements run
 
@@ -219,24 +281,43 @@ def test_the_generator_reads_a_parser_from_the_script_s_main_block():
             parser.add_argument("--ckpt.max_mem", type=float, default=float("inf"))
             args = parser.parse_args()
             train(args)
-    ''')
+    """)
     flags = tool.read_flags(tool.build_parser(source, "train_ppo_ray.py"))
-    assert [f["name"] for f in flags] == ["vllm.num_engines", "train.colocate_all", "actor.adam.betas",
-                                          "critic.adam.betas", "ckpt.max_mem"]
+    assert [f["name"] for f in flags] == [
+        "vllm.num_engines",
+        "train.colocate_all",
+        "actor.adam.betas",
+        "critic.adam.betas",
+        "ckpt.max_mem",
+    ]
     assert flags[1]["action"] == "store_true" and flags[2]["nargs"] == 2 and flags[2]["default"] == [0.9, 0.95]
     assert flags[4]["default"] == "inf"
-    flat = {n: {"name": n, "action": a, "nargs": k} for n, a, k in (
-        ("vllm_num_engines", "store", None), ("colocate_all_models", "store_true", None),
-        ("adam_betas", "store", 2), ("max_ckpt_mem", "store", None))}
+    flat = {
+        n: {"name": n, "action": a, "nargs": k}
+        for n, a, k in (
+            ("vllm_num_engines", "store", None),
+            ("colocate_all_models", "store_true", None),
+            ("adam_betas", "store", 2),
+            ("max_ckpt_mem", "store", None),
+        )
+    }
     pairs = tool.pair(flags, flat)
-    assert pairs == {"vllm.num_engines": ["vllm_num_engines"], "train.colocate_all": ["colocate_all_models"],
-                     "actor.adam.betas": ["adam_betas"], "critic.adam.betas": ["adam_betas"],
-                     "ckpt.max_mem": ["max_ckpt_mem"]}
+    assert pairs == {
+        "vllm.num_engines": ["vllm_num_engines"],
+        "train.colocate_all": ["colocate_all_models"],
+        "actor.adam.betas": ["adam_betas"],
+        "critic.adam.betas": ["adam_betas"],
+        "ckpt.max_mem": ["max_ckpt_mem"],
+    }
 
 
 def test_the_committed_data_files_are_what_the_generator_writes():
     tool = _tool()
-    for path in (orl.DATA_FILE, tool.defaults_path(tool.DOTTED_RELEASE), tool.defaults_path(tool.FLAT_DEFAULTS_RELEASE)):
+    for path in (
+        orl.DATA_FILE,
+        tool.defaults_path(tool.DOTTED_RELEASE),
+        tool.defaults_path(tool.FLAT_DEFAULTS_RELEASE),
+    ):
         with open(path, encoding="utf-8") as f:
             text = f.read()
         assert tool.dumps(json.loads(text)) == text, path  # regenerated, not edited by hand
@@ -248,17 +329,24 @@ def test_the_generator_reads_the_main_branch_s_new_flags():
     release's defaults keeps a timestamp default as its pattern."""
     tool = _tool()
     release = [{"name": "algo.advantage.is_correction_level", "action": "store", "nargs": None, "default": "off"}]
-    main_source = textwrap.dedent('''
+    main_source = textwrap.dedent("""
         if __name__ == "__main__":
             parser = argparse.ArgumentParser()
             parser.add_argument("--algo.advantage.is_correction_level", type=str, default="off")
             parser.add_argument("--algo.advantage.is_correction_enable", action="store_true", default=False)
             args = parser.parse_args()
-    ''')
+    """)
     flat = {"enable_vllm_is_correction": {"name": "enable_vllm_is_correction", "action": "store_true", "nargs": None}}
     extra = tool.main_branch_flags(main_source, "0" * 40, release, flat)
-    assert [(r["name"], r["flat"]) for r in extra] == [("algo.advantage.is_correction_enable",
-                                                         ["enable_vllm_is_correction"])]
-    record = tool.defaults_record("0.11.2", "dotted", [{"name": "logger.wandb.run_name", "default": "ppo_0101T00:00"},
-                                                      {"name": "algo.kl.estimator", "default": "k1"}])
+    assert [(r["name"], r["flat"]) for r in extra] == [
+        ("algo.advantage.is_correction_enable", ["enable_vllm_is_correction"])
+    ]
+    record = tool.defaults_record(
+        "0.11.2",
+        "dotted",
+        [
+            {"name": "logger.wandb.run_name", "default": "ppo_0101T00:00"},
+            {"name": "algo.kl.estimator", "default": "k1"},
+        ],
+    )
     assert record["defaults"] == {"logger.wandb.run_name": "ppo_%m%dT%H:%M", "algo.kl.estimator": "k1"}

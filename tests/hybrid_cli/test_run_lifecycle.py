@@ -21,8 +21,21 @@ from timing_bounds import HANG_S, RUN_HANG_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SMALL = ["--task_length", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
-         "--micro_train_batch_size", "8", "--seed", "7", "--no_use_tensorboard"]
+SMALL = [
+    "--task_length",
+    "1",
+    "--rollout_batch_size",
+    "4",
+    "--n_samples_per_prompt",
+    "2",
+    "--train_batch_size",
+    "8",
+    "--micro_train_batch_size",
+    "8",
+    "--seed",
+    "7",
+    "--no_use_tensorboard",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -65,8 +78,9 @@ def test_a_run_is_continued_as_the_readme_says_and_never_silently_replaced(tmp_p
     assert _checkpoints(run) == ["latest.json", "step-00000002", "step-00000003"]
 
     # --overwrite: the old run is removed first, nothing of it mixes with the new one
-    assert main(["grpo", "--max_steps", "1", "--save_path", str(run), "--overwrite", "--no_final_checkpoint",
-                 *SMALL]) == 0
+    assert (
+        main(["grpo", "--max_steps", "1", "--save_path", str(run), "--overwrite", "--no_final_checkpoint", *SMALL]) == 0
+    )
     assert _steps(run) == [0] and _checkpoints(run) == []
     assert "checkpoint_dir" not in json.loads((run / "summary.json").read_text())
 
@@ -82,15 +96,18 @@ def _reward_file(tmp_path, body):
         "        f.write('x')\n"
         f"    if os.path.getsize({str(counter)!r}) >= 2:\n"
         f"        {body}\n"
-        "    return [0.0] * len(completions)\n")
+        "    return [0.0] * len(completions)\n"
+    )
     return f"{path}:score"
 
 
 def test_a_reward_function_that_raises_ends_the_run_with_the_checkpoint_to_resume(tmp_path, capsys):
     run = tmp_path / "run"
     reward = _reward_file(tmp_path, "return [1.0 / 0 for c in completions]")
-    assert main(["grpo", "--max_steps", "3", "--save_steps", "1", "--save_path", str(run), "--reward_fn", reward,
-                 *SMALL]) == 1
+    assert (
+        main(["grpo", "--max_steps", "3", "--save_steps", "1", "--save_path", str(run), "--reward_fn", reward, *SMALL])
+        == 1
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hybrid: RewardError: step 2 failed: the reward function") and "ZeroDivisionError" in err
     assert "my_reward.py:6" in err  # where it raised
@@ -101,8 +118,25 @@ def test_a_reward_function_that_hangs_is_caught_by_the_step_budget(tmp_path, cap
     run = tmp_path / "run"
     reward = _reward_file(tmp_path, "time.sleep(3600)")
     start = time.monotonic()
-    assert main(["grpo", "--max_steps", "3", "--save_steps", "1", "--save_path", str(run), "--reward_fn", reward,
-                 "--step_timeout_s", "20", *SMALL]) == 1
+    assert (
+        main(
+            [
+                "grpo",
+                "--max_steps",
+                "3",
+                "--save_steps",
+                "1",
+                "--save_path",
+                str(run),
+                "--reward_fn",
+                reward,
+                "--step_timeout_s",
+                "20",
+                *SMALL,
+            ]
+        )
+        == 1
+    )
     took = time.monotonic() - start
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hybrid: RewardTimeout: step 2 failed: the reward function")
@@ -117,10 +151,23 @@ def test_a_reward_function_that_hangs_is_caught_by_the_step_budget(tmp_path, cap
 def _start(run, tag, *extra):
     env = {**os.environ, "HYBRID_TEST_TAG": tag, "PYTHONUNBUFFERED": "1"}
     # a tiny step takes ~0.1 s on CPU: enough steps that the run is still going when the signal is sent
-    argv = [sys.executable, "-m", "hybrid_cli", "grpo", "--max_steps", "1000000", "--save_steps", "1",
-            "--save_path", str(run), *SMALL, *extra]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    argv = [
+        sys.executable,
+        "-m",
+        "hybrid_cli",
+        "grpo",
+        "--max_steps",
+        "1000000",
+        "--save_steps",
+        "1",
+        "--save_path",
+        str(run),
+        *SMALL,
+        *extra,
+    ]
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
 
 
 def _wait_for_checkpoint(proc, run, timeout=300):

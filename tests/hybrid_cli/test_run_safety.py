@@ -26,10 +26,23 @@ from hybrid_algos.train.run_lock import LOCK
 from hybrid_cli.main import main
 from hybrid_cli.metrics import MetricsLogger
 
-SMALL = ["--task_length", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
-         "--micro_train_batch_size", "8", "--seed", "7", "--no_use_tensorboard"]
+SMALL = [
+    "--task_length",
+    "1",
+    "--rollout_batch_size",
+    "4",
+    "--n_samples_per_prompt",
+    "2",
+    "--train_batch_size",
+    "8",
+    "--micro_train_batch_size",
+    "8",
+    "--seed",
+    "7",
+    "--no_use_tensorboard",
+]
 
-WANDB_STUB = '''
+WANDB_STUB = """
 import json, os, sys
 
 def login(key=None, relogin=False):
@@ -51,7 +64,7 @@ def init(project=None, name=None, config=None, dir=None, resume=None, **kwargs):
     with open(os.path.join(files, "config.json"), "w") as f:
         json.dump(config, f)
     return _Run()
-'''
+"""
 
 
 def _steps(path):
@@ -146,8 +159,14 @@ def test_credentials_are_taken_out_of_what_is_written():
     dumped = json.dumps(redact(config.to_dict()))
     assert key not in dumped and "hunter22" not in dumped and "abc123" not in dumped and REDACTED in dumped
     assert redact({"use_wandb": "True", "note": f"key {key}"}) == {"use_wandb": "True", "note": f"key {REDACTED}"}
-    assert redact_argv(["hybrid", "--use_wandb", key, f"--use_wandb={key}", "--use_wandb", "True"]) == \
-        ["hybrid", "--use_wandb", REDACTED, f"--use_wandb={REDACTED}", "--use_wandb", "True"]
+    assert redact_argv(["hybrid", "--use_wandb", key, f"--use_wandb={key}", "--use_wandb", "True"]) == [
+        "hybrid",
+        "--use_wandb",
+        REDACTED,
+        f"--use_wandb={REDACTED}",
+        "--use_wandb",
+        "True",
+    ]
     argv = ["hybrid", "ppo", "--use_wandb", key]
     hide_in_argv(argv)
     assert argv == ["hybrid", "ppo", "--use_wandb", REDACTED]
@@ -156,8 +175,9 @@ def test_credentials_are_taken_out_of_what_is_written():
 # ---- one real run ------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_one_run_per_folder_no_secret_written_damaged_shard_skipped_and_resume_without_repeats(tmp_path, capsys,
-                                                                                                caplog):
+def test_one_run_per_folder_no_secret_written_damaged_shard_skipped_and_resume_without_repeats(
+    tmp_path, capsys, caplog
+):
     from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
 
     ensure_cpu_ops_built()
@@ -172,18 +192,45 @@ def test_one_run_per_folder_no_secret_written_damaged_shard_skipped_and_resume_w
     logins = tmp_path / "logins.jsonl"
     tag = uuid.uuid4().hex
     # WANDB_MODE=offline: the command's check of the key with W&B's server (metrics.check_wandb) is not the subject
-    env = {**os.environ, "HYBRID_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "WANDB_STUB_LOG": str(logins),
-           "WANDB_MODE": "offline",
-           "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-m", "hybrid_cli", "grpo", "--max_steps", "1000000", "--save_steps", "3",
-                             "--save_path", str(run), "--use_wandb", secret, *SMALL], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = {
+        **os.environ,
+        "HYBRID_TEST_TAG": tag,
+        "PYTHONUNBUFFERED": "1",
+        "WANDB_STUB_LOG": str(logins),
+        "WANDB_MODE": "offline",
+        "PYTHONPATH": os.pathsep.join([str(stub), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hybrid_cli",
+            "grpo",
+            "--max_steps",
+            "1000000",
+            "--save_steps",
+            "3",
+            "--save_path",
+            str(run),
+            "--use_wandb",
+            secret,
+            *SMALL,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     ckpt = CheckpointManager(str(run / "checkpoints"))
     try:
         deadline = time.monotonic() + 400
         # two checkpoints and steps done after the newest: what a resume repeats
-        while not (len(ckpt.complete_checkpoints()) >= 2 and (run / "metrics.jsonl").exists()
-                   and len(_steps(run / "metrics.jsonl")) > ckpt.complete_checkpoints()[-1][1] + 1):
+        while not (
+            len(ckpt.complete_checkpoints()) >= 2
+            and (run / "metrics.jsonl").exists()
+            and len(_steps(run / "metrics.jsonl")) > ckpt.complete_checkpoints()[-1][1] + 1
+        ):
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "no checkpoints in time"
             time.sleep(0.2)

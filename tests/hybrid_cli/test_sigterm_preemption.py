@@ -19,8 +19,9 @@ def _driver(run, tag, *extra, fault=None):
     if fault:
         env["HYBRID_FAULT"] = fault
     argv = [sys.executable, "-m", "hybrid_cli", "grpo", "--save_path", str(run), *SMALL, *extra]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, as under a shell or a scheduler
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # its own process group, as under a shell or a scheduler
 
 
 def _none_left(tag, seconds=20):
@@ -74,8 +75,9 @@ def test_an_engine_that_dies_being_built_ends_the_run_naming_it_and_leaves_nothi
         assert proc.returncode == 1, err
         last = err.strip().splitlines()[-1]
         # the role, its GPU, and the last line the dying process wrote
-        assert last.startswith("hybrid: RoleFailure: start-up failed: rollout engine 0: start on GPU 0: the actor "
-                               "died"), last
+        assert last.startswith(
+            "hybrid: RoleFailure: start-up failed: rollout engine 0: start on GPU 0: the actor died"
+        ), last
         assert "injected fault (HYBRID_FAULT): rollout rank 0 exits in create" in last, last
         assert _none_left(tag), f"processes of the run are still alive: {_tagged(tag)}"
     finally:

@@ -29,7 +29,7 @@ def plan_residency(layout, gpu_bytes, **kw):  # PPO's step (core takes the phase
 
 
 # ---- a reward function that calls os._exit ---------------------------------------------------------------------------
-REWARD_EXITS = textwrap.dedent('''
+REWARD_EXITS = textwrap.dedent("""
     import multiprocessing, os, sys
     from types import SimpleNamespace as NS
     from hybrid_algos.train.rewards import RewardError, RewardScorer
@@ -54,7 +54,7 @@ REWARD_EXITS = textwrap.dedent('''
     except RewardError as e:
         print("RewardError:", e, flush=True)
         os._exit(3)  # the driver's own os._exit still ends the process
-''')
+""")
 
 
 def test_a_reward_function_calling_os_exit_is_an_error_not_the_end_of_the_run():
@@ -122,10 +122,11 @@ def test_a_host_line_over_its_capacity_never_says_tight():
     # states that count and the processes over the capacity: refused, and the line says OVER (it said "tight")
     big = _size("actor", "trainer", {"params": 2, "grads": 2, "optimizer": 4, "cache": 0})
     engine = _size("rollout", "engine", {"weights": 14.5, "kv_cache": 64}, exact=("kv_cache",))
-    refused = plan_residency({0: (GpuShare(big), GpuShare(engine))}, 80 * GiB, usable=0.92,
-                             host=HostBudget(13 * GiB, "--host_memory_gb"))
+    refused = plan_residency(
+        {0: (GpuShare(big), GpuShare(engine))}, 80 * GiB, usable=0.92, host=HostBudget(13 * GiB, "--host_memory_gb")
+    )
     assert "host (node 0): 17.0 GiB of 13.0 GiB available, OVER:" in refused.render()
-    with pytest.raises(PlacementError, match="17.0 GiB > 13.0 GiB available") as e:
+    with pytest.raises(PlacementError, match=r"17.0 GiB > 13.0 GiB available") as e:
         refused.check()
     assert e.value.field == "host_memory_gb"
 

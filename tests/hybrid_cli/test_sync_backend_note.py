@@ -45,7 +45,9 @@ def test_dry_run_prints_the_note_for_the_explicit_flag_only(capsys):
     assert main(["ppo", "--dry-run", "--vllm_sync_backend", "nccl", "--max_steps", "1"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "weight sync: ipc" in out
-    assert ("note: --vllm_sync_backend nccl: not used: the engines share the actor's GPUs, so the weights go to "
-            "them by CUDA IPC") in out and "--weight_sync broadcast --vllm_sync_backend gloo" in out
+    assert (
+        "note: --vllm_sync_backend nccl: not used: the engines share the actor's GPUs, so the weights go to "
+        "them by CUDA IPC"
+    ) in out and "--weight_sync broadcast --vllm_sync_backend gloo" in out
     assert main(["ppo", "--dry-run", "--max_steps", "1"]) == 0
     assert "--vllm_sync_backend" not in capsys.readouterr().out

@@ -41,9 +41,14 @@ def remote_code_model(tmp_path_factory):
     (path / "configuration_hybrid_tiny.py").write_text(CONFIGURATION)
     (path / "modeling_hybrid_tiny.py").write_text(MODELING)
     config = json.loads((path / "config.json").read_text())
-    config.update(model_type="hybrid_tiny_remote", architectures=["HybridTinyRemoteForCausalLM"], auto_map={
-        "AutoConfig": "configuration_hybrid_tiny.HybridTinyRemoteConfig",
-        "AutoModelForCausalLM": "modeling_hybrid_tiny.HybridTinyRemoteForCausalLM"})
+    config.update(
+        model_type="hybrid_tiny_remote",
+        architectures=["HybridTinyRemoteForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_hybrid_tiny.HybridTinyRemoteConfig",
+            "AutoModelForCausalLM": "modeling_hybrid_tiny.HybridTinyRemoteForCausalLM",
+        },
+    )
     (path / "config.json").write_text(json.dumps(config))
     os.remove(path / "hybrid_tiny.json")
     return str(path)
@@ -83,9 +88,29 @@ def test_with_the_flag_every_role_loads_it(remote_code_model, data_and_reward, t
 
     ensure_cpu_ops_built()
     run = tmp_path / "run"
-    argv = ["grpo", "--pretrain", remote_code_model, *data_and_reward, "--trust_remote_code", "--save_path", str(run),
-            "--max_steps", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
-            "--micro_train_batch_size", "8", "--generate_max_len", "4", "--actor_learning_rate", "1e-3"]
+    argv = [
+        "grpo",
+        "--pretrain",
+        remote_code_model,
+        *data_and_reward,
+        "--trust_remote_code",
+        "--save_path",
+        str(run),
+        "--max_steps",
+        "1",
+        "--rollout_batch_size",
+        "4",
+        "--n_samples_per_prompt",
+        "2",
+        "--train_batch_size",
+        "8",
+        "--micro_train_batch_size",
+        "8",
+        "--generate_max_len",
+        "4",
+        "--actor_learning_rate",
+        "1e-3",
+    ]
     assert main(argv) == 0  # actor, reference, engine and tokenizers each loaded the shipped code
     final = json.loads((run / "final" / "config.json").read_text())
     assert final["model_type"] == "hybrid_tiny_remote"

@@ -50,8 +50,9 @@ def _env(hidden: str) -> dict[str, str]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("hidden", ["", "-1"])
 def test_hidden_gpus_become_fake_gpus_no_worker_can_use(hidden, ray_dir):
-    out = subprocess.run([sys.executable, "-c", LOCAL_RUN, ray_dir], env=_env(hidden),
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, "-c", LOCAL_RUN, ray_dir], env=_env(hidden), capture_output=True, text=True, timeout=240
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["gpus"] == 2
@@ -65,9 +66,24 @@ def test_hidden_gpus_become_fake_gpus_no_worker_can_use(hidden, ray_dir):
 @pytest.mark.timeout(600)
 def test_the_demo_runs_on_the_cpu_of_a_machine_whose_gpus_are_hidden(tmp_path, ray_dir):
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "hybrid_cli", "grpo", "--max_steps", "2", "--save_path", str(run),
-                          "--ray_temp_dir", ray_dir], env=_env(""), capture_output=True, text=True,
-                         timeout=540)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybrid_cli",
+            "grpo",
+            "--max_steps",
+            "2",
+            "--save_path",
+            str(run),
+            "--ray_temp_dir",
+            ray_dir,
+        ],
+        env=_env(""),
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     layout = json.loads((run / "logs" / "placement.json").read_text())
     devices = [d for node in layout["nodes"].values() for d in node["device_ids"]]

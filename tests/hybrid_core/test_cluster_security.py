@@ -61,8 +61,12 @@ JOIN = textwrap.dedent("""
 
 def _network_ips() -> list[str]:
     """This machine's IPv4 addresses other than loopback (where a remote attacker would knock)."""
-    return [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
-            if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    return [
+        a.address
+        for addrs in psutil.net_if_addrs().values()
+        for a in addrs
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
 
 
 def _env(**changes):
@@ -76,8 +80,14 @@ def test_a_local_run_listens_on_loopback_only_and_requires_its_token(tmp_path):
     home = tmp_path / "home"  # no ~/.ray/auth_token of the machine's user can leak in
     home.mkdir()
     ray_dir = tempfile.mkdtemp(prefix="hyray", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    run = subprocess.Popen([sys.executable, "-c", LOCAL_RUN, ray_dir], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(HOME=str(home)))
+    run = subprocess.Popen(
+        [sys.executable, "-c", LOCAL_RUN, ray_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(HOME=str(home)),
+    )
     try:
         line = run.stdout.readline()
         assert line, run.stderr.read()[-3000:]
@@ -94,8 +104,11 @@ def test_a_local_run_listens_on_loopback_only_and_requires_its_token(tmp_path):
         # nothing of the run answers on the machine's network address (ports another process on this machine
         # serves there, such as another Ray's fixed agent port, cannot tell us anything)
         ours = {pid for *_, pid in report["listening"]}
-        taken = {c.laddr.port for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.pid not in ours}
+        taken = {
+            c.laddr.port
+            for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid not in ours
+        }
         for ip in _network_ips():
             for _, port, name, _ in report["listening"]:
                 if port in taken:
@@ -107,8 +120,9 @@ def test_a_local_run_listens_on_loopback_only_and_requires_its_token(tmp_path):
         def join(**auth):
             # a client on this machine (loopback, like the run), giving up after 2 tries instead of Ray's 20
             env = _env(HOME=str(home), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_NUM_REDIS_GET_RETRIES="2", **auth)
-            out = subprocess.run([sys.executable, "-c", JOIN, report["gcs"]], capture_output=True, text=True,
-                                 timeout=120, env=env)
+            out = subprocess.run(
+                [sys.executable, "-c", JOIN, report["gcs"]], capture_output=True, text=True, timeout=120, env=env
+            )
             return out.stdout.strip() or out.stderr[-500:], out.stderr
 
         for auth in (dict(RAY_AUTH_MODE="disabled"), dict(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)):

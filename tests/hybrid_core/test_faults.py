@@ -10,7 +10,9 @@ from hybrid_core.faults import Fault, maybe_inject, parse_faults
 def test_grammar():
     assert parse_faults(None) == [] and parse_faults("") == []
     assert parse_faults("actor:train:hang,critic/1:values:die:3") == [
-        Fault("actor", None, "train", "hang", 1), Fault("critic", 1, "values", "die", 3)]
+        Fault("actor", None, "train", "hang", 1),
+        Fault("critic", 1, "values", "die", 3),
+    ]
 
 
 @pytest.mark.parametrize("text", ["actor:train", "actor:train:explode", "actor/x:train:die", "actor:train:die:0"])

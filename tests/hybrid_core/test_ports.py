@@ -80,9 +80,11 @@ def test_windows_among_ray_ports_or_the_ephemeral_range_are_refused():
 
 
 def test_ray_ports_are_reserved_on_their_own_node_and_the_gcs_everywhere():
-    nodes = [{"NodeID": "node-a", "Alive": True, "NodeManagerPort": 20010, "ObjectManagerPort": 0},
-             {"NodeID": "node-b", "Alive": True, "RuntimeEnvAgentPort": 20600},
-             {"NodeID": "node-c", "Alive": False, "NodeManagerPort": 20000}]
+    nodes = [
+        {"NodeID": "node-a", "Alive": True, "NodeManagerPort": 20010, "ObjectManagerPort": 0},
+        {"NodeID": "node-b", "Alive": True, "RuntimeEnvAgentPort": 20600},
+        {"NodeID": "node-c", "Alive": False, "NodeManagerPort": 20000},
+    ]
     reserved = ray_reserved_ports(nodes, "10.0.0.1:20300")
     windows = allocate_windows([("e0", "node-b"), ("e1", "node-b"), ("e2", "node-b")])  # 20000-20767 on node-b
     with pytest.raises(ConfigError, match=r"e2 .*Ray's RuntimeEnvAgentPort .*port 20600 on node node-b"):
@@ -96,12 +98,19 @@ def test_ray_ports_are_reserved_on_their_own_node_and_the_gcs_everywhere():
 
 def test_plan_engine_ports_widens_windows_to_the_engine_need_and_reads_the_base():
     engines = [("rollout engine 0", "n"), ("rollout engine 1", "n")]
-    windows = plan_engine_ports(engines, needed=300, environ={BASE_PORT_ENV: "23000"}, ray_ports=RAY_DEFAULTS,
-                                ephemeral=LINUX_EPHEMERAL)
+    windows = plan_engine_ports(
+        engines, needed=300, environ={BASE_PORT_ENV: "23000"}, ray_ports=RAY_DEFAULTS, ephemeral=LINUX_EPHEMERAL
+    )
     assert [(w.start, w.size) for w in windows] == [(23000, 300), (23300, 300)]
     with pytest.raises(ConfigError, match="trainer"):
-        plan_engine_ports(engines, needed=10, environ={}, ray_ports=(), ephemeral=None,
-                          reserved=[Reserved.port(DEFAULT_BASE_PORT + 5, "trainer rendezvous")])
+        plan_engine_ports(
+            engines,
+            needed=10,
+            environ={},
+            ray_ports=(),
+            ephemeral=None,
+            reserved=[Reserved.port(DEFAULT_BASE_PORT + 5, "trainer rendezvous")],
+        )
 
 
 @pytest.mark.parametrize("value", ["x", "80", "70000"])

@@ -180,4 +180,3 @@ def _my_listeners() -> list[tuple[str, int]]:
                     address, hex_port = fields[1].rsplit(":", 1)
                     found.append((address, int(hex_port, 16)))
     return found
-

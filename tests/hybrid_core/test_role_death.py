@@ -62,8 +62,13 @@ def test_a_death_ends_the_wait_at_once_naming_the_cause_while_another_call_hangs
     start = time.monotonic()
     with pytest.raises(RoleFailure) as info:
         # the hanging engine first: before, the wait took every call's answer (or the 600 s) before raising
-        get_all_with_timeout([("rollout engine 0: start on GPU 0", hangs.ready.remote()),
-                              ("rollout engine 1: start on GPU 1", dies.ready.remote())], 600)
+        get_all_with_timeout(
+            [
+                ("rollout engine 0: start on GPU 0", hangs.ready.remote()),
+                ("rollout engine 1: start on GPU 1", dies.ready.remote()),
+            ],
+            600,
+        )
     took = time.monotonic() - start
     message = str(info.value)
     assert message.startswith("rollout engine 1: start on GPU 1: the actor died"), message
@@ -159,9 +164,28 @@ def test_the_cli_refuses_a_closed_address_with_a_hybrid_line(tmp_path, capsys):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start = time.monotonic()
-    code = main(["grpo", "--address", f"127.0.0.1:{port}", "--max_steps", "1", "--task_length", "1",
-                 "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
-                 "--micro_train_batch_size", "8", "--save_path", str(tmp_path / "run"), "--no_use_tensorboard"])
+    code = main(
+        [
+            "grpo",
+            "--address",
+            f"127.0.0.1:{port}",
+            "--max_steps",
+            "1",
+            "--task_length",
+            "1",
+            "--rollout_batch_size",
+            "4",
+            "--n_samples_per_prompt",
+            "2",
+            "--train_batch_size",
+            "8",
+            "--micro_train_batch_size",
+            "8",
+            "--save_path",
+            str(tmp_path / "run"),
+            "--no_use_tensorboard",
+        ]
+    )
     assert code == 2 and time.monotonic() - start < RUN_HANG_S
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"hybrid: error: address: nothing answers at 127.0.0.1:{port}"), last

@@ -27,5 +27,9 @@ def test_phase_blocks_accumulate_and_leave_ordered_wall_clock_spans():
 def test_transfer_rate_is_bytes_over_seconds_and_zero_when_untimed():
     assert TransferStats(2_000_000_000, 0.5).gbps == 4.0
     assert TransferStats(10, 0.0).gbps == 0.0
-    assert (TransferStats(1, 1.0, "a") + TransferStats(2, 2.0)).as_dict() == {"what": "a", "bytes": 3, "seconds": 3.0,
-                                                                              "gbps": 1e-9}
+    assert (TransferStats(1, 1.0, "a") + TransferStats(2, 2.0)).as_dict() == {
+        "what": "a",
+        "bytes": 3,
+        "seconds": 3.0,
+        "gbps": 1e-9,
+    }

@@ -113,8 +113,9 @@ def test_the_holder_may_extend_its_turn_past_the_queue():
 def test_roles_on_different_gpus_do_not_wait_for_each_other():
     async def scenario():
         table = TurnTable()
-        results = await asyncio.gather(table.acquire("actor", [0], 0.5), table.acquire("rollout", [1], 0.5),
-                                       table.acquire("critic", [2, 3], 0.5))
+        results = await asyncio.gather(
+            table.acquire("actor", [0], 0.5), table.acquire("rollout", [1], 0.5), table.acquire("critic", [2, 3], 0.5)
+        )
         assert results == [None, None, None]
         assert table.holders() == {0: "actor", 1: "rollout", 2: "critic", 3: "critic"}
 
@@ -163,6 +164,7 @@ def test_release_of_a_gpu_not_held_is_reported_and_changes_nothing():
 
 def test_random_concurrent_schedule_keeps_one_role_per_gpu():
     """Many asyncio tasks (several ranks per role) taking random turns; an in-process monitor checks exclusivity."""
+
     async def scenario(seed):
         rng = random.Random(seed)
         table = TurnTable()
@@ -184,8 +186,16 @@ def test_random_concurrent_schedule_keeps_one_role_per_gpu():
                     awake[g][role] -= 1
                 assert await table.release(role, gpus) is None
 
-        ranks = [("actor", [0]), ("actor", [1]), ("actor", [2]), ("rollout", [0, 1]), ("rollout", [2, 3]),
-                 ("critic", [1]), ("critic", [3]), ("reference", [0, 1, 2, 3])]
+        ranks = [
+            ("actor", [0]),
+            ("actor", [1]),
+            ("actor", [2]),
+            ("rollout", [0, 1]),
+            ("rollout", [2, 3]),
+            ("critic", [1]),
+            ("critic", [3]),
+            ("reference", [0, 1, 2, 3]),
+        ]
         await asyncio.gather(*(rank(role, gpus) for role, gpus in ranks))
         return violations, concurrent_roles, table.holders()
 
@@ -266,7 +276,7 @@ def overlaps(intervals):
     """Pairs of intervals of different roles on a common GPU that overlap in time."""
     found = []
     for i, (role_a, _, gpus_a, start_a, end_a) in enumerate(intervals):
-        for role_b, _, gpus_b, start_b, end_b in intervals[i + 1:]:
+        for role_b, _, gpus_b, start_b, end_b in intervals[i + 1 :]:
             if role_a != role_b and set(gpus_a) & set(gpus_b) and start_a < end_b and start_b < end_a:
                 found.append((role_a, role_b, sorted(set(gpus_a) & set(gpus_b))))
     return found
@@ -283,7 +293,8 @@ def placed_workers(cluster):
     for name, role in plan.roles.items():
         for w in role.workers:
             workers[(name, w.rank)] = RoleWorker.options(**placed.actor_options(name, w.rank)).remote(
-                name, w.rank, list(w.gpus), turnstile)
+                name, w.rank, list(w.gpus), turnstile
+            )
     monitor = Monitor.remote()
     yield plan, placed, turnstile, workers, monitor, RoleWorker
     ray.kill(monitor)
@@ -295,8 +306,10 @@ def placed_workers(cluster):
 
 def run_schedule(placed_workers, seed, take_turns, steps, gap_s, awake_s):
     _plan, _placed, _turnstile, workers, monitor, _ = placed_workers
-    refs = [worker.run.remote(monitor, seed * 100 + i, steps, gap_s, awake_s, take_turns)
-            for i, worker in enumerate(workers.values())]
+    refs = [
+        worker.run.remote(monitor, seed * 100 + i, steps, gap_s, awake_s, take_turns)
+        for i, worker in enumerate(workers.values())
+    ]
     assert get_with_timeout(refs, TIMEOUT, "schedule") == [steps] * len(workers)
     intervals, violations = get_with_timeout(monitor.report_and_reset.remote(), TIMEOUT, "monitor")
     assert len(intervals) == steps * len(workers)
@@ -312,8 +325,7 @@ def test_workers_sit_on_their_shared_fake_gpus(placed_workers):
 
 
 def test_random_wake_sleep_schedule_never_has_two_roles_awake_on_a_gpu(placed_workers):
-    intervals, violations = run_schedule(placed_workers, seed=1, take_turns=True, steps=15, gap_s=0.01,
-                                         awake_s=0.01)
+    intervals, violations = run_schedule(placed_workers, seed=1, take_turns=True, steps=15, gap_s=0.01, awake_s=0.01)
     assert violations == []
     assert overlaps(intervals) == []
     _, _, turnstile, _, _, _ = placed_workers
@@ -322,8 +334,7 @@ def test_random_wake_sleep_schedule_never_has_two_roles_awake_on_a_gpu(placed_wo
 
 def test_the_same_schedule_without_turns_does_overlap(placed_workers):
     """Control: proves the monitor would see a broken turnstile."""
-    intervals, violations = run_schedule(placed_workers, seed=2, take_turns=False, steps=8, gap_s=0.002,
-                                         awake_s=0.03)
+    intervals, violations = run_schedule(placed_workers, seed=2, take_turns=False, steps=8, gap_s=0.002, awake_s=0.03)
     assert violations and overlaps(intervals)
 
 
@@ -373,14 +384,17 @@ def test_create_gets_the_existing_turnstile_and_handles_travel(cluster):
         first.kill()
 
 
-@pytest.mark.parametrize("call, field", [
-    (lambda ts: ts.acquire("", [0]), "role"),
-    (lambda ts: ts.acquire("actor", []), "gpus"),
-    (lambda ts: ts.acquire("actor", [-1]), "gpus"),
-    (lambda ts: ts.acquire("actor", "0"), "gpus"),
-    (lambda ts: ts.acquire("actor", [0], timeout_s=0), "timeout_s"),
-    (lambda ts: ts.acquire("actor", [0], timeout_s=float("inf")), "timeout_s"),
-])
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda ts: ts.acquire("", [0]), "role"),
+        (lambda ts: ts.acquire("actor", []), "gpus"),
+        (lambda ts: ts.acquire("actor", [-1]), "gpus"),
+        (lambda ts: ts.acquire("actor", "0"), "gpus"),
+        (lambda ts: ts.acquire("actor", [0], timeout_s=0), "timeout_s"),
+        (lambda ts: ts.acquire("actor", [0], timeout_s=float("inf")), "timeout_s"),
+    ],
+)
 def test_bad_arguments_are_config_errors(call, field):
     turnstile = Turnstile(actor=None, name="unused")  # checked before any call reaches Ray
     with pytest.raises(ConfigError) as err:

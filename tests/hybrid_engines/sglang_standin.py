@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 
-
 def _real_sglang() -> bool:
     module = sys.modules.get("sglang")
     if module is not None:  # another test's fake module has no file
@@ -31,9 +30,21 @@ def _real_sglang() -> bool:
 HAVE_SGLANG = _real_sglang()
 
 # SGLang's SafeUnpickler allow-list (0.5.16/0.5.23 ``utils/common.py``), the part a weight payload can touch.
-ALLOWED_PREFIXES = ("builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.",
-                    "weakref.", "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.",
-                    "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.utils.")
+ALLOWED_PREFIXES = (
+    "builtins.",
+    "collections.",
+    "copyreg.",
+    "functools.",
+    "itertools.",
+    "operator.",
+    "types.",
+    "weakref.",
+    "torch.",
+    "multiprocessing.resource_sharer.",
+    "multiprocessing.reduction.",
+    "sglang.srt.weight_sync.tensor_bucket.",
+    "sglang.srt.utils.",
+)
 
 
 class _AllowListUnpickler(pickle.Unpickler):
@@ -45,8 +56,8 @@ class _AllowListUnpickler(pickle.Unpickler):
 
 def deserialize(data: bytes) -> Any:
     if HAVE_SGLANG:
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
         monkey_patch_torch_reductions()  # as the scheduler does before deserializing
         return MultiprocessingSerializer.deserialize(data)
@@ -57,16 +68,36 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
     if HAVE_SGLANG:
         from sglang.srt.utils.common import init_custom_process_group
 
-        return init_custom_process_group(backend=backend, init_method=f"tcp://{master_address}:{master_port}",
-                                         world_size=world_size, rank=rank, group_name=group_name)
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    default_pg_timeout, rendezvous)
+        return init_custom_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_address}:{master_port}",
+            world_size=world_size,
+            rank=rank,
+            group_name=group_name,
+        )
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        default_pg_timeout,
+        rendezvous,
+    )
 
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=default_pg_timeout))
+    store, rank, world_size = next(
+        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=default_pg_timeout)
+    )
     store.set_timeout(default_pg_timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, backend_options=None, timeout=default_pg_timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=default_pg_timeout,
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -75,10 +106,14 @@ def unflatten(flat: torch.Tensor, metadata) -> list[tuple[str, torch.Tensor]]:
     if HAVE_SGLANG:
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
-        meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
-                                        end_idx=m.end_idx, numel=m.numel) for m in metadata]
+        meta = [
+            FlattenedTensorMetadata(
+                name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel
+            )
+            for m in metadata
+        ]
         return FlattenedTensorBucket(flattened_tensor=flat, metadata=meta).reconstruct_tensors()
-    return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
+    return [(m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
 
 
 class WireEngine:
@@ -105,14 +140,16 @@ class WireEngine:
         self._in_session = False
         return True, "ok"
 
-    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
-                                  backend="nccl"):
+    def init_weights_update_group(
+        self, master_address, master_port, rank_offset, world_size, group_name, backend="nccl"
+    ):
         self.calls.append("init_weights_update_group")
         self.groups[group_name] = join_group(master_address, master_port, rank_offset, world_size, group_name, backend)
         return True, "Succeeded to initialize custom process group."
 
-    def update_weights_from_distributed(self, names, dtypes, shapes, group_name="weight_update_group",
-                                        flush_cache=True, load_format=None):
+    def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name="weight_update_group", flush_cache=True, load_format=None
+    ):
         self.calls.append("update_weights_from_distributed")
         refused = self._session_ok("update_weights_from_distributed")
         if refused:
@@ -125,8 +162,11 @@ class WireEngine:
         metadata, offset = [], 0
         for n, t in named:
             size = t.numel() * t.element_size()
-            metadata.append(types.SimpleNamespace(name=n, shape=t.shape, dtype=t.dtype, start_idx=offset,
-                                                  end_idx=offset + size, numel=size))
+            metadata.append(
+                types.SimpleNamespace(
+                    name=n, shape=t.shape, dtype=t.dtype, start_idx=offset, end_idx=offset + size, numel=size
+                )
+            )
             offset += size
         torch.distributed.broadcast(flat, src=0, group=self.groups[group_name])
         self.weights.update({n: t.clone() for n, t in unflatten(flat, metadata)})

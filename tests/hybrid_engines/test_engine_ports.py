@@ -22,7 +22,10 @@ from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.ports import BASE_PORT_ENV, PortWindow, Reserved, engine_windows
 from hybrid_engines import ray_engines
 from hybrid_engines.vllm_engine import (
-    VLLM_DP_RESERVED, VLLM_TCPSTORE_OFFSET, VLLM_TCPSTORE_TRIES, VLLMEngine,
+    VLLM_DP_RESERVED,
+    VLLM_TCPSTORE_OFFSET,
+    VLLM_TCPSTORE_TRIES,
+    VLLMEngine,
 )
 
 PORT_VARS = ("VLLM_PORT", "VLLM_DP_MASTER_PORT", "VLLM_DP_RANK_LOCAL", "VLLM_DP_RANK")
@@ -135,8 +138,11 @@ def recorder_class():
             return True
 
         def seen(self):
-            return {"rank": self.rank, "ports": self.kwargs.get("ports"),
-                    "node": ray.get_runtime_context().get_node_id()}
+            return {
+                "rank": self.rank,
+                "ports": self.kwargs.get("ports"),
+                "node": ray.get_runtime_context().get_node_id(),
+            }
 
     return Recorder
 
@@ -144,8 +150,9 @@ def recorder_class():
 def test_launch_gives_each_tp2_vllm_engine_its_own_window_on_its_node(placed, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))  # engine_class imports it on the driver
     monkeypatch.setattr(ray_engines, "EngineActor", recorder_class())
-    group = ray_engines.launch_engines(placed, "rollout", backend="vllm", engine_kwargs={"model": "/no/model"},
-                                       timeout_s=120)
+    group = ray_engines.launch_engines(
+        placed, "rollout", backend="vllm", engine_kwargs={"model": "/no/model"}, timeout_s=120
+    )
     try:
         seen = sorted(ray.get([a.seen.remote() for a in group.actors], timeout=60), key=lambda s: s["rank"])
     finally:
@@ -165,12 +172,18 @@ def test_launch_refuses_a_shared_port_variable_or_a_clash_before_any_actor_start
     started = []
     monkeypatch.setattr(ray_engines, "EngineActor", started.append)  # would fail the test if Ray were asked
     with pytest.raises(ConfigError, match="VLLM_PORT"):
-        ray_engines.launch_engines(placed, "rollout", backend="vllm", engine_kwargs={"model": "m"},
-                                   env_vars={"VLLM_PORT": "29000"})
+        ray_engines.launch_engines(
+            placed, "rollout", backend="vllm", engine_kwargs={"model": "m"}, env_vars={"VLLM_PORT": "29000"}
+        )
     with pytest.raises(ConfigError, match="trainer rendezvous"):
-        ray_engines.launch_engines(placed, "rollout", backend="vllm", engine_kwargs={"model": "m"},
-                                   env_vars={BASE_PORT_ENV: "24000"},
-                                   reserved_ports=[Reserved.port(24300, "trainer rendezvous")])
+        ray_engines.launch_engines(
+            placed,
+            "rollout",
+            backend="vllm",
+            engine_kwargs={"model": "m"},
+            env_vars={BASE_PORT_ENV: "24000"},
+            reserved_ports=[Reserved.port(24300, "trainer rendezvous")],
+        )
     assert not started
 
 
@@ -179,6 +192,10 @@ def test_engine_windows_across_nodes_reuse_numbers_per_node(cluster):
     plan = PlacementSpec.from_ranges({"rollout": "0-7"}, tp={"rollout": 2}).plan()
     devices = [SimpleNamespace(node_id="node-a" if g < 4 else "node-b") for g in range(8)]
     windows = engine_windows(SimpleNamespace(plan=plan, devices=devices), "rollout", VLLMEngine, "vllm", {}, {})
-    assert [(w.node, w.start) for w in windows] == [("node-a", 20000), ("node-a", 20256), ("node-b", 20000),
-                                                     ("node-b", 20256)]
+    assert [(w.node, w.start) for w in windows] == [
+        ("node-a", 20000),
+        ("node-a", 20256),
+        ("node-b", 20000),
+        ("node-b", 20256),
+    ]
     assert engine_windows(SimpleNamespace(plan=plan, devices=devices), "rollout", SimpleNamespace, "hf", {}, {}) is None

@@ -26,10 +26,21 @@ def one_torch_thread():
     yield
     torch.set_num_threads(before)
 
+
 def tiny_config(**overrides) -> LlamaConfig:
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
-              eos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     kw.update(overrides)
     return LlamaConfig(**kw)
 
@@ -42,8 +53,18 @@ def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     """Absolute position embeddings: wrong position ids under left padding change its outputs (RoPE hides them)."""
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                                      initializer_range=0.2, bos_token_id=None, eos_token_id=None)).eval()
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            initializer_range=0.2,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    ).eval()
 
 
 def prompts_of(lengths, seed: int = 1) -> list[list[int]]:
@@ -75,13 +96,13 @@ def naive_greedy(model, prompt, steps):
     seq = list(prompt)
     for _ in range(steps):
         seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 @torch.inference_mode()
 def direct_logprobs(model, prompt, completion):
     logits = model(torch.tensor([prompt + completion])).logits[0].float()
-    lp = torch.log_softmax(logits, -1)[len(prompt) - 1:len(prompt) - 1 + len(completion)]
+    lp = torch.log_softmax(logits, -1)[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
     return lp.gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
 
 
@@ -101,11 +122,14 @@ def test_greedy_matches_uncached_decoding_and_is_deterministic(any_model):
     assert all(o[0].logprobs is None for o in plain)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, max_new_tokens=10),
-    SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=10, n=3, seed=5),
-    SamplingParams(temperature=1.3, max_new_tokens=10, n=2, seed=6, stop_token_ids=(4, 9, 17), min_new_tokens=2),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_new_tokens=10),
+        SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=10, n=3, seed=5),
+        SamplingParams(temperature=1.3, max_new_tokens=10, n=2, seed=6, stop_token_ids=(4, 9, 17), min_new_tokens=2),
+    ],
+)
 def test_logprobs_equal_a_direct_forward_pass(any_model, params):
     model, engine = any_model, HFEngine(any_model, device="cpu", max_batch_size=8)
     prompts = prompts_of(LENGTHS, seed=2)
@@ -182,10 +206,11 @@ def test_stop_tokens_min_new_tokens_and_finish_reason(engine, model):
     stop = free[3]
     cut = free.index(stop)
     out = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop,)))[0][0]
-    assert out.token_ids == free[:cut + 1] and out.finish_reason == "stop"
-    held = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop,),
-                                                    min_new_tokens=cut + 2))[0][0]
-    assert stop not in held.token_ids[:cut + 2]
+    assert out.token_ids == free[: cut + 1] and out.finish_reason == "stop"
+    held = engine.generate(
+        [prompt], SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=(stop,), min_new_tokens=cut + 2)
+    )[0][0]
+    assert stop not in held.token_ids[: cut + 2]
     assert len(held.logprobs) == len(held.token_ids)
     # min_new_tokens suppresses stop tokens for sampling only: logprobs stay those of the raw model
     assert torch.allclose(torch.tensor(held.logprobs), direct_logprobs(model, prompt, held.token_ids), atol=1e-5)
@@ -197,7 +222,7 @@ def test_rows_that_stop_early_leave_the_batch_without_changing_the_others(engine
     stop = frees[0][1]  # stops some rows early, others never
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(stop,)))
     for free, o in zip(frees, outs):
-        expected = free[:free.index(stop) + 1] if stop in free else free
+        expected = free[: free.index(stop) + 1] if stop in free else free
         assert o[0].token_ids == expected
         assert o[0].finish_reason == ("stop" if stop in free else "length")
 
@@ -208,15 +233,21 @@ def test_model_eos_stops_unless_disabled():
     free = naive_greedy(model, prompt, 8)
     model.generation_config.eos_token_id = free[2]
     with_eos = HFEngine(model, device="cpu").generate([prompt], SamplingParams(temperature=0, max_new_tokens=8))
-    assert with_eos[0][0].token_ids == free[:free.index(free[2]) + 1] and with_eos[0][0].finish_reason == "stop"
+    assert with_eos[0][0].token_ids == free[: free.index(free[2]) + 1] and with_eos[0][0].finish_reason == "stop"
     ignoring = HFEngine(model, device="cpu", stop_at_eos=False).generate(
-        [prompt], SamplingParams(temperature=0, max_new_tokens=8))
+        [prompt], SamplingParams(temperature=0, max_new_tokens=8)
+    )
     assert ignoring[0][0].token_ids == free
 
 
 def test_bad_requests_name_the_field(engine):
-    cases = [([], "prompt_token_ids"), ("hello", "prompt_token_ids"), ([[1, 2], []], "prompt_token_ids"),
-             ([[1, VOCAB]], "prompt_token_ids"), ([[1, -1]], "prompt_token_ids")]
+    cases = [
+        ([], "prompt_token_ids"),
+        ("hello", "prompt_token_ids"),
+        ([[1, 2], []], "prompt_token_ids"),
+        ([[1, VOCAB]], "prompt_token_ids"),
+        ([[1, -1]], "prompt_token_ids"),
+    ]
     for prompts, field in cases:
         with pytest.raises(ConfigError) as e:
             engine.generate(prompts, SamplingParams())
@@ -272,7 +303,9 @@ def test_registry_builds_engines_and_names_missing_extras():
 
 
 def test_importing_the_package_imports_no_backend_library():
-    code = ("import sys, hybrid_engines; from hybrid_engines import SamplingParams, make_engine; "
-            "print(sorted(m for m in ('vllm', 'sglang', 'ray', 'transformers') if m in sys.modules))")
+    code = (
+        "import sys, hybrid_engines; from hybrid_engines import SamplingParams, make_engine; "
+        "print(sorted(m for m in ('vllm', 'sglang', 'ray', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

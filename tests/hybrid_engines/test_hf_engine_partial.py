@@ -36,10 +36,21 @@ def one_torch_thread():
 
 def tiny_model(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
-        eos_token_id=None, pad_token_id=None)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    ).eval()
 
 
 class Gate:
@@ -85,8 +96,9 @@ def send(engine: HFEngine, model: LlamaForCausalLM) -> None:
 
 
 @torch.no_grad()
-def logprobs_with_switch(old: LlamaForCausalLM, new: LlamaForCausalLM, prompt: list[int], tokens: list[int],
-                         switch: int) -> list[float]:
+def logprobs_with_switch(
+    old: LlamaForCausalLM, new: LlamaForCausalLM, prompt: list[int], tokens: list[int], switch: int
+) -> list[float]:
     """Log-probs of ``tokens`` after ``prompt``: the old model's forwards for the prompt and the first ``switch - 1``
     tokens as inputs, the new model's for the rest, on the cache the old model wrote (what a kept generation sees)."""
     ids = torch.tensor([prompt + tokens])
@@ -94,7 +106,7 @@ def logprobs_with_switch(old: LlamaForCausalLM, new: LlamaForCausalLM, prompt: l
     cut = len(prompt) + switch - 1  # positions the old model's forwards read
     first = old(input_ids=ids[:, :cut], past_key_values=cache, use_cache=True).logits
     rest = new(input_ids=ids[:, cut:-1], past_key_values=cache, use_cache=True).logits
-    logits = torch.cat([first[:, len(prompt) - 1:], rest], dim=1)[0].float()
+    logits = torch.cat([first[:, len(prompt) - 1 :], rest], dim=1)[0].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
 
 

@@ -30,10 +30,21 @@ def one_torch_thread():
     yield
     torch.set_num_threads(before)
 
+
 def tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
-              eos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     kw.update(overrides)
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**kw)).eval()
@@ -94,8 +105,9 @@ class Trainer:
     def __init__(self, engine: HFEngine):
         self.engine, self.pool = engine, ThreadPoolExecutor(1)
         port = free_port()
-        joined = self.pool.submit(engine.init_weight_update_group, "127.0.0.1", port, 1, 2, backend="gloo",
-                                  timeout_s=30)
+        joined = self.pool.submit(
+            engine.init_weight_update_group, "127.0.0.1", port, 1, 2, backend="gloo", timeout_s=30
+        )
         self.group = create_sync_group("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=30)
         joined.result(timeout=60)
         self.sender = WeightSender(self.group, BUCKET)

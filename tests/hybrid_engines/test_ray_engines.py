@@ -17,12 +17,28 @@ from hybrid_core.placement import PlacementSpec, place
 from hybrid_core.weight_sync import TensorMeta, WeightSender, create_sync_group
 from hybrid_engines import SamplingParams
 from hybrid_engines.hf_engine import HFEngine
-from hybrid_engines.ray_engines import (cuda_visibility, engine_placement, engine_threads, launch_engines,
-                                        local_device_index, split_prompts)
+from hybrid_engines.ray_engines import (
+    cuda_visibility,
+    engine_placement,
+    engine_threads,
+    launch_engines,
+    local_device_index,
+    split_prompts,
+)
 
-CONFIG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=None,
-                     eos_token_id=None, pad_token_id=None)
+CONFIG = LlamaConfig(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 PROMPTS = [[5, 17, 3], [40, 2, 9, 11], [88], [5, 17, 3], [12, 30, 31, 4, 6], [7, 7], [60, 61, 62]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=10)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=10, n=2, seed=21)
@@ -55,8 +71,14 @@ def placed(cluster):
 @pytest.fixture(scope="module")
 def engines(placed):
     # NOSET as users set it for DeepSpeed / CUDA IPC: Ray then leaves CUDA_VISIBLE_DEVICES alone
-    group = launch_engines(placed, "rollout", backend="hf", engine_kwargs={"model": CONFIG, "seed": 0},
-                           timeout_s=TIMEOUT, env_vars={"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
+    group = launch_engines(
+        placed,
+        "rollout",
+        backend="hf",
+        engine_kwargs={"model": CONFIG, "seed": 0},
+        timeout_s=TIMEOUT,
+        env_vars={"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"},
+    )
     yield group
     group.shutdown()
 
@@ -144,6 +166,7 @@ def test_tensor_parallel_engines_get_their_bundles_and_split_the_fraction(cluste
         assert options["num_gpus"] == extra["gpus_per_worker"] == slot.num_gpus / 2
         assert options["scheduling_strategy"].placement_group_capture_child_tasks
         assert "gpus_per_worker" not in engine_placement(tp_placed, "rollout", 0, accepts={"model"})[1]
+
         # Ray accepts the actor on the first bundle, beside the actor role's worker on the same GPU
         def gpu_ids():  # defined here so Ray ships it by value (workers cannot import test modules)
             return [str(g) for g in ray.get_gpu_ids()]
@@ -182,8 +205,14 @@ def test_engine_threads_rule():
 
 
 def test_engine_actors_run_with_the_threads_asked_for(placed):
-    group = launch_engines(placed, "rollout", backend="hf", engine_kwargs={"model": CONFIG, "seed": 0},
-                           timeout_s=TIMEOUT, env_vars={"HYBRID_ENGINE_THREADS": "3"})
+    group = launch_engines(
+        placed,
+        "rollout",
+        backend="hf",
+        engine_kwargs={"model": CONFIG, "seed": 0},
+        timeout_s=TIMEOUT,
+        env_vars={"HYBRID_ENGINE_THREADS": "3"},
+    )
     try:
         assert [w["torch_threads"] for w in group.call("where")] == [3, 3]
     finally:

@@ -10,20 +10,43 @@ import pytest
 from hybrid_core.errors import ConfigError, RoleFailure
 from hybrid_engines.protocol import SamplingParams
 from hybrid_engines.sampling_map import (
-    SGLANG_SAMPLING_FIELDS, VLLM_SAMPLING_FIELDS, check_prompts, expand_rows, finish_reason, per_prompt_requests,
-    row_seed, sampled_logprobs, sglang_sampling_params, vllm_sampling_kwargs,
+    SGLANG_SAMPLING_FIELDS,
+    VLLM_SAMPLING_FIELDS,
+    check_prompts,
+    expand_rows,
+    finish_reason,
+    per_prompt_requests,
+    row_seed,
+    sampled_logprobs,
+    sglang_sampling_params,
+    vllm_sampling_kwargs,
 )
 
 #: A second value for every SamplingParams field, each different from the default.
-OTHER = dict(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=7, min_new_tokens=2, stop_token_ids=(3, 4), n=3,
-             seed=11, logprobs=False)
+OTHER = dict(
+    temperature=0.7,
+    top_p=0.9,
+    top_k=5,
+    max_new_tokens=7,
+    min_new_tokens=2,
+    stop_token_ids=(3, 4),
+    n=3,
+    seed=11,
+    logprobs=False,
+)
 
 
 def _everything(params: SamplingParams, prompts=((1, 2), (1, 2), (5,))):
     """All a backend receives for one call: the rows and each row's request parameters."""
     rows = expand_rows(prompts, params)
-    return [(r, vllm_sampling_kwargs(params, seed=r.seed, stop_at_eos=True),
-             sglang_sampling_params(params, seed=r.seed, stop_at_eos=True)) for r in rows]
+    return [
+        (
+            r,
+            vllm_sampling_kwargs(params, seed=r.seed, stop_at_eos=True),
+            sglang_sampling_params(params, seed=r.seed, stop_at_eos=True),
+        )
+        for r in rows
+    ]
 
 
 def test_every_field_of_sampling_params_reaches_both_engines():
@@ -43,12 +66,32 @@ def test_every_field_of_sampling_params_reaches_both_engines():
 def test_values_land_in_the_engines_own_names():
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=7, min_new_tokens=2, stop_token_ids=(3, 4))
     v = vllm_sampling_kwargs(p, seed=9, stop_at_eos=True)
-    assert v == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 7, "min_tokens": 2,
-                 "stop_token_ids": [3, 4], "ignore_eos": False, "seed": 9, "logprobs": 0, "detokenize": False,
-                 "flat_logprobs": True}
+    assert v == {
+        "n": 1,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "max_tokens": 7,
+        "min_tokens": 2,
+        "stop_token_ids": [3, 4],
+        "ignore_eos": False,
+        "seed": 9,
+        "logprobs": 0,
+        "detokenize": False,
+        "flat_logprobs": True,
+    }
     s = sglang_sampling_params(p, seed=9, stop_at_eos=True)
-    assert s == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_new_tokens": 7, "min_new_tokens": 2,
-                 "stop_token_ids": [3, 4], "ignore_eos": False, "sampling_seed": 9}
+    assert s == {
+        "n": 1,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 5,
+        "max_new_tokens": 7,
+        "min_new_tokens": 2,
+        "stop_token_ids": [3, 4],
+        "ignore_eos": False,
+        "sampling_seed": 9,
+    }
     assert set(v) == set(VLLM_SAMPLING_FIELDS) and set(s) == set(SGLANG_SAMPLING_FIELDS)
 
 
@@ -107,7 +150,9 @@ def test_vllm_refuses_temperatures_above_two_with_a_clear_error():
 
 
 def test_logprobs_of_the_sampled_tokens_are_picked_from_vllm_steps():
-    lp = lambda x: SimpleNamespace(logprob=x)  # vLLM's Logprob has .logprob
+    def lp(x):
+        return SimpleNamespace(logprob=x)  # vLLM's Logprob has .logprob
+
     steps = [{4: lp(-0.5), 9: lp(-0.1)}, {2: lp(-2.0)}]  # logprobs=0 may still carry the top-1 token too
     assert sampled_logprobs([4, 2], steps) == [-0.5, -2.0]
     with pytest.raises(ValueError):

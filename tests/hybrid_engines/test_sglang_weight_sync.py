@@ -15,18 +15,25 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import sglang_standin
 import torch
 from transformers import LlamaConfig
 
 from hybrid_core.placement import PlacementSpec
 from hybrid_engines.ray_engines import EngineActor, EngineGroup
 from hybrid_engines.weight_sync import TrainerWeightSource, WeightSync, choose_sync_mode
-
-import sglang_standin
 from timing_bounds import HANG_S
 
-CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, torch_dtype="bfloat16")
+CONFIG = LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    torch_dtype="bfloat16",
+)
 TIMEOUT = 120.0
 
 
@@ -114,8 +121,9 @@ def test_sglang_engine_gets_the_trainers_weights_through_its_own_transport(train
     assert mode == ("ipc" if colocated else "broadcast")
     engine = ray.remote(StandInSGLangActor).remote(version)
     engines = EngineGroup("rollout", "sglang", [engine], [1], TIMEOUT)
-    sync = WeightSync(mode, SimpleNamespace(workers=[trainer]), engines, layout, bucket_bytes=4096, backend="gloo",
-                      timeout_s=TIMEOUT)
+    sync = WeightSync(
+        mode, SimpleNamespace(workers=[trainer]), engines, layout, bucket_bytes=4096, backend="gloo", timeout_s=TIMEOUT
+    )
     try:
         sync.setup()
         for round_ in range(2):  # the second sync re-uses the group / buffers, with new weights
@@ -144,6 +152,5 @@ def test_the_trainers_side_of_sglangs_group_has_a_deadline():
 
     start = time.monotonic()
     with pytest.raises(RemoteTimeout, match="SGLang weight-update group 'lonely'"):
-        sglang_trainer_group("127.0.0.1", TinyTrainer.free_port(), 2, group_name="lonely", backend="gloo",
-                             timeout_s=2)
+        sglang_trainer_group("127.0.0.1", TinyTrainer.free_port(), 2, group_name="lonely", backend="gloo", timeout_s=2)
     assert time.monotonic() - start < HANG_S  # the 2 s deadline fired (above); this only catches a hang

@@ -49,7 +49,7 @@ class ToyVllmModel(torch.nn.Module):
                 loaded.add("embed")
             else:
                 shard = ("q_proj.weight", "k_proj.weight", "v_proj.weight").index(name)
-                self.qkv_proj.data[shard * H:(shard + 1) * H].copy_(t)
+                self.qkv_proj.data[shard * H : (shard + 1) * H].copy_(t)
                 loaded.add("qkv_proj")
         return loaded
 
@@ -70,9 +70,15 @@ class CpuWorker(HybridWorkerExtension):
 
 def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(n, torch.randn(*s, generator=g)) for n, s in
-            [("embed_tokens.weight", (16, H)), ("q_proj.weight", (H, H)), ("k_proj.weight", (H, H)),
-             ("v_proj.weight", (H, H))]]
+    return [
+        (n, torch.randn(*s, generator=g))
+        for n, s in [
+            ("embed_tokens.weight", (16, H)),
+            ("q_proj.weight", (H, H)),
+            ("k_proj.weight", (H, H)),
+            ("v_proj.weight", (H, H)),
+        ]
+    ]
 
 
 def free_port() -> int:
@@ -138,8 +144,9 @@ def sync(engine, weights, rank_offset: int = 1):
     port = free_port()
     metas = [TensorMeta.of(n, t) for n, t in weights]
     with ThreadPoolExecutor(1) as pool:
-        joined = pool.submit(engine.init_weight_update_group, "127.0.0.1", port, rank_offset, 2, backend="gloo",
-                             timeout_s=30)
+        joined = pool.submit(
+            engine.init_weight_update_group, "127.0.0.1", port, rank_offset, 2, backend="gloo", timeout_s=30
+        )
         group = create_sync_group("127.0.0.1", port, 0, 2, backend="gloo", timeout_s=30)
         joined.result(timeout=60)
         got = pool.submit(engine.update_weights, metas, bucket_bytes=BUCKET)
@@ -247,16 +254,19 @@ def test_sleeping_while_half_awake_wakes_first_so_the_level_holds(engine):
     engine.sleep(1)
     engine.wake_up(["weights"])
     engine.sleep(2)
-    assert [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up")][-2:] == [("wake_up", ("kv_cache",)),
-                                                                                   ("sleep", 2)]
+    assert [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up")][-2:] == [
+        ("wake_up", ("kv_cache",)),
+        ("sleep", 2),
+    ]
 
 
 def test_ipc_buckets_load_through_the_worker(engine):
     weights = checkpoint(3)
     results = []
     sender = IpcBucketSender(BUCKET, device="cpu")
-    stats = sender.send(weights, deliver=lambda b: results.append(engine.update_weights_from_ipc(b)),
-                        wait=lambda _: None)
+    stats = sender.send(
+        weights, deliver=lambda b: results.append(engine.update_weights_from_ipc(b)), wait=lambda _: None
+    )
     sender.close()
     model = engine.llm.worker.model
     assert torch.equal(model.qkv_proj, torch.cat([t for _, t in weights[1:]]))
@@ -271,8 +281,13 @@ def test_a_bucket_from_another_gpu_is_refused(engine):
     weights = checkpoint(4)
     sender = IpcBucketSender(BUCKET, device="cpu")
     with pytest.raises(RuntimeError, match="exactly one IPC bucket"):
-        sender.send(weights, deliver=lambda b: engine.update_weights_from_ipc(
-            [SimpleNamespace(handle=SimpleNamespace(device_uuid="GPU-other"))]), wait=lambda _: None)
+        sender.send(
+            weights,
+            deliver=lambda b: engine.update_weights_from_ipc(
+                [SimpleNamespace(handle=SimpleNamespace(device_uuid="GPU-other"))]
+            ),
+            wait=lambda _: None,
+        )
     sender.close()
 
 
@@ -282,7 +297,7 @@ def test_state_errors_and_bad_arguments(engine):
     with pytest.raises(ConfigError) as e:
         engine.init_weight_update_group("127.0.0.1", 1234, 0, 2)
     assert e.value.field == "rank_offset"
-    for bad in ({"level": 3}, ):
+    for bad in ({"level": 3},):
         with pytest.raises(ConfigError):
             engine.sleep(**bad)
     with pytest.raises(ConfigError):
@@ -292,13 +307,16 @@ def test_state_errors_and_bad_arguments(engine):
         engine.generate([[1]], SamplingParams())
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-    ({"weight_loading": "fast"}, "weight_loading"),
-    ({"tensor_parallel_size": 2, "bundle_indices": [0]}, "bundle_indices"),
-    ({"tensor_parallel_size": 2, "bundle_indices": [1, 1]}, "bundle_indices"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"weight_loading": "fast"}, "weight_loading"),
+        ({"tensor_parallel_size": 2, "bundle_indices": [0]}, "bundle_indices"),
+        ({"tensor_parallel_size": 2, "bundle_indices": [1, 1]}, "bundle_indices"),
+    ],
+)
 def test_bad_constructor_arguments_fail_before_vllm_is_imported(kwargs, field, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would fail: the check must come first
     from hybrid_engines.vllm_engine import VLLMEngine

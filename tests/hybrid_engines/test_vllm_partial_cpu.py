@@ -60,8 +60,11 @@ class StepEngine:
             token = (sum(r["prompt"]) + r["made"] + 10 * self.llm.weights) % 50
             r["made"] += 1
             finished = r["made"] == r["sp"]["max_tokens"]
-            done = SimpleNamespace(token_ids=[token], logprobs=[{token: SimpleNamespace(logprob=-0.1 * self.llm.weights)}],
-                                   finish_reason="length" if finished else None)
+            done = SimpleNamespace(
+                token_ids=[token],
+                logprobs=[{token: SimpleNamespace(logprob=-0.1 * self.llm.weights)}],
+                finish_reason="length" if finished else None,
+            )
             outs.append(SimpleNamespace(request_id=rid, outputs=[done], finished=finished))
             if finished:
                 del self.requests[rid]

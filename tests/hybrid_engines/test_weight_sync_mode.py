@@ -37,8 +37,9 @@ def test_colocated_tp2_engine_goes_by_ipc_with_both_actor_ranks_together():
 
 def test_colocated_tp1_engines_go_by_ipc_one_rank_each():
     plan = colocated()
-    sync = WeightSync(choose_sync_mode(settings("hf"), plan), None, None, plan, bucket_bytes=1 << 20, backend="gloo",
-                      timeout_s=5)
+    sync = WeightSync(
+        choose_sync_mode(settings("hf"), plan), None, None, plan, bucket_bytes=1 << 20, backend="gloo", timeout_s=5
+    )
     assert sync.mode == "ipc" and sync.engine_for_rank == [0, 1] and sync.peers == [[0], [1]]
 
 
@@ -69,11 +70,17 @@ def test_one_choice_gives_the_path_the_engines_transport_and_the_group_backend()
 def test_the_driver_takes_the_engines_transport_unless_given_one():
     plan = split()
     engines = SimpleNamespace(backend="sglang")
-    assert isinstance(WeightSync("broadcast", None, engines, plan, bucket_bytes=1 << 20, backend="gloo",
-                                 timeout_s=5).transport, SGLangTransport)
+    assert isinstance(
+        WeightSync("broadcast", None, engines, plan, bucket_bytes=1 << 20, backend="gloo", timeout_s=5).transport,
+        SGLangTransport,
+    )
     mine = WeightTransport()
-    assert WeightSync("broadcast", None, engines, plan, bucket_bytes=1 << 20, backend="gloo", timeout_s=5,
-                      transport=mine).transport is mine
+    assert (
+        WeightSync(
+            "broadcast", None, engines, plan, bucket_bytes=1 << 20, backend="gloo", timeout_s=5, transport=mine
+        ).transport
+        is mine
+    )
 
 
 def test_broadcast_forced_onto_colocated_engines_over_nccl_is_refused():

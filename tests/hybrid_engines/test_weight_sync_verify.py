@@ -20,8 +20,15 @@ from hybrid_core.weight_sync import TensorMeta, plan_buckets
 from hybrid_engines.ray_engines import EngineActor, EngineGroup
 from hybrid_engines.weight_sync import TrainerWeightSource, WeightSync, choose_sync_mode, verify_note
 
-CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
+CONFIG = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 BUCKET = 4096
 TIMEOUT = 120.0
 
@@ -88,20 +95,31 @@ def test_a_corrupted_bucket_ends_the_sync_naming_the_engine_and_parameter(traine
     plans = {colocated: plan_buckets(metas, BUCKET, split_large=not colocated) for colocated in (False, True)}
     nth = {False: 3, True: 2 * len(plans[False]) + 2}  # 2 broadcast syncs, then the 2nd bucket of an IPC sync
     faults = ",".join(f"receiver:bucket:corrupt:{n}" for n in nth.values())
-    engine = ray.remote(InspectableEngine).options(runtime_env={"env_vars": {"HYBRID_FAULT": faults}}).remote(
-        "hf", {"model": LlamaConfig(**CONFIG), "device": "cpu", "seed": 5})
+    engine = (
+        ray.remote(InspectableEngine)
+        .options(runtime_env={"env_vars": {"HYBRID_FAULT": faults}})
+        .remote("hf", {"model": LlamaConfig(**CONFIG), "device": "cpu", "seed": 5})
+    )
     engines = EngineGroup("rollout", "hf", [engine], [1], TIMEOUT)
     try:
         for colocated in (False, True):
             plan = layout(colocated)
-            settings = SimpleNamespace(backend="hf", weight_sync="auto", vllm_sync_backend="gloo",
-                                       verify_weight_sync=True)
+            settings = SimpleNamespace(
+                backend="hf", weight_sync="auto", vllm_sync_backend="gloo", verify_weight_sync=True
+            )
             mode = choose_sync_mode(settings, plan)
             assert mode == ("ipc" if colocated else "broadcast")
             assert verify_note(settings) is None  # the built-in engine's syncs are all checked
             first = plans[colocated][(3 if not colocated else 2) - 1].pieces[0].meta.name
-            sync = WeightSync(mode, SimpleNamespace(workers=[trainer]), engines, plan, bucket_bytes=BUCKET,
-                              backend="gloo", timeout_s=TIMEOUT)
+            sync = WeightSync(
+                mode,
+                SimpleNamespace(workers=[trainer]),
+                engines,
+                plan,
+                bucket_bytes=BUCKET,
+                backend="gloo",
+                timeout_s=TIMEOUT,
+            )
             try:
                 sync.setup()
                 with pytest.raises(WeightSyncMismatch) as caught:

@@ -16,9 +16,27 @@ def package_index(tmp_path_factory) -> None:
     """Skip unless pip can fetch the build backend from its configured index (or find-links) right now."""
     out = tmp_path_factory.mktemp("index-probe")
     env = {**os.environ, "PIP_RETRIES": "0", "PIP_DEFAULT_TIMEOUT": "10"}  # an unreachable index fails in seconds
-    probe = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-cache-dir",
-                            "-d", str(out), "hatchling>=1.24"], capture_output=True, text=True, env=env, timeout=120)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--no-cache-dir",
+            "-d",
+            str(out),
+            "hatchling>=1.24",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"pip's package index is not reachable from this machine ({last}); these tests build wheels "
-                    "with hatchling and install torch into fresh virtualenvs")
+        pytest.skip(
+            f"pip's package index is not reachable from this machine ({last}); these tests build wheels "
+            "with hatchling and install torch into fresh virtualenvs"
+        )

@@ -48,13 +48,25 @@ def same_release(a: str, b: str) -> bool:
     return versions.at_least(a, b) and versions.at_least(b, a)
 
 
-@pytest.mark.parametrize("version, floor, ok", [
-    ("2.52.0", "2.52", True), ("2.52", "2.52.0", True), ("2.60.0", "2.52", True), ("3.0", "2.52", True),
-    ("2.51.2", "2.52", False), ("2.9.3", "2.52", False), ("2.52.0rc1", "2.52", True),
-    ("0.19.8", "0.19.8", True), ("0.19.7", "0.19.8", False), ("0.19.10", "0.19.8", True),
-    ("0.19.8+cpu", "0.19.8", True), ("2.13.0+cpu", "2.6", True), ("0.18.9", "0.19.8", False),
-    ("unknown", "2.52", True),  # a source build that reports no version: nothing can be said, so it passes
-])
+@pytest.mark.parametrize(
+    "version, floor, ok",
+    [
+        ("2.52.0", "2.52", True),
+        ("2.52", "2.52.0", True),
+        ("2.60.0", "2.52", True),
+        ("3.0", "2.52", True),
+        ("2.51.2", "2.52", False),
+        ("2.9.3", "2.52", False),
+        ("2.52.0rc1", "2.52", True),
+        ("0.19.8", "0.19.8", True),
+        ("0.19.7", "0.19.8", False),
+        ("0.19.10", "0.19.8", True),
+        ("0.19.8+cpu", "0.19.8", True),
+        ("2.13.0+cpu", "2.6", True),
+        ("0.18.9", "0.19.8", False),
+        ("unknown", "2.52", True),  # a source build that reports no version: nothing can be said, so it passes
+    ],
+)
 def test_at_least_compares_release_numbers(version, floor, ok) -> None:
     assert versions.at_least(version, floor) is ok
 
@@ -64,7 +76,9 @@ def test_require_names_the_package_the_versions_the_need_and_the_fix() -> None:
     with pytest.raises(ConfigError) as e:
         versions.require("ray", "2.51.2", "2.52", "token authentication of the cluster")
     assert e.value.field == "ray"
-    assert "ray >= 2.52" in e.value.problem and "ray 2.51.2" in e.value.problem and "token authentication" in str(e.value)
+    assert (
+        "ray >= 2.52" in e.value.problem and "ray 2.51.2" in e.value.problem and "token authentication" in str(e.value)
+    )
     assert "pip install 'ray>=2.52'" in e.value.fix
 
 
@@ -80,7 +94,8 @@ def test_the_checks_floors_are_the_declared_floors_and_the_floors_env_installs_t
     for package, floor in (("ray", RAY_FLOOR), ("deepspeed", DEEPSPEED_FLOOR), ("transformers", transformers)):
         assert same_release(floors_env_pin(package), floor), (
             f"hatch.toml's floors env installs {package}=={floors_env_pin(package)}, the pyprojects declare "
-            f"{package}>={floor}: pin the floor there (or the lowest {floor}.x on the index)")
+            f"{package}>={floor}: pin the floor there (or the lowest {floor}.x on the index)"
+        )
 
 
 def test_connect_refuses_a_ray_without_token_authentication_before_anything_starts(monkeypatch) -> None:

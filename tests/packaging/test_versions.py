@@ -24,8 +24,12 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"hybrid-core": "hybrid_core", "hybrid-engines": "hybrid_engines", "hybrid-algos": "hybrid_algos",
-            "hybrid-cli": "hybrid_cli"}
+PACKAGES = {
+    "hybrid-core": "hybrid_core",
+    "hybrid-engines": "hybrid_engines",
+    "hybrid-algos": "hybrid_algos",
+    "hybrid-cli": "hybrid_cli",
+}
 MODULE_TO_DIST = {module: dist for dist, module in PACKAGES.items()}
 VERSION_LINE = re.compile(r"""^__version__\s*=\s*["']([^"']+)["']\s*$""", re.MULTILINE)  # hatchling's default pattern
 
@@ -37,7 +41,7 @@ def pyproject(dist: str) -> dict:
 def repo_version(dist: str) -> str:
     init = ROOT / "packages" / dist / "src" / PACKAGES[dist] / "__init__.py"
     found = VERSION_LINE.findall(init.read_text())
-    assert len(found) == 1, f"{init}: expected one `__version__ = \"X.Y.Z\"` line, found {found}"
+    assert len(found) == 1, f'{init}: expected one `__version__ = "X.Y.Z"` line, found {found}'
     return found[0]
 
 
@@ -62,8 +66,11 @@ def test_version_has_a_single_source(dist: str) -> None:
     assert data["tool"]["hatch"]["version"]["path"] == f"src/{PACKAGES[dist]}/__init__.py"
     version = Version(repo_version(dist))  # PEP 440
     assert str(version) == repo_version(dist), f"{dist}: write the version in normal form ({version})"
-    others = [p for p in (ROOT / "packages" / dist / "src").rglob("*.py")
-              if p.name != "__init__.py" or p.parent.name != PACKAGES[dist]]
+    others = [
+        p
+        for p in (ROOT / "packages" / dist / "src").rglob("*.py")
+        if p.name != "__init__.py" or p.parent.name != PACKAGES[dist]
+    ]
     defining = [str(p) for p in others if VERSION_LINE.search(p.read_text())]
     assert not defining, f"{dist}: __version__ is also set in {defining}; import it from {PACKAGES[dist]} instead"
 
@@ -96,10 +103,12 @@ def test_every_imported_sibling_is_declared(dist: str) -> None:
             allowed = {"", "train"} if in_train else {""}
             reqs = [r for where, r in declared if canonicalize_name(r.name) == sibling and where in allowed]
             assert reqs, f"{path.relative_to(ROOT)} imports {module} but {dist} does not declare {sibling}" + (
-                " in its [train] extra" if in_train else " in its dependencies")
+                " in its [train] extra" if in_train else " in its dependencies"
+            )
             if module.startswith("hybrid_algos.train"):
                 assert any("train" in r.extras for r in reqs), (
-                    f"{path.relative_to(ROOT)} imports {module}: declare hybrid-algos[train], not hybrid-algos")
+                    f"{path.relative_to(ROOT)} imports {module}: declare hybrid-algos[train], not hybrid-algos"
+                )
 
 
 @pytest.mark.parametrize("dist", PACKAGES)
@@ -111,7 +120,7 @@ def test_changelog_has_an_entry_for_the_version(dist: str) -> None:
     version = repo_version(dist)
     heading = re.search(rf"^## \[{re.escape(version)}\] - (\d{{4}}-\d{{2}}-\d{{2}}|unreleased)$", text, re.MULTILINE)
     assert heading, f"{changelog}: no '## [{version}] - YYYY-MM-DD' entry for the version in __init__.py"
-    entry = text[heading.end():].split("\n## ", 1)[0]
+    entry = text[heading.end() :].split("\n## ", 1)[0]
     assert "### " in entry and "\n- " in entry, f"{changelog}: the {version} entry lists no changes"
 
 
@@ -122,8 +131,12 @@ def test_sdists_and_wheels_carry_what_a_release_needs(tmp_path: Path, package_in
     for dist, module in PACKAGES.items():
         out = tmp_path / dist
         package_dir = ROOT / "packages" / dist
-        result = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(package_dir)],
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-m", "build", "--outdir", str(out), str(package_dir)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert result.returncode == 0, f"building {dist} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
         version = repo_version(dist)
         stem = f"{module}-{version}"

@@ -26,7 +26,9 @@ HEAVY = ("ray", "transformers", "deepspeed", "hybrid_core", "hybrid_engines")
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     result = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    assert result.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, cmd))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return result
 
 

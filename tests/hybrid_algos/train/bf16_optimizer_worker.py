@@ -23,8 +23,15 @@ def model_config():
     from transformers import LlamaConfig
 
     # the embeddings (512 x 64) are the largest parameter, as in a real LM
-    return LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
 
 
 def build(stage: int, master: bool, states: bool, offload: bool):
@@ -34,10 +41,20 @@ def build(stage: int, master: bool, states: bool, offload: bool):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config()).to(torch.bfloat16)
-    config = deepspeed_config(zero_stage=stage, bf16=True, micro_batch=2, grad_accum=2, lr=1e-2, betas=(0.9, 0.95),
-                              weight_decay=0.0, max_norm=1.0, adam_offload=offload,
-                              num_params=sum(p.numel() for p in model.parameters()), bf16_master_weights=master,
-                              bf16_optimizer_states=states)
+    config = deepspeed_config(
+        zero_stage=stage,
+        bf16=True,
+        micro_batch=2,
+        grad_accum=2,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        max_norm=1.0,
+        adam_offload=offload,
+        num_params=sum(p.numel() for p in model.parameters()),
+        bf16_master_weights=master,
+        bf16_optimizer_states=states,
+    )
     return make_engine(model, config), config
 
 
@@ -110,11 +127,19 @@ def measure(stage: int, master: bool, states: bool, offload: bool, cycle: bool) 
     after = full_params(engine)
     zero = engine.optimizer
     shape = model_shape(model_config())
-    work = Workload(bf16=True, zero_stage=stage, adam_offload=offload, bf16_master_weights=master,
-                    bf16_optimizer_states=states, gradient_accumulation=True)
+    work = Workload(
+        bf16=True,
+        zero_stage=stage,
+        adam_offload=offload,
+        bf16_master_weights=master,
+        bf16_optimizer_states=states,
+        gradient_accumulation=True,
+    )
     out = {
-        "case": [stage, master, states, offload], "bf16_section": config["bf16"],
-        "optimizer": type(zero.optimizer).__name__, "params": shape.num_params,
+        "case": [stage, master, states, offload],
+        "bf16_section": config["bf16"],
+        "optimizer": type(zero.optimizer).__name__,
+        "params": shape.num_params,
         "master_dtypes": sorted({str(t.dtype).split(".")[-1] for t in masters(zero)}),
         "master_grad_dtypes": sorted({str(t.grad.dtype).split(".")[-1] for t in masters(zero) if t.grad is not None}),
         "adam_dtypes": sorted({str(t.dtype).split(".")[-1] for t in adam_states(zero)}),
@@ -126,10 +151,14 @@ def measure(stage: int, master: bool, states: bool, offload: bool, cycle: bool) 
         out["master_aliases_params"] = any(t.untyped_storage().data_ptr() == lp for t in masters(zero))
     if offload:
         # what DeepSpeed keeps in host memory for CPU Adam (every buffer it puts on the offload device)
-        held = storages(masters(zero), getattr(zero, "param_buffer_of_bit16_for_cpu_offload_groups", []),
-                        getattr(zero, "accumulated_grads_in_cpu", {}),
-                        getattr(zero, "temp_grad_buffer_for_cpu_offload", None),
-                        zero.grad_partitions_flat_buffer if stage == 3 else None, adam_states(zero))
+        held = storages(
+            masters(zero),
+            getattr(zero, "param_buffer_of_bit16_for_cpu_offload_groups", []),
+            getattr(zero, "accumulated_grads_in_cpu", {}),
+            getattr(zero, "temp_grad_buffer_for_cpu_offload", None),
+            zero.grad_partitions_flat_buffer if stage == 3 else None,
+            adam_states(zero),
+        )
         out["host_bytes"] = sum(b for b, _ in held.values())
         out["host_predicted"] = cpu_adam_bytes(shape, work, ranks=1)
     else:

@@ -9,12 +9,11 @@ import statistics
 import time
 
 import pytest
+from tiny_runs import tiny_config
 
 from hybrid_algos.train import CONFIGS, train
 from hybrid_algos.train.checkpoint import CheckpointManager
 from hybrid_algos.train.config import DEMO_SETTINGS
-
-from tiny_runs import tiny_config
 from timing_bounds import RUN_HANG_S
 
 pytestmark = pytest.mark.usefixtures("two_gpu_ray")
@@ -49,9 +48,19 @@ def test_shared_gpus_where_the_engine_must_sleep_take_turns_and_say_so(tmp_path)
 def test_partial_rollouts_on_split_gpus_with_two_steps_of_staleness(tmp_path):
     """Long answers (48 tokens, one decoding step each) make generation slower than training, so a weight update
     always finds a generation running: it is paused, the weights go over, and it resumes with them."""
-    summary = train(tiny_config(tmp_path / "run", max_steps=5, async_train=True, async_max_staleness=2,
-                                partial_rollout=True, colocate_all_models=False, vllm_num_engines=1,
-                                init_kl_coef=0.0, task_length=48))
+    summary = train(
+        tiny_config(
+            tmp_path / "run",
+            max_steps=5,
+            async_train=True,
+            async_max_staleness=2,
+            partial_rollout=True,
+            colocate_all_models=False,
+            vllm_num_engines=1,
+            init_kl_coef=0.0,
+            task_length=48,
+        )
+    )
     assert summary["async"]["mode"] == "split" and summary["plan"].num_gpus == 2
     history = summary["history"]
     ages = [m["async/staleness_max"] for m in history]
@@ -61,7 +70,8 @@ def test_partial_rollouts_on_split_gpus_with_two_steps_of_staleness(tmp_path):
     # generations were paused at updates and finished with the new weights: samples with tokens of two versions
     assert sum(m["async/paused_generation"] for m in history) >= 1
     assert sum(m["async/mixed_version_samples"] for m in history) >= 1, [
-        (m["async/paused_generation"], m["async/mixed_version_samples"]) for m in history]
+        (m["async/paused_generation"], m["async/mixed_version_samples"]) for m in history
+    ]
 
 
 def test_resume_continues_exactly_as_the_uninterrupted_run(tmp_path):

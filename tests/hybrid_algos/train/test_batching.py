@@ -46,9 +46,13 @@ def _rollout(seed: int) -> Rollout:
     g = torch.Generator().manual_seed(seed)
     prompts, completions = [], []
     for _ in range(6):
-        prompts.append([1] + torch.randint(4, 12, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist())
-        completions.append([torch.randint(4, 12, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
-                            for _ in range(2)])
+        prompts.append([1, *torch.randint(4, 12, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()])
+        completions.append(
+            [
+                torch.randint(4, 12, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g).tolist()
+                for _ in range(2)
+            ]
+        )
     ro = Rollout.from_generations(prompts, completions, 0)
     old = -torch.rand(ro.action_mask.shape, generator=g) * 3
     adv = torch.randn(ro.action_mask.shape, generator=g)
@@ -59,12 +63,21 @@ def _rollout(seed: int) -> Rollout:
 @pytest.mark.parametrize("packed", [False, True])
 def test_weighted_micro_batch_losses_add_up_to_the_update_loss(mode, packed):
     ro = _rollout(3)
-    cfg = GRPOConfig(n_samples_per_prompt=2, rollout_batch_size=6, train_batch_size=12, micro_train_batch_size=12,
-                     use_dynamic_batch=True, train_max_tokens_per_gpu=14, packing_samples=packed, loss_agg_mode=mode)
+    cfg = GRPOConfig(
+        n_samples_per_prompt=2,
+        rollout_batch_size=6,
+        train_batch_size=12,
+        micro_train_batch_size=12,
+        use_dynamic_batch=True,
+        train_max_tokens_per_gpu=14,
+        packing_samples=packed,
+        loss_agg_mode=mode,
+    )
 
     def loss(r: Rollout) -> torch.Tensor:
-        return compute_policy_loss("ppo", r.old_logprobs + 0.1, r.old_logprobs, r.advantages, r.loss_mask,
-                                   agg_mode=mode, norm_len=8)[0]
+        return compute_policy_loss(
+            "ppo", r.old_logprobs + 0.1, r.old_logprobs, r.advantages, r.loss_mask, agg_mode=mode, norm_len=8
+        )[0]
 
     plan = train_micro_batches(ro, cfg, torch.device("cpu"))
     assert len(plan) > 2 and all(w is not None for _, w in plan)
@@ -79,8 +92,13 @@ def test_fixed_micro_batches_token_mean_is_over_the_update_not_a_mean_of_means()
     """The issue's example: two micro-batches whose token means differ and whose token counts differ; the update's
     loss is the mean over all its tokens (0.889 there), not the mean of the two means (0.500 there)."""
     ro = _rollout(5)
-    cfg = GRPOConfig(n_samples_per_prompt=2, rollout_batch_size=6, train_batch_size=12, micro_train_batch_size=6,
-                     loss_agg_mode="token-mean")
+    cfg = GRPOConfig(
+        n_samples_per_prompt=2,
+        rollout_batch_size=6,
+        train_batch_size=12,
+        micro_train_batch_size=6,
+        loss_agg_mode="token-mean",
+    )
     per_token = torch.arange(ro.action_mask.numel(), dtype=torch.float32).reshape(ro.action_mask.shape) % 7
 
     def loss(r: Rollout, rows) -> torch.Tensor:
@@ -102,8 +120,13 @@ def _two_rank_weights(rank: int, port: int, out) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         ro = _rollout(11 + rank)  # the ranks' shards have different token counts
-        cfg = GRPOConfig(n_samples_per_prompt=2, rollout_batch_size=6, train_batch_size=24, micro_train_batch_size=4,
-                         loss_agg_mode="token-mean")
+        cfg = GRPOConfig(
+            n_samples_per_prompt=2,
+            rollout_batch_size=6,
+            train_batch_size=24,
+            micro_train_batch_size=4,
+            loss_agg_mode="token-mean",
+        )
         plan = train_micro_batches(ro, cfg, torch.device("cpu"))
         out.put((rank, [(float(mb.loss_mask.sum()), w) for mb, w in plan], float(ro.loss_mask.sum())))
     finally:

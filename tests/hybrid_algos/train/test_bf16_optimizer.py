@@ -21,26 +21,35 @@ from hybrid_core.errors import ConfigError
 WORKER = Path(__file__).with_name("bf16_optimizer_worker.py")
 
 
-@pytest.mark.parametrize("settings, field, says", [
-    (dict(bf16_master_weights=True, bf16_optimizer_states=True), "bf16_master_weights", "--bf16"),
-    (dict(bf16=True, zero_stage=0, bf16_master_weights=True, bf16_optimizer_states=True), "bf16_master_weights",
-     "--zero_stage 1, 2 or 3"),
-    (dict(bf16=True, bf16_optimizer_states=True), "bf16_optimizer_states", "Add --bf16_master_weights"),
-    (dict(bf16=True, bf16_master_weights=True), "bf16_master_weights", "--adam_offload"),
-    (dict(bf16_optimizer_states=True), "bf16_optimizer_states", "--bf16"),
-])
+@pytest.mark.parametrize(
+    "settings, field, says",
+    [
+        (dict(bf16_master_weights=True, bf16_optimizer_states=True), "bf16_master_weights", "--bf16"),
+        (
+            dict(bf16=True, zero_stage=0, bf16_master_weights=True, bf16_optimizer_states=True),
+            "bf16_master_weights",
+            "--zero_stage 1, 2 or 3",
+        ),
+        (dict(bf16=True, bf16_optimizer_states=True), "bf16_optimizer_states", "Add --bf16_master_weights"),
+        (dict(bf16=True, bf16_master_weights=True), "bf16_master_weights", "--adam_offload"),
+        (dict(bf16_optimizer_states=True), "bf16_optimizer_states", "--bf16"),
+    ],
+)
 def test_combinations_deepspeed_would_assert_on_are_refused(settings, field, says) -> None:
     with pytest.raises(ConfigError) as err:
         GRPOConfig(**settings).validate()
     assert err.value.field == field and says in str(err.value)
 
 
-@pytest.mark.parametrize("settings", [
-    dict(bf16=True, bf16_master_weights=True, bf16_optimizer_states=True),  # all on the GPU (FusedAdam)
-    dict(bf16=True, bf16_master_weights=True, adam_offload=True),  # CPU Adam with fp32 moments
-    dict(bf16=True, bf16_master_weights=True, bf16_optimizer_states=True, adam_offload=True),  # CPU Adam, bf16
-    dict(bf16=True, zero_stage=3, bf16_master_weights=True, bf16_optimizer_states=True),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(bf16=True, bf16_master_weights=True, bf16_optimizer_states=True),  # all on the GPU (FusedAdam)
+        dict(bf16=True, bf16_master_weights=True, adam_offload=True),  # CPU Adam with fp32 moments
+        dict(bf16=True, bf16_master_weights=True, bf16_optimizer_states=True, adam_offload=True),  # CPU Adam, bf16
+        dict(bf16=True, zero_stage=3, bf16_master_weights=True, bf16_optimizer_states=True),
+    ],
+)
 def test_the_combinations_deepspeed_runs_are_accepted(settings) -> None:
     GRPOConfig(**settings).validate()
     PPOConfig(**settings).validate()  # the critic gets the same optimizer
@@ -48,14 +57,27 @@ def test_the_combinations_deepspeed_runs_are_accepted(settings) -> None:
 
 def test_deepspeed_config_carries_them_in_its_bf16_section() -> None:
     def bf16_section(**kw):
-        return deepspeed_config(zero_stage=1, bf16=True, micro_batch=2, grad_accum=1, lr=1e-6, betas=(0.9, 0.95),
-                                weight_decay=0.0, max_norm=1.0, adam_offload=False, **kw)["bf16"]
+        return deepspeed_config(
+            zero_stage=1,
+            bf16=True,
+            micro_batch=2,
+            grad_accum=1,
+            lr=1e-6,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            max_norm=1.0,
+            adam_offload=False,
+            **kw,
+        )["bf16"]
 
     # DeepSpeed's per-tensor overflow scan is always off: the workers' UpdateGuard checks each update instead
     off = {"enabled": True, "check_grad_overflow": False}
     assert bf16_section() == off  # otherwise the default config is unchanged
     assert bf16_section(bf16_master_weights=True, bf16_optimizer_states=True) == {
-        **off, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        **off,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
     assert bf16_section(bf16_master_weights=True) == {**off, "bf16_master_weights_and_grads": True}
 
 
@@ -67,17 +89,37 @@ def _free_port() -> int:
 
 #: stage, master, states, offload, cycle: every mode DeepSpeed runs with the options, on the GPU (FusedAdam, with the
 #: sleep/wake twin) and under CPU Adam; then the default fp32 master weights, whose bytes the memory model also counts
-CASES = ["1,1,1,0,1", "2,1,1,0,1", "3,1,1,0,1", "1,1,0,1,0", "2,1,0,1,0", "3,1,0,1,0", "1,1,1,1,0", "2,1,1,1,0",
-         "3,1,1,1,0", "1,0,0,0,0", "1,0,0,1,0", "2,0,0,1,0", "3,0,0,1,0"]
+CASES = [
+    "1,1,1,0,1",
+    "2,1,1,0,1",
+    "3,1,1,0,1",
+    "1,1,0,1,0",
+    "2,1,0,1,0",
+    "3,1,0,1,0",
+    "1,1,1,1,0",
+    "2,1,1,1,0",
+    "3,1,1,1,0",
+    "1,0,0,0,0",
+    "1,0,0,1,0",
+    "2,0,0,1,0",
+    "3,0,0,1,0",
+]
 
 
 @pytest.fixture(scope="module")
 def engines() -> dict[tuple, dict]:
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     env.pop("LOCAL_WORLD_SIZE", None)  # with it set, DeepSpeed's CPU path runs ~10x slower
     proc = subprocess.run([sys.executable, str(WORKER), *CASES], env=env, capture_output=True, text=True, timeout=600)
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and len(results) == len(CASES), proc.stdout[-3000:] + proc.stderr[-3000:]
     return {tuple(r["case"]): r for r in results}
 
@@ -110,11 +152,14 @@ def test_the_default_keeps_fp32_master_weights_and_moments(engines) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("master, states, per_param", [
-    (True, False, 14),  # bf16 master + its bf16 gradient, fp32 m and v, a bf16 partition
-    (True, True, 10),  # bf16 moments too: DeepSpeed builds CPU Adam with fp32_optimizer_states off
-    (False, False, 18),  # the default
-])
+@pytest.mark.parametrize(
+    "master, states, per_param",
+    [
+        (True, False, 14),  # bf16 master + its bf16 gradient, fp32 m and v, a bf16 partition
+        (True, True, 10),  # bf16 moments too: DeepSpeed builds CPU Adam with fp32_optimizer_states off
+        (False, False, 18),  # the default
+    ],
+)
 def test_cpu_adam_host_bytes_are_what_deepspeed_allocates(engines, stage, master, states, per_param) -> None:
     r = _ok(engines[(stage, master, states, True)])
     assert r["optimizer"] == "DeepSpeedCPUAdam"

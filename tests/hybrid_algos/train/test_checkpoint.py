@@ -58,7 +58,8 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
     assert [s for _, s in mgr.complete_checkpoints()] == [1]
 
 
-# ---- plain data, damaged files, full disks, pickles that would run code ------------------------------------------------
+# ---- plain data, damaged files, full disks, pickles that would run code ----------------------------------------------
+
 
 class _RunsCode:
     """Unpickling this runs ``touch <marker>``: what a crafted checkpoint does."""
@@ -92,8 +93,10 @@ def test_an_old_pickled_driver_state_that_would_run_code_is_refused(tmp_path):
         mgr.resume_point()
     assert not marker.exists()
     # ... while an old one holding plain data still reads (weights_only=True)
-    torch.save({"next_step": 1, "history": [{"reward": 0.5}], "config": {"eps": (0.2, 0.3)}},
-               os.path.join(path, "driver_state.pt"))
+    torch.save(
+        {"next_step": 1, "history": [{"reward": 0.5}], "config": {"eps": (0.2, 0.3)}},
+        os.path.join(path, "driver_state.pt"),
+    )
     assert mgr.resume_point()[2]["history"] == [{"reward": 0.5}]
 
 
@@ -106,15 +109,19 @@ def test_a_role_file_that_would_run_code_is_refused_before_deepspeed_loads_it(tm
 
     def roles(folder):  # what DeepSpeed writes: tensors, plain containers, its enum and loss scaler
         os.makedirs(os.path.join(folder, "actor", "state"))
-        torch.save({"module": {"w": torch.ones(3)}, "zero_stage": ZeroStageEnum.gradients, "scaler": LossScaler(1.0)},
-                   os.path.join(folder, "actor", "state", "mp_rank_00_model_states.pt"))
+        torch.save(
+            {"module": {"w": torch.ones(3)}, "zero_stage": ZeroStageEnum.gradients, "scaler": LossScaler(1.0)},
+            os.path.join(folder, "actor", "state", "mp_rank_00_model_states.pt"),
+        )
 
     path = mgr.save(1, roles, {"next_step": 1})
     assert verify_role_files(path) == 1
     assert mgr.resume_point()[1] == 1
-    torch.save({"module": {"w": torch.ones(3)}, "extra": _RunsCode(marker)},
-               os.path.join(path, "actor", "state", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    with pytest.raises(UnsafeCheckpoint, match="posix.system|os.system|system"):
+    torch.save(
+        {"module": {"w": torch.ones(3)}, "extra": _RunsCode(marker)},
+        os.path.join(path, "actor", "state", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    )
+    with pytest.raises(UnsafeCheckpoint, match=r"posix.system|os.system|system"):
         mgr.resume_point()
     assert not marker.exists()
     assert verify_role_files(path, trusted=True) == 0  # --trust_checkpoint: the user's own decision
@@ -126,7 +133,7 @@ def test_damaged_latest_pointer_falls_back_to_the_newest_complete_checkpoint(tmp
         _save(mgr, step)
     (tmp_path / "latest.json").write_text('{"step": 2, "pa')
     with caplog.at_level(logging.WARNING):
-        path, step, state = mgr.resume_point()
+        _path, step, state = mgr.resume_point()
     assert step == 2 and state["next_step"] == 2 and "latest.json is damaged" in caplog.text
 
 
@@ -144,7 +151,7 @@ def test_damaged_driver_state_falls_back_to_the_previous_checkpoint(tmp_path, ca
     else:
         state_file.unlink()
     with caplog.at_level(logging.WARNING):
-        path, step, state = mgr.resume_point()
+        _path, step, state = mgr.resume_point()
     assert step == 1 and state["next_step"] == 1
     assert "step-00000002 is unusable" in caplog.text
     (tmp_path / "step-00000001" / "driver_state.json").write_text("{")
@@ -164,7 +171,7 @@ def test_pruning_happens_before_the_save_so_the_disk_never_holds_more_than_max_k
     assert seen == [0, 1, 1, 1]  # while a save is written, at most max_keep - 1 others exist
     assert [s for _, s in mgr.complete_checkpoints()] == [3, 4]
     one = CheckpointManager(str(tmp_path / "one"), max_keep=1)  # the only checkpoint stays until its successor is
-    one.save(1, lambda f: None, {"next_step": 1})                 # complete
+    one.save(1, lambda f: None, {"next_step": 1})  # complete
     one.save(2, lambda f: seen.append(len(one.complete_checkpoints())), {"next_step": 2})
     assert seen[-1] == 1 and [s for _, s in one.complete_checkpoints()] == [2]
 

@@ -21,8 +21,11 @@ def _save(mgr, step):
     def roles(folder):
         os.makedirs(os.path.join(folder, "actor", "state"))
         torch.save({"module": {"w": torch.full((4096,), float(step))}}, os.path.join(folder, SHARD))
-        torch.save({"optimizer": {"m": torch.zeros(1024)}},
-                   os.path.join(folder, "actor", "state", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        torch.save(
+            {"optimizer": {"m": torch.zeros(1024)}},
+            os.path.join(folder, "actor", "state", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+        )
+
     return mgr.save(step, roles, {"next_step": step})
 
 
@@ -41,7 +44,7 @@ def two(tmp_path):
 
 
 def test_the_manifest_lists_every_role_file(two):
-    mgr, _, newest = two
+    _mgr, _, newest = two
     with open(os.path.join(newest, COMPLETE)) as f:
         files = json.load(f)["files"]
     assert sorted(files) == [SHARD, os.path.join("actor", "state", "zero_pp_rank_0_mp_rank_00_optim_states.pt")]
@@ -49,11 +52,14 @@ def test_the_manifest_lists_every_role_file(two):
     assert files == record(newest, skip=("driver_state.json", COMPLETE)) and problems(newest, files) == []
 
 
-@pytest.mark.parametrize("damage, said", [
-    (lambda p: _flip(p), "differs from what was saved"),
-    (lambda p: os.truncate(p, os.path.getsize(p) - 100), "has"),
-    (os.remove, "is missing"),
-])
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        (lambda p: _flip(p), "differs from what was saved"),
+        (lambda p: os.truncate(p, os.path.getsize(p) - 100), "has"),
+        (os.remove, "is missing"),
+    ],
+)
 def test_a_damaged_shard_is_named_and_the_previous_checkpoint_used(two, caplog, damage, said):
     mgr, previous, newest = two
     shard = os.path.join(newest, SHARD)

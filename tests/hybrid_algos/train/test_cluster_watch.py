@@ -21,12 +21,11 @@ def _gcs_dies_during_the_run() -> None:
     server, address = _listening()
     watch = ClusterWatch(address, interval_s=0.2, misses=3)
     finished = []
-    with pytest.raises(KeyboardInterrupt):
-        with watch:
-            time.sleep(0.6)
-            server.close()  # the GCS dies
-            time.sleep(30)  # the run, waiting on a Ray call
-            finished.append(True)
+    with pytest.raises(KeyboardInterrupt), watch:
+        time.sleep(0.6)
+        server.close()  # the GCS dies
+        time.sleep(30)  # the run, waiting on a Ray call
+        finished.append(True)
     assert watch.lost and not finished  # the watch interrupted the wait, it did not run out
 
 

@@ -4,6 +4,7 @@ setting that would be ignored is refused with a message naming it."""
 from __future__ import annotations
 
 import pytest
+
 from hybrid_algos import advantages as adv_module
 from hybrid_algos import policy_loss as loss_module
 from hybrid_algos import register_advantage_estimator, register_policy_loss
@@ -47,7 +48,9 @@ def test_a_new_estimator_or_loss_is_one_decorated_function(scratch_registries):
     assert e.value.field == "dual_clip"
     text = registry_help()
     assert "value_baseline" in text and "Score minus the critic's first value. [needs critic]" in text
-    assert "group_sign" in text and "[needs groups]" in text and "plain_pg" in text and "Vanilla policy gradient." in text
+    assert (
+        "group_sign" in text and "[needs groups]" in text and "plain_pg" in text and "Vanilla policy gradient." in text
+    )
 
 
 def test_builtin_needs_come_from_the_registry():
@@ -75,26 +78,35 @@ def test_correction_bounds_come_from_the_type_unless_given():
     assert GRPOConfig(vllm_is_truncated_threshold=(0.5, 5.0)).correction_bounds == (0.5, 5.0)
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"policy_loss_type": "ppo2"}, "policy_loss_type"),
-    ({"loss_agg_mode": "mean"}, "loss_agg_mode"),
-    ({"policy_loss_type": "gspo", "dual_clip": 3.0}, "dual_clip"),
-    ({"policy_loss_type": "ppo", "eps_clip_low_high": (1.0, 0.28)}, "eps_clip_low_high"),
-    ({"vllm_is_correction_type": "tis2"}, "vllm_is_correction_type"),
-    ({"enable_vllm_is_correction": False, "vllm_is_truncated_threshold": (0.5, 5.0)}, "vllm_is_truncated_threshold"),
-    ({"enable_vllm_is_correction": False, "vllm_is_correction_type": "icepop"}, "vllm_is_correction_type"),
-    ({"vllm_is_truncated_threshold": (2.0, 1.0)}, "vllm_is_truncated_threshold"),
-    ({"use_icepop": True, "vllm_is_correction_type": "seq-tis"}, "use_icepop"),
-    ({"dynamic_filtering": True, "n_samples_per_prompt": 1, "advantage_estimator": "reinforce"}, "dynamic_filtering"),
-    ({"dynamic_filtering": True, "dynamic_filtering_reward_range": (1.0, 0.0)}, "dynamic_filtering_reward_range"),
-    ({"dynamic_filtering_reward_range": (0.0, 1.0)}, "dynamic_filtering_reward_range"),
-    ({"dynamic_filtering": True, "dynamic_filtering_max_rounds": -1}, "dynamic_filtering_max_rounds"),
-    ({"overlong_buffer_len": 0}, "overlong_buffer_len"),
-    ({"overlong_buffer_len": 2048, "generate_max_len": 1024}, "overlong_buffer_len"),
-    ({"overlong_penalty_factor": -1.0}, "overlong_penalty_factor"),
-    ({"train_max_tokens_per_gpu": 4096}, "train_max_tokens_per_gpu"),
-    ({"use_dynamic_batch": True, "rollout_max_tokens_per_gpu": 0}, "rollout_max_tokens_per_gpu"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"policy_loss_type": "ppo2"}, "policy_loss_type"),
+        ({"loss_agg_mode": "mean"}, "loss_agg_mode"),
+        ({"policy_loss_type": "gspo", "dual_clip": 3.0}, "dual_clip"),
+        ({"policy_loss_type": "ppo", "eps_clip_low_high": (1.0, 0.28)}, "eps_clip_low_high"),
+        ({"vllm_is_correction_type": "tis2"}, "vllm_is_correction_type"),
+        (
+            {"enable_vllm_is_correction": False, "vllm_is_truncated_threshold": (0.5, 5.0)},
+            "vllm_is_truncated_threshold",
+        ),
+        ({"enable_vllm_is_correction": False, "vllm_is_correction_type": "icepop"}, "vllm_is_correction_type"),
+        ({"vllm_is_truncated_threshold": (2.0, 1.0)}, "vllm_is_truncated_threshold"),
+        ({"use_icepop": True, "vllm_is_correction_type": "seq-tis"}, "use_icepop"),
+        (
+            {"dynamic_filtering": True, "n_samples_per_prompt": 1, "advantage_estimator": "reinforce"},
+            "dynamic_filtering",
+        ),
+        ({"dynamic_filtering": True, "dynamic_filtering_reward_range": (1.0, 0.0)}, "dynamic_filtering_reward_range"),
+        ({"dynamic_filtering_reward_range": (0.0, 1.0)}, "dynamic_filtering_reward_range"),
+        ({"dynamic_filtering": True, "dynamic_filtering_max_rounds": -1}, "dynamic_filtering_max_rounds"),
+        ({"overlong_buffer_len": 0}, "overlong_buffer_len"),
+        ({"overlong_buffer_len": 2048, "generate_max_len": 1024}, "overlong_buffer_len"),
+        ({"overlong_penalty_factor": -1.0}, "overlong_penalty_factor"),
+        ({"train_max_tokens_per_gpu": 4096}, "train_max_tokens_per_gpu"),
+        ({"use_dynamic_batch": True, "rollout_max_tokens_per_gpu": 0}, "rollout_max_tokens_per_gpu"),
+    ],
+)
 def test_bad_or_ignored_settings_are_refused(changes, field):
     with pytest.raises(ConfigError) as e:
         GRPOConfig(**changes).validate()
@@ -115,8 +127,13 @@ def test_accepted_settings():
     cfg = GRPOConfig(use_dynamic_batch=True, packing_samples=True, train_max_tokens_per_gpu=4096).validate()
     assert cfg.train_token_budget == 4096 and cfg.rollout_token_budget == 4096
     assert GRPOConfig(use_dynamic_batch=True).validate().train_token_budget == 16384
-    GRPOConfig(dynamic_filtering=True, dynamic_filtering_reward_range=(0.0, 1.0), overlong_buffer_len=256,
-               generate_max_len=1024, mask_truncated_completions=True).validate()
+    GRPOConfig(
+        dynamic_filtering=True,
+        dynamic_filtering_reward_range=(0.0, 1.0),
+        overlong_buffer_len=256,
+        generate_max_len=1024,
+        mask_truncated_completions=True,
+    ).validate()
 
 
 def test_ppo_recipe_runs_any_estimator_and_hybrid_ppo_calls_it(monkeypatch, tmp_path):
@@ -124,15 +141,16 @@ def test_ppo_recipe_runs_any_estimator_and_hybrid_ppo_calls_it(monkeypatch, tmp_
     estimator while train_ppo raised for it; now the recipe runs any estimator (GRPO-style PPO without a critic, as
     OpenRLHF's train_ppo_ray does) and the CLI goes through the recipe."""
     import hybrid_algos.train.loop as loop
-    from hybrid_algos.train import RECIPES, train_ppo
+    from hybrid_algos.train import TRAINERS, train_ppo
     from hybrid_cli.main import train_command
 
     ran = []
     monkeypatch.setattr(loop, "train", lambda config, callbacks=(): ran.append(("loop", config)) or {"history": []})
-    config = PPOConfig(advantage_estimator="group_norm", n_samples_per_prompt=4, save_path=str(tmp_path),
-                       use_tensorboard=False).validate()
+    config = PPOConfig(
+        advantage_estimator="group_norm", n_samples_per_prompt=4, save_path=str(tmp_path), use_tensorboard=False
+    ).validate()
     train_ppo(config)
     assert ran == [("loop", config)]
-    monkeypatch.setitem(RECIPES, "ppo", lambda config, callbacks=(): ran.append(("recipe", config)))
+    monkeypatch.setitem(TRAINERS, "ppo", lambda config, callbacks=(): ran.append(("recipe", config)))
     assert train_command(config) == 0
     assert ran[-1] == ("recipe", config)

@@ -11,20 +11,37 @@ from hybrid_algos.train.tasks import BOS, SEP
 from hybrid_algos.train.tiny import build_tiny_tokenizer
 from hybrid_core.errors import ConfigError
 
-CHAT_TEMPLATE = ("{{ bos_token }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<sep>{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<sep>{% endif %}"
+)
 RECORDS = [
     {"prompt": "s1 s2", "messages": [{"role": "user", "content": "s1 s2"}], "answer": [1, 2]},
-    {"prompt": "s3 s0 s5", "messages": [{"role": "system", "content": "s7"}, {"role": "user", "content": "s3"}],
-     "answer": [3]},
+    {
+        "prompt": "s3 s0 s5",
+        "messages": [{"role": "system", "content": "s7"}, {"role": "user", "content": "s3"}],
+        "answer": [3],
+    },
     {"prompt": " ".join(["s4"] * 40), "messages": [{"role": "user", "content": " ".join(["s4"] * 40)}], "answer": []},
 ]
 
 
 def settings(path, **overrides):
-    values = dict(prompt_data=None if path is None else str(path), input_key="prompt", label_key=None,
-                  apply_chat_template=False, prompt_split="train", max_samples=1_000_000, prompt_max_len=32,
-                  task="copy", task_length=2, tiny_model={}, rollout_batch_size=4, max_steps=None, seed=0)
+    values = dict(
+        prompt_data=None if path is None else str(path),
+        input_key="prompt",
+        label_key=None,
+        apply_chat_template=False,
+        prompt_split="train",
+        max_samples=1_000_000,
+        prompt_max_len=32,
+        task="copy",
+        task_length=2,
+        tiny_model={},
+        rollout_batch_size=4,
+        max_steps=None,
+        seed=0,
+    )
     values.update(overrides)
     return SimpleNamespace(**values)
 
@@ -34,7 +51,9 @@ def bos_tokenizer():
     from tokenizers import processors
 
     tok = build_tiny_tokenizer()
-    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", BOS)]
+    )
     return tok
 
 
@@ -117,8 +136,10 @@ def test_json_array_file(tmp_path, tokenizer):
     assert len(load_prompts(settings(path), tokenizer)) == 2
 
 
-@pytest.mark.parametrize("content, match", [("", "holds no records"), ('{"prompt": "s1"}\n{oops\n', "line 2"),
-                                            ('["a"]', "not a JSON object")])
+@pytest.mark.parametrize(
+    "content, match",
+    [("", "holds no records"), ('{"prompt": "s1"}\n{oops\n', "line 2"), ('["a"]', "not a JSON object")],
+)
 def test_bad_files(tmp_path, tokenizer, content, match):
     path = tmp_path / ("p.json" if content.startswith("[") else "p.jsonl")
     path.write_text(content)

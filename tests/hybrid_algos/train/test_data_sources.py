@@ -11,8 +11,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from hybrid_algos.train.data import (cached_snapshot, interleave, load_prompt_set, parse_probs, resolve_local_paths,
-                                     split_sources)
+from hybrid_algos.train.data import (
+    cached_snapshot,
+    interleave,
+    load_prompt_set,
+    parse_probs,
+    resolve_local_paths,
+    split_sources,
+)
 from hybrid_algos.train.tiny import build_tiny_tokenizer
 from hybrid_core.errors import ConfigError
 
@@ -26,9 +32,18 @@ def _jsonl(path, texts, key="prompt"):
 
 
 def _config(prompt_data, **kw):
-    base = dict(prompt_data=prompt_data, input_key="prompt", label_key=None, apply_chat_template=False,
-                prompt_max_len=64, max_samples=1_000_000, seed=1, prompt_data_probs=None, input_template=None,
-                prompt_split="train")
+    base = dict(
+        prompt_data=prompt_data,
+        input_key="prompt",
+        label_key=None,
+        apply_chat_template=False,
+        prompt_max_len=64,
+        max_samples=1_000_000,
+        seed=1,
+        prompt_data_probs=None,
+        input_template=None,
+        prompt_split="train",
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -71,8 +86,15 @@ def test_interleave_weights_and_exhaustion():
     assert counts["b"] >= 1000 and counts["a"] >= 10 and 0.85 < counts["a"] / len(out) < 0.95
 
 
-@pytest.mark.parametrize("probs, fragment", [("0.5", "1 weights for 2 dataset"), ("0.5,x", "comma-separated numbers"),
-                                             ("1,0", "positive"), ("1,-1", "positive")])
+@pytest.mark.parametrize(
+    "probs, fragment",
+    [
+        ("0.5", "1 weights for 2 dataset"),
+        ("0.5,x", "comma-separated numbers"),
+        ("1,0", "positive"),
+        ("1,-1", "positive"),
+    ],
+)
 def test_bad_probs_name_the_setting(probs, fragment):
     with pytest.raises(ConfigError, match=fragment) as e:
         parse_probs(probs, 2)
@@ -86,7 +108,7 @@ def test_at_subfolder_and_missing_parts_are_named(tmp_path):
     assert [p.text for p in prompts] == ["s3"]
     from hybrid_algos.train.data import check_prompt_sources
 
-    with pytest.raises(ConfigError, match="no file or folder at .*nope.jsonl.*from") as e:
+    with pytest.raises(ConfigError, match=r"no file or folder at .*nope.jsonl.*from") as e:
         check_prompt_sources(f"{tmp_path / 'ds'}@math,{tmp_path / 'nope.jsonl'}")
     assert e.value.field == "prompt_data"
 
@@ -95,7 +117,7 @@ def test_input_template_wraps_plain_prompts(tmp_path):
     a = _jsonl(tmp_path / "a.jsonl", ["s1 s2"])
     prompts, _ = load_prompt_set(_config(a, input_template="s7 {} s0"), TOKENIZER)
     assert prompts[0].text == "s7 s1 s2 s0"
-    with pytest.raises(ConfigError, match="has no {} to put the prompt in") as e:
+    with pytest.raises(ConfigError, match=r"has no {} to put the prompt in") as e:
         load_prompt_set(_config(a, input_template="no slot"), TOKENIZER)
     assert e.value.field == "input_template"
 
@@ -116,11 +138,19 @@ def test_ids_resolve_to_the_local_cache(tmp_path, monkeypatch):
     cache = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     model = _fake_hub_repo(cache, "model", "OpenRLHF/Llama-3-8b-sft-mixture", {"config.json": "{}"})
-    data = _fake_hub_repo(cache, "dataset", "OpenRLHF/prompt-collection-v0.1",
-                          {"data/train-00000.jsonl": json.dumps({"prompt": "s1"}) + "\n"})
-    changes, notes = resolve_local_paths({"pretrain": "OpenRLHF/Llama-3-8b-sft-mixture",
-                                          "prompt_data": "OpenRLHF/prompt-collection-v0.1,./local.jsonl",
-                                          "reward_pretrain": None})
+    data = _fake_hub_repo(
+        cache,
+        "dataset",
+        "OpenRLHF/prompt-collection-v0.1",
+        {"data/train-00000.jsonl": json.dumps({"prompt": "s1"}) + "\n"},
+    )
+    changes, notes = resolve_local_paths(
+        {
+            "pretrain": "OpenRLHF/Llama-3-8b-sft-mixture",
+            "prompt_data": "OpenRLHF/prompt-collection-v0.1,./local.jsonl",
+            "reward_pretrain": None,
+        }
+    )
     assert changes == {"pretrain": str(model), "prompt_data": f"{data},./local.jsonl"}
     assert any(str(model) in n for n in notes) and any(str(data) in n for n in notes)
     prompts, _ = load_prompt_set(_config(str(data)), TOKENIZER)  # hub-style folder of data files

@@ -48,21 +48,46 @@ def _with_tokenizer(s):
     return s
 
 
-POOLED = {"model": "/models/m", "seed": 7, "trust_remote_code": False, "tensor_parallel_size": 2,
-          "gpu_memory_utilization": 0.3, "enforce_eager": True, "enable_prefix_caching": False, "dtype": "bfloat16",
-          "max_model_len": 256, "enable_sleep_mode": True}
+POOLED = {
+    "model": "/models/m",
+    "seed": 7,
+    "trust_remote_code": False,
+    "tensor_parallel_size": 2,
+    "gpu_memory_utilization": 0.3,
+    "enforce_eager": True,
+    "enable_prefix_caching": False,
+    "dtype": "bfloat16",
+    "max_model_len": 256,
+    "enable_sleep_mode": True,
+}
 
 
-@pytest.mark.parametrize("backend, expected", [
-    ("hf", {"model": "/models/m", "seed": 7, "trust_remote_code": False, "dtype": "bfloat16"}),
-    ("vllm", POOLED),
-    ("sglang", {**POOLED, "deterministic": False}),
-])
+@pytest.mark.parametrize(
+    "backend, expected",
+    [
+        ("hf", {"model": "/models/m", "seed": 7, "trust_remote_code": False, "dtype": "bfloat16"}),
+        ("vllm", POOLED),
+        ("sglang", {**POOLED, "deterministic": False}),
+    ],
+)
 def test_each_adapter_builds_its_engines_kwargs(backend, expected):
-    settings = dict(vllm_gpu_memory_utilization=0.3, enforce_eager=True, enable_prefix_caching=False,
-                    vllm_tensor_parallel_size=2) if backend != "hf" else {}
+    settings = (
+        dict(
+            vllm_gpu_memory_utilization=0.3,
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            vllm_tensor_parallel_size=2,
+        )
+        if backend != "hf"
+        else {}
+    )
     config = GRPOConfig(backend=backend, bf16=True, seed=7, **settings)
-    plan = EnginePlan(model_path="/models/m", max_model_len=256, shares_gpus=True,
-                      seeded_sampling=backend == "hf", partial_rollout=False)
+    plan = EnginePlan(
+        model_path="/models/m",
+        max_model_len=256,
+        shares_gpus=True,
+        seeded_sampling=backend == "hf",
+        partial_rollout=False,
+    )
     assert engine_spec(backend).engine_kwargs(config.engine_settings(), plan) == expected
     assert TrainingSession._engine_kwargs(session(backend=backend, bf16=True, seed=7, **settings)) == expected

@@ -7,27 +7,30 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from tiny_runs import TINY
 
 from hybrid_algos.train import GRPOConfig, train
 from hybrid_algos.train.loop import TrainingSession
 from hybrid_core.errors import ConfigError
 
-from tiny_runs import TINY
-
 
 def _sampling(**config):
-    stand_in = SimpleNamespace(config=GRPOConfig(**config),
-                               prep=SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2), max_new_tokens=8))
+    stand_in = SimpleNamespace(
+        config=GRPOConfig(**config), prep=SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2), max_new_tokens=8)
+    )
     stand_in.seeded_sampling = lambda: False
     return TrainingSession.sampling(stand_in, 0)
 
 
-@pytest.mark.parametrize("config, asked", [
-    ({}, True),  # the correction is on by default and needs them
-    ({"enable_vllm_is_correction": False}, False),
-    ({"enable_vllm_is_correction": False, "engine_logprobs": True}, True),
-    ({"engine_logprobs": True}, True),
-])
+@pytest.mark.parametrize(
+    "config, asked",
+    [
+        ({}, True),  # the correction is on by default and needs them
+        ({"enable_vllm_is_correction": False}, False),
+        ({"enable_vllm_is_correction": False, "engine_logprobs": True}, True),
+        ({"engine_logprobs": True}, True),
+    ],
+)
 def test_the_loop_asks_for_engine_logprobs_only_where_they_are_used(config, asked):
     assert _sampling(**config).logprobs is asked
 

@@ -19,8 +19,7 @@ def test_layout_left_padded_prompts_right_padded_responses():
         [7, 8, 9, 13, 14, 0, 0],
         [7, 8, 9, 15, 16, 17, 2],
     ]
-    assert r.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0],
-                                         [1] * 7]
+    assert r.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1] * 7]
     assert r.action_mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
     assert r.group.tolist() == [0, 0, 1, 1]
     assert torch.allclose(r.engine_logprobs[3], torch.tensor([-0.7, -0.8, -0.9, -1.0]))
@@ -43,4 +42,4 @@ def test_micro_batches_trim_padding_only():
     assert first.action_mask.size(1) == 3
     assert second.sequences.size(1) == 7  # nothing to trim there
     # trimming keeps the prompt/response boundary: the last response_len columns are the response
-    assert torch.equal(first.sequences[:, -first.response_len:], r.sequences[:2, 3:6])
+    assert torch.equal(first.sequences[:, -first.response_len :], r.sequences[:2, 3:6])

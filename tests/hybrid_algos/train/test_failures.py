@@ -12,12 +12,11 @@ import time
 import uuid
 
 import pytest
+from tiny_runs import tiny_config, worker_pids
 
 from hybrid_algos.train import train
 from hybrid_algos.train.checkpoint import CheckpointManager
 from hybrid_core.errors import RemoteTimeout, RoleFailure
-
-from tiny_runs import tiny_config, worker_pids
 from timing_bounds import HANG_S, RUN_HANG_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.usefixtures("one_gpu_ray")]
@@ -49,7 +48,7 @@ def test_hang_is_reported_within_the_step_budget_with_stacks(tmp_path, monkeypat
     assert (logs / "stacks-reference-0.txt").read_text().strip()  # every role's stacks, not only the late one
     engine_pid = int((logs / "stacks-index.txt").read_text().split("pid ")[1].split()[0])
     assert "File " in (logs / f"stacks-pid{engine_pid}.txt").read_text()  # the engine answered the signal
-    path, step = CheckpointManager(str(tmp_path / "checkpoints")).latest()
+    _path, step = CheckpointManager(str(tmp_path / "checkpoints")).latest()
     assert step == 1
 
 

@@ -7,8 +7,9 @@ from hybrid_algos.train.config import GRPOConfig
 from hybrid_algos.train.loop import prepare, train
 from hybrid_core.errors import PlacementError
 
-SEVEN_B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32)
+SEVEN_B = dict(
+    hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32
+)
 
 
 @pytest.fixture
@@ -25,8 +26,14 @@ def seven_b_folder(tmp_path):
 def test_a_run_that_overfills_host_memory_stops_before_ray(seven_b_folder, tmp_path):
     import ray
 
-    config = GRPOConfig(pretrain=seven_b_folder, bf16=True, gpu_memory_gb=80, host_memory_gb=32,
-                        save_path=str(tmp_path / "run"), max_steps=1)
+    config = GRPOConfig(
+        pretrain=seven_b_folder,
+        bf16=True,
+        gpu_memory_gb=80,
+        host_memory_gb=32,
+        save_path=str(tmp_path / "run"),
+        max_steps=1,
+    )
     with pytest.raises(PlacementError) as err:
         train(config)
     assert err.value.field == "host_memory_gb" and not ray.is_initialized()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import os
 import re
 from pathlib import Path
@@ -29,9 +30,14 @@ ROOT = Path(__file__).resolve().parents[3]
 PACKAGES = ROOT / "packages"
 CONFIG_PY = PACKAGES / "hybrid-algos" / "src" / "hybrid_algos" / "train" / "config.py"
 #: Files that name the settings without acting on them: the config itself, the CLI's flag tables and help texts.
-NOT_READERS = {CONFIG_PY, *(PACKAGES / "hybrid-cli" / "src" / "hybrid_cli" / n for n in
-                            ("flags.py", "openrlhf.py", "openrlhf_flags.py", "config_file.py")),
-               PACKAGES / "hybrid-algos" / "src" / "hybrid_algos" / "train" / "inactive.py"}
+NOT_READERS = {
+    CONFIG_PY,
+    *(
+        PACKAGES / "hybrid-cli" / "src" / "hybrid_cli" / n
+        for n in ("flags.py", "openrlhf.py", "openrlhf_flags.py", "config_file.py")
+    ),
+    PACKAGES / "hybrid-algos" / "src" / "hybrid_algos" / "train" / "inactive.py",
+}
 
 
 def all_fields() -> set[str]:
@@ -39,8 +45,11 @@ def all_fields() -> set[str]:
 
 
 def _sources() -> str:
-    return "\n".join(p.read_text(encoding="utf-8") for p in PACKAGES.rglob("*.py")
-                     if "/src/" in p.as_posix() and p not in NOT_READERS)
+    return "\n".join(
+        p.read_text(encoding="utf-8")
+        for p in PACKAGES.rglob("*.py")
+        if "/src/" in p.as_posix() and p not in NOT_READERS
+    )
 
 
 def _read_outside(name: str, text: str) -> bool:
@@ -56,10 +65,14 @@ def _read_through_config_methods(text: str) -> set[str]:
     tree = ast.parse(CONFIG_PY.read_text(encoding="utf-8"))
     fields, out = all_fields(), set()
     local = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} | set(dir(builtins)) | {"ConfigError"}
-    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-                 and n.func.id not in local):
-        out |= {a.attr for a in call.args if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name)
-                and a.value.id == "self"}
+    for call in (
+        n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id not in local
+    ):
+        out |= {
+            a.attr
+            for a in call.args
+            if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"
+        }
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Config")):
         for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef)):
             if fn.name == "validate" or fn.name.startswith("_") or not _read_outside(fn.name, text):
@@ -72,12 +85,24 @@ def _read_through_config_methods(text: str) -> set[str]:
     return out & fields
 
 
+def _read_by_recipes() -> set[str]:
+    """Settings a built-in recipe's role names as its model folder (``RoleSpec.model``: data the loop reads with
+    ``RoleSpec.model_folder``, e.g. the critic's ``critic_pretrain``)."""
+    from hybrid_algos.train.recipe import RoleSpec
+    from hybrid_algos.train.recipes import RECIPES
+
+    names = {s for r in RECIPES.values() for role in r.roles if not callable(role.model) for s in role.model}
+    assert "getattr(config, setting" in inspect.getsource(RoleSpec.model_folder)  # how the loop reads them
+    return names
+
+
 def test_every_field_is_read_by_code_or_covered_by_a_rule():
     fields = all_fields()
     covered = inactive.covered_fields()
     assert covered <= fields, f"rules for fields that do not exist: {sorted(covered - fields)}"
     text = _sources()
     read = {n for n in fields if _read_outside(n, text)} | _read_through_config_methods(text)
+    read |= _read_by_recipes()
     unread = sorted(fields - read)
     assert not unread, f"config fields no code reads (implement them, or refuse them in inactive.py): {unread}"
     # the table's own parts: a reason and a fix for every rule, and "openrlhf" only on a flag OpenRLHF has
@@ -101,7 +126,7 @@ def test_every_cli_flag_is_a_classified_field_or_an_openrlhf_rule():
             if dest in fields or dest in CLI_ONLY or dest == "help":
                 continue  # a field: classified by the test above
             assert dest.startswith(OPENRLHF_DEST), (command, action.option_strings)
-            rule = orl.rule_for(dest[len(OPENRLHF_DEST):])  # translated to fields, or refused / noted by the table
+            rule = orl.rule_for(dest[len(OPENRLHF_DEST) :])  # translated to fields, or refused / noted by the table
             assert rule.kind in ("same", "convert", "pending", "only", "note", "refuse"), (command, dest)
             if rule.kind in ("same", "pending") and rule.field in fields:
                 assert rule.field in fields
@@ -204,18 +229,29 @@ def test_every_rule_refuses_a_config_where_it_applies_and_notes_it_on_an_openrlh
                 openrlhf.validate()
 
 
-@pytest.mark.parametrize("cls, settings", [
-    (PPOConfig, {"backend": "vllm", "vllm_gpu_memory_utilization": 0.3, "enforce_eager": True,
-                 "enable_prefix_caching": True, "vllm_sync_backend": "gloo"}),
-    (PPOConfig, {"critic_learning_rate": 1e-5, "lambd": 0.9, "value_clip": 0.3, "critic_pretrain": HERE}),
-    (PPOConfig, {"kl_target": 0.1, "kl_horizon": 5000}),
-    (PPOConfig, {"async_train": True, "async_max_staleness": 2, "partial_rollout": True}),
-    (PPOConfig, {"overlong_buffer_len": 256, "overlong_penalty_factor": 0.5}),
-    (GRPOConfig, {"dynamic_filtering": True, "dynamic_filtering_max_rounds": 4}),
-    (PPOConfig, {"use_wandb": "True", "wandb_project": "p", "wandb_run_name": "r"}),
-    (PPOConfig, {"colocate_all_models": False, "colocate_actor_ref": True}),
-    (PPOConfig, {"lr_scheduler": "cosine_with_min_lr", "min_lr_ratio": 0.2}),
-])
+@pytest.mark.parametrize(
+    "cls, settings",
+    [
+        (
+            PPOConfig,
+            {
+                "backend": "vllm",
+                "vllm_gpu_memory_utilization": 0.3,
+                "enforce_eager": True,
+                "enable_prefix_caching": True,
+                "vllm_sync_backend": "gloo",
+            },
+        ),
+        (PPOConfig, {"critic_learning_rate": 1e-5, "lambd": 0.9, "value_clip": 0.3, "critic_pretrain": HERE}),
+        (PPOConfig, {"kl_target": 0.1, "kl_horizon": 5000}),
+        (PPOConfig, {"async_train": True, "async_max_staleness": 2, "partial_rollout": True}),
+        (PPOConfig, {"overlong_buffer_len": 256, "overlong_penalty_factor": 0.5}),
+        (GRPOConfig, {"dynamic_filtering": True, "dynamic_filtering_max_rounds": 4}),
+        (PPOConfig, {"use_wandb": "True", "wandb_project": "p", "wandb_run_name": "r"}),
+        (PPOConfig, {"colocate_all_models": False, "colocate_actor_ref": True}),
+        (PPOConfig, {"lr_scheduler": "cosine_with_min_lr", "min_lr_ratio": 0.2}),
+    ],
+)
 def test_the_same_settings_pass_where_they_act(cls, settings):
     config = cls(**settings)
     assert config.validate() is config and inactive.findings(config) == []
@@ -243,10 +279,28 @@ def test_only_what_the_user_set_counts():
 def test_an_openrlhf_command_line_runs_with_notes_for_what_openrlhf_ignores_too():
     from hybrid_cli.main import load_config
 
-    config, _, notes = load_config("ppo", [  # dotted flags: an OpenRLHF >= 0.10.2 command line
-        "--actor.num_gpus_per_node", "1", "--vllm.num_engines", "0", "--algo.advantage.estimator", "group_norm",
-        "--rollout.n_samples_per_prompt", "2", "--rollout.batch_size", "8", "--train.batch_size", "16",
-        "--train.micro_batch_size", "8", "--critic.adam.lr", "1e-5", "--vllm.enforce_eager"])
+    config, _, notes = load_config(
+        "ppo",
+        [  # dotted flags: an OpenRLHF >= 0.10.2 command line
+            "--actor.num_gpus_per_node",
+            "1",
+            "--vllm.num_engines",
+            "0",
+            "--algo.advantage.estimator",
+            "group_norm",
+            "--rollout.n_samples_per_prompt",
+            "2",
+            "--rollout.batch_size",
+            "8",
+            "--train.batch_size",
+            "16",
+            "--train.micro_batch_size",
+            "8",
+            "--critic.adam.lr",
+            "1e-5",
+            "--vllm.enforce_eager",
+        ],
+    )
     assert config.backend == "hf" and config.enforce_eager and config.critic_learning_rate == 1e-5
     assert any(n.startswith("--critic_learning_rate has no effect here") for n in notes), notes
     assert any(n.startswith("--enforce_eager has no effect here") for n in notes), notes
@@ -261,8 +315,14 @@ def _session(config: RLConfig):
     return stand_in
 
 
-ENGINE_SETTINGS = dict(vllm_gpu_memory_utilization=0.3, enforce_eager=True, enable_prefix_caching=True, bf16=True,
-                       vllm_tensor_parallel_size=2, seed=7)
+ENGINE_SETTINGS = dict(
+    vllm_gpu_memory_utilization=0.3,
+    enforce_eager=True,
+    enable_prefix_caching=True,
+    bf16=True,
+    vllm_tensor_parallel_size=2,
+    seed=7,
+)
 
 
 @pytest.mark.parametrize("backend", ["vllm", "sglang", "hf"])
@@ -275,10 +335,19 @@ def test_partial_rollout_keeps_every_engine_setting(backend):
     without = TrainingSession._engine_kwargs(_session(plain))
     with_partial = TrainingSession._engine_kwargs(_session(partial))
     if backend == "hf":  # the built-in engine pauses whatever it was built with: nothing to add
-        assert with_partial == without == {"model": "/models/m", "seed": 7, "trust_remote_code": False,
-                                           "dtype": "bfloat16"}
+        assert (
+            with_partial
+            == without
+            == {"model": "/models/m", "seed": 7, "trust_remote_code": False, "dtype": "bfloat16"}
+        )
         return
     assert with_partial == {**without, "pausable": True}
     assert without["gpu_memory_utilization"] == 0.3 == workload(partial, 16, 16).engine_memory_fraction  # as planned
-    assert (without["enforce_eager"], without["enable_prefix_caching"], without["dtype"], without["max_model_len"],
-            without["tensor_parallel_size"], without["enable_sleep_mode"]) == (True, True, "bfloat16", 256, 2, True)
+    assert (
+        without["enforce_eager"],
+        without["enable_prefix_caching"],
+        without["dtype"],
+        without["max_model_len"],
+        without["tensor_parallel_size"],
+        without["enable_sleep_mode"],
+    ) == (True, True, "bfloat16", 256, 2, True)

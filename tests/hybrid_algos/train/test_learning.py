@@ -59,8 +59,9 @@ def test_algorithm_learns_the_copy_task(algo: str, seed: int, tmp_path) -> None:
     assert len(rewards) == SETTINGS["max_steps"]
     assert rewards[0] <= 0.2, f"the untrained policy should be near chance, got {rewards[0]:.3f}"
     crossed = next((i + 1 for i, r in enumerate(rewards) if r >= BAR), None)
-    assert crossed is not None and crossed <= CROSS_BY, f"{algo} seed {seed}: reward >= {BAR} first at step {crossed}, " \
-                                                        f"wanted by step {CROSS_BY} (rewards: {shown})"
+    assert crossed is not None and crossed <= CROSS_BY, (
+        f"{algo} seed {seed}: reward >= {BAR} first at step {crossed}, wanted by step {CROSS_BY} (rewards: {shown})"
+    )
     held = statistics.mean(rewards[-HOLD:])
     assert held >= BAR, f"{algo} seed {seed}: the last {HOLD} steps average {held:.3f} (rewards: {shown})"
 
@@ -82,9 +83,8 @@ def test_algorithm_learns_the_copy_task(algo: str, seed: int, tmp_path) -> None:
 
 
 def _greedy_accuracy(model_dir: str) -> float:
-    from hybrid_engines import HFEngine, SamplingParams
-
     from hybrid_algos.train.tasks import FIRST_SYMBOL_ID, SyntheticTask
+    from hybrid_engines import HFEngine, SamplingParams
 
     task = SyntheticTask("copy", num_symbols=8, prompt_symbols=1)
     prompts = task.prompts(64, seed=123)

@@ -22,17 +22,35 @@ import pytest
 from hybrid_algos.train import GRPOConfig, train
 from hybrid_algos.train.deepspeed_ops import ensure_cpu_ops_built
 
-BASE = dict(task="copy", task_length=1, max_steps=48, rollout_batch_size=16, n_samples_per_prompt=8,
-            train_batch_size=32, micro_train_batch_size=32, micro_rollout_batch_size=64, max_epochs=2,
-            actor_learning_rate=2e-3, call_timeout_s=300, use_kl_loss=True, kl_estimator="k3", init_kl_coef=0.001)
+BASE = dict(
+    task="copy",
+    task_length=1,
+    max_steps=48,
+    rollout_batch_size=16,
+    n_samples_per_prompt=8,
+    train_batch_size=32,
+    micro_train_batch_size=32,
+    micro_rollout_batch_size=64,
+    max_epochs=2,
+    actor_learning_rate=2e-3,
+    call_timeout_s=300,
+    use_kl_loss=True,
+    kl_estimator="k3",
+    init_kl_coef=0.001,
+)
 
 ALGORITHMS = {
     # the clip these settings were tuned with (PPO's 0.2); GSPO's own default is its paper's (3e-4, 4e-4)
     "gspo": dict(policy_loss_type="gspo", eps_clip=0.2),
     "cispo": dict(policy_loss_type="cispo", eps_clip_low_high=(0.2, 0.28), actor_learning_rate=1e-3, max_epochs=1),
-    "dapo": dict(eps_clip_low_high=(0.2, 0.28), dynamic_filtering=True, dynamic_filtering_max_rounds=4,
-                 actor_learning_rate=1e-3,
-                 loss_agg_mode="token-mean", init_kl_coef=0.0),
+    "dapo": dict(
+        eps_clip_low_high=(0.2, 0.28),
+        dynamic_filtering=True,
+        dynamic_filtering_max_rounds=4,
+        actor_learning_rate=1e-3,
+        loss_agg_mode="token-mean",
+        init_kl_coef=0.0,
+    ),
 }
 SEEDS = [int(s) for s in os.environ.get("HYBRID_LEARNING_SEEDS", "1").split(",")]
 

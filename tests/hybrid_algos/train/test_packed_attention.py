@@ -35,7 +35,7 @@ def test_segments_from_lengths_and_the_cache_on_position_ids():
 # ---- kernels ----------------------------------------------------------------------------------------------------
 def reference(q, k, v, lengths, scale, window=None):
     """Plain math, sample by sample: softmax(q k^T * scale + causal/window mask) v, KV heads repeated."""
-    B, H, N, D = q.shape
+    _B, H, _N, _D = q.shape
     k, v = (t.repeat_interleave(H // t.shape[1], dim=1).float() for t in (k, v))
     q = q.float()
     out, start = [], 0
@@ -54,8 +54,11 @@ def reference(q, k, v, lengths, scale, window=None):
 def qkv(lengths, dtype=torch.float32, hq=4, hkv=2, d=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
-    return (torch.randn(1, hq, n, d, generator=g).to(dtype), torch.randn(1, hkv, n, d, generator=g).to(dtype),
-            torch.randn(1, hkv, n, d, generator=g).to(dtype))
+    return (
+        torch.randn(1, hq, n, d, generator=g).to(dtype),
+        torch.randn(1, hkv, n, d, generator=g).to(dtype),
+        torch.randn(1, hkv, n, d, generator=g).to(dtype),
+    )
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -88,27 +91,57 @@ def fake_varlen(signature: str):
         seen.update(scale=scale, window=window, kv_heads=k.shape[1])
         w = None if window[0] < 0 else window[0] + 1
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], lengths, scale,
-                         w)[0].to(q.dtype)
+        return reference(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], lengths, scale, w)[
+            0
+        ].to(q.dtype)
 
     if signature == "2.10":
+
         def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
             return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, causal=is_causal)
     elif signature == "2.11":
-        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                        window_size=(-1, -1)):
+
+        def varlen_attn(
+            query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+        ):
             return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window=tuple(window_size))
     else:
-        def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                        window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
-            return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window=tuple(window_size),
-                       gqa=enable_gqa)
+
+        def varlen_attn(
+            query,
+            key,
+            value,
+            cu_seq_q,
+            cu_seq_k,
+            max_q,
+            max_k,
+            *,
+            return_aux=None,
+            scale=None,
+            window_size=(-1, -1),
+            enable_gqa=False,
+            seqused_k=None,
+            block_table=None,
+            num_splits=None,
+        ):
+            return run(
+                query,
+                key,
+                value,
+                cu_seq_q,
+                cu_seq_k,
+                max_q,
+                max_k,
+                scale=scale,
+                window=tuple(window_size),
+                gqa=enable_gqa,
+            )
+
     return varlen_attn, seen
 
 
 # 2.10's varlen_attn has no window_size: varlen_unsupported sends sliding-window calls to the loop there
-@pytest.mark.parametrize("signature,window", [("2.10", None), ("2.11", None), ("2.11", 3), ("2.12", None),
-                                              ("2.12", 3)])
+@pytest.mark.parametrize("signature,window", [("2.10", None), ("2.11", None), ("2.11", 3), ("2.12", None), ("2.12", 3)])
 def test_varlen_call_matches_the_math_for_each_varlen_attn_signature(monkeypatch, signature, window):
     fn, seen = fake_varlen(signature)
     import inspect
@@ -130,7 +163,7 @@ def test_varlen_is_refused_where_it_cannot_run(monkeypatch):
     seg = pa.segments_from_lengths([2, 3], "cpu")
     pos = pa.attach_segments(torch.tensor([[0, 1, 0, 1, 2]]), seg)
     module = torch.nn.Module()
-    with pytest.raises(RuntimeError, match="HYBRID_PACKED_ATTENTION=varlen: .*auto"):
+    with pytest.raises(RuntimeError, match=r"HYBRID_PACKED_ATTENTION=varlen: .*auto"):
         pa.packed_attention_forward(module, q, k, v, None, position_ids=pos)
     monkeypatch.setenv(pa.ENV, "nonsense")
     with pytest.raises(ValueError, match="expected one of auto, varlen, segments, sdpa-mask"):
@@ -140,7 +173,7 @@ def test_varlen_is_refused_where_it_cannot_run(monkeypatch):
 def test_softcap_is_refused_with_a_message():
     q, k, v = qkv([2, 3])
     pos = torch.tensor([[0, 1, 0, 1, 2]])
-    with pytest.raises(ValueError, match="soft-caps its attention logits.*without --packing_samples"):
+    with pytest.raises(ValueError, match=r"soft-caps its attention logits.*without --packing_samples"):
         pa.packed_attention_forward(torch.nn.Module(), q, k, v, None, position_ids=pos, softcap=30.0)
     from transformers import LlamaForCausalLM
 
@@ -148,7 +181,7 @@ def test_softcap_is_refused_with_a_message():
 
     cfg = tiny_model_config(8)
     cfg.attn_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="attn_logit_softcapping=30.0"):
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=30.0"):
         pa.install(LlamaForCausalLM(cfg))
 
 

@@ -34,8 +34,12 @@ def _ragged_rollout(seed=0, vocab=12, batch=6):
 
 def old_full_logits(model, sequences, attention_mask, response_len, temperature=1.0):
     """Today's computation (before chunking): the whole [B, T, V] logits, log-softmax, gather."""
-    out = model(input_ids=sequences, attention_mask=attention_mask,
-                position_ids=models.position_ids_from_mask(attention_mask), use_cache=False)
+    out = model(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=models.position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
     logits = out.logits[:, -response_len - 1 : -1].float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, sequences[:, -response_len:].unsqueeze(-1)).squeeze(-1)
@@ -49,9 +53,17 @@ def test_logprobs_and_entropy_equal_the_full_logits_path(temperature, packed):
     ro = _ragged_rollout()
     mask = ro.action_mask.bool()
     want_lp, want_ent = old_full_logits(model, ro.sequences, ro.attention_mask, ro.response_len, temperature)
-    got = models.response_token_scores(model, ro.sequences, ro.attention_mask, ro.response_len,
-                                       temperature=temperature, entropy=True, raw=True, packed=packed,
-                                       chunk_bytes=4 * 12 * 3)  # 3 positions per chunk: many chunks
+    got = models.response_token_scores(
+        model,
+        ro.sequences,
+        ro.attention_mask,
+        ro.response_len,
+        temperature=temperature,
+        entropy=True,
+        raw=True,
+        packed=packed,
+        chunk_bytes=4 * 12 * 3,
+    )  # 3 positions per chunk: many chunks
     assert torch.allclose(got.logprobs[mask], want_lp[mask], atol=1e-5, rtol=1e-5)
     assert torch.allclose(got.entropy[mask], want_ent[mask], atol=1e-5, rtol=1e-5)
     raw_lp, _ = old_full_logits(model, ro.sequences, ro.attention_mask, ro.response_len, 1.0)
@@ -67,8 +79,9 @@ def test_gradients_equal_the_full_logits_path(packed):
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
     lp, ent = old_full_logits(model_a, ro.sequences, ro.attention_mask, ro.response_len)
     ((lp * weights)[mask].sum() + ent[mask].sum()).backward()
-    got = models.response_token_scores(model_b, ro.sequences, ro.attention_mask, ro.response_len, entropy=True,
-                                       packed=packed, chunk_bytes=4 * 12 * 2)
+    got = models.response_token_scores(
+        model_b, ro.sequences, ro.attention_mask, ro.response_len, entropy=True, packed=packed, chunk_bytes=4 * 12 * 2
+    )
     ((got.logprobs * weights)[mask].sum() + got.entropy[mask].sum()).backward()
     for (name, pa), (_, pb) in zip(model_a.named_parameters(), model_b.named_parameters()):
         assert torch.allclose(pa.grad, pb.grad, atol=1e-5, rtol=1e-4), name
@@ -95,8 +108,9 @@ def test_no_full_vocabulary_logits_are_allocated(monkeypatch):
     seen = []
     head.register_forward_hook(lambda m, i, o: seen.append(o.numel() // vocab))  # positions scored at once
     chunk_bytes = 4 * vocab * 5
-    models.response_token_scores(model, ro.sequences, ro.attention_mask, ro.response_len, packed=True,
-                                 chunk_bytes=chunk_bytes)
+    models.response_token_scores(
+        model, ro.sequences, ro.attention_mask, ro.response_len, packed=True, chunk_bytes=chunk_bytes
+    )
     tokens = int(ro.action_mask.sum())
     chunks = -(-tokens // 5)
     assert tokens > 5 and max(seen) <= 5 and sum(seen[-chunks:]) == tokens
@@ -116,9 +130,12 @@ def test_unknown_output_transform_falls_back_to_full_logits(caplog):
     ro = _ragged_rollout(1)
     got = models.response_logprobs(model, ro.sequences, ro.attention_mask, ro.response_len)
     assert model._hybrid_chunked_ok is False and "differ" in caplog.text
-    full = original(input_ids=ro.sequences, attention_mask=ro.attention_mask,
-                    position_ids=models.position_ids_from_mask(ro.attention_mask)).logits[:, -ro.response_len - 1:-1]
-    want = torch.log_softmax(full.float() * 3.0, -1).gather(-1, ro.sequences[:, -ro.response_len:, None])[..., 0]
+    full = original(
+        input_ids=ro.sequences,
+        attention_mask=ro.attention_mask,
+        position_ids=models.position_ids_from_mask(ro.attention_mask),
+    ).logits[:, -ro.response_len - 1 : -1]
+    want = torch.log_softmax(full.float() * 3.0, -1).gather(-1, ro.sequences[:, -ro.response_len :, None])[..., 0]
     mask = ro.action_mask.bool()
     assert torch.allclose(got[mask], want[mask], atol=1e-5)
 
@@ -131,14 +148,22 @@ def _arch_model(arch: str, dtype=torch.float32, seed=0, head: str = "lm"):
     from hybrid_algos.train.tiny import tiny_vocab
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=len(tiny_vocab(8)), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
-                  tie_word_embeddings=False, num_labels=1)
+    common = dict(
+        vocab_size=len(tiny_vocab(8)),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        num_labels=1,
+    )
     if arch == "llama":
         cfg, family = transformers.LlamaConfig(**common), "Llama"
     else:
-        window = dict(use_sliding_window=True, sliding_window=3, max_window_layers=1) if arch == "qwen2-sliding" \
-            else {}
+        window = dict(use_sliding_window=True, sliding_window=3, max_window_layers=1) if arch == "qwen2-sliding" else {}
         cfg, family = transformers.Qwen2Config(**common, **window), "Qwen2"
     cls = getattr(transformers, f"{family}For{'CausalLM' if head == 'lm' else 'TokenClassification'}")
     model = cls(cfg).to(dtype).eval()
@@ -183,8 +208,9 @@ def test_packed_attention_gives_the_padded_logprobs_without_crossing_samples(mon
     padded = models.response_token_scores(model, ro.sequences, ro.attention_mask, ro.response_len, entropy=True)
     spy = _AttentionSpy(monkeypatch)
     before = packed_attention.CALLS["segments"]
-    packed = models.response_token_scores(model, ro.sequences, ro.attention_mask, ro.response_len, entropy=True,
-                                          packed=True)
+    packed = models.response_token_scores(
+        model, ro.sequences, ro.attention_mask, ro.response_len, entropy=True, packed=True
+    )
     assert model.config._attn_implementation == packed_attention.NAME
     assert packed_attention.CALLS["segments"] - before >= 2  # both layers of the packed forward took the loop
     lengths = ro.attention_mask.sum(-1)
@@ -200,8 +226,9 @@ def test_packed_attention_gives_the_padded_logprobs_without_crossing_samples(mon
     assert spy.sdpa_masks >= 1 and torch.equal(again.logprobs, padded.logprobs)
 
 
-@pytest.mark.parametrize("arch,checkpointing", [("llama", False), ("llama", True), ("qwen2", False),
-                                                  ("qwen2-sliding", True)])
+@pytest.mark.parametrize(
+    "arch,checkpointing", [("llama", False), ("llama", True), ("qwen2", False), ("qwen2-sliding", True)]
+)
 def test_packed_attention_gradients_and_values_equal_the_padded_path(arch, checkpointing):
     """Gradient checkpointing recomputes each layer in the backward pass: it must attend the same way again."""
     from hybrid_algos.train import packed_attention

@@ -7,10 +7,9 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from tiny_runs import TINY, short_ray_temp_dir
 
 from hybrid_algos.train import PPOConfig, train
-
-from tiny_runs import TINY, short_ray_temp_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -26,11 +25,21 @@ def test_ppo_two_ranks_zero3_token_budgets_cispo_and_warmup(tmp_path, tmp_path_f
     connect(num_gpus=2, temp_dir=temp)
     try:
         settings = {**TINY, "micro_train_batch_size": 4, "max_steps": 3, "critic_learning_rate": 2e-3}
-        config = PPOConfig(save_path=str(tmp_path / "run"), **settings, policy_loss_type="cispo",
-                           packing_samples=True, use_dynamic_batch=True, train_max_tokens_per_gpu=9,
-                           rollout_max_tokens_per_gpu=7, lr_warmup_ratio=0.5, zero_stage=3,
-                           actor_num_gpus_per_node=2, critic_num_gpus_per_node=2, ref_num_gpus_per_node=2,
-                           vllm_num_engines=2)
+        config = PPOConfig(
+            save_path=str(tmp_path / "run"),
+            **settings,
+            policy_loss_type="cispo",
+            packing_samples=True,
+            use_dynamic_batch=True,
+            train_max_tokens_per_gpu=9,
+            rollout_max_tokens_per_gpu=7,
+            lr_warmup_ratio=0.5,
+            zero_stage=3,
+            actor_num_gpus_per_node=2,
+            critic_num_gpus_per_node=2,
+            ref_num_gpus_per_node=2,
+            vllm_num_engines=2,
+        )
         history = train(config)["history"]
     finally:
         ray.shutdown()

@@ -7,11 +7,10 @@ import json
 import os
 
 import pytest
+from tiny_runs import TINY
 
 from hybrid_algos.train import GRPOConfig, train
 from hybrid_core.errors import ConfigError
-
-from tiny_runs import TINY
 
 
 def test_a_negative_or_boolean_profile_step_is_refused():
@@ -29,8 +28,9 @@ def test_a_profile_step_past_the_run_is_refused_before_ray(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_the_profiled_step_leaves_tables_and_traces_of_every_trainer_worker(tmp_path, one_gpu_ray):
-    summary = train(GRPOConfig(save_path=str(tmp_path / "run"), **{**TINY, "max_steps": 2}, init_kl_coef=0.01,
-                               profile_step=2))
+    summary = train(
+        GRPOConfig(save_path=str(tmp_path / "run"), **{**TINY, "max_steps": 2}, init_kl_coef=0.01, profile_step=2)
+    )
     folder = os.path.join(summary["run_dir"], "profile", "step2")
     names = sorted(os.listdir(folder))
     assert names == ["actor-0.trace.json", "actor-0.txt", "driver.txt", "reference-0.trace.json", "reference-0.txt"]

@@ -27,8 +27,9 @@ TEACHER_LAYERS = 3  # the policy has 2: a different model, with different bytes
 
 def teacher_recipe(folder: str) -> Recipe:
     """GRPO plus a teacher: one role entry and one phase entry (and its function, registered below)."""
-    teacher = RoleSpec("teacher", "frozen", "hybrid_algos.train.workers.frozen:ReferenceWorker",
-                       model=lambda config, policy: folder)
+    teacher = RoleSpec(
+        "teacher", "frozen", "hybrid_algos.train.workers.frozen:ReferenceWorker", model=lambda config, policy: folder
+    )
     scoring = PhaseSpec("teacher", "teacher", {"teacher": ("params",)}, work=("infer",), run="teacher_logprobs")
     phases = list(GRPO.phases)
     phases.insert(phases.index(next(p for p in phases if p.name == "actor_train")), scoring)
@@ -41,8 +42,9 @@ def teacher_logprobs(ctx, state) -> None:
     with state.timer.phase("infer"):
         parts = teacher.call_sharded("logprobs", state.rollout.split(teacher.world_size))
     state.extras["teacher_logprobs"] = torch.cat(parts)
-    state.metrics["teacher/logprob_mean"] = float(state.extras["teacher_logprobs"][state.rollout.action_mask > 0]
-                                                  .mean())
+    state.metrics["teacher/logprob_mean"] = float(
+        state.extras["teacher_logprobs"][state.rollout.action_mask > 0].mean()
+    )
 
 
 @pytest.fixture
@@ -53,8 +55,10 @@ def registered(monkeypatch):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return (save_tiny_model(str(root / "policy")),
-            save_tiny_model(str(root / "teacher"), seed=3, num_hidden_layers=TEACHER_LAYERS))
+    return (
+        save_tiny_model(str(root / "policy")),
+        save_tiny_model(str(root / "teacher"), seed=3, num_hidden_layers=TEACHER_LAYERS),
+    )
 
 
 def config(tmp_path, **kw):
@@ -68,8 +72,16 @@ def test_the_planner_plans_the_teacher_like_any_role(models, tmp_path):
     recipe = teacher_recipe(teacher).for_config(cfg)
     placement = build_plan(cfg, recipe)
     assert set(placement.roles) == {"actor", "rollout", "reference", "teacher"}
-    plan, _ = build_residency(cfg, placement, policy, prompt_len=8, generate_len=8, gpu_bytes=80 * GiB,
-                              host=HostBudget(None, "not checked here"), recipe=recipe)
+    plan, _ = build_residency(
+        cfg,
+        placement,
+        policy,
+        prompt_len=8,
+        generate_len=8,
+        gpu_bytes=80 * GiB,
+        host=HostBudget(None, "not checked here"),
+        recipe=recipe,
+    )
     assert [p.name for p in plan.phases] == ["generate", "reference", "teacher", "actor_train", "sync"]
     # its own model's bytes (3 layers, not the policy's 2), and only where its phase needs them (all-sleep)
     share = next(s for s in plan.layout[0] if s.role == "teacher")
@@ -98,8 +110,17 @@ def test_the_teacher_phase_runs_on_a_real_teacher_worker(models, tmp_path, regis
         spec = recipe.role("teacher")
         group = RoleGroup("teacher", spec.worker_class(), placed, cfg, str(tmp_path / "logs"), timeout_s=120)
         group.call("setup", spec.model_folder(cfg, policy))
-        ctx = StepContext(config=cfg, actor=None, engines=None, weight_sync=None, reward=None, residency=None,
-                          pad_id=0, roles={"teacher": group}, recipe=recipe)
+        ctx = StepContext(
+            config=cfg,
+            actor=None,
+            engines=None,
+            weight_sync=None,
+            reward=None,
+            residency=None,
+            pad_id=0,
+            roles={"teacher": group},
+            recipe=recipe,
+        )
         state = StepState(0, None, None, PhaseTimer(), rollout)
         PHASES[next(p for p in recipe.phases if p.name == "teacher").function](ctx, state)
     finally:

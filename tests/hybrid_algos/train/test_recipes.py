@@ -28,15 +28,18 @@ def test_ppo_is_the_old_step():
     assert sync.holds == {("rollout", "weights"): "generate"}
 
 
-@pytest.mark.parametrize("config, name, roles", [
-    (PPOConfig(), "ppo", ["actor", "critic", "reference", "rollout"]),
-    (PPOConfig(init_kl_coef=0.0), "ppo", ["actor", "critic", "rollout"]),
-    (PPOConfig(reward_pretrain="/models/rm"), "ppo", ["actor", "critic", "reference", "reward", "rollout"]),
-    (PPOConfig(advantage_estimator="group_norm"), "grpo", ["actor", "reference", "rollout"]),  # no critic
-    (GRPOConfig(), "grpo", ["actor", "reference", "rollout"]),
-    (GRPOConfig(advantage_estimator="gae"), "ppo", ["actor", "critic", "reference", "rollout"]),
-    (ReinforceConfig(), "reinforce++", ["actor", "reference", "rollout"]),
-])
+@pytest.mark.parametrize(
+    "config, name, roles",
+    [
+        (PPOConfig(), "ppo", ["actor", "critic", "reference", "rollout"]),
+        (PPOConfig(init_kl_coef=0.0), "ppo", ["actor", "critic", "rollout"]),
+        (PPOConfig(reward_pretrain="/models/rm"), "ppo", ["actor", "critic", "reference", "reward", "rollout"]),
+        (PPOConfig(advantage_estimator="group_norm"), "grpo", ["actor", "reference", "rollout"]),  # no critic
+        (GRPOConfig(), "grpo", ["actor", "reference", "rollout"]),
+        (GRPOConfig(advantage_estimator="gae"), "ppo", ["actor", "critic", "reference", "rollout"]),
+        (ReinforceConfig(), "reinforce++", ["actor", "reference", "rollout"]),
+    ],
+)
 def test_the_recipe_follows_the_config(config, name, roles):
     recipe = recipe_for(config)
     assert recipe.name == name and [r.name for r in recipe.roles] == roles
@@ -59,9 +62,18 @@ def test_a_recipes_mistakes_are_refused():
     with pytest.raises(ValueError, match="no role judge"):
         Recipe("x", GRPO.roles, (*GRPO.phases, PhaseSpec("judging", "judge", {"judge": ("params",)})))
     with pytest.raises(ValueError, match="cannot train"):
-        Recipe("x", GRPO.roles, (*GRPO.phases, PhaseSpec("t", "reference", {"reference": ("params",)},
-                                                            work=("train",))))
+        Recipe(
+            "x", GRPO.roles, (*GRPO.phases, PhaseSpec("t", "reference", {"reference": ("params",)}, work=("train",)))
+        )
     odd = Recipe("x", GRPO.roles, (*GRPO.phases, PhaseSpec("t", "reference", {"reference": ("params",)}, run="nope")))
     with pytest.raises(ValueError, match="no phase function 'nope'"):
-        StepContext(config=GRPOConfig(), actor=None, engines=None, weight_sync=None, reward=None, residency=None,
-                    pad_id=0, recipe=odd.for_config(GRPOConfig()))
+        StepContext(
+            config=GRPOConfig(),
+            actor=None,
+            engines=None,
+            weight_sync=None,
+            reward=None,
+            residency=None,
+            pad_id=0,
+            recipe=odd.for_config(GRPOConfig()),
+        )

@@ -82,8 +82,11 @@ def test_several_servers_share_the_batch_in_order(server_with):
     fn = load_reward_fn(f"{a.url},{b.url}")
     scores = fn(PROMPTS, COMPLETIONS, labels=LABELS)
     assert len(a.requests[0]["query"]) == 2 and len(b.requests[0]["query"]) == 1  # split evenly, order kept
-    assert scores == [len(PROMPTS[0] + COMPLETIONS[0]), len(PROMPTS[1] + COMPLETIONS[1]),
-                      100.0 + len(PROMPTS[2] + COMPLETIONS[2])]
+    assert scores == [
+        len(PROMPTS[0] + COMPLETIONS[0]),
+        len(PROMPTS[1] + COMPLETIONS[1]),
+        100.0 + len(PROMPTS[2] + COMPLETIONS[2]),
+    ]
 
 
 def test_a_server_error_is_retried_then_answered(server_with):
@@ -118,7 +121,7 @@ def test_a_hanging_server_times_out(server_with):
     server = server_with(hang)
     fn = HttpReward([server.url], timeout_s=0.5, tries=2, backoff_s=0.01)
     try:
-        with pytest.raises(RewardServerError, match="no answer within 0.5 s"):
+        with pytest.raises(RewardServerError, match=r"no answer within 0.5 s"):
             fn(PROMPTS, COMPLETIONS, labels=LABELS)
         assert not release.is_set() and len(server.requests) == 2  # both tries ended by the timeout, unanswered
     finally:
@@ -127,17 +130,20 @@ def test_a_hanging_server_times_out(server_with):
 
 def test_no_server_at_the_url():
     fn = HttpReward(["http://127.0.0.1:9/none"], timeout_s=1, tries=2, backoff_s=0.01)
-    with pytest.raises(RewardServerError, match="failed 2 time.*Connection"):
+    with pytest.raises(RewardServerError, match=r"failed 2 time.*Connection"):
         fn(PROMPTS, COMPLETIONS, labels=LABELS)
 
 
-@pytest.mark.parametrize("answer, fragment", [
-    ("not json", "not JSON"),
-    ({"scores": [1, 2, 3]}, "without 'rewards'"),
-    ({"rewards": [1, 2]}, "2 scores for 3 queries"),
-    ({"rewards": [1, "x", 3]}, "not numbers"),
-    ({"rewards": [1, float("nan"), 3]}, "non-finite"),
-])
+@pytest.mark.parametrize(
+    "answer, fragment",
+    [
+        ("not json", "not JSON"),
+        ({"scores": [1, 2, 3]}, "without 'rewards'"),
+        ({"rewards": [1, 2]}, "2 scores for 3 queries"),
+        ({"rewards": [1, "x", 3]}, "not numbers"),
+        ({"rewards": [1, float("nan"), 3]}, "non-finite"),
+    ],
+)
 def test_malformed_answers_are_clear_errors(server_with, answer, fragment):
     server = server_with(lambda n, body: (200, json.dumps(answer) if not isinstance(answer, str) else answer))
     with pytest.raises(RewardServerError, match=fragment):
@@ -147,23 +153,27 @@ def test_malformed_answers_are_clear_errors(server_with, answer, fragment):
 # ---- a reward file in OpenRLHF's shape ---------------------------------------------------------------------------
 def test_openrlhf_reward_file_gets_queries_prompts_and_labels(tmp_path):
     path = tmp_path / "reward_func.py"
-    path.write_text("import torch\n"
-                    "SEEN = []\n"
-                    "def reward_func(queries, prompts, labels):\n"
-                    "    SEEN.append((queries, prompts, labels))\n"
-                    "    return torch.tensor([float(q.startswith(p)) + (l == 'a') for q, p, l in zip(queries, prompts, labels)])\n")
+    path.write_text(
+        "import torch\n"
+        "SEEN = []\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    SEEN.append((queries, prompts, labels))\n"
+        "    return torch.tensor([float(q.startswith(p)) + (l == 'a') for q, p, l in zip(queries, prompts, labels)])\n"
+    )
     fn = load_reward_fn(str(path))
     assert isinstance(fn, RewardFile)
     scores = fn(PROMPTS, COMPLETIONS, prompt_ids=[[1]] * 3, completion_ids=[[2]] * 3, labels=LABELS)
     assert scores == [2.0, 1.0, 1.0]
-    (queries, prompts, labels), = fn.fn.__globals__["SEEN"]
+    ((queries, prompts, labels),) = fn.fn.__globals__["SEEN"]
     assert queries == [p + c for p, c in zip(PROMPTS, COMPLETIONS)] and prompts == PROMPTS and labels == LABELS
 
 
 def test_reward_file_returning_a_dict_of_rewards(tmp_path):
     path = tmp_path / "r.py"
-    path.write_text("def reward_func(queries, prompts, labels):\n"
-                    "    return {'rewards': [1.0] * len(queries), 'scores': [0.0] * len(queries), 'extra_logs': {}}\n")
+    path.write_text(
+        "def reward_func(queries, prompts, labels):\n"
+        "    return {'rewards': [1.0] * len(queries), 'scores': [0.0] * len(queries), 'extra_logs': {}}\n"
+    )
     assert load_reward_fn(str(path))(PROMPTS, COMPLETIONS, labels=LABELS) == [1.0, 1.0, 1.0]
 
 

@@ -8,10 +8,9 @@ import threading
 import uuid
 
 import pytest
+from tiny_runs import tiny_config, worker_pids
 
 from hybrid_algos.train import train
-
-from tiny_runs import tiny_config, worker_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.usefixtures("one_gpu_ray")]
 
@@ -96,6 +95,7 @@ def test_a_local_run_binds_every_listener_to_loopback(tmp_path, monkeypatch):
     # the watch saw the run: the actor's worker (its gloo sockets, Ray's gRPC) and Ray's own servers
     assert any("PolicyWorker" in name for name in names), f"no listener of the actor's worker was seen: {names}"
     assert any("gcs_server" in name for name in names), f"no listener of Ray's GCS was seen: {names}"
-    open_to_all = {f"{name} (pid {pid}) on port {port}" for (pid, address, port), name in seen.items()
-                   if address in WILDCARDS}
+    open_to_all = {
+        f"{name} (pid {pid}) on port {port}" for (pid, address, port), name in seen.items() if address in WILDCARDS
+    }
     assert not open_to_all, f"listening on every interface: {sorted(open_to_all)}"

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from tiny_runs import tiny_config
 
 from hybrid_algos.train import train
 from hybrid_core.residency import GiB
-
-from tiny_runs import tiny_config
 
 STEPS = 3
 NO_CONTEXT = dict(gpu_context_gb=0.0, gpu_memory_usable=1.0)  # CPU processes hold no CUDA context
@@ -29,8 +28,7 @@ def tight_budget(tmp_path) -> float:
     config = tiny_config(tmp_path, max_steps=STEPS, **NO_CONTEXT).validate()
     placement = build_plan(config)
     for kib in range(8192, 0, -8):
-        plan, run_config = build_residency(config, placement, None, prompt_len=3, generate_len=2,
-                                           gpu_bytes=kib * 1024)
+        plan, run_config = build_residency(config, placement, None, prompt_len=3, generate_len=2, gpu_bytes=kib * 1024)
         if plan.move("rollout", "weights") != "resident" and not run_config.adam_offload:
             assert plan.fits()
             return kib * 1024 / GiB
@@ -42,8 +40,11 @@ def run(tmp_path, name, **overrides):
 
 
 def moves(summary, step=None):
-    return [(e["role"], e["direction"], tuple(e["states"])) for e in summary["residency_log"]
-            if e["event"] == "move" and (step is None or e["tag"] == step)]
+    return [
+        (e["role"], e["direction"], tuple(e["states"]))
+        for e in summary["residency_log"]
+        if e["event"] == "move" and (step is None or e["tag"] == step)
+    ]
 
 
 def planned_moves(plan) -> Counter:
@@ -55,10 +56,16 @@ def planned_moves(plan) -> Counter:
     for i, phase in enumerate(names):
         before = names[i - 1]
         for role in plan.roles:
-            gone = tuple(s for s in plan.resident_states(role, before) if s not in plan.resident_states(role, phase)
-                         and s != "cache")
-            back = tuple(s for s in plan.resident_states(role, phase) if s not in plan.resident_states(role, before)
-                         and s != "cache")
+            gone = tuple(
+                s
+                for s in plan.resident_states(role, before)
+                if s not in plan.resident_states(role, phase) and s != "cache"
+            )
+            back = tuple(
+                s
+                for s in plan.resident_states(role, phase)
+                if s not in plan.resident_states(role, before) and s != "cache"
+            )
             if gone:
                 out[(role, "off", gone)] += 1
             if back:
@@ -93,8 +100,9 @@ def test_a_tight_budget_moves_exactly_what_the_plan_says(one_gpu_ray, resident, 
     for step in range(1, STEPS):  # steady state (step 0 also finds the engines as they started)
         assert Counter(moves(summary, step)) == expected, moves(summary, step)
     # the moves change where memory is, not what is computed
-    assert [m["reward"] for m in summary["history"]] == pytest.approx([m["reward"] for m in resident["history"]],
-                                                                      abs=1e-6)
+    assert [m["reward"] for m in summary["history"]] == pytest.approx(
+        [m["reward"] for m in resident["history"]], abs=1e-6
+    )
     _never_above_capacity(summary)
 
 
@@ -103,23 +111,32 @@ def test_pins_and_all_sleep_move_the_trainers_state_too(one_gpu_ray, resident, t
     pinned = run(tmp_path, "pinned", residency_pins={"actor.optimizer": "offload"}, **NO_CONTEXT)
     assert pinned["residency"].move("actor", "optimizer") == "offload"
     for step in range(1, STEPS):
-        assert Counter(moves(pinned, step)) == Counter([("actor", "off", ("optimizer",)),
-                                                        ("actor", "on", ("optimizer",))]), moves(pinned, step)
+        assert Counter(moves(pinned, step)) == Counter(
+            [("actor", "off", ("optimizer",)), ("actor", "on", ("optimizer",))]
+        ), moves(pinned, step)
     offloaded = [e["bytes"] for e in pinned["residency_log"] if e["event"] == "move" and e["role"] == "actor"]
     assert all(b > 0 for b in offloaded)  # DeepSpeed's optimizer state really moved (and was counted)
 
     every = run(tmp_path, "every", residency="all-sleep", residency_overlap=False, **NO_CONTEXT)
-    assert planned_moves(every["residency"]) == Counter({
-        ("actor", "off", ("grads", "optimizer")): 1, ("actor", "off", ("params",)): 1,
-        ("actor", "on", ("params", "grads", "optimizer")): 1, ("rollout", "off", ("weights", "kv_cache")): 1,
-        ("rollout", "on", ("weights",)): 1, ("rollout", "on", ("kv_cache",)): 1,
-        ("reference", "off", ("params",)): 1, ("reference", "on", ("params",)): 1})
+    assert planned_moves(every["residency"]) == Counter(
+        {
+            ("actor", "off", ("grads", "optimizer")): 1,
+            ("actor", "off", ("params",)): 1,
+            ("actor", "on", ("params", "grads", "optimizer")): 1,
+            ("rollout", "off", ("weights", "kv_cache")): 1,
+            ("rollout", "on", ("weights",)): 1,
+            ("rollout", "on", ("kv_cache",)): 1,
+            ("reference", "off", ("params",)): 1,
+            ("reference", "on", ("params",)): 1,
+        }
+    )
     for step in range(1, STEPS):
         assert Counter(moves(every, step)) == planned_moves(every["residency"]), moves(every, step)
         assert every["history"][step]["bytes/sleep"] > 0 and every["history"][step]["bytes/wake"] > 0
     for summary in (pinned, every):
         assert [m["reward"] for m in summary["history"]] == pytest.approx(
-            [m["reward"] for m in resident["history"]], abs=1e-6)
+            [m["reward"] for m in resident["history"]], abs=1e-6
+        )
 
 
 def _never_above_capacity(summary) -> None:
@@ -129,8 +146,11 @@ def _never_above_capacity(summary) -> None:
     assert len(entered) >= STEPS * len(plan.phases)
     for e in entered:
         for gpu, held in e["held"].items():
-            working = sum(s.size.working_total(e["phase"]) * s.workers for s in plan.layout[gpu]
-                          if s.role in next(p for p in plan.phases if p.name == e["phase"]).needs)
+            working = sum(
+                s.size.working_total(e["phase"]) * s.workers
+                for s in plan.layout[gpu]
+                if s.role in next(p for p in plan.phases if p.name == e["phase"]).needs
+            )
             assert held + working <= plan.capacity + 1, (e, working, plan.capacity / GiB)
 
 
@@ -169,7 +189,9 @@ def test_refinement_catches_memory_that_keeps_growing_and_never_shrinks_the_over
     first = session.refine_residency(1)
     assert first["residency/overhead_gib"] * GiB == pytest.approx(0.10 * budget, rel=1e-6)
     assert owner.plan.overhead[0] == pytest.approx(0.10 * budget, rel=1e-6)
-    used["bytes"] = held + 0.10 * budget + 0.20 * budget  # step 2: grown by 20 % (the old overhead is not counted twice)
+    used["bytes"] = (
+        held + 0.10 * budget + 0.20 * budget
+    )  # step 2: grown by 20 % (the old overhead is not counted twice)
     session.refine_residency(2)
     assert owner.plan.overhead[0] == pytest.approx(0.30 * budget, rel=1e-6)
     assert "refined after step 2" in owner.plan.notes[-1] and not any("after step 1" in n for n in owner.plan.notes)

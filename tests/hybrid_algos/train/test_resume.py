@@ -13,11 +13,10 @@ import time
 import uuid
 
 import pytest
+from tiny_runs import TINY, short_ray_temp_dir, tiny_config
 
 from hybrid_algos.train import train
 from hybrid_algos.train.checkpoint import CheckpointManager
-
-from tiny_runs import TINY, short_ray_temp_dir, tiny_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -29,8 +28,13 @@ def _run_killed_mid_save(run_dir, tag) -> None:
         train(GRPOConfig(save_path={str(run_dir)!r}, max_steps=2, save_steps=1, **{json.dumps(TINY)}))
     """)
     env = {**os.environ, "HYBRID_FAULT": "actor:save_checkpoint:hang:2", "HYBRID_TEST_TAG": tag}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not glob.glob(str(run_dir / "checkpoints" / ".tmp-step-00000002-*")):

@@ -3,8 +3,9 @@
 import dataclasses
 import logging
 
-from hybrid_algos.train.resume import check_compatible, essentials
 from tiny_runs import tiny_config
+
+from hybrid_algos.train.resume import check_compatible, essentials
 
 
 def _saved_state(cfg, **changes):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hybrid_algos.train.rewards import RewardError, RewardScorer, RewardTimeout, load_reward_fn
-from hybrid_core.remote import deadline
 from hybrid_algos.train.tasks import Prompt
+from hybrid_core.remote import deadline
 
 
 class _Out:
@@ -17,8 +17,10 @@ class _Out:
 
 def test_reward_fn_from_file_gets_texts_ids_and_labels(tmp_path):
     path = tmp_path / "my_reward.py"
-    path.write_text("def reward(prompts, completions, *, prompt_ids, completion_ids, labels, **kw):\n"
-                    "    return [float(len(c) + l) for c, l in zip(completion_ids, labels)]\n")
+    path.write_text(
+        "def reward(prompts, completions, *, prompt_ids, completion_ids, labels, **kw):\n"
+        "    return [float(len(c) + l) for c, l in zip(completion_ids, labels)]\n"
+    )
     fn = load_reward_fn(f"{path}:reward")
     scorer = RewardScorer(fn, decode=lambda ids: " ".join(map(str, ids)))
     prompts = [Prompt([1, 2], "p0", label=10), Prompt([3], "p1", label=20)]
@@ -47,17 +49,20 @@ def _score(fn, n=2, **kwargs):
     return scorer.score([Prompt([1], "p", None)], [[_Out([2 + i]) for i in range(n)]])
 
 
-@pytest.mark.parametrize("returned, says", [
-    (None, "returned None"),
-    ("0.5 1.0", "returned a str"),
-    (0.5, "returned a float"),
-    ([1.0], "returned 1 scores for 2 completions"),
-    ([1.0, 2.0, 3.0], "returned 3 scores for 2 completions"),
-    (["0.5", "1.0"], "not numbers at 2 position"),
-    ([1.0, None], "not numbers at 1 position"),
-    ([1.0, [0.5]], "not numbers at 1 position"),
-    ([math.inf, 1.0], "non-finite scores at positions \\[0\\]"),
-])
+@pytest.mark.parametrize(
+    "returned, says",
+    [
+        (None, "returned None"),
+        ("0.5 1.0", "returned a str"),
+        (0.5, "returned a float"),
+        ([1.0], "returned 1 scores for 2 completions"),
+        ([1.0, 2.0, 3.0], "returned 3 scores for 2 completions"),
+        (["0.5", "1.0"], "not numbers at 2 position"),
+        ([1.0, None], "not numbers at 1 position"),
+        ([1.0, [0.5]], "not numbers at 1 position"),
+        ([math.inf, 1.0], "non-finite scores at positions \\[0\\]"),
+    ],
+)
 def test_a_reward_function_returning_the_wrong_thing_is_named(returned, says):
     with pytest.raises(RewardError, match=says) as info:
         _score(lambda *a, **k: returned)
@@ -76,7 +81,7 @@ def test_a_reward_function_that_raises_is_named_with_its_line():
         total = 0
         return [1.0 / total] * len(completions)
 
-    with pytest.raises(RewardError, match="raised ZeroDivisionError: .*division by zero") as info:
+    with pytest.raises(RewardError, match=r"raised ZeroDivisionError: .*division by zero") as info:
         _score(score)
     assert "test_rewards.py:" in str(info.value) and "in score" in str(info.value)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
@@ -92,9 +97,9 @@ def test_a_reward_function_that_hangs_ends_within_the_step_budget():
         returned.set()
         return [0.0] * len(completions)
 
-    with pytest.raises(RewardTimeout, match="did not return within the 2 s budget of step 3") as info:
-        with deadline(2.0, "step 3"):
-            _score(score)
+    budget = "did not return within the 2 s budget of step 3"
+    with pytest.raises(RewardTimeout, match=budget) as info, deadline(2.0, "step 3"):
+        _score(score)
     assert not returned.is_set()  # the deadline ended the step while the function still hung
     assert "test_rewards.py" in str(info.value) and "in score" in str(info.value)  # where it hangs
     release.set()

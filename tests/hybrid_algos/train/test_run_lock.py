@@ -69,7 +69,7 @@ def test_a_reused_pid_and_a_silent_machine_count_as_gone(tmp_path):
     RunLock(str(tmp_path)).acquire().release()
 
     _write_lock(tmp_path, host="other-node", boot_id="x")  # another machine, touched just now: refused
-    with pytest.raises(ConfigError, match="pid .* on other-node"):
+    with pytest.raises(ConfigError, match=r"pid .* on other-node"):
         RunLock(str(tmp_path)).acquire()
     old = time.time() - run_lock.STALE_S - 60
     os.utime(tmp_path / LOCK, (old, old))  # not refreshed for longer than STALE_S: its run is gone

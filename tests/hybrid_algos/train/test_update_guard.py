@@ -26,11 +26,18 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def results() -> dict[tuple, dict]:
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     env.pop("LOCAL_WORLD_SIZE", None)
     proc = subprocess.run([sys.executable, str(WORKER), *CASES], env=env, capture_output=True, text=True, timeout=600)
-    rows = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    rows = [json.loads(line[len("RESULT ") :]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and len(rows) == len(CASES), proc.stdout[-3000:] + proc.stderr[-3000:]
     return {(r["stage"], r["case"]): r for r in rows}
 

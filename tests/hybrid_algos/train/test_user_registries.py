@@ -19,9 +19,8 @@ import torch
 import hybrid_algos.advantages as adv_module
 import hybrid_algos.policy_loss as loss_module
 import hybrid_core.runtime_env as runtime_env
-from hybrid_algos.train import GRPOConfig
-from hybrid_algos.train import plugins
 from hybrid_algos.errors import AlgoInputError
+from hybrid_algos.train import GRPOConfig, plugins
 from hybrid_core.errors import ConfigError
 
 # The user's file: a loss that moves nothing, an estimator giving every response token advantage 1 (so PPO's own
@@ -175,9 +174,28 @@ def test_a_worker_without_the_file_says_where_and_what_to_do(tmp_path):
 
 
 # ---- one real run ---------------------------------------------------------------------------------------------------
-SMALL = ["--task_length", "1", "--rollout_batch_size", "4", "--n_samples_per_prompt", "2", "--train_batch_size", "8",
-         "--micro_train_batch_size", "8", "--seed", "7", "--max_steps", "2", "--init_kl_coef", "0",
-         "--generate_max_len", "4", "--no_use_tensorboard", "--no_final_checkpoint"]
+SMALL = [
+    "--task_length",
+    "1",
+    "--rollout_batch_size",
+    "4",
+    "--n_samples_per_prompt",
+    "2",
+    "--train_batch_size",
+    "8",
+    "--micro_train_batch_size",
+    "8",
+    "--seed",
+    "7",
+    "--max_steps",
+    "2",
+    "--init_kl_coef",
+    "0",
+    "--generate_max_len",
+    "4",
+    "--no_use_tensorboard",
+    "--no_final_checkpoint",
+]
 
 
 def _tensors(folder):
@@ -207,8 +225,25 @@ def test_user_loss_estimator_and_environment_run_where_they_belong(tmp_path, iso
     sys.modules["user_driver_side"] = module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     run = tmp_path / "run"
-    assert main(["grpo", "--save_path", str(run), "--plugins", user, "--policy_loss_type", "user_zero",
-                 "--advantage_estimator", "user_ones", "--agent_func_path", f"{user}:Echo", *SMALL]) == 0
+    assert (
+        main(
+            [
+                "grpo",
+                "--save_path",
+                str(run),
+                "--plugins",
+                user,
+                "--policy_loss_type",
+                "user_zero",
+                "--advantage_estimator",
+                "user_ones",
+                "--agent_func_path",
+                f"{user}:Echo",
+                *SMALL,
+            ]
+        )
+        == 0
+    )
 
     here = os.getpid()
     workers = _pids(tmp_path, "loss")

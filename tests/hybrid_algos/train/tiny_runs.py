@@ -6,9 +6,19 @@ import tempfile
 
 from hybrid_algos.train import GRPOConfig
 
-TINY = dict(task="copy", task_length=1, rollout_batch_size=4, n_samples_per_prompt=2, train_batch_size=8,
-            micro_train_batch_size=8, micro_rollout_batch_size=8, actor_learning_rate=2e-3, seed=5,
-            call_timeout_s=120, step_timeout_s=120)
+TINY = dict(
+    task="copy",
+    task_length=1,
+    rollout_batch_size=4,
+    n_samples_per_prompt=2,
+    train_batch_size=8,
+    micro_train_batch_size=8,
+    micro_rollout_batch_size=8,
+    actor_learning_rate=2e-3,
+    seed=5,
+    call_timeout_s=120,
+    step_timeout_s=120,
+)
 
 
 def tiny_config(save_path, **overrides) -> GRPOConfig:

@@ -12,7 +12,6 @@ import sys
 from datetime import timedelta
 
 import torch
-
 from bf16_optimizer_worker import full_params as weights  # this folder: the script's sys.path[0]
 
 
@@ -22,11 +21,28 @@ def build(stage: int):
     from hybrid_algos.train.deepspeed_setup import deepspeed_config, make_engine
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2)).to(torch.bfloat16)
-    config = deepspeed_config(zero_stage=stage, bf16=True, micro_batch=2, grad_accum=2, lr=1e-2, betas=(0.9, 0.95),
-                              weight_decay=0.0, max_norm=1.0, adam_offload=False,
-                              num_params=sum(p.numel() for p in model.parameters()))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).to(torch.bfloat16)
+    config = deepspeed_config(
+        zero_stage=stage,
+        bf16=True,
+        micro_batch=2,
+        grad_accum=2,
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        max_norm=1.0,
+        adam_offload=False,
+        num_params=sum(p.numel() for p in model.parameters()),
+    )
     return make_engine(model, config)
 
 
@@ -54,8 +70,14 @@ def run(stage: int, case: str) -> dict:
         raised = str(e)
     after = weights(engine)
     scan = getattr(engine.optimizer, "check_grad_overflow", None)
-    return {"stage": stage, "case": case, "raised": raised, "micro_steps_done": steps,
-            "moved": any(not torch.equal(a, b) for a, b in zip(before, after)), "deepspeed_scan": scan}
+    return {
+        "stage": stage,
+        "case": case,
+        "raised": raised,
+        "micro_steps_done": steps,
+        "moved": any(not torch.equal(a, b) for a, b in zip(before, after)),
+        "deepspeed_scan": scan,
+    }
 
 
 def main() -> None:

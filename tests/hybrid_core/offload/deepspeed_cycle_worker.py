@@ -17,11 +17,17 @@ def build(stage: int, client_optimizer: bool = False):
     import deepspeed
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                                torch.nn.Linear(64, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)
+    )
     zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 1 << 30}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "steps_per_print": 1 << 30,
+    }
     if client_optimizer:
         del config["optimizer"]
         engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
@@ -84,8 +90,20 @@ def main() -> None:
         offloader = DeepSpeedOffloader(cycled)
         losses, stats = train(cycled, batches, offloader)
         same = all(torch.equal(a, b) for a, b in zip(full_params(plain), full_params(cycled)))
-        print("RESULT " + json.dumps({"stage": stage, "ref_losses": ref_losses, "losses": losses, "same_params": same,
-                                      "stats": stats, "device_bytes": offloader.device_bytes()}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "stage": stage,
+                    "ref_losses": ref_losses,
+                    "losses": losses,
+                    "same_params": same,
+                    "stats": stats,
+                    "device_bytes": offloader.device_bytes(),
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

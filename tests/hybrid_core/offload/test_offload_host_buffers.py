@@ -39,16 +39,18 @@ def test_pieces_cover_a_range_exactly_once_across_segments(offset, length):
     got = torch.zeros(length, dtype=torch.uint8)
     covered = 0
     for view, pos in _BUF.pieces(offset, length):
-        got[pos:pos + view.numel()] = view
+        got[pos : pos + view.numel()] = view
         covered += view.numel()
     assert covered == length
-    assert torch.equal(got, _FLAT[offset:offset + length])
+    assert torch.equal(got, _FLAT[offset : offset + length])
 
 
 def test_cpu_only_torch_cannot_pin_and_falls_back_quietly():
     if torch.cuda.is_available():
-        pytest.skip("this machine can pin, so there is no fallback to check; pinned buffers are exercised by the "
-                    "other tests here and by bench/offload.py on the GPU")
+        pytest.skip(
+            "this machine can pin, so there is no fallback to check; pinned buffers are exercised by the "
+            "other tests here and by bench/offload.py on the GPU"
+        )
     assert not can_pin_memory()
     assert resolve_pin_memory(None) is False and resolve_pin_memory(True) is False
 

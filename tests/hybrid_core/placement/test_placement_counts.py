@@ -8,19 +8,41 @@ from hybrid_core.placement import COUNT_FIELDS, PlacementSpec
 
 def openrlhf_8gpu(**overrides):
     """The 8-GPU hybrid-engine command of the OpenRLHF docs (reference 001): REINFORCE, so no critic."""
-    flags = dict(actor_num_nodes=1, actor_num_gpus_per_node=8, ref_num_nodes=1, ref_num_gpus_per_node=8,
-                 reward_num_nodes=1, reward_num_gpus_per_node=8, critic_num_nodes=0, critic_num_gpus_per_node=0,
-                 vllm_num_engines=8, vllm_tensor_parallel_size=1, colocate_all_models=True,
-                 colocate_actor_ref=False, colocate_critic_reward=False, gpus_per_node=8)
+    flags = dict(
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=8,
+        ref_num_nodes=1,
+        ref_num_gpus_per_node=8,
+        reward_num_nodes=1,
+        reward_num_gpus_per_node=8,
+        critic_num_nodes=0,
+        critic_num_gpus_per_node=0,
+        vllm_num_engines=8,
+        vllm_tensor_parallel_size=1,
+        colocate_all_models=True,
+        colocate_actor_ref=False,
+        colocate_critic_reward=False,
+        gpus_per_node=8,
+    )
     flags.update(overrides)
     return PlacementSpec.from_counts(**flags)
 
 
 def openrlhf_70b(**overrides):
     """The '70B model on 48 GPUs' hybrid-engine command of the Hybrid Engine guide (reference 000)."""
-    flags = dict(colocate_all_models=True, vllm_num_engines=4, vllm_tensor_parallel_size=4, actor_num_nodes=1, actor_num_gpus_per_node=16,
-                 critic_num_nodes=1, critic_num_gpus_per_node=16, reward_num_nodes=1, reward_num_gpus_per_node=8,
-                 ref_num_nodes=1, ref_num_gpus_per_node=8)
+    flags = dict(
+        colocate_all_models=True,
+        vllm_num_engines=4,
+        vllm_tensor_parallel_size=4,
+        actor_num_nodes=1,
+        actor_num_gpus_per_node=16,
+        critic_num_nodes=1,
+        critic_num_gpus_per_node=16,
+        reward_num_nodes=1,
+        reward_num_gpus_per_node=8,
+        ref_num_nodes=1,
+        ref_num_gpus_per_node=8,
+    )
     flags.update(overrides)
     return PlacementSpec.from_counts(**flags)
 
@@ -48,10 +70,19 @@ def test_openrlhf_70b_flags_need_16_gpus_not_48():
     actor, engines and critic on 0-15, reference and reward on the first 8 of them."""
     plan = openrlhf_70b().plan()
     assert plan.num_gpus == 16
-    assert gpu_map(plan) == {"actor": tuple(range(16)), "rollout": tuple(range(16)), "critic": tuple(range(16)),
-                             "reference": tuple(range(8)), "reward": tuple(range(8))}
-    assert [w.gpus for w in plan.roles["rollout"].workers] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11),
-                                                                (12, 13, 14, 15)]
+    assert gpu_map(plan) == {
+        "actor": tuple(range(16)),
+        "rollout": tuple(range(16)),
+        "critic": tuple(range(16)),
+        "reference": tuple(range(8)),
+        "reward": tuple(range(8)),
+    }
+    assert [w.gpus for w in plan.roles["rollout"].workers] == [
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+        (8, 9, 10, 11),
+        (12, 13, 14, 15),
+    ]
     # five roles share GPUs 0-7, three share 8-15; fractions fill each GPU without exceeding it
     assert plan.worker_on_gpu("actor", 0).num_gpus == 0.2
     assert plan.worker_on_gpu("actor", 8).num_gpus == 0.3333
@@ -64,10 +95,18 @@ def test_guide_48_gpu_total_is_engines_sharing_the_actor_and_everything_else_sep
     do, and then the plan count agrees with the guide."""
     plan = PlacementSpec.from_ranges(
         {"actor": "0-15", "rollout": "0-15", "critic": "16-31", "reward": "32-39", "reference": "40-47"},
-        tp={"rollout": 4}, gpus_per_node=8, num_nodes=6).plan()
+        tp={"rollout": 4},
+        gpus_per_node=8,
+        num_nodes=6,
+    ).plan()
     assert plan.num_gpus == 48
-    assert [plan.roles_on_gpu(g) for g in (0, 15, 16, 32, 47)] == [["actor", "rollout"], ["actor", "rollout"],
-                                                                   ["critic"], ["reward"], ["reference"]]
+    assert [plan.roles_on_gpu(g) for g in (0, 15, 16, 32, 47)] == [
+        ["actor", "rollout"],
+        ["actor", "rollout"],
+        ["critic"],
+        ["reward"],
+        ["reference"],
+    ]
 
 
 def test_guide_64_gpu_count_without_hybrid_engine():
@@ -78,17 +117,27 @@ def test_guide_64_gpu_count_without_hybrid_engine():
     assert openrlhf_70b(**no_hybrid).plan().num_gpus == 64
     plan = openrlhf_70b(reward_num_gpus_per_node=16, ref_num_gpus_per_node=16, **no_hybrid).plan()
     assert plan.num_gpus == 80
-    assert gpu_map(plan) == {"actor": tuple(range(0, 16)), "rollout": tuple(range(16, 32)),
-                             "critic": tuple(range(32, 48)), "reference": tuple(range(48, 64)),
-                             "reward": tuple(range(64, 80))}
+    assert gpu_map(plan) == {
+        "actor": tuple(range(0, 16)),
+        "rollout": tuple(range(16, 32)),
+        "critic": tuple(range(32, 48)),
+        "reference": tuple(range(48, 64)),
+        "reward": tuple(range(64, 80)),
+    }
     assert all(len(plan.roles_on_gpu(g)) == 1 for g in range(80))
 
 
 def test_colocate_actor_ref_and_critic_reward_pair_the_models():
     """The two-pair layout of reference 004 (1 GPU each, 4 roles, no vLLM colocation)."""
-    plan = PlacementSpec.from_counts(actor_num_gpus_per_node=1, critic_num_gpus_per_node=1, ref_num_gpus_per_node=1,
-                                     reward_num_gpus_per_node=1, vllm_num_engines=1, colocate_actor_ref=True,
-                                     colocate_critic_reward=True).plan()
+    plan = PlacementSpec.from_counts(
+        actor_num_gpus_per_node=1,
+        critic_num_gpus_per_node=1,
+        ref_num_gpus_per_node=1,
+        reward_num_gpus_per_node=1,
+        vllm_num_engines=1,
+        colocate_actor_ref=True,
+        colocate_critic_reward=True,
+    ).plan()
     assert gpu_map(plan) == {"actor": (0,), "rollout": (1,), "critic": (2,), "reference": (0,), "reward": (2,)}
     assert plan.worker_on_gpu("actor", 0).num_gpus == plan.worker_on_gpu("reference", 0).num_gpus == 0.5
     assert plan.shared_gpus("critic") == (2,) and plan.shared_gpus("rollout") == ()
@@ -110,31 +159,50 @@ def e(field, *fragments):
     return field, fragments
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (dict(vllm_num_engines=4), e("vllm_num_engines", "actor_num_gpus_per_node (= 8) must equal",
-                                 "(= 4 x 1 = 4)", "--vllm_num_engines 8")),
-    (dict(actor_num_gpus_per_node=6, vllm_num_engines=1, vllm_tensor_parallel_size=4),
-     e("vllm_num_engines", "= 1 x 4 = 4", "divides 6")),
-    (dict(actor_num_gpus_per_node=16), e("actor_num_gpus_per_node", "16 GPUs per node", "nodes have 8")),
-    (dict(actor_num_gpus_per_node=-1), e("actor_num_gpus_per_node", "at least 0")),
-    (dict(actor_num_nodes=0), e("actor_num_gpus_per_node", "the actor has no GPUs")),
-    (dict(vllm_tensor_parallel_size=0), e("vllm_tensor_parallel_size", "at least 1")),
-    (dict(vllm_num_engines=-2), e("vllm_num_engines", "at least 0")),
-    (dict(vllm_tensor_parallel_size=16, vllm_num_engines=1), e("vllm_tensor_parallel_size", "node of 8 GPUs")),
-    (dict(critic_num_nodes=1, critic_num_gpus_per_node=16, gpus_per_node=16),
-     e("critic_num_gpus_per_node", "asks for 16 GPUs and the actor has 8")),
-    (dict(colocate_all_models=False, colocate_critic_reward=True), e("colocate_critic_reward", "no critic")),
-    (dict(colocate_all_models=False, colocate_actor_ref=True, ref_num_gpus_per_node=0),
-     e("colocate_actor_ref", "no reference model")),
-    (dict(colocate_all_models="yes"), e("colocate_all_models", "expected true or false")),
-    (dict(cluster_gpus=4, gpus_per_node=None), e("actor_num_gpus_per_node", "outside the cluster's 4 GPUs",
-                                                   "the plan needs 8 GPUs")),
-    (dict(colocate_all_models=False, cluster_gpus=16),
-     e("ref_num_gpus_per_node", "reference would use GPUs 16-23", "outside the cluster's 16 GPUs",
-       "needs 32 GPUs (actor 0-7, rollout 8-15, reference 16-23, reward 24-31)")),
-    (dict(num_nodes=2, cluster_gpus=8), e("cluster_gpus", "num_nodes x gpus_per_node = 2 x 8 = 16")),
-    (dict(gpus_per_node="8"), e("gpus_per_node", "expected a whole number, got '8'")),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            dict(vllm_num_engines=4),
+            e("vllm_num_engines", "actor_num_gpus_per_node (= 8) must equal", "(= 4 x 1 = 4)", "--vllm_num_engines 8"),
+        ),
+        (
+            dict(actor_num_gpus_per_node=6, vllm_num_engines=1, vllm_tensor_parallel_size=4),
+            e("vllm_num_engines", "= 1 x 4 = 4", "divides 6"),
+        ),
+        (dict(actor_num_gpus_per_node=16), e("actor_num_gpus_per_node", "16 GPUs per node", "nodes have 8")),
+        (dict(actor_num_gpus_per_node=-1), e("actor_num_gpus_per_node", "at least 0")),
+        (dict(actor_num_nodes=0), e("actor_num_gpus_per_node", "the actor has no GPUs")),
+        (dict(vllm_tensor_parallel_size=0), e("vllm_tensor_parallel_size", "at least 1")),
+        (dict(vllm_num_engines=-2), e("vllm_num_engines", "at least 0")),
+        (dict(vllm_tensor_parallel_size=16, vllm_num_engines=1), e("vllm_tensor_parallel_size", "node of 8 GPUs")),
+        (
+            dict(critic_num_nodes=1, critic_num_gpus_per_node=16, gpus_per_node=16),
+            e("critic_num_gpus_per_node", "asks for 16 GPUs and the actor has 8"),
+        ),
+        (dict(colocate_all_models=False, colocate_critic_reward=True), e("colocate_critic_reward", "no critic")),
+        (
+            dict(colocate_all_models=False, colocate_actor_ref=True, ref_num_gpus_per_node=0),
+            e("colocate_actor_ref", "no reference model"),
+        ),
+        (dict(colocate_all_models="yes"), e("colocate_all_models", "expected true or false")),
+        (
+            dict(cluster_gpus=4, gpus_per_node=None),
+            e("actor_num_gpus_per_node", "outside the cluster's 4 GPUs", "the plan needs 8 GPUs"),
+        ),
+        (
+            dict(colocate_all_models=False, cluster_gpus=16),
+            e(
+                "ref_num_gpus_per_node",
+                "reference would use GPUs 16-23",
+                "outside the cluster's 16 GPUs",
+                "needs 32 GPUs (actor 0-7, rollout 8-15, reference 16-23, reward 24-31)",
+            ),
+        ),
+        (dict(num_nodes=2, cluster_gpus=8), e("cluster_gpus", "num_nodes x gpus_per_node = 2 x 8 = 16")),
+        (dict(gpus_per_node="8"), e("gpus_per_node", "expected a whole number, got '8'")),
+    ],
+)
 def test_invalid_flags_name_the_field_and_the_fix(overrides, expected):
     field, fragments = expected
     with pytest.raises(PlacementError) as err:
@@ -148,15 +216,20 @@ def test_invalid_flags_name_the_field_and_the_fix(overrides, expected):
 
 def test_engines_may_not_straddle_a_node_boundary():
     with pytest.raises(PlacementError) as err:
-        PlacementSpec.from_counts(actor_num_gpus_per_node=6, vllm_num_engines=2, vllm_tensor_parallel_size=4,
-                                  gpus_per_node=8).plan()
+        PlacementSpec.from_counts(
+            actor_num_gpus_per_node=6, vllm_num_engines=2, vllm_tensor_parallel_size=4, gpus_per_node=8
+        ).plan()
     assert err.value.field == "vllm_tensor_parallel_size"
     assert "rollout engine 0 would span GPUs 6-9, across a node boundary" in str(err.value)
 
 
 def test_reward_on_critic_gpus_must_fit():
     with pytest.raises(PlacementError) as err:
-        PlacementSpec.from_counts(actor_num_gpus_per_node=1, critic_num_gpus_per_node=2,
-                                  reward_num_gpus_per_node=4, colocate_critic_reward=True).plan()
+        PlacementSpec.from_counts(
+            actor_num_gpus_per_node=1,
+            critic_num_gpus_per_node=2,
+            reward_num_gpus_per_node=4,
+            colocate_critic_reward=True,
+        ).plan()
     assert err.value.field == "reward_num_gpus_per_node"
     assert "--colocate_critic_reward puts the reward on the critic's GPUs" in str(err.value)

@@ -16,8 +16,12 @@ def test_rlinf_hybrid_example():
     """Reference 003: env on 0-3, rollout on 4-7, actor on 0-7."""
     plan = PlacementSpec.from_ranges({"actor": "0-7", "env": "0-3", "rollout": "4-7"}, cluster_gpus=8).plan()
     assert plan.num_gpus == 8
-    assert [plan.roles_on_gpu(g) for g in (0, 3, 4, 7)] == [["actor", "env"], ["actor", "env"],
-                                                            ["actor", "rollout"], ["actor", "rollout"]]
+    assert [plan.roles_on_gpu(g) for g in (0, 3, 4, 7)] == [
+        ["actor", "env"],
+        ["actor", "env"],
+        ["actor", "rollout"],
+        ["actor", "rollout"],
+    ]
     assert [w.gpus for w in plan.roles["rollout"].workers] == [(4,), (5,), (6,), (7,)]
     assert [w.rank for w in plan.roles["actor"].workers] == list(range(8))
     assert all(w.num_gpus == 0.5 for r in plan.roles.values() for w in r.workers)
@@ -63,30 +67,61 @@ def test_plan_serialises_to_json():
     assert data["roles"]["rollout"]["tp"] == 2 and data["num_gpus"] == 2
 
 
-@pytest.mark.parametrize("ranges, kwargs, field, fragments", [
-    ({"actor": "0-7", "rollout": "4-11"}, dict(cluster_gpus=8),
-     "placement.rollout", ["rollout would use GPUs 8-11", "outside the cluster's 8 GPUs (0-7)", "needs 12 GPUs"]),
-    ({"actor": "0-3", "rollout": "2-7"}, dict(gpus_per_node=4, num_nodes=1),
-     "placement.rollout", ["outside the cluster's 4 GPUs"]),
-    ({"actor": "7-3"}, {}, "placement.actor", ["runs backwards"]),
-    ({"actor": "a-b"}, {}, "placement.actor", ["cannot read 'a-b'"]),
-    ({"actor": "0-5", "rollout": "0-5"}, dict(tp={"rollout": 4}),
-     "tp.rollout", ["rollout has 6 GPUs (0-5), which do not split into engines of tensor-parallel size 4"]),
-    ({"actor": "0-5", "rollout": "0,2,3,5"}, dict(tp={"rollout": 2}),
-     "tp.rollout", ["rollout engine 0 would get GPUs 0,2, which are not consecutive"]),
-    ({"actor": "0-7", "rollout": "1-4"}, dict(tp={"rollout": 2}, gpus_per_node=4),
-     "tp.rollout", ["rollout engine 1 would span GPUs 3-4, across a node boundary"]),
-    ({"actor": "0-7", "rollout": "0-7"}, dict(tp={"rollout": 8}, gpus_per_node=4),
-     "tp.rollout", ["an engine of 8 GPUs does not fit on a node of 4 GPUs"]),
-    ({"actor": "0-3"}, dict(tp={"critic": 2}), "tp.critic", ["'critic' has no GPU range"]),
-    ({"actor": "0-3"}, dict(tp={"actor": 0}), "tp.actor", ["at least 1"]),
-    ({"actor": "4-7", "rollout": "4-7"}, {},
-     "placement.actor, placement.rollout", ["no role uses GPUs 0-3", "not physical device ids"]),
-    ({}, {}, "placement", ["no roles given"]),
-    ({"": "0"}, {}, "placement", ["role names must be non-empty"]),
-    ({"actor": "0-3"}, dict(cluster_gpus=6, gpus_per_node=4), "cluster_gpus", ["do not fill whole nodes of 4"]),
-    ({"actor": "0-3"}, dict(num_nodes=2), "num_nodes", ["needs gpus_per_node"]),
-])
+@pytest.mark.parametrize(
+    "ranges, kwargs, field, fragments",
+    [
+        (
+            {"actor": "0-7", "rollout": "4-11"},
+            dict(cluster_gpus=8),
+            "placement.rollout",
+            ["rollout would use GPUs 8-11", "outside the cluster's 8 GPUs (0-7)", "needs 12 GPUs"],
+        ),
+        (
+            {"actor": "0-3", "rollout": "2-7"},
+            dict(gpus_per_node=4, num_nodes=1),
+            "placement.rollout",
+            ["outside the cluster's 4 GPUs"],
+        ),
+        ({"actor": "7-3"}, {}, "placement.actor", ["runs backwards"]),
+        ({"actor": "a-b"}, {}, "placement.actor", ["cannot read 'a-b'"]),
+        (
+            {"actor": "0-5", "rollout": "0-5"},
+            dict(tp={"rollout": 4}),
+            "tp.rollout",
+            ["rollout has 6 GPUs (0-5), which do not split into engines of tensor-parallel size 4"],
+        ),
+        (
+            {"actor": "0-5", "rollout": "0,2,3,5"},
+            dict(tp={"rollout": 2}),
+            "tp.rollout",
+            ["rollout engine 0 would get GPUs 0,2, which are not consecutive"],
+        ),
+        (
+            {"actor": "0-7", "rollout": "1-4"},
+            dict(tp={"rollout": 2}, gpus_per_node=4),
+            "tp.rollout",
+            ["rollout engine 1 would span GPUs 3-4, across a node boundary"],
+        ),
+        (
+            {"actor": "0-7", "rollout": "0-7"},
+            dict(tp={"rollout": 8}, gpus_per_node=4),
+            "tp.rollout",
+            ["an engine of 8 GPUs does not fit on a node of 4 GPUs"],
+        ),
+        ({"actor": "0-3"}, dict(tp={"critic": 2}), "tp.critic", ["'critic' has no GPU range"]),
+        ({"actor": "0-3"}, dict(tp={"actor": 0}), "tp.actor", ["at least 1"]),
+        (
+            {"actor": "4-7", "rollout": "4-7"},
+            {},
+            "placement.actor, placement.rollout",
+            ["no role uses GPUs 0-3", "not physical device ids"],
+        ),
+        ({}, {}, "placement", ["no roles given"]),
+        ({"": "0"}, {}, "placement", ["role names must be non-empty"]),
+        ({"actor": "0-3"}, dict(cluster_gpus=6, gpus_per_node=4), "cluster_gpus", ["do not fill whole nodes of 4"]),
+        ({"actor": "0-3"}, dict(num_nodes=2), "num_nodes", ["needs gpus_per_node"]),
+    ],
+)
 def test_invalid_ranges_name_the_field_and_the_fix(ranges, kwargs, field, fragments):
     with pytest.raises(PlacementError) as err:
         PlacementSpec.from_ranges(ranges, **kwargs).plan()
@@ -141,8 +176,10 @@ def test_any_accepted_spec_gives_a_consistent_plan(spec):
 
 def test_planning_does_not_import_ray():
     """Specs are checked before Ray starts (the CLI's --dry-run never starts it)."""
-    code = ("import sys; from hybrid_core.placement import PlacementSpec; "
-            "PlacementSpec.from_ranges({'actor': '0-7', 'rollout': '0-7'}).plan().render(); "
-            "print('ray' in sys.modules)")
+    code = (
+        "import sys; from hybrid_core.placement import PlacementSpec; "
+        "PlacementSpec.from_ranges({'actor': '0-7', 'rollout': '0-7'}).plan().render(); "
+        "print('ray' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"

@@ -21,6 +21,8 @@ def as_text(gpu_ids) -> list[str]:
     """Ray answers ids as ints or strings depending on the node's CUDA_VISIBLE_DEVICES (fake GPUs of a CPU run on a
     GPU machine are "-1", "-2", ...); the placement keeps numeric ones as ints. Compare them as text."""
     return [str(g) for g in gpu_ids]
+
+
 TIMEOUT = 60
 
 
@@ -92,8 +94,13 @@ def test_workers_land_on_their_planned_gpus_whatever_the_creation_order(cluster)
         for engine in plan.roles["rollout"].workers:
             bundles = placed.bundle_indices("rollout", engine.rank)
             assert bundles == [placed.device(g).bundle_index for g in engine.gpus]
-            refs = [gpu_ids_here.options(num_gpus=engine.num_gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placed.placement_group, b)).remote() for b in bundles[1:]]
+            refs = [
+                gpu_ids_here.options(
+                    num_gpus=engine.num_gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(placed.placement_group, b),
+                ).remote()
+                for b in bundles[1:]
+            ]
             found = get_with_timeout(refs, TIMEOUT, "engine bundles")
             assert [as_text(f) for f in found] == [as_text([placed.device(g).gpu_id]) for g in engine.gpus[1:]]
 
@@ -113,7 +120,10 @@ def test_workers_land_on_their_planned_gpus_whatever_the_creation_order(cluster)
 def test_the_guides_48_gpu_layout_places_on_48_gpus(cluster):
     plan = PlacementSpec.from_ranges(
         {"actor": "0-15", "rollout": "0-15", "critic": "16-31", "reward": "32-39", "reference": "40-47"},
-        tp={"rollout": 4}, gpus_per_node=8, num_nodes=6).plan()
+        tp={"rollout": 4},
+        gpus_per_node=8,
+        num_nodes=6,
+    ).plan()
     with place(plan, timeout_s=TIMEOUT) as placed:
         assert free_gpus() == 0
         devices = [placed.device(g) for g in range(48)]
@@ -152,9 +162,19 @@ def test_place_gives_up_when_gpus_are_held_and_frees_the_group(cluster):
 
 
 def test_plan_gpus_follow_node_then_device_order():
-    found = [GpuDevice(0, "node-b", 3), GpuDevice(1, "node-b", 10), GpuDevice(2, "node-a", 1),
-             GpuDevice(3, "node-b", 9), GpuDevice(4, "node-a", 0)]
+    found = [
+        GpuDevice(0, "node-b", 3),
+        GpuDevice(1, "node-b", 10),
+        GpuDevice(2, "node-a", 1),
+        GpuDevice(3, "node-b", 9),
+        GpuDevice(4, "node-a", 0),
+    ]
     ordered = order_devices(found)
-    assert [(d.node_id, d.gpu_id) for d in ordered] == [("node-b", 3), ("node-b", 9), ("node-b", 10),
-                                                        ("node-a", 0), ("node-a", 1)]
+    assert [(d.node_id, d.gpu_id) for d in ordered] == [
+        ("node-b", 3),
+        ("node-b", 9),
+        ("node-b", 10),
+        ("node-a", 0),
+        ("node-a", 1),
+    ]
     assert order_devices(list(reversed(found))) == ordered

@@ -9,7 +9,7 @@ def table_rows(text):
     header = next(line for line in lines if line.lstrip().startswith("GPU |"))
     labels = [c.strip() for c in header.split("|")[1:]]
     rows = {}
-    for line in lines[lines.index(header) + 2:]:
+    for line in lines[lines.index(header) + 2 :]:
         cells = [c.strip() for c in line.split("|")]
         if len(cells) < 2:
             break
@@ -19,8 +19,14 @@ def table_rows(text):
 
 
 def test_table_shows_every_gpu_role_rank_and_fraction():
-    plan = PlacementSpec.from_counts(actor_num_gpus_per_node=8, ref_num_gpus_per_node=8, reward_num_gpus_per_node=8,
-                                     vllm_num_engines=8, colocate_all_models=True, gpus_per_node=8).plan()
+    plan = PlacementSpec.from_counts(
+        actor_num_gpus_per_node=8,
+        ref_num_gpus_per_node=8,
+        reward_num_gpus_per_node=8,
+        vllm_num_engines=8,
+        colocate_all_models=True,
+        gpus_per_node=8,
+    ).plan()
     text = plan.render()
     labels, rows = table_rows(text)
     assert labels == ["actor", "rollout", "reference", "reward"]
@@ -33,8 +39,9 @@ def test_table_shows_every_gpu_role_rank_and_fraction():
 
 
 def test_table_shows_engines_across_their_gpus_empty_cells_and_nodes():
-    plan = PlacementSpec.from_ranges({"actor": "0-7", "rollout": "0-7", "reference": "0-3"}, tp={"rollout": 4},
-                                     gpus_per_node=4).plan()
+    plan = PlacementSpec.from_ranges(
+        {"actor": "0-7", "rollout": "0-7", "reference": "0-3"}, tp={"rollout": 4}, gpus_per_node=4
+    ).plan()
     text = plan.render()
     _, rows = table_rows(text)
     for gpu in range(8):
@@ -46,8 +53,7 @@ def test_table_shows_engines_across_their_gpus_empty_cells_and_nodes():
 
 
 def test_table_is_plain_ascii_and_compact():
-    plan = PlacementSpec.from_ranges({"actor": "0-47", "rollout": "0-47"}, tp={"rollout": 4},
-                                     gpus_per_node=8).plan()
+    plan = PlacementSpec.from_ranges({"actor": "0-47", "rollout": "0-47"}, tp={"rollout": 4}, gpus_per_node=8).plan()
     text = plan.render()
     assert text.isascii()
     assert max(len(line) for line in text.splitlines() if "|" in line) < 80

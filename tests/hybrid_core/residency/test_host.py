@@ -6,14 +6,30 @@ from ppo_phases import build_layout, plan_residency, size_role
 
 from hybrid_core.errors import PlacementError
 from hybrid_core.placement import PlacementSpec
-from hybrid_core.residency import (PROCESS_BYTES, GiB, GpuShare, HostBudget, RoleSize, Workload, host_use,
-                                   local_budget, model_shape)
+from hybrid_core.residency import (
+    PROCESS_BYTES,
+    GiB,
+    GpuShare,
+    HostBudget,
+    RoleSize,
+    Workload,
+    host_use,
+    local_budget,
+    model_shape,
+)
 from hybrid_core.residency.host import NEAR_FULL, available_memory
 
 
 def size(role, kind, states, host_optimizer=0.0, **host):
-    return RoleSize(role, kind, {k: v * GiB for k, v in states.items()}, {}, 0.0,
-                    host={k: v * GiB for k, v in host.items()}, host_optimizer=host_optimizer * GiB)
+    return RoleSize(
+        role,
+        kind,
+        {k: v * GiB for k, v in states.items()},
+        {},
+        0.0,
+        host={k: v * GiB for k, v in host.items()},
+        host_optimizer=host_optimizer * GiB,
+    )
 
 
 ACTOR = size("actor", "trainer", {"params": 2, "grads": 3, "optimizer": 12, "cache": 1}, host_optimizer=16)
@@ -23,12 +39,22 @@ ROLLOUT = size("rollout", "engine", {"weights": 7, "kv_cache": 20})
 
 def test_offloaded_states_count_discarded_and_released_ones_do_not():
     layout = {0: (GpuShare(ACTOR), GpuShare(REFERENCE), GpuShare(ROLLOUT))}
-    moves = {("actor", "params"): "offload", ("actor", "grads"): "resident", ("actor", "optimizer"): "offload",
-             ("actor", "cache"): "release", ("reference", "params"): "offload", ("reference", "cache"): "release",
-             ("rollout", "weights"): "discard", ("rollout", "kv_cache"): "release"}
+    moves = {
+        ("actor", "params"): "offload",
+        ("actor", "grads"): "resident",
+        ("actor", "optimizer"): "offload",
+        ("actor", "cache"): "release",
+        ("reference", "params"): "offload",
+        ("reference", "cache"): "release",
+        ("rollout", "weights"): "discard",
+        ("rollout", "kv_cache"): "release",
+    }
     (node,) = host_use(layout, moves).values()
-    assert node.items == {("actor", "params"): 2 * GiB, ("actor", "optimizer"): 12 * GiB,
-                          ("reference", "params"): 5 * GiB}
+    assert node.items == {
+        ("actor", "params"): 2 * GiB,
+        ("actor", "optimizer"): 12 * GiB,
+        ("reference", "params"): 5 * GiB,
+    }
     assert node.offloaded == 19 * GiB and node.optimizer == 0 and node.states == 19 * GiB
     assert node.processes == 3 + 1  # three workers and the driver
     assert node.total == 19 * GiB + 4 * PROCESS_BYTES
@@ -41,14 +67,24 @@ def test_offloaded_states_count_discarded_and_released_ones_do_not():
 def test_cpu_adam_is_eighteen_bytes_per_parameter_of_the_rank_s_zero_partition_plus_deepspeed_s_buffers():
     from transformers import LlamaConfig
 
-    shape = model_shape(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    shape = model_shape(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
     P = shape.num_params
     staging = 2 * 1000 * 64  # ZeRO-1/2: one bf16 host buffer of the largest parameter (the embeddings)
 
     def actor(zero_stage, adam_offload, ranks=4, **kw):
-        work = Workload(bf16=True, zero_stage=zero_stage, adam_offload=adam_offload, prompt_len=16, generate_len=16,
-                        **kw)
+        work = Workload(
+            bf16=True, zero_stage=zero_stage, adam_offload=adam_offload, prompt_len=16, generate_len=16, **kw
+        )
         return size_role("actor", shape, work, ranks=ranks, tp=1, gpu_bytes=80 * GiB)
 
     # fp32 master weights and their fp32 gradients, Adam m and v, and a bf16 partition: the gradient partitions under
@@ -90,8 +126,16 @@ def test_workers_multiply_and_nodes_split_by_gpus_per_node():
 def test_a_real_layout_over_two_nodes_holds_each_node_s_own_ranks_partitions():
     from transformers import LlamaConfig
 
-    shape = model_shape(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2))
+    shape = model_shape(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     placement = PlacementSpec.from_ranges({"actor": "0-7", "rollout": "0-7"}, gpus_per_node=4).plan()
     work = Workload(bf16=True, zero_stage=3, adam_offload=True, prompt_len=16, generate_len=16)
     layout = build_layout(placement, {"actor": shape, "rollout": shape}, work, 80 * GiB)
@@ -106,8 +150,9 @@ def _tight_plan(capacity_gib, **budget):
     """One GPU too small for the actor's 60 GiB optimizer: the planner keeps it in host memory (CPU Adam, 80 GiB)."""
     actor = size("actor", "trainer", {"params": 4, "grads": 4, "optimizer": 60, "cache": 0}, host_optimizer=80)
     layout = {0: (GpuShare(actor), GpuShare(size("rollout", "engine", {"weights": 4, "kv_cache": 10})))}
-    host = HostBudget(capacity_gib * GiB if capacity_gib is not None else None, budget.pop("source", "--host_memory_gb"),
-                      **budget)
+    host = HostBudget(
+        capacity_gib * GiB if capacity_gib is not None else None, budget.pop("source", "--host_memory_gb"), **budget
+    )
     plan = plan_residency(layout, 40 * GiB, usable=1.0, host=host)
     assert plan.move("actor", "optimizer") == "host" and plan.fits()
     return plan
@@ -122,13 +167,16 @@ def test_a_plan_that_overfills_host_memory_is_refused_with_the_numbers_and_a_fix
     assert "node 0: the plan keeps 80.0 GiB in host memory > 64.0 GiB available (--host_memory_gb)" in text
     assert "actor optimizer (CPU Adam) 80.0" in text and "3 processes" in text
     assert "Fix:" in text and "--zero_stage 3" in text and "more host memory" in text
-    assert "host (node 0): 89.0 GiB of 64.0 GiB available, OVER: optimizer (CPU Adam) 80.0, offloaded 0.0" \
-        in plan.render()
+    assert (
+        "host (node 0): 89.0 GiB of 64.0 GiB available, OVER: optimizer (CPU Adam) 80.0, offloaded 0.0" in plan.render()
+    )
     # the states fit but not with the processes' ~9 GiB beside them: refused too, saying so
     with pytest.raises(PlacementError) as err:
         _tight_plan(85).check()
-    assert "80.0 GiB in host memory (actor optimizer (CPU Adam) 80.0 GiB) and its 3 processes need about 9 GiB " \
+    assert (
+        "80.0 GiB in host memory (actor optimizer (CPU Adam) 80.0 GiB) and its 3 processes need about 9 GiB "
         "more (an estimate): 89.0 GiB > 85.0 GiB available" in str(err.value)
+    )
     _tight_plan(89.5).check()  # room for both
 
 
@@ -142,8 +190,13 @@ def test_the_process_estimate_alone_never_refuses_a_plan():
 
 def test_offloaded_states_over_the_capacity_name_the_pin_that_frees_them():
     layout = {0: (GpuShare(ACTOR), GpuShare(ROLLOUT))}
-    plan = plan_residency(layout, 80 * GiB, mode="all-sleep", engine_sleep_level=1,
-                          host=HostBudget(10 * GiB, "MemAvailable of this machine", local=True))
+    plan = plan_residency(
+        layout,
+        80 * GiB,
+        mode="all-sleep",
+        engine_sleep_level=1,
+        host=HostBudget(10 * GiB, "MemAvailable of this machine", local=True),
+    )
     assert plan.move("rollout", "weights") == "offload"
     with pytest.raises(PlacementError) as err:
         plan.check()
@@ -193,8 +246,9 @@ def test_memavailable_is_read_from_meminfo(tmp_path):
     # 125 GiB in all, 120 available; Ray's memory monitor kills workers above 95 % of the total: 6.25 GiB never usable
     assert budget.bytes == pytest.approx(113.75 * GiB) and budget.local and budget.gpus_per_node == 8
     assert "Ray's memory monitor" in budget.source and "95%" in budget.source
-    assert local_budget(meminfo=str(meminfo), environ={"RAY_memory_usage_threshold": "0.9"}).bytes == \
-        pytest.approx(107.5 * GiB)
+    assert local_budget(meminfo=str(meminfo), environ={"RAY_memory_usage_threshold": "0.9"}).bytes == pytest.approx(
+        107.5 * GiB
+    )
     assert local_budget(meminfo=str(meminfo), environ={"RAY_memory_monitor_refresh_ms": "0"}).bytes == 120 * GiB
     missing = local_budget(meminfo=str(tmp_path / "absent"))
     assert missing.bytes is None and "unknown" in missing.source

@@ -20,14 +20,31 @@ S = 32  # prompt 16 + generate 16
 def small_config(**overrides):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **overrides)
+    return LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        **overrides,
+    )
 
 
 def work(**overrides):
-    values = dict(bf16=True, zero_stage=3, micro_train_batch_size=2, micro_rollout_batch_size=4, prompt_len=16,
-                  generate_len=16, rollout_samples=8, engine_pool=True, engine_memory_fraction=0.5,
-                  sync_bucket_bytes=1 << 20)
+    values = dict(
+        bf16=True,
+        zero_stage=3,
+        micro_train_batch_size=2,
+        micro_rollout_batch_size=4,
+        prompt_len=16,
+        generate_len=16,
+        rollout_samples=8,
+        engine_pool=True,
+        engine_memory_fraction=0.5,
+        sync_bucket_bytes=1 << 20,
+    )
     values.update(overrides)
     return Workload(**values)
 
@@ -39,8 +56,9 @@ def test_model_shape_counts_parameters_exactly():
 
 
 def test_trainer_states_and_working_memory_match_the_zero_accounting():
-    actor = size_role("actor", model_shape(small_config()), work(micro_rollout_batch_size=1), ranks=4, tp=1,
-                      gpu_bytes=4 * GiB)
+    actor = size_role(
+        "actor", model_shape(small_config()), work(micro_rollout_batch_size=1), ranks=4, tp=1, gpu_bytes=4 * GiB
+    )
     assert actor.states["params"] == 2 * P / 4  # bf16, ZeRO-3 over 4 ranks
     assert actor.states["grads"] == 2 * P / 4
     assert actor.states["optimizer"] == 12 * P / 4  # fp32 master + Adam m, v
@@ -53,8 +71,9 @@ def test_trainer_states_and_working_memory_match_the_zero_accounting():
     assert actor.states["cache"] == actor.peak_working  # what the allocator keeps reserved after the phase
     assert actor.context == CTX
     # the phase also runs the old-log-prob pass: with larger inference batches, that pass is the peak
-    wide = size_role("actor", model_shape(small_config()), work(micro_rollout_batch_size=16), ranks=4, tp=1,
-                     gpu_bytes=4 * GiB)
+    wide = size_role(
+        "actor", model_shape(small_config()), work(micro_rollout_batch_size=16), ranks=4, tp=1, gpu_bytes=4 * GiB
+    )
     assert wide.working["actor_train"]["logits"] == 16 * S * 1000 * 10
 
 
@@ -73,7 +92,9 @@ def test_checkpointing_offload_zero_stage_and_chunking_change_what_they_should()
     assert z1.states["params"] == 2 * P and z1.states["grads"] == 2 * P and z1.states["optimizer"] == 12 * P / 4
     assert "zero3_gather" not in z1.working["actor_train"]
     fp32 = size_role("actor", shape, train_only(bf16=False, zero_stage=2), ranks=4, tp=1, gpu_bytes=4 * GiB)
-    assert fp32.states["params"] == 4 * P and fp32.states["grads"] == 4 * P / 4 and fp32.states["optimizer"] == 8 * P / 4
+    assert (
+        fp32.states["params"] == 4 * P and fp32.states["grads"] == 4 * P / 4 and fp32.states["optimizer"] == 8 * P / 4
+    )
     chunked = size_role("actor", shape, train_only(logits_chunk_bytes=16 * 4 * 1000), ranks=4, tp=1, gpu_bytes=4 * GiB)
     assert chunked.working["actor_train"]["logits"] == 16 * 1000 * 10  # one chunk of 16 positions at a time
 
@@ -97,8 +118,9 @@ def test_engines_hold_their_pool_or_a_per_call_cache():
 
 def test_plan_peaks_add_up_states_working_memory_and_contexts():
     shape = model_shape(small_config())
-    placement = PlacementSpec.from_ranges({"actor": "0-3", "rollout": "0-3", "reference": "0-3"},
-                                          tp={"rollout": 2}).plan()
+    placement = PlacementSpec.from_ranges(
+        {"actor": "0-3", "rollout": "0-3", "reference": "0-3"}, tp={"rollout": 2}
+    ).plan()
     layout = build_layout(placement, {"actor": shape, "rollout": shape, "reference": shape}, work(), 4 * GiB)
     plan = plan_residency(layout, 4 * GiB, mode="all-sleep")
     items = plan.breakdown(0, "actor_train")

@@ -15,8 +15,17 @@ LARGEST = 1000 * 64  # its embeddings (and LM head)
 def shape():
     from transformers import LlamaConfig
 
-    return model_shape(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    return model_shape(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def actor(zero_stage=1, ranks=4, **kw):
@@ -54,9 +63,15 @@ def test_master_weights_alone_live_with_cpu_adam():
     assert off.working["actor_train"]["offload_grad_staging"] == 2 * LARGEST
 
 
-@pytest.mark.parametrize("zero_stage, accumulation, expected", [
-    (1, True, 18), (2, True, 20), (2, False, 18), (3, True, 18),  # fp32 master weights
-])
+@pytest.mark.parametrize(
+    "zero_stage, accumulation, expected",
+    [
+        (1, True, 18),
+        (2, True, 20),
+        (2, False, 18),
+        (3, True, 18),  # fp32 master weights
+    ],
+)
 def test_cpu_adam_default_bytes_per_stage(zero_stage, accumulation, expected):
     work = Workload(bf16=True, zero_stage=zero_stage, adam_offload=True, gradient_accumulation=accumulation)
     staging = 2 * LARGEST if zero_stage < 3 else 0
@@ -79,8 +94,17 @@ def test_zero3_step_flattens_one_sub_group_at_a_time():
     gradient is at most a sub-group and the parameter that closes it; ZeRO-1 flattens the whole partition."""
     from transformers import LlamaConfig
 
-    big = model_shape(LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                  num_attention_heads=32, num_key_value_heads=32, tie_word_embeddings=False))
+    big = model_shape(
+        LlamaConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            tie_word_embeddings=False,
+        )
+    )
     work = dict(bf16=True, prompt_len=16, generate_len=16, micro_rollout_batch_size=1, **BOTH)
     z3 = size_role("actor", big, Workload(zero_stage=3, **work), ranks=1, tp=1, gpu_bytes=80 * GiB)
     z1 = size_role("actor", big, Workload(zero_stage=1, **work), ranks=1, tp=1, gpu_bytes=80 * GiB)

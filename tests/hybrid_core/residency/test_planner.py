@@ -13,11 +13,19 @@ from hybrid_core.residency import GiB, GpuShare, ResidencyPlan, RoleSize, presen
 from hybrid_core.residency.planner import consistent, plan_cost
 from hybrid_core.residency.steps import STATE_MOVES
 
-ROLE_STATES = {"actor": ("params", "grads", "optimizer", "cache"), "reference": ("params", "cache"),
-               "rollout": ("weights", "kv_cache"), "critic": ("params", "grads", "optimizer", "cache")}
+ROLE_STATES = {
+    "actor": ("params", "grads", "optimizer", "cache"),
+    "reference": ("params", "cache"),
+    "rollout": ("weights", "kv_cache"),
+    "critic": ("params", "grads", "optimizer", "cache"),
+}
 KIND = {"actor": "trainer", "critic": "trainer", "reference": "frozen", "rollout": "engine"}
-WORKS_IN = {"actor": ("actor_train", "sync"), "critic": ("critic_infer", "critic_train"), "reference": ("reference",),
-            "rollout": ("generate", "sync")}
+WORKS_IN = {
+    "actor": ("actor_train", "sync"),
+    "critic": ("critic_infer", "critic_train"),
+    "reference": ("reference",),
+    "rollout": ("generate", "sync"),
+}
 
 
 def role(name, gib, working_gib=0.5, context_gib=0.0):
@@ -130,11 +138,17 @@ def test_engine_weights_stay_from_the_sync_to_the_next_generate():
 # ---- properties over random layouts ----------------------------------------------------------------------------
 @st.composite
 def layouts(draw):
-    names = ["actor", "rollout"] + draw(st.lists(st.sampled_from(["reference", "critic"]), unique=True))
+    names = ["actor", "rollout", *draw(st.lists(st.sampled_from(["reference", "critic"]), unique=True))]
     gib = st.integers(0, 24).map(float)
-    sizes = {n: role(n, tuple(draw(gib) for _ in ROLE_STATES[n] if _ != "cache"), working_gib=draw(gib) / 4,
-                     context_gib=draw(st.sampled_from([0.0, 0.5])))
-             for n in names}
+    sizes = {
+        n: role(
+            n,
+            tuple(draw(gib) for _ in ROLE_STATES[n] if _ != "cache"),
+            working_gib=draw(gib) / 4,
+            context_gib=draw(st.sampled_from([0.0, 0.5])),
+        )
+        for n in names
+    }
     shared_engine = draw(st.booleans())
     layout = {0: tuple(GpuShare(sizes[n]) for n in names if shared_engine or n != "rollout")}
     if not shared_engine:
@@ -147,7 +161,9 @@ def alternatives(plan):
     keys = [k for k in plan.moves]
     options = []
     for role_name, state in keys:
-        lonely = not any(len(shares) > 1 and any(s.role == role_name for s in shares) for shares in plan.layout.values())
+        lonely = not any(
+            len(shares) > 1 and any(s.role == role_name for s in shares) for shares in plan.layout.values()
+        )
         options.append(("resident",) if lonely else STATE_MOVES[state])
     for combo in itertools.product(*options):
         moves = dict(zip(keys, combo))
@@ -167,10 +183,10 @@ def test_the_plan_fits_and_nothing_that_fits_is_cheaper(case):
         return
     assert plan.fits(), "a plan that fits exists, the planner must find one"
     assert all(plan.peak(g, p.name) <= plan.capacity for g in plan.layout for p in plan.phases)
-    assert plan_cost(plan) <= min(plan_cost(alt) for alt in fitting) + 1e-6
+    assert plan_cost(plan) <= min(plan_cost(alt) for alt in fitting) * (1 + 1e-12) + 1e-6  # float sums' order
     if all(m == "resident" for alt in fitting[:1] for m in alt.moves.values()):
         assert set(plan.moves.values()) == {"resident"}  # all resident fits: nothing moves
-    for (r, s), m in plan.moves.items():  # a role alone on its GPU never moves
+    for (r, _s), m in plan.moves.items():  # a role alone on its GPU never moves
         if all(len(shares) == 1 for shares in plan.layout.values() if any(x.role == r for x in shares)):
             assert m == "resident"
 

@@ -14,15 +14,28 @@ STEP = (
     Phase("draw", "sampler", {"sampler": ("weights", "kv_cache")}, work=("generate",)),
     Phase("judging", "judge", {"judge": ("params",)}, work=("infer",)),
     Phase("learn", "student", {"student": ("params", "grads", "optimizer")}, work=("train",)),
-    Phase("push", "student", {"student": ("params",), "sampler": ("weights",)}, work=("sync",),
-          holds={("sampler", "weights"): "draw"}),
+    Phase(
+        "push",
+        "student",
+        {"student": ("params",), "sampler": ("weights",)},
+        work=("sync",),
+        holds={("sampler", "weights"): "draw"},
+    ),
 )
 WORK = Workload(engine_pool=False, prompt_len=64, generate_len=64, rollout_samples=8, sync_bucket_bytes=1 << 20)
 
 
 def shape():
-    return model_shape(LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2))
+    return model_shape(
+        LlamaConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
 
 
 def layout():
@@ -73,10 +86,24 @@ def test_a_recipes_mistakes_are_refused():
     with pytest.raises(ValueError, match=r"sampler \(kind engine\) cannot train"):
         size_role("sampler", shape(), WORK, kind="engine", phases=wrong_work, ranks=1, tp=1, gpu_bytes=GiB)
     with pytest.raises(ValueError, match="no kind given for role"):
-        build_layout(PlacementSpec.from_ranges({"student": "0", "sampler": "0"}).plan(), {"student": shape(),
-                     "sampler": shape()}, WORK, GiB, kinds={"student": "trainer"}, phases=STEP)
-    bad_span = (STEP[0], Phase("push", "student", {"student": ("params",), "sampler": ("weights",)}, work=("sync",),
-                                holds={("sampler", "weights"): "nowhere"}))
+        build_layout(
+            PlacementSpec.from_ranges({"student": "0", "sampler": "0"}).plan(),
+            {"student": shape(), "sampler": shape()},
+            WORK,
+            GiB,
+            kinds={"student": "trainer"},
+            phases=STEP,
+        )
+    bad_span = (
+        STEP[0],
+        Phase(
+            "push",
+            "student",
+            {"student": ("params",), "sampler": ("weights",)},
+            work=("sync",),
+            holds={("sampler", "weights"): "nowhere"},
+        ),
+    )
     with pytest.raises(ValueError, match="until 'nowhere', which is no phase"):
         plan_residency(layout(), 4 * GiB, phases=bad_span)
     with pytest.raises(ValueError, match=r"judge \(kind frozen\) has no state grads"):

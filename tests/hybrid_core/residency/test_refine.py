@@ -31,11 +31,22 @@ AFTER_SYNC = {"actor": {"params"}, "reference": {"params"}, "reward": set(), "ro
 
 
 def plan_for(tp=1, overhead=None):
-    placement = PlacementSpec.from_ranges({"actor": "0-3", "reference": "0-3", "reward": "0-3", "rollout": "0-3"},
-                                          tp={"rollout": tp}).plan()
-    work = Workload(bf16=True, zero_stage=3, micro_train_batch_size=4, micro_rollout_batch_size=8, prompt_len=1024,
-                    generate_len=2048, rollout_samples=128, engine_pool=True, engine_memory_fraction=0.6,
-                    sync_bucket_bytes=512 << 20, logits_chunk_bytes=1 << 30)
+    placement = PlacementSpec.from_ranges(
+        {"actor": "0-3", "reference": "0-3", "reward": "0-3", "rollout": "0-3"}, tp={"rollout": tp}
+    ).plan()
+    work = Workload(
+        bf16=True,
+        zero_stage=3,
+        micro_train_batch_size=4,
+        micro_rollout_batch_size=8,
+        prompt_len=1024,
+        generate_len=2048,
+        rollout_samples=128,
+        engine_pool=True,
+        engine_memory_fraction=0.6,
+        sync_bucket_bytes=512 << 20,
+        logits_chunk_bytes=1 << 30,
+    )
     shapes = {"actor": POLICY, "reference": POLICY, "reward": REWARD, "rollout": POLICY}
     layout = build_layout(placement, shapes, work, H100)
     # issue 33's run had its frozen models whole on every GPU (ZeRO-3 shards them since issue 34): sized so here
@@ -80,21 +91,21 @@ def test_the_kv_cache_woken_for_the_next_generate_is_not_overhead(tp):
 
 def test_the_overhead_is_never_counted_twice_across_refinements():
     plan = plan_for()
-    first = refine_plan(plan, reading(1.0 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(),
-                        after_step=1).plan
+    first = refine_plan(
+        plan, reading(1.0 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(), after_step=1
+    ).plan
     assert first.overhead[0] == pytest.approx(1.0 * GiB, abs=1 << 20)
     # step 2, the same GPUs: the plan's own overhead is not part of what the model counts, so it is not added again
-    same = refine_plan(first, reading(1.0 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(),
-                       after_step=2)
+    same = refine_plan(first, reading(1.0 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(), after_step=2)
     assert not same.replanned and same.plan is first and same.largest == pytest.approx(1.0 * GiB, abs=1 << 20)
     # step 4: 1.5 GiB more than at step 1 -> 2.5 GiB (not 1 + 2.5), and the plan moves what it must to fit
-    grown = refine_plan(first, reading(2.5 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(),
-                        after_step=4)
+    grown = refine_plan(first, reading(2.5 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(), after_step=4)
     assert grown.replanned and grown.plan.overhead[0] == pytest.approx(2.5 * GiB, abs=1 << 20)
     assert grown.plan.peak(0, "generate") == pytest.approx(plan.peak(0, "generate") + 2.5 * GiB, rel=0.02)
     # a lower reading later keeps the largest overhead seen
-    lower = refine_plan(grown.plan, reading(0.5 * GiB), phase="sync", on_gpu=AFTER_SYNC,
-                        replan=replanner(), after_step=8)
+    lower = refine_plan(
+        grown.plan, reading(0.5 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(), after_step=8
+    )
     assert not lower.replanned and lower.plan.overhead[0] == pytest.approx(2.5 * GiB, abs=1 << 20)
 
 
@@ -103,8 +114,7 @@ def test_an_overhead_that_needs_more_moves_gets_them_and_fits():
     actor trains (it comes back for its own phase)."""
     plan = plan_for()
     assert plan.move("reference", "params") == "resident"
-    result = refine_plan(plan, reading(2.0 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(),
-                         after_step=1)
+    result = refine_plan(plan, reading(2.0 * GiB), phase="sync", on_gpu=AFTER_SYNC, replan=replanner(), after_step=1)
     refined = result.plan
     assert result.changed and refined.move("reference", "params") == "offload"
     assert refined.fits() and all(refined.load(0, p.name) <= refined.capacity for p in refined.phases)
@@ -183,8 +193,10 @@ class SimulatedGuard(WakeGuard):
 def test_the_owners_record_after_a_step_gives_the_true_overhead(ray_local):
     plan = plan_for()
     sim = SimulatedGpus(plan, extra=0.3 * GiB)
-    states = {share.role: [s for s, nbytes in share.size.states.items() if s != "cache" and nbytes]
-              for share in plan.layout[0]}
+    states = {
+        share.role: [s for s, nbytes in share.size.states.items() if s != "cache" and nbytes]
+        for share in plan.layout[0]
+    }
     handles = {r: Role(ray_local, sim, r, states[r]) for r in ("actor", "reference", "reward")}
     owner = ResidencyOwner(plan, handles, timeout_s=30)
     owner.guard = SimulatedGuard(sim, owner.holders)

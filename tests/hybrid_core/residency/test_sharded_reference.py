@@ -12,8 +12,16 @@ from hybrid_core.residency.memory import frozen_shards
 #: Llama-3-70B's shape (the parameter count as transformers counts it) and its reward model (a value head)
 L70 = ModelShape(70_553_706_496, 8192, 80, 8, 128, 28672, 128256)
 L70_RM = ModelShape(69_503_041_537, 8192, 80, 8, 128, 28672, 128256, value_head=True)
-WORK = dict(bf16=True, micro_train_batch_size=1, micro_rollout_batch_size=2, prompt_len=1024, generate_len=1024,
-            rollout_samples=1024, engine_pool=True, engine_memory_fraction=0.9)
+WORK = dict(
+    bf16=True,
+    micro_train_batch_size=1,
+    micro_rollout_batch_size=2,
+    prompt_len=1024,
+    generate_len=1024,
+    rollout_samples=1024,
+    engine_pool=True,
+    engine_memory_fraction=0.9,
+)
 
 
 @pytest.mark.parametrize("role, shape", [("reference", L70), ("reward", L70_RM)])
@@ -36,13 +44,21 @@ def test_otherwise_a_frozen_model_is_whole_on_each_gpu(zero_stage, ranks):
 def test_the_70b_layout_of_issue_34_fits_80_gib_gpus():
     """OpenRLHF's train_ppo_llama_ray_70b.sh: actor 8, four TP-2 engines, critic 8, reference 4, reward 4 GPUs."""
     placement = PlacementSpec.from_counts(
-        actor_num_gpus_per_node=8, critic_num_gpus_per_node=8, ref_num_gpus_per_node=4, reward_num_gpus_per_node=4,
-        vllm_num_engines=4, vllm_tensor_parallel_size=2, colocate_actor_ref=False, colocate_critic_reward=False,
-        colocate_all_models=False).plan()
+        actor_num_gpus_per_node=8,
+        critic_num_gpus_per_node=8,
+        ref_num_gpus_per_node=4,
+        reward_num_gpus_per_node=4,
+        vllm_num_engines=4,
+        vllm_tensor_parallel_size=2,
+        colocate_actor_ref=False,
+        colocate_critic_reward=False,
+        colocate_all_models=False,
+    ).plan()
     critic = ModelShape(L70_RM.num_params, 8192, 80, 8, 128, 28672, 128256, value_head=True)
     shapes = {"actor": L70, "rollout": L70, "critic": critic, "reference": L70, "reward": L70_RM}
-    layout = build_layout(placement, shapes, Workload(zero_stage=3, adam_offload=True, gradient_checkpointing=True,
-                                                      **WORK), 80 * GiB)
+    layout = build_layout(
+        placement, shapes, Workload(zero_stage=3, adam_offload=True, gradient_checkpointing=True, **WORK), 80 * GiB
+    )
     ref_gpus = placement.roles["reference"].gpus
     assert len(ref_gpus) == 4
     for gpu in ref_gpus:

@@ -16,7 +16,7 @@ def random_weights(seed: int = 7) -> list[tuple[str, torch.Tensor]]:
         ("embed.weight", torch.randn(64, 64, generator=g)),  # 16 KiB fp32: spans small buckets
         ("layer.0.scale", torch.randn((), generator=g)),
         ("layer.0.mask", torch.rand(33, generator=g) > 0.5),
-        ("layer.0.positions", torch.randint(-2**40, 2**40, (17,), generator=g)),
+        ("layer.0.positions", torch.randint(-(2**40), 2**40, (17,), generator=g)),
         ("layer.0.empty", torch.zeros(0, 5)),
         ("lm_head.weight", torch.randn(50, 64, generator=g).to(torch.bfloat16)),
         ("final.half", torch.randn(3, 7, generator=g).to(torch.float16)),
@@ -59,6 +59,7 @@ def ipc_engine(requests, replies) -> None:
     got: dict[str, torch.Tensor] = {}
     try:
         while (bucket := requests.get(timeout=60)) is not None:
+
             def load(pairs):
                 for name, tensor in pairs:
                     got[name] = tensor.clone()
@@ -102,8 +103,10 @@ def engine_group_member(rank: int, world_size: int, port: int, bucket_bytes: int
             stats = sender.send(iter(random_weights(seed=rank + seed_offset)), deliver, wait)
         sender.close()
         if rank == 0:
-            ok = {peer: [n for n, t in random_weights(seed=peer + 100) if torch.equal(got[(peer, n)], t)]
-                  for peer in range(world_size)}
+            ok = {
+                peer: [n for n, t in random_weights(seed=peer + 100) if torch.equal(got[(peer, n)], t)]
+                for peer in range(world_size)
+            }
             results.put(("leader", ok, lists, stats.bytes))
         else:
             results.put(("follower", rank, stats.bytes))

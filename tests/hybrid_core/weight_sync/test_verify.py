@@ -20,11 +20,14 @@ from hybrid_core.weight_sync import (
     WeightReceiver,
     WeightSender,
     checksum,
+    checksum_path,
     create_sync_group,
     load_ipc_bucket,
     plan_buckets,
+    verify,
 )
-from hybrid_core.weight_sync.verify import COLUMNS, as_mismatch, word_size
+from hybrid_core.weight_sync.sampling import PERIOD, Rotation, VerifyPolicy
+from hybrid_core.weight_sync.verify import ROW, SMALL, as_mismatch, word_size
 from hybrid_core.weight_sync.wire import tensor_bytes
 
 BUCKET = 4096  # smaller than the 16 KiB embedding: it is split across buckets
@@ -32,19 +35,24 @@ BUCKET = 4096  # smaller than the 16 KiB embedding: it is split across buckets
 
 def weights(seed: int = 3) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [("embed.weight", torch.randn(64, 64, generator=g)),  # 16 KiB fp32, spans buckets
-            ("layer.0.q.weight", torch.randn(24, 40, generator=g).to(torch.bfloat16)),
-            ("layer.0.norm.weight", torch.randn(40, generator=g).to(torch.bfloat16)),
-            ("layer.0.mask", torch.rand(33, generator=g) > 0.5),
-            ("lm_head.weight", torch.randn(50, 64, generator=g).to(torch.bfloat16))]
+    return [
+        ("embed.weight", torch.randn(64, 64, generator=g)),  # 16 KiB fp32, spans buckets
+        ("layer.0.q.weight", torch.randn(24, 40, generator=g).to(torch.bfloat16)),
+        ("layer.0.norm.weight", torch.randn(40, generator=g).to(torch.bfloat16)),
+        ("layer.0.mask", torch.rand(33, generator=g) > 0.5),
+        ("lm_head.weight", torch.randn(50, 64, generator=g).to(torch.bfloat16)),
+    ]
 
 
 def reference(t: torch.Tensor) -> int:
-    """The checksum by its definition, in Python integers: sum((2k + 1) * word_k) mod 2**64, words of the element
-    size, as a signed 64-bit value."""
-    size = t.element_size()
-    words = tensor_bytes(t).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).tolist()
-    total = sum((2 * k + 1) * w for k, w in enumerate(words)) % (1 << 64)
+    """The checksum by its definition, in Python integers: sum over bytes b_p (signed int8) of
+    (2 * (p // s) + 1) * 256**(p % s) * b_p mod 2**64, s the element size, as a signed 64-bit value."""
+    return definition(tensor_bytes(t), t.element_size())
+
+
+def definition(raw: torch.Tensor, s: int) -> int:
+    total = sum((2 * (p // s) + 1) * 256 ** (p % s) * b for p, b in enumerate(raw.view(torch.int8).tolist()))
+    total %= 1 << 64
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
@@ -53,31 +61,120 @@ def value(t: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.int64])
-@pytest.mark.parametrize("n", [0, 1, 7, COLUMNS - 1, COLUMNS, 3 * COLUMNS + 5])
+@pytest.mark.parametrize("n", [0, 1, 7, ROW // 2 - 1, ROW, 3 * ROW + 5, SMALL // 8 + 3])
 def test_checksum_is_its_definition(dtype, n):
+    """Small pieces and tails (the direct sum over a cached G); the matrix path below."""
     g = torch.Generator().manual_seed(n)
-    t = (torch.randn(n, generator=g) * 1e4).to(dtype) if dtype.is_floating_point else \
-        torch.randint(-100, 100, (n,), generator=g).to(dtype) * (1 << 40 if dtype == torch.int64 else 1)
+    t = (
+        (torch.randn(n, generator=g) * 1e4).to(dtype)
+        if dtype.is_floating_point
+        else torch.randint(-100, 100, (n,), generator=g).to(dtype) * (1 << 40 if dtype == torch.int64 else 1)
+    )
     assert value(t) == reference(t)
+
+
+@pytest.mark.parametrize("s", [1, 2, 4, 8])
+@pytest.mark.parametrize("nbytes", [SMALL, SMALL + 8, 40 * ROW + 3 * 1024 + 8])
+def test_every_path_gives_the_definitions_value(s, nbytes):
+    """torch._int_mm, the reductions that stand in for it, and Python integers agree (rows, a tail, every word
+    size), so a sender on one path and a receiver on the other agree too."""
+    raw = torch.randint(0, 256, (nbytes,), generator=torch.Generator().manual_seed(nbytes + s), dtype=torch.uint8)
+    want = definition(raw, s)
+    rows = nbytes // ROW
+    block = raw.view(torch.int8)[: rows * ROW].view(rows, ROW)
+    tail = int(verify._direct(raw.view(torch.int8)[rows * ROW :], s, rows * ROW)) if nbytes % ROW else 0
+    for path in ("int_mm", "reduce"):
+        if path == "int_mm" and checksum_path("cpu") != "int_mm":
+            continue  # this CPU build has no working torch._int_mm: its self-test said so
+        m = verify._M_PATHS[path](block, s)
+        assert verify._wrap(verify._combine(m, s) + tail) == want, path
+    assert int(checksum(raw, s)) == want
+
+
+def test_a_failing_fast_path_falls_back_and_still_checks(monkeypatch):
+    """An exception in torch._int_mm never skips a check: the reductions give the same value."""
+    raw = torch.randint(0, 256, (SMALL + ROW,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    want = int(checksum(raw, 2))
+    monkeypatch.setitem(verify._PATH, torch.device("cpu"), "int_mm")
+
+    def broken(*_):
+        raise RuntimeError("simulated cuBLAS refusal")
+
+    monkeypatch.setitem(verify._M_PATHS, "int_mm", broken)
+    assert int(checksum(raw, 2)) == want
+    assert checksum_path("cpu") == "reduce"
 
 
 def test_checksum_wraps_like_the_definition():
-    t = torch.full((4 * COLUMNS + 3,), 2**31 - 1, dtype=torch.int32)  # sums far beyond 2**64
+    t = torch.full((SMALL // 4 + 3,), 2**31 - 1, dtype=torch.int32)  # sums far beyond 2**64
     assert value(t) == reference(t)
+
+
+def weights_g(n: int, s: int) -> list[int]:
+    """G(p) mod 2**64 for p < n: the definition's position weights (the implementation is the definition: the tests
+    above), for the proofs' arithmetic over every position and pair."""
+    return [(2 * (p // s) + 1) * 256 ** (p % s) % (1 << 64) for p in range(n)]
+
+
+@pytest.mark.parametrize("s", [1, 2, 4])
+def test_every_changed_byte_is_caught_at_every_position(s):
+    """Exhaustive over a 2 KiB piece: each position, changed by +1, -1, +128 (the sign bit) and to its complement;
+    and, by the proof, every change d * G(p) != 0 mod 2**64 for |d| < 256 (G(p)'s factors of two, below)."""
+    raw = torch.randint(0, 256, (2048,), generator=torch.Generator().manual_seed(s), dtype=torch.uint8)
+    clean = int(checksum(raw, s))
+    for pos in range(raw.numel()):
+        for new in {
+            (int(raw[pos]) + 1) % 256,
+            (int(raw[pos]) - 1) % 256,
+            (int(raw[pos]) + 128) % 256,
+            255 - int(raw[pos]),
+        }:
+            bad = raw.clone()
+            bad[pos] = new
+            assert int(checksum(bad, s)) != clean, (pos, new)
+    for p, g in enumerate(weights_g(2048, s)):
+        assert g and _twos(g) + 7 < 64, p  # any |d| < 256 has at most 7 factors of two
+
+
+@pytest.mark.parametrize("s", [1, 2, 4])
+def test_every_swap_of_two_unequal_bytes_is_caught(s):
+    """Exhaustive over a 2 KiB piece: every pair of positions p < q (2 million): the swap changes the checksum by
+    (b_q - b_p) * (G(p) - G(q)), never 0 mod 2**64 since G(p) - G(q) has at most 56 factors of two and a byte
+    difference at most 7; a sample of the swaps recomputed outright."""
+    n = 2048
+    g = weights_g(n, s)
+    for p in range(n):
+        gp = g[p]
+        for q in range(p + 1, n):
+            assert _twos((gp - g[q]) % (1 << 64)) + 7 < 64, (p, q)
+    raw = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
+    clean = int(checksum(raw, s))
+    rng = random.Random(s)
+    for p, q in [(0, 1), (0, n - 1), (1, 1 + s), *[tuple(rng.sample(range(n), 2)) for _ in range(300)]]:
+        if raw[p] == raw[q]:
+            continue
+        bad = raw.clone()
+        bad[p], bad[q] = raw[q], raw[p]
+        assert int(checksum(bad, s)) != clean, (p, q)
+
+
+def _twos(v: int) -> int:
+    """Factors of two of a nonzero integer mod 2**64 (64 for 0)."""
+    return (v & -v).bit_length() - 1 if v else 64
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_checksum_catches_every_flipped_bit_and_swapped_pair(dtype):
-    t = (torch.randn(2 * COLUMNS + 9) * 100).to(dtype)
+    t = (torch.randn(SMALL // dtype.itemsize + 9) * 100).to(dtype)  # the matrix path plus a tail
     clean = value(t)
     raw = tensor_bytes(t)
     rng = random.Random(0)
-    for pos in [0, 1, raw.numel() // 2, raw.numel() - 1, *rng.sample(range(raw.numel()), 20)]:
+    for pos in [0, 1, raw.numel() // 2, raw.numel() - 1, *rng.sample(range(raw.numel()), 2)]:
         for bit in range(8):
             bad = raw.clone()
             bad[pos] ^= 1 << bit
             assert int(checksum(bad, t.element_size())) != clean, (pos, bit)
-    for i, j in [(0, 1), (5, 6), (0, t.numel() - 1), *[tuple(rng.sample(range(t.numel()), 2)) for _ in range(30)]]:
+    for i, j in [(0, 1), (5, 6), (0, t.numel() - 1), *[tuple(rng.sample(range(t.numel()), 2)) for _ in range(5)]]:
         if torch.equal(t[i], t[j]):
             continue
         swapped = t.clone()
@@ -86,10 +183,12 @@ def test_checksum_catches_every_flipped_bit_and_swapped_pair(dtype):
 
 
 def test_swapped_values_whose_bytes_add_up_alike_are_caught():
-    """0x0102 and 0x0201 have the same byte sum: a checksum over bytes would miss the swap; words of the element
-    size do not."""
+    """0x0102 and 0x0201 have the same byte sum: a checksum with one weight per byte position pattern could miss the
+    swap; words of the element size do not."""
     t = torch.tensor([0x0102, 0x0201, 7], dtype=torch.int16)
     assert value(t) != value(t[[1, 0, 2]])
+    big = torch.tensor([0x0102, 0x0201] * (SMALL // 4), dtype=torch.int16)  # the same on the matrix path
+    assert value(big) != value(big[torch.tensor([1, 0, *list(range(2, big.numel()))])])
 
 
 def test_word_size_falls_back_to_bytes_inside_an_element():
@@ -159,8 +258,11 @@ def test_a_bucket_corrupted_in_flight_is_reported_naming_the_parameter(pair, no_
     first = plan_buckets([TensorMeta.of(n, t) for n, t in weights()], BUCKET)[nth - 1].pieces[0]
     name = re.escape(first.meta.name)
     no_faults.setenv(faults.ENV, f"receiver/1:bucket:corrupt:{nth}")
-    with pytest.raises(WeightSyncMismatch, match=rf"weight-sync rank 1: 1 of \d+ tensor piece\(s\) differ .*{name}"
-                       r".*bucket \d+, checked in the engine's parameter"):
+    with pytest.raises(
+        WeightSyncMismatch,
+        match=rf"weight-sync rank 1: 1 of \d+ tensor piece\(s\) differ .*{name}"
+        r".*bucket \d+, checked in the engine's parameter",
+    ):
         broadcast(pair, weights())
     no_faults.delenv(faults.ENV)
     broadcast(pair, weights(seed=4))  # the stream was drained: the next sync goes through
@@ -192,8 +294,9 @@ def ipc_sync(named, *, verify=True, stale: str | None = None):
     buckets = []
     sender = IpcBucketSender(BUCKET, device="cpu", verify=verify)
     try:
-        sender.send(named, deliver=lambda b: buckets.append(b) or load_ipc_bucket(b, load, held.get),
-                    wait=lambda _: None)
+        sender.send(
+            named, deliver=lambda b: buckets.append(b) or load_ipc_bucket(b, load, held.get), wait=lambda _: None
+        )
     finally:
         sender.close()
     return held, buckets
@@ -226,8 +329,81 @@ def test_corrupt_is_a_fault_action_only_the_data_holder_acts_on(no_faults):
 
 
 def test_a_remote_mismatch_comes_back_as_a_mismatch():
-    remote = RoleFailure("rollout engine 1: update_weights: raised hybrid_core.errors.WeightSyncMismatch: weight "
-                         "sync verify: weight-sync rank 2: 1 of 9 tensor piece(s) differ: lm_head.weight")
+    remote = RoleFailure(
+        "rollout engine 1: update_weights: raised hybrid_core.errors.WeightSyncMismatch: weight "
+        "sync verify: weight-sync rank 2: 1 of 9 tensor piece(s) differ: lm_head.weight"
+    )
     got = as_mismatch(remote)
     assert isinstance(got, WeightSyncMismatch) and "rollout engine 1" in str(got) and "lm_head.weight" in str(got)
     assert as_mismatch(RoleFailure("rollout engine 1: generate: raised ValueError: x")) is None
+
+
+# ---- which pieces a sync checks (sampling.py) ----------------------------------------------------------------------
+def llama_sizes() -> list[int]:
+    """The 1B Llama of the bench in bf16: embedding, 16 x (4 attention, 3 MLP, 2 norms), norm, head."""
+    h, ffn, vocab = 2048 * 2, 5632 * 2, 32000
+    layer = [h * 2048] * 4 + [ffn * 2048] * 3 + [h, h]
+    return [vocab * h] + layer * 16 + [h, vocab * h]
+
+
+def test_sampled_mode_checks_every_piece_within_the_period_and_all_in_the_first_sync():
+    sizes = llama_sizes()
+
+    def chosen(policy):
+        rotation = Rotation(policy)
+        return {i for i, n in enumerate(sizes) if rotation.take(n)}
+
+    everything = set(range(len(sizes)))
+    assert chosen(VerifyPolicy("sampled", 0)) == everything  # a run's (or a resumed run's) first sync
+    assert chosen(VerifyPolicy("full", 7)) == everything and chosen(VerifyPolicy("off", 0)) == set()
+    seen: list[set[int]] = [chosen(VerifyPolicy("sampled", n)) for n in range(1, PERIOD + 1)]
+    assert set().union(*seen) == everything  # every piece within PERIOD syncs ...
+    assert sum(len(x) for x in seen) == len(sizes)  # ... exactly once per rotation
+    assert chosen(VerifyPolicy("sampled", PERIOD + 1)) == seen[0]  # the same groups every rotation
+    biggest, share = max(sizes), sum(sizes) / PERIOD
+    assert all(sum(sizes[i] for i in x) <= share + biggest for x in seen)  # balanced (greedy's bound)
+    assert max(len(x) for x in seen) <= 2 * len(sizes) / PERIOD + 2  # and few pieces (kernel launches) per sync
+    changed = [*sizes[:10], 12345, *sizes[10:]]  # another stream: balanced afresh, still complete
+    rotations = [Rotation(VerifyPolicy("sampled", n)) for n in range(1, PERIOD + 1)]
+    assert set().union(*[{i for i, n in enumerate(changed) if r.take(n)} for r in rotations]) == set(
+        range(len(changed))
+    )
+
+
+def test_a_sampled_sync_checks_only_its_pieces_and_the_first_one_checks_all(pair, no_faults):
+    """Broadcast path: a fresh sender in mode "sampled" checks every piece of its first send (a corrupted bucket is
+    caught); a later sync catches it only when it samples the corrupted piece -- what the docs say."""
+    named = weights()
+    metas = [TensorMeta.of(n, t) for n, t in named]
+    first = plan_buckets(metas, BUCKET)[0].pieces[0]  # the fault corrupts bucket 1's first piece
+    no_faults.setenv(faults.ENV, "receiver/1:bucket:corrupt:1")
+    with pytest.raises(WeightSyncMismatch, match=re.escape(first.meta.name)):
+        broadcast(pair, named, verify="sampled")
+    pieces = [p for b in plan_buckets(metas, BUCKET) for p in b.pieces]
+    syncs = {}
+    for n in range(1, PERIOD + 1):
+        rotation = Rotation(VerifyPolicy("sampled", n, PERIOD))
+        syncs[n] = [p for p in pieces if rotation.take(p.nbytes)]
+    hit = next(n for n, ps in syncs.items() if first in ps)
+    miss = next(n for n, ps in syncs.items() if first not in ps)
+    no_faults.setenv(faults.ENV, "receiver/1:bucket:corrupt:1")
+    faults._calls.clear()
+    with pytest.raises(WeightSyncMismatch, match=re.escape(first.meta.name)):
+        broadcast(pair, named, verify=VerifyPolicy("sampled", hit))
+    faults._calls.clear()
+    held = broadcast(pair, named, verify=VerifyPolicy("sampled", miss))  # not sampled: it goes through
+    assert not torch.equal(held["embed.weight"], named[0][1])
+
+
+def test_ipc_buckets_in_sampled_mode_carry_only_the_sampled_checksums(no_faults):
+    named = weights()
+    _, first = ipc_sync(named, verify=VerifyPolicy("sampled", 0))
+    assert all(None not in b.checksums for b in first if b.entries)
+    counts = []
+    for n in range(1, PERIOD + 1):
+        _, later = ipc_sync(named, verify=VerifyPolicy("sampled", n))
+        counts.append(sum(c is not None for b in later if b.checksums for c in b.checksums))
+    assert sum(counts) == len(named)  # each tensor exactly once per rotation
+    no_faults.setenv(faults.ENV, "receiver:bucket:corrupt:2")
+    with pytest.raises(WeightSyncMismatch, match=r"layer\.0\.q\."):
+        ipc_sync(weights(), verify="sampled")  # a fresh sender's first sync checks all

@@ -14,9 +14,15 @@ from hybrid_core.weight_sync.buckets import ALIGN, BucketPacker, layout_digest
 
 DTYPES = ["float32", "bfloat16", "float16", "int64", "bool", "uint8"]
 metas_strategy = st.lists(
-    st.builds(lambda i, d, shape: TensorMeta(f"t{i}", d, tuple(shape)), st.integers(0, 10**6), st.sampled_from(DTYPES),
-              st.lists(st.integers(0, 40), min_size=0, max_size=3)),
-    min_size=0, max_size=25)
+    st.builds(
+        lambda i, d, shape: TensorMeta(f"t{i}", d, tuple(shape)),
+        st.integers(0, 10**6),
+        st.sampled_from(DTYPES),
+        st.lists(st.integers(0, 40), min_size=0, max_size=3),
+    ),
+    min_size=0,
+    max_size=25,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -50,8 +56,11 @@ def test_the_online_packer_matches_the_plan(metas, bucket_bytes):
 
 
 def test_a_tensor_larger_than_a_bucket_spans_several_and_others_share_buckets():
-    metas = [TensorMeta("small", "float32", (10,)), TensorMeta("big", "float32", (900,)),
-             TensorMeta("tail", "bfloat16", (3,))]
+    metas = [
+        TensorMeta("small", "float32", (10,)),
+        TensorMeta("big", "float32", (900,)),
+        TensorMeta("tail", "bfloat16", (3,)),
+    ]
     buckets = plan_buckets(metas, 1024)
     big = [p for b in buckets for p in b.pieces if p.meta.name == "big"]
     assert len(big) == 4 and big[-1].completes and not big[0].completes
@@ -61,8 +70,11 @@ def test_a_tensor_larger_than_a_bucket_spans_several_and_others_share_buckets():
 
 def test_layout_digest_changes_with_any_meta_change():
     base = plan_buckets([TensorMeta("a", "float32", (4, 4))], 1024)[0]
-    for other in (TensorMeta("b", "float32", (4, 4)), TensorMeta("a", "bfloat16", (4, 4)),
-                  TensorMeta("a", "float32", (16,))):
+    for other in (
+        TensorMeta("b", "float32", (4, 4)),
+        TensorMeta("a", "bfloat16", (4, 4)),
+        TensorMeta("a", "float32", (16,)),
+    ):
         assert plan_buckets([other], 1024)[0].digest() != base.digest()
     assert layout_digest(0, base.pieces) == base.digest() != layout_digest(1, base.pieces)
 

@@ -24,8 +24,10 @@ def test_every_ranks_weights_reach_the_engine_intact(bucket_bytes):
     results = ctx.Queue()
     world = 2
     port = _free_port()
-    procs = [ctx.Process(target=engine_group_member, args=(r, world, port, bucket_bytes, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=engine_group_member, args=(r, world, port, bucket_bytes, results), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
@@ -39,7 +41,7 @@ def test_every_ranks_weights_reach_the_engine_intact(bucket_bytes):
                 p.kill()
     errors = [g for g in got if g[0] == "error"]
     assert not errors, errors
-    (_, ok, lists, sent), = [g for g in got if g[0] == "leader"]
+    ((_, ok, lists, sent),) = [g for g in got if g[0] == "leader"]
     names = [n for n, _ in random_weights()]
     assert ok == {peer: names for peer in range(world)}  # each rank's own tensors, bit-exact, from its own buffer
     assert lists and set(lists) == {world}  # every engine call carried one bucket per rank

@@ -82,8 +82,9 @@ def test_metadata_that_differs_from_the_stream_is_refused_before_loading():
     t, _ = _in_thread(lambda: WeightSender(g0, 4096).send([("w", torch.ones(4)), ("v", torch.ones(3))]))
     loaded = []
     with pytest.raises(ConfigError) as e:
-        WeightReceiver(g1, 4096).receive([TensorMeta("w", "float32", (4,)), TensorMeta("v", "float32", (2,))],
-                                         loaded.append)
+        WeightReceiver(g1, 4096).receive(
+            [TensorMeta("w", "float32", (4,)), TensorMeta("v", "float32", (2,))], loaded.append
+        )
     assert e.value.field == "metas" and loaded == []
     t.join(timeout=TIMEOUT_S + 10)
     g0.close(), g1.close()
@@ -96,8 +97,9 @@ def test_a_stream_longer_or_shorter_than_the_plan_is_an_error_not_a_hang(sent, p
     t, _ = _in_thread(lambda: WeightSender(g0, 1024).send(full[:sent]))
     loaded = []
     with pytest.raises(ConfigError, match=message) as e:
-        WeightReceiver(g1, 1024).receive([TensorMeta.of(n, w) for n, w in full[:planned]],
-                                         lambda pairs: loaded.extend(n for n, _ in pairs))
+        WeightReceiver(g1, 1024).receive(
+            [TensorMeta.of(n, w) for n, w in full[:planned]], lambda pairs: loaded.extend(n for n, _ in pairs)
+        )
     assert e.value.field == "metas" and loaded == ["w0"]  # seen one bucket ahead (its header comes first)
     t.join(timeout=TIMEOUT_S + 10)
     g0.close(), g1.close()
@@ -106,25 +108,32 @@ def test_a_stream_longer_or_shorter_than_the_plan_is_an_error_not_a_hang(sent, p
 def test_a_pair_syncs_repeatedly_in_one_group():
     g0, g1 = _pair(timeout_s=30)
     for seed in range(3):
-        weights = [("a", torch.randn(300, generator=torch.Generator().manual_seed(seed))),
-                   ("b", torch.arange(10, dtype=torch.int32) * seed)]
+        weights = [
+            ("a", torch.randn(300, generator=torch.Generator().manual_seed(seed))),
+            ("b", torch.arange(10, dtype=torch.int32) * seed),
+        ]
         t, box = _in_thread(lambda weights=weights: WeightSender(g0, 1024).send(iter(weights)))
         got = {}
-        WeightReceiver(g1, 1024).receive([TensorMeta.of(n, w) for n, w in weights],
-                                         lambda pairs, got=got: got.update({n: w.clone() for n, w in pairs}))
+        WeightReceiver(g1, 1024).receive(
+            [TensorMeta.of(n, w) for n, w in weights],
+            lambda pairs, got=got: got.update({n: w.clone() for n, w in pairs}),
+        )
         t.join(timeout=30)
         assert "error" not in box and box["value"].bytes == 300 * 4 + 10 * 4
         assert all(torch.equal(got[n], w) for n, w in weights)
     g0.close(), g1.close()
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"backend": "mpi"}, "backend"),
-    ({"rank": 2}, "rank"),
-    ({"world_size": 0}, "world_size"),
-    ({"timeout_s": 0}, "timeout_s"),
-    ({"master_port": 0}, "master_port"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"backend": "mpi"}, "backend"),
+        ({"rank": 2}, "rank"),
+        ({"world_size": 0}, "world_size"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"master_port": 0}, "master_port"),
+    ],
+)
 def test_bad_group_arguments_name_the_field(kwargs, field):
     args = {"master_address": "127.0.0.1", "master_port": 29555, "rank": 0, "world_size": 2, **kwargs}
     with pytest.raises(ConfigError) as e:

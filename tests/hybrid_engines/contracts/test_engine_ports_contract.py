@@ -43,7 +43,7 @@ def test_vllm_reads_the_port_variables_the_adapter_sets(vllm_window):
 
     for name in (*VLLM_PORT_LAYOUT, "VLLM_DP_RANK_LOCAL", "VLLM_DP_RANK"):
         assert name in envs.environment_variables, f"vLLM does not read {name}"
-    assert envs.VLLM_DP_MASTER_PORT == vllm_window.start and envs.VLLM_PORT == vllm_window.start + 10
+    assert vllm_window.start == envs.VLLM_DP_MASTER_PORT and vllm_window.start + 10 == envs.VLLM_PORT
     assert envs.VLLM_DP_RANK_LOCAL == 0  # defaults to VLLM_DP_RANK, 0
     assert set(VLLMEngine.PORT_ENV) == set(VLLM_PORT_LAYOUT)
 
@@ -61,8 +61,9 @@ def test_ray_executor_searches_its_tcpstore_port_inside_the_window(vllm_window):
 
     from hybrid_engines.vllm_engine import VLLM_TCPSTORE_OFFSET, VLLM_TCPSTORE_TRIES
 
-    search = range(vllm_window.start + VLLM_TCPSTORE_OFFSET,
-                   vllm_window.start + VLLM_TCPSTORE_OFFSET + VLLM_TCPSTORE_TRIES)
+    search = range(
+        vllm_window.start + VLLM_TCPSTORE_OFFSET, vllm_window.start + VLLM_TCPSTORE_OFFSET + VLLM_TCPSTORE_TRIES
+    )
     assert search.stop <= vllm_window.stop
     assert RayExecutorV2._select_tcpstore_port(0, vllm_window.start) in search
     with socket.socket() as held:  # the first port taken: the search moves on, still inside

@@ -210,11 +210,25 @@ def test_level_two_requires_a_weight_update_inside_a_session(make):
         e.generate([[1]], SamplingParams())
     del e.engine.calls[:]
     e.update_weights(metas, bucket_bytes=1 << 20)
-    assert names(e) == with_sessions(make, ["begin_weight_update", "update_weights_from_distributed",
-                                            "update_weights_from_distributed", "end_weight_update", "flush_cache"])
+    assert names(e) == with_sessions(
+        make,
+        [
+            "begin_weight_update",
+            "update_weights_from_distributed",
+            "update_weights_from_distributed",
+            "end_weight_update",
+            "flush_cache",
+        ],
+    )
     first = next(kw for name, kw in e.engine.calls if name == "update_weights_from_distributed")
-    assert first == {"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[3]], "group_name": "g", "flush_cache": False,
-                     "load_format": "flattened_bucket"}
+    assert first == {
+        "names": ["a"],
+        "dtypes": ["bfloat16"],
+        "shapes": [[3]],
+        "group_name": "g",
+        "flush_cache": False,
+        "load_format": "flattened_bucket",
+    }
     e.generate([[1]], SamplingParams())
 
 
@@ -235,7 +249,7 @@ def _read_payload(data: bytes):
 
     obj = pickle.loads(data)
     flat = obj["flattened_tensor"]
-    return {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape) for m in obj["metadata"]}
+    return {m.name: flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape) for m in obj["metadata"]}
 
 
 def test_ipc_sync_is_one_session_of_serialized_flattened_buckets(make):
@@ -243,8 +257,11 @@ def test_ipc_sync_is_one_session_of_serialized_flattened_buckets(make):
 
     e = make()
     g = torch.Generator().manual_seed(0)
-    weights = [("a", torch.randn(6, generator=g)), ("b", torch.randn(40, 40, generator=g).to(torch.bfloat16)),
-               ("c", torch.randn(30, 30, generator=g))]
+    weights = [
+        ("a", torch.randn(6, generator=g)),
+        ("b", torch.randn(40, 40, generator=g).to(torch.bfloat16)),
+        ("c", torch.randn(30, 30, generator=g)),
+    ]
     transport = SGLangTransport()
     got, deliveries = {}, []
 
@@ -266,8 +283,9 @@ def test_ipc_sync_is_one_session_of_serialized_flattened_buckets(make):
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor)
     loads = [kw for n, kw in e.engine.calls if n == "update_weights_from_tensor"]
     assert loads == [{"load_format": "flattened_bucket", "flush_cache": False}] * 2
-    assert names(e) == with_sessions(make, ["begin_weight_update", *["update_weights_from_tensor"] * 2,
-                                            "end_weight_update", "flush_cache"])
+    assert names(e) == with_sessions(
+        make, ["begin_weight_update", *["update_weights_from_tensor"] * 2, "end_weight_update", "flush_cache"]
+    )
     e.generate([[1]], SamplingParams())
 
 
@@ -295,8 +313,11 @@ def test_a_failed_ipc_load_closes_the_session_and_keeps_the_weights_unsynced(mak
     e.engine.fail = {"update_weights_from_tensor"}
     sender = IpcBucketSender(4096, device="cpu")
     with pytest.raises(RoleFailure, match="said no"):
-        sender.send([("a", torch.ones(3))], deliver=lambda b: e.update_weights_from_ipc(
-            SGLangTransport().encode_ipc([b])), wait=lambda _: None)
+        sender.send(
+            [("a", torch.ones(3))],
+            deliver=lambda b: e.update_weights_from_ipc(SGLangTransport().encode_ipc([b])),
+            wait=lambda _: None,
+        )
     sender.close()
     assert "flush_cache" not in names(e)[-2:]
     with pytest.raises(EngineStateError, match="discarded"):
@@ -312,8 +333,10 @@ def test_refusals(make):
     assert err.value.field == "tensor_parallel_size"
     from hybrid_engines.sglang_engine import SGLangEngine
 
-    assert SGLangEngine.placement_refusal(tp=2, shares_gpus=False) and SGLangEngine.placement_refusal(
-        tp=1, shares_gpus=True) is None
+    assert (
+        SGLangEngine.placement_refusal(tp=2, shares_gpus=False)
+        and SGLangEngine.placement_refusal(tp=1, shares_gpus=True) is None
+    )
     with pytest.raises(ConfigError) as err:
         make(stop_at_eos=False).generate([[1]], SamplingParams(stop_token_ids=(3,)))
     assert err.value.field == "stop_token_ids"

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sglang = pytest.importorskip("sglang",
-                             reason="SGLang is not installed here (optional env: hatch run sglang-contract:test)")
+sglang = pytest.importorskip(
+    "sglang", reason="SGLang is not installed here (optional env: hatch run sglang-contract:test)"
+)
 
 from hybrid_core.weight_sync import TensorMeta  # noqa: E402
 from hybrid_engines import sglang_engine as adapter  # noqa: E402
@@ -79,8 +80,12 @@ def test_sampling_params_has_every_field_and_accepts_every_mapped_request():
 
     fields = set(SGLangSamplingParams.__struct_fields__)
     assert set(SGLANG_SAMPLING_FIELDS) <= fields, f"missing: {set(SGLANG_SAMPLING_FIELDS) - fields}"
-    for params in (SamplingParams(), SamplingParams(temperature=0.0, n=3), SamplingParams(top_k=-1, top_p=0.5),
-                   SamplingParams(temperature=1.3, top_k=20, n=2, seed=7, min_new_tokens=2, stop_token_ids=(2, 5))):
+    for params in (
+        SamplingParams(),
+        SamplingParams(temperature=0.0, n=3),
+        SamplingParams(top_k=-1, top_p=0.5),
+        SamplingParams(temperature=1.3, top_k=20, n=2, seed=7, min_new_tokens=2, stop_token_ids=(2, 5)),
+    ):
         for row in expand_rows([[1, 2, 3]], params):
             sp = SGLangSamplingParams(**sglang_sampling_params(params, seed=row.seed, stop_at_eos=True))
             sp.verify(1000)
@@ -127,9 +132,13 @@ def test_ray_engine_places_tensor_parallel_schedulers_on_given_bundles():
 
 def _tensors():
     g = torch.Generator().manual_seed(0)
-    return [("a", torch.randn(3, 5, generator=g).to(torch.bfloat16)),  # 30 bytes: the float32 after it is unaligned
-            ("b", torch.randn(4, generator=g)), ("c", torch.randint(0, 9, (7,), generator=g)),
-            ("d", torch.randn(64, 64, generator=g).half()), ("e", torch.randn(2, 2, generator=g))]
+    return [
+        ("a", torch.randn(3, 5, generator=g).to(torch.bfloat16)),  # 30 bytes: the float32 after it is unaligned
+        ("b", torch.randn(4, generator=g)),
+        ("c", torch.randint(0, 9, (7,), generator=g)),
+        ("d", torch.randn(64, 64, generator=g).half()),
+        ("e", torch.randn(2, 2, generator=g)),
+    ]
 
 
 def _receive_bucket(metas):
@@ -140,8 +149,9 @@ def _receive_bucket(metas):
     names, dtypes, shapes = [m.name for m in metas], [m.dtype for m in metas], [list(m.shape) for m in metas]
     if hasattr(FlattenedTensorBucket, "empty"):
         return FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
-    return FlattenedTensorBucket(named_tensors=[(n, torch.empty(s, dtype=getattr(torch, d)))
-                                                for n, d, s in zip(names, dtypes, shapes)])
+    return FlattenedTensorBucket(
+        named_tensors=[(n, torch.empty(s, dtype=getattr(torch, d))) for n, d, s in zip(names, dtypes, shapes)]
+    )
 
 
 def test_flattened_buckets_split_where_sglang_would_refuse_and_rebuild_exactly():
@@ -164,10 +174,11 @@ def test_ipc_payloads_pass_sglangs_unpickler_and_load_through_its_flattened_buck
     ``MultiprocessingSerializer.deserialize`` (allow-listing unpickler) then the runner's flattened-bucket loader."""
     from types import SimpleNamespace
 
-    from hybrid_core.weight_sync import IpcBucketSender
-    from hybrid_engines.weight_sync.sglang import SGLangTransport
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.utils.common import MultiprocessingSerializer
+
+    from hybrid_core.weight_sync import IpcBucketSender
+    from hybrid_engines.weight_sync.sglang import SGLangTransport
 
     loaded = {}
     model = SimpleNamespace(load_weights=lambda pairs: loaded.update({n: t.clone() for n, t in pairs}))
@@ -191,9 +202,10 @@ def test_ipc_payloads_pass_sglangs_unpickler_and_load_through_its_flattened_buck
 def test_cuda_ipc_payload_names_only_what_sglangs_unpickler_allows():
     """A CUDA bucket's payload (made here from a stand-in handle; no GPU) unpickles under SGLang's allow-list into
     ``rebuild_cuda_tensor`` with the GPU's UUID as the device, which SGLang's patched rebuild maps to its index."""
+    from sglang.srt.utils.common import SafeUnpickler
+
     from hybrid_core.weight_sync import IpcBucket, IpcHandle
     from hybrid_engines.weight_sync.sglang import serialize_bucket
-    from sglang.srt.utils.common import SafeUnpickler
 
     seen = []
 
@@ -206,15 +218,37 @@ def test_cuda_ipc_payload_names_only_what_sglangs_unpickler_allows():
 
     import io
 
-    args = (torch.Tensor, (64,), (1,), 0, torch.UntypedStorage, torch.uint8, 3, b"handle", 64, 0, False, b"rc", 0,
-            b"event", True)
+    args = (
+        torch.Tensor,
+        (64,),
+        (1,),
+        0,
+        torch.UntypedStorage,
+        torch.uint8,
+        3,
+        b"handle",
+        64,
+        0,
+        False,
+        b"rc",
+        0,
+        b"event",
+        True,
+    )
     meta = TensorMeta("w", "bfloat16", (4, 8))
     bucket = IpcBucket(0, IpcHandle("cuda", args, 64, "GPU-1234"), ((meta, 0),), last=True)
     obj = Probe(io.BytesIO(serialize_bucket(bucket))).load()
     kind, rebuilt = obj["flattened_tensor"]
     assert kind == "rebuilt" and rebuilt[6] == "GPU-1234" and rebuilt[7] == b"handle"
     (m,) = obj["metadata"]
-    assert (m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) == ("w", (4, 8), torch.bfloat16, 0, 64, 64)
+    assert (m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) == (
+        "w",
+        (4, 8),
+        torch.bfloat16,
+        0,
+        64,
+        64,
+    )
     assert any("rebuild_cuda_tensor" in s for s in seen)
 
 
@@ -223,8 +257,9 @@ def _sglang_side(port: int, metas, bucket_bytes: int, conn) -> None:
     try:
         from sglang.srt.utils.common import init_custom_process_group
 
-        pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
-                                       group_name="hybrid-test")
+        pg = init_custom_process_group(
+            backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1, group_name="hybrid-test"
+        )
         got = {}
         for bucket in adapter.sglang_bucket_plan(metas, bucket_bytes):
             received = _receive_bucket(bucket)
@@ -248,8 +283,7 @@ def test_trainer_group_and_sender_speak_sglangs_protocol():
     proc.start()
     try:
         # generous deadlines: the child imports SGLang first, minutes on a loaded 2-core machine
-        pg = adapter.sglang_trainer_group("127.0.0.1", port, 2, group_name="hybrid-test", backend="gloo",
-                                          timeout_s=400)
+        pg = adapter.sglang_trainer_group("127.0.0.1", port, 2, group_name="hybrid-test", backend="gloo", timeout_s=400)
         stats = adapter.send_to_sglang(pg, iter(named), bucket_bytes=100)
         assert parent.poll(450), "SGLang's side did not answer"
         status, got = parent.recv()

@@ -59,9 +59,14 @@ def test_raw_logprobs_mode_and_wake_tags_exist():
 def test_sampling_params_has_every_field_and_accepts_every_mapped_request():
     fields = set(vllm.SamplingParams.__struct_fields__)
     assert set(VLLM_SAMPLING_FIELDS) <= fields, f"missing: {set(VLLM_SAMPLING_FIELDS) - fields}"
-    for params in (SamplingParams(), SamplingParams(temperature=0.0, n=3), SamplingParams(top_k=1, temperature=0.5),
-                   SamplingParams(temperature=1.3, top_p=0.8, top_k=20, n=4, seed=7, min_new_tokens=2,
-                                  stop_token_ids=(2, 5), logprobs=False)):
+    for params in (
+        SamplingParams(),
+        SamplingParams(temperature=0.0, n=3),
+        SamplingParams(top_k=1, temperature=0.5),
+        SamplingParams(
+            temperature=1.3, top_p=0.8, top_k=20, n=4, seed=7, min_new_tokens=2, stop_token_ids=(2, 5), logprobs=False
+        ),
+    ):
         for row in expand_rows([[1, 2, 3], [1, 2, 3]], params):
             for stop_at_eos in (True, False):
                 sp = vllm.SamplingParams(**vllm_sampling_kwargs(params, seed=row.seed, stop_at_eos=stop_at_eos))
@@ -95,7 +100,7 @@ def test_worker_extension_does_not_clash_with_vllms_worker_and_finds_what_it_use
     init = inspect.getsource(WorkerBase.__init__)
     for attr in ("self.rank", "self.device", "self.model_config"):
         assert attr in init, f"vLLM's WorkerBase no longer sets {attr}"
-    assert vllm_engine.WORKER_EXTENSION == f"{ext.__module__}.{ext.__qualname__}"
+    assert f"{ext.__module__}.{ext.__qualname__}" == vllm_engine.WORKER_EXTENSION
 
 
 def test_layerwise_reload_functions_exist_with_the_arguments_used():

@@ -23,5 +23,10 @@ class Fp32HFEngine(HFEngine):
 
     @classmethod
     def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
-        return {"model": plan.model_path, "seed": settings.seed, "trust_remote_code": settings.trust_remote_code,
-                "dtype": "float32", "max_batch_size": cls.MAX_ROWS}
+        return {
+            "model": plan.model_path,
+            "seed": settings.seed,
+            "trust_remote_code": settings.trust_remote_code,
+            "dtype": "float32",
+            "max_batch_size": cls.MAX_ROWS,
+        }

@@ -28,21 +28,27 @@ def tensor(name: str, x: object, *, ndim: int | None = None, floating: bool = Fa
     if not isinstance(x, torch.Tensor):
         raise AlgoInputError(name, f"expected a torch.Tensor, got {type(x).__name__}.", "Pass a tensor.")
     if ndim is not None and x.dim() != ndim:
-        raise AlgoInputError(name, f"expected a {ndim}-D tensor, got shape {tuple(x.shape)}.",
-                             _shape_hint(ndim))
+        raise AlgoInputError(name, f"expected a {ndim}-D tensor, got shape {tuple(x.shape)}.", _shape_hint(ndim))
     if floating and not x.is_floating_point():
-        raise AlgoInputError(name, f"expected a floating-point tensor, got dtype {x.dtype}.",
-                             f"Cast it, e.g. {name}.float().")
+        raise AlgoInputError(
+            name, f"expected a floating-point tensor, got dtype {x.dtype}.", f"Cast it, e.g. {name}.float()."
+        )
     return x
 
 
 def same_shape(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     if x.shape != ref.shape:
-        raise AlgoInputError(name, f"shape {tuple(x.shape)} does not match {ref_name} {tuple(ref.shape)}.",
-                             f"Pass {name} with the same shape as {ref_name} ([batch, response_len]).")
+        raise AlgoInputError(
+            name,
+            f"shape {tuple(x.shape)} does not match {ref_name} {tuple(ref.shape)}.",
+            f"Pass {name} with the same shape as {ref_name} ([batch, response_len]).",
+        )
     if x.device != ref.device:
-        raise AlgoInputError(name, f"is on {x.device} but {ref_name} is on {ref.device}.",
-                             f"Move both to one device, e.g. {name}.to({ref_name}.device).")
+        raise AlgoInputError(
+            name,
+            f"is on {x.device} but {ref_name} is on {ref.device}.",
+            f"Move both to one device, e.g. {name}.to({ref_name}.device).",
+        )
 
 
 def mask(name: str, m: object, *, like: torch.Tensor | None = None, like_name: str = "") -> torch.Tensor:
@@ -57,8 +63,9 @@ def mask(name: str, m: object, *, like: torch.Tensor | None = None, like_name: s
     return t != 0
 
 
-def finite(checks: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]],
-           masks: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
+def finite(
+    checks: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]], masks: Sequence[tuple[str, torch.Tensor]] = ()
+) -> None:
     """Raise if any tensor has NaN/inf where its mask is valid, or any mask holds values other than 0/1.
 
     All flags are gathered into one small tensor so the whole check costs a single host sync.
@@ -72,19 +79,26 @@ def finite(checks: Sequence[tuple[str, torch.Tensor, torch.Tensor | None]],
             bad = bad & valid
         flags.append(bad.sum())
     for _, m in masks:
-        flags.append(((m != 0) & (m != 1)).sum() if m.dtype != torch.bool else torch.zeros((), device=m.device,
-                                                                                              dtype=torch.long))
+        flags.append(
+            ((m != 0) & (m != 1)).sum() if m.dtype != torch.bool else torch.zeros((), device=m.device, dtype=torch.long)
+        )
     counts = torch.stack([f.to(device=flags[0].device, dtype=torch.long) for f in flags]).tolist()
     for (name, _, valid), n in zip(checks, counts):
         if n:
             where = "at valid (mask=1) positions" if valid is not None else "entries"
-            raise AlgoInputError(name, f"has {n} NaN/inf {where}.",
-                                 "Find where it is produced (a reward function returning NaN, an fp16 overflow) "
-                                 "and fix or filter those samples before computing advantages or losses.")
-    for (name, _), n in zip(masks, counts[len(checks):]):
+            raise AlgoInputError(
+                name,
+                f"has {n} NaN/inf {where}.",
+                "Find where it is produced (a reward function returning NaN, an fp16 overflow) "
+                "and fix or filter those samples before computing advantages or losses.",
+            )
+    for (name, _), n in zip(masks, counts[len(checks) :]):
         if n:
-            raise AlgoInputError(name, f"has {n} entries that are neither 0 nor 1.",
-                                 "A mask marks valid response tokens: pass a bool tensor or 0/1 values.")
+            raise AlgoInputError(
+                name,
+                f"has {n} entries that are neither 0 nor 1.",
+                "A mask marks valid response tokens: pass a bool tensor or 0/1 values.",
+            )
 
 
 def positive_float(name: str, value: float, *, allow_zero: bool = False) -> float:
@@ -104,6 +118,8 @@ def unit_interval(name: str, value: float) -> float:
 
 
 def _shape_hint(ndim: int) -> str:
-    return {1: "Pass one value per sequence: shape [batch].",
-            2: "Pass per-token values: shape [batch, response_len].",
-            3: "Pass logits: shape [batch, response_len, vocab]."}.get(ndim, f"Pass a {ndim}-D tensor.")
+    return {
+        1: "Pass one value per sequence: shape [batch].",
+        2: "Pass per-token values: shape [batch, response_len].",
+        3: "Pass logits: shape [batch, response_len, vocab].",
+    }.get(ndim, f"Pass a {ndim}-D tensor.")

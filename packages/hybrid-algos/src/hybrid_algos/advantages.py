@@ -83,14 +83,20 @@ class AdvantageInputs:
         batch = mask.shape[0]
         value_checks: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
         if self.scores is None and self.token_rewards is None:
-            raise AlgoInputError("scores", "neither scores nor token_rewards were given.",
-                                 "Pass scores=[batch] outcome rewards and/or token_rewards=[batch, len].")
+            raise AlgoInputError(
+                "scores",
+                "neither scores nor token_rewards were given.",
+                "Pass scores=[batch] outcome rewards and/or token_rewards=[batch, len].",
+            )
         if self.scores is not None:
             scores = _checks.tensor("scores", self.scores, ndim=1)
             if scores.shape[0] != batch or scores.device != mask.device:
-                raise AlgoInputError("scores", f"shape {tuple(scores.shape)} on {scores.device} does not match "
-                                     f"response_mask {tuple(mask.shape)} on {mask.device}.",
-                                     "Pass one score per sequence, on the mask's device.")
+                raise AlgoInputError(
+                    "scores",
+                    f"shape {tuple(scores.shape)} on {scores.device} does not match "
+                    f"response_mask {tuple(mask.shape)} on {mask.device}.",
+                    "Pass one score per sequence, on the mask's device.",
+                )
             self.scores = scores if scores.is_floating_point() else scores.float()
             value_checks.append(("scores", self.scores, None))
         for name in ("token_rewards", "values"):
@@ -107,20 +113,32 @@ class AdvantageInputs:
 
     def _check_groups(self, batch: int) -> None:
         if self.group_ids is not None and self.n_samples_per_prompt is not None:
-            raise AlgoInputError("group_ids", "both group_ids and n_samples_per_prompt were given.",
-                                 "Pass one: n_samples_per_prompt for consecutive blocks, group_ids otherwise.")
+            raise AlgoInputError(
+                "group_ids",
+                "both group_ids and n_samples_per_prompt were given.",
+                "Pass one: n_samples_per_prompt for consecutive blocks, group_ids otherwise.",
+            )
         n = self.n_samples_per_prompt
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1 or batch % n):
-            raise AlgoInputError("n_samples_per_prompt", f"must be a positive int dividing the batch ({batch}), "
-                                 f"got {n!r}.", "Pass the number of samples generated per prompt.")
+            raise AlgoInputError(
+                "n_samples_per_prompt",
+                f"must be a positive int dividing the batch ({batch}), got {n!r}.",
+                "Pass the number of samples generated per prompt.",
+            )
         ids = self.group_ids
         if isinstance(ids, torch.Tensor) and (ids.dim() != 1 or ids.is_floating_point() or ids.is_complex()):
-            raise AlgoInputError("group_ids", f"expected a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}.",
-                                 "Pass integer prompt ids, shape [batch].")
+            raise AlgoInputError(
+                "group_ids",
+                f"expected a 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}.",
+                "Pass integer prompt ids, shape [batch].",
+            )
         if ids is not None and (isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or len(ids) != batch):
             got = f"{len(ids)} ids" if hasattr(ids, "__len__") else type(ids).__name__
-            raise AlgoInputError("group_ids", f"expected one id per sequence ({batch}), got {got}.",
-                                 "Pass one group (prompt) id per sequence: a list or a 1-D integer tensor.")
+            raise AlgoInputError(
+                "group_ids",
+                f"expected one id per sequence ({batch}), got {got}.",
+                "Pass one group (prompt) id per sequence: a list or a 1-D integer tensor.",
+            )
 
     @property
     def has_groups(self) -> bool:
@@ -133,8 +151,11 @@ class AdvantageInputs:
             n = self.n_samples_per_prompt
             return torch.arange(batch, device=device) // n, batch // n
         if self.group_ids is None:
-            raise AlgoInputError("group_ids", "this estimator compares samples of the same prompt but no groups "
-                                 "were given.", "Pass n_samples_per_prompt=n or group_ids=[batch].")
+            raise AlgoInputError(
+                "group_ids",
+                "this estimator compares samples of the same prompt but no groups were given.",
+                "Pass n_samples_per_prompt=n or group_ids=[batch].",
+            )
         if isinstance(self.group_ids, torch.Tensor):
             uniq, index = torch.unique(self.group_ids.to(device), return_inverse=True)
             return index, int(uniq.numel())
@@ -187,42 +208,59 @@ class AdvantageEstimator:
 
     def __call__(self, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(inputs, AdvantageInputs):
-            raise AlgoInputError("inputs", f"expected AdvantageInputs, got {type(inputs).__name__}.",
-                                 "Wrap the tensors: AdvantageInputs(response_mask=..., scores=..., ...).")
+            raise AlgoInputError(
+                "inputs",
+                f"expected AdvantageInputs, got {type(inputs).__name__}.",
+                "Wrap the tensors: AdvantageInputs(response_mask=..., scores=..., ...).",
+            )
         for need in self.requires:
             missing = not inputs.has_groups if need == "groups" else getattr(inputs, need) is None
             if missing:
                 field = "group_ids" if need == "groups" else need
-                raise AlgoInputError(field, f"the {self.name!r} estimator needs {_NEEDS[need]}, but none were given.",
-                                     f"Pass AdvantageInputs({_FIX[need]}).")
+                raise AlgoInputError(
+                    field,
+                    f"the {self.name!r} estimator needs {_NEEDS[need]}, but none were given.",
+                    f"Pass AdvantageInputs({_FIX[need]}).",
+                )
         with torch.no_grad():
             advantages, returns = self.fn(inputs)
         for name, x in (("advantages", advantages), ("returns", returns)):
             if not isinstance(x, torch.Tensor) or x.shape != inputs.response_mask.shape:
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise AlgoInputError(name, f"estimator {self.name!r} returned {got}, expected "
-                                     f"{tuple(inputs.response_mask.shape)}.", "Fix the registered estimator.")
+                raise AlgoInputError(
+                    name,
+                    f"estimator {self.name!r} returned {got}, expected {tuple(inputs.response_mask.shape)}.",
+                    "Fix the registered estimator.",
+                )
         return advantages, returns
 
 
 _NEEDS = {"scores": "per-sequence scores", "values": "critic values", "groups": "prompt groups"}
-_FIX = {"scores": "scores=<[batch] outcome rewards>", "values": "values=<[batch, len] critic values>",
-        "groups": "n_samples_per_prompt=n or group_ids=<[batch] prompt ids>"}
+_FIX = {
+    "scores": "scores=<[batch] outcome rewards>",
+    "values": "values=<[batch, len] critic values>",
+    "groups": "n_samples_per_prompt=n or group_ids=<[batch] prompt ids>",
+}
 
 
 def _same_definition(a: Callable[..., object], b: Callable[..., object]) -> bool:
     """``a`` and ``b`` are one function of one file (its module imported twice, under two names)."""
     code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return (code_a is not None and code_b is not None and a.__qualname__ == b.__qualname__
-            and os.path.abspath(code_a.co_filename) == os.path.abspath(code_b.co_filename))
+    return (
+        code_a is not None
+        and code_b is not None
+        and a.__qualname__ == b.__qualname__
+        and os.path.abspath(code_a.co_filename) == os.path.abspath(code_b.co_filename)
+    )
 
 
 _REGISTRY: dict[str, AdvantageEstimator] = {}
 _ALIASES: dict[str, str] = {}
 
 
-def register_advantage_estimator(name: str, *, aliases: Sequence[str] = (), requires: Sequence[str] = (),
-                                 replace: bool = False) -> Callable[[EstimatorFn], EstimatorFn]:
+def register_advantage_estimator(
+    name: str, *, aliases: Sequence[str] = (), requires: Sequence[str] = (), replace: bool = False
+) -> Callable[[EstimatorFn], EstimatorFn]:
     """Decorator: register ``fn(inputs: AdvantageInputs) -> (advantages, returns)`` under ``name`` (and aliases).
 
     ``requires`` lists what the estimator cannot run without (``"scores"``, ``"values"``, ``"groups"``); a missing
@@ -244,8 +282,11 @@ def register_advantage_estimator(name: str, *, aliases: Sequence[str] = (), requ
         entries = [_REGISTRY.get(_ALIASES.get(n, n)) for n in taken]
         again = all(e is not None and _same_definition(e.fn, fn) for e in entries)
         if taken and not replace and not again:
-            raise AlgoInputError("name", f"advantage estimator name(s) {taken} are already registered.",
-                                 "Pick another name, or pass replace=True to override.")
+            raise AlgoInputError(
+                "name",
+                f"advantage estimator name(s) {taken} are already registered.",
+                "Pick another name, or pass replace=True to override.",
+            )
         for n in taken:
             _REGISTRY.pop(n, None)
             _ALIASES.pop(n, None)
@@ -261,8 +302,11 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered under ``name`` or one of its aliases; unknown names list the known ones."""
     canonical = _ALIASES.get(name, name)
     if canonical not in _REGISTRY:
-        raise AlgoInputError("advantage_estimator", f"unknown estimator {name!r}.",
-                             f"Choose one of: {', '.join(list_advantage_estimators())}.")
+        raise AlgoInputError(
+            "advantage_estimator",
+            f"unknown estimator {name!r}.",
+            f"Choose one of: {', '.join(list_advantage_estimators())}.",
+        )
     return _REGISTRY[canonical]
 
 
@@ -313,8 +357,9 @@ def _broadcast_outcome(inputs: AdvantageInputs, shaped: torch.Tensor) -> tuple[t
 @register_advantage_estimator("gae", requires=("values",))
 def gae_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's GAE with a critic; returns (the critic's targets) are the un-whitened ``A + V``."""
-    advantages, returns = generalized_advantages(inputs.rewards_per_token(), inputs.values, inputs.response_mask,
-                                                 inputs.gamma, inputs.lam)
+    advantages, returns = generalized_advantages(
+        inputs.rewards_per_token(), inputs.values, inputs.response_mask, inputs.gamma, inputs.lam
+    )
     return masked_whiten(advantages, inputs.response_mask), returns
 
 
@@ -325,8 +370,9 @@ def reinforce_plus_plus_advantages(inputs: AdvantageInputs) -> tuple[torch.Tenso
     return masked_whiten(returns, inputs.response_mask), returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline", aliases=("reinforce_baseline",),
-                              requires=("scores", "groups"))
+@register_advantage_estimator(
+    "reinforce_plus_plus_baseline", aliases=("reinforce_baseline",), requires=("scores", "groups")
+)
 def reinforce_plus_plus_baseline_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: score minus its prompt's mean score, then REINFORCE++."""
     mean, _, _ = _group_mean_std(inputs.scores, *inputs.group_index())
@@ -353,6 +399,9 @@ def rloo_advantages(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor
     """RLOO: ``score - mean of the other samples of the prompt`` = ``n / (n - 1) * (score - group mean)``."""
     mean, _, count = _group_mean_std(inputs.scores, *inputs.group_index())
     if bool((count < 2).any()):
-        raise AlgoInputError("group_ids", "rloo needs at least 2 samples per prompt (a leave-one-out baseline), "
-                             "but some groups have 1.", "Generate n_samples_per_prompt >= 2.")
+        raise AlgoInputError(
+            "group_ids",
+            "rloo needs at least 2 samples per prompt (a leave-one-out baseline), but some groups have 1.",
+            "Generate n_samples_per_prompt >= 2.",
+        )
     return _broadcast_outcome(inputs, (inputs.scores - mean) * count / (count - 1))

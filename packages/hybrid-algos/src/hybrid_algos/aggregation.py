@@ -33,13 +33,15 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 
 def check_agg_mode(mode: str) -> str:
     if mode not in LOSS_AGG_MODES:
-        raise AlgoInputError("loss_agg_mode", f"unknown aggregation mode {mode!r}.",
-                             f"Choose one of: {', '.join(LOSS_AGG_MODES)}.")
+        raise AlgoInputError(
+            "loss_agg_mode", f"unknown aggregation mode {mode!r}.", f"Choose one of: {', '.join(LOSS_AGG_MODES)}."
+        )
     return mode
 
 
-def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
-                   norm_len: float | None = None) -> torch.Tensor:
+def aggregate_loss(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", norm_len: float | None = None
+) -> torch.Tensor:
     """A scalar from the per-token ``loss`` ``[batch, len]`` over valid tokens of ``mask``; 0 if none is valid."""
     check_agg_mode(mode)
     loss = _checks.tensor("loss", loss, ndim=2, floating=True)

@@ -41,9 +41,11 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     logits = _checks.tensor("logits", logits, floating=True)
     tokens = _checks.tensor("tokens", tokens)
     if tokens.shape != logits.shape[:-1] or tokens.is_floating_point():
-        raise AlgoInputError("tokens", f"expected integer ids of shape {tuple(logits.shape[:-1])}, got "
-                             f"{tokens.dtype} {tuple(tokens.shape)}.",
-                             "Pass the token ids aligned with the logits' positions.")
+        raise AlgoInputError(
+            "tokens",
+            f"expected integer ids of shape {tuple(logits.shape[:-1])}, got {tokens.dtype} {tuple(tokens.shape)}.",
+            "Pass the token ids aligned with the logits' positions.",
+        )
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     chosen = x.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return chosen - torch.logsumexp(x, dim=-1)
@@ -52,6 +54,9 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 def _check_positions_mask(mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     mask = _checks.tensor("mask", mask)
     if mask.shape != logits.shape[:-1]:
-        raise AlgoInputError("mask", f"shape {tuple(mask.shape)} does not match the logits' positions "
-                             f"{tuple(logits.shape[:-1])}.", "Pass one mask entry per position.")
+        raise AlgoInputError(
+            "mask",
+            f"shape {tuple(mask.shape)} does not match the logits' positions {tuple(logits.shape[:-1])}.",
+            "Pass one mask entry per position.",
+        )
     return mask if mask.dtype == torch.bool else mask != 0

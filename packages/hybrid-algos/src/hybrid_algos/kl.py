@@ -44,9 +44,15 @@ def _estimator_name(estimator: str) -> str:
     return name
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1", *,
-                mask: torch.Tensor | None = None, log_ratio_clamp: float | None = 20.0,
-                max_value: float | None = 10.0) -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: str = "k1",
+    *,
+    mask: torch.Tensor | None = None,
+    log_ratio_clamp: float | None = 20.0,
+    max_value: float | None = 10.0,
+) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref), ``[batch, len]``, differentiable w.r.t. ``logprobs``.
 
     ``log_ratio_clamp`` and ``max_value`` apply to k3 only (None turns them off). With ``mask``, masked positions
@@ -96,16 +102,23 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 @no_grad
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float,
-               estimator: str = "k1") -> torch.Tensor:
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kl_coef: float, estimator: str = "k1"
+) -> torch.Tensor:
     """``-kl_coef * KL`` per valid token (0 elsewhere), detached: the dense reward of KL-penalised RLHF."""
     kl_coef = _checks.positive_float("kl_coef", kl_coef, allow_zero=True)
     return -kl_coef * kl_estimate(logprobs, ref_logprobs, estimator, mask=mask)
 
 
 @no_grad
-def kl_penalty_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                       mask: torch.Tensor, kl_coef: float, estimator: str = "k1") -> torch.Tensor:
+def kl_penalty_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+) -> torch.Tensor:
     """Full per-token rewards: each score on its last valid token, ``-kl_coef * KL`` on every valid token.
 
     Pass the result as ``AdvantageInputs(token_rewards=...)`` with ``scores=None`` (it already holds the scores).
@@ -149,8 +162,11 @@ class AdaptiveKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         current_kl = float(current_kl)
         if not math.isfinite(current_kl):
-            raise AlgoInputError("current_kl", f"must be finite, got {current_kl}.",
-                                 "A NaN/inf KL would freeze the coefficient at NaN; check the log-probs.")
+            raise AlgoInputError(
+                "current_kl",
+                f"must be finite, got {current_kl}.",
+                "A NaN/inf KL would freeze the coefficient at NaN; check the log-probs.",
+            )
         if n_steps < 0:
             raise AlgoInputError("n_steps", f"must be >= 0, got {n_steps}.")
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)

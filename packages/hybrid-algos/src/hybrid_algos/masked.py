@@ -20,8 +20,11 @@ def _valid(values: torch.Tensor, mask: torch.Tensor, floating: bool = False) -> 
     _checks.tensor("values", values, floating=floating)
     _checks.tensor("mask", mask)
     if mask.shape != values.shape:
-        raise AlgoInputError("mask", f"shape {tuple(mask.shape)} does not match values {tuple(values.shape)}.",
-                             "Pass one mask entry per value.")
+        raise AlgoInputError(
+            "mask",
+            f"shape {tuple(mask.shape)} does not match values {tuple(values.shape)}.",
+            "Pass one mask entry per value.",
+        )
     m = mask if mask.dtype == torch.bool else mask != 0
     return torch.where(m, values, torch.zeros((), dtype=values.dtype, device=values.device)), m
 
@@ -52,8 +55,9 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return (centered.square().sum() / (count - ddof).clamp(min=1)) * (count - ddof > 0)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, unbiased: bool = True,
-                  eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True, unbiased: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
     """``(values - mean) / sqrt(var + eps)`` over the valid entries; masked entries come out as 0.
 
     ``shift_mean=False`` adds the mean back (scale only), as used for value targets. Mean and variance are over the

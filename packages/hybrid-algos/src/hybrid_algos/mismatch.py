@@ -57,9 +57,17 @@ class RolloutCorrection:
 _METHODS: dict[str, RolloutCorrection] = {}
 
 
-def register_rollout_correction(name: str, summary: str, *, weight_level: str | None, truncate: bool,
-                                reject_level: str | None, low: float | None, high: float,
-                                replace: bool = False) -> RolloutCorrection:
+def register_rollout_correction(
+    name: str,
+    summary: str,
+    *,
+    weight_level: str | None,
+    truncate: bool,
+    reject_level: str | None,
+    low: float | None,
+    high: float,
+    replace: bool = False,
+) -> RolloutCorrection:
     """Add a correction method built from the parts above (see the module docstring for the built-in ones)."""
     for field, level in (("weight_level", weight_level), ("reject_level", reject_level)):
         if level is not None and level not in LEVELS:
@@ -74,8 +82,11 @@ def register_rollout_correction(name: str, summary: str, *, weight_level: str | 
 
 def get_rollout_correction(name: str) -> RolloutCorrection:
     if name not in _METHODS:
-        raise AlgoInputError("vllm_is_correction_type", f"unknown rollout correction {name!r}.",
-                             f"Choose one of: {', '.join(list_rollout_corrections())}.")
+        raise AlgoInputError(
+            "vllm_is_correction_type",
+            f"unknown rollout correction {name!r}.",
+            f"Choose one of: {', '.join(list_rollout_corrections())}.",
+        )
     return _METHODS[name]
 
 
@@ -100,9 +111,16 @@ class Correction:
 
 
 @no_grad
-def rollout_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
-                       method: str = "tis", *, low: float | None = None, high: float | None = None,
-                       log_ratio_clamp: float = 20.0) -> Correction:
+def rollout_correction(
+    old_logprobs: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    method: str = "tis",
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> Correction:
     """Importance weights ``pi_old / mu`` of the sampled tokens, truncated or masked as ``method`` says.
 
     ``old_logprobs``: the trainer's log-probs of the sampled tokens with the weights the engine sampled with;
@@ -114,11 +132,14 @@ def rollout_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
     high = spec.high if high is None else high
     _check_bounds(low, high)
     old = _checks.tensor("old_logprobs", old_logprobs, ndim=2, floating=True)
-    _checks.same_shape("engine_logprobs", _checks.tensor("engine_logprobs", engine_logprobs, ndim=2, floating=True),
-                       "old_logprobs", old)
+    _checks.same_shape(
+        "engine_logprobs",
+        _checks.tensor("engine_logprobs", engine_logprobs, ndim=2, floating=True),
+        "old_logprobs",
+        old,
+    )
     valid = _checks.mask("mask", mask, like=old, like_name="old_logprobs")
-    _checks.finite([("old_logprobs", old, valid), ("engine_logprobs", engine_logprobs, valid)],
-                   masks=[("mask", mask)])
+    _checks.finite([("old_logprobs", old, valid), ("engine_logprobs", engine_logprobs, valid)], masks=[("mask", mask)])
 
     dtype = torch.promote_types(old.dtype, torch.float32)
     log_ratio = torch.where(valid, old.to(dtype) - engine_logprobs.to(dtype), 0.0)
@@ -168,13 +189,48 @@ def rollout_correction(old_logprobs: torch.Tensor, engine_logprobs: torch.Tensor
     return Correction(weights.detach(), keep, stats)
 
 
-register_rollout_correction("tis", "truncated IS per token: min(rho, high) (a lower bound only if given)",
-                            weight_level="token", truncate=True, reject_level=None, low=None, high=2.0)
-register_rollout_correction("icepop", "IcePop: token IS weight rho inside [low, high], 0 outside",
-                            weight_level="token", truncate=False, reject_level="token", low=0.5, high=5.0)
-register_rollout_correction("seq-tis", "truncated IS per sequence: min(prod rho, high) on every token",
-                            weight_level="sequence", truncate=True, reject_level=None, low=None, high=5.0)
-register_rollout_correction("seq-mis", "masked IS per sequence: prod rho, whole sequences outside [low, high] dropped",
-                            weight_level="sequence", truncate=False, reject_level="sequence", low=0.5, high=2.0)
-register_rollout_correction("seq-mask-tis", "OpenRLHF's: drop sequences by geometric-mean rho, token clip(rho, low, high)",
-                            weight_level="token", truncate=True, reject_level="geometric", low=0.5, high=5.0)
+register_rollout_correction(
+    "tis",
+    "truncated IS per token: min(rho, high) (a lower bound only if given)",
+    weight_level="token",
+    truncate=True,
+    reject_level=None,
+    low=None,
+    high=2.0,
+)
+register_rollout_correction(
+    "icepop",
+    "IcePop: token IS weight rho inside [low, high], 0 outside",
+    weight_level="token",
+    truncate=False,
+    reject_level="token",
+    low=0.5,
+    high=5.0,
+)
+register_rollout_correction(
+    "seq-tis",
+    "truncated IS per sequence: min(prod rho, high) on every token",
+    weight_level="sequence",
+    truncate=True,
+    reject_level=None,
+    low=None,
+    high=5.0,
+)
+register_rollout_correction(
+    "seq-mis",
+    "masked IS per sequence: prod rho, whole sequences outside [low, high] dropped",
+    weight_level="sequence",
+    truncate=False,
+    reject_level="sequence",
+    low=0.5,
+    high=2.0,
+)
+register_rollout_correction(
+    "seq-mask-tis",
+    "OpenRLHF's: drop sequences by geometric-mean rho, token clip(rho, low, high)",
+    weight_level="token",
+    truncate=True,
+    reject_level="geometric",
+    low=0.5,
+    high=5.0,
+)

@@ -106,18 +106,28 @@ class PolicyLoss:
 def _same_definition(a: Callable[..., object], b: Callable[..., object]) -> bool:
     """``a`` and ``b`` are one function of one file (its module imported twice, under two names)."""
     code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    return (code_a is not None and code_b is not None and a.__qualname__ == b.__qualname__
-            and os.path.abspath(code_a.co_filename) == os.path.abspath(code_b.co_filename))
+    return (
+        code_a is not None
+        and code_b is not None
+        and a.__qualname__ == b.__qualname__
+        and os.path.abspath(code_a.co_filename) == os.path.abspath(code_b.co_filename)
+    )
 
 
 _REGISTRY: dict[str, PolicyLoss] = {}
 _ALIASES: dict[str, str] = {}
 
 
-def register_policy_loss(name: str, *, aliases: Sequence[str] = (), agg_mode: str = "token-mean",
-                         uses: Sequence[str] = ("clip",), replace: bool = False,
-                         default_clip: tuple[float, float] = (0.2, 0.2),
-                         default_clip_source: str = "PPO's 0.2") -> Callable[[LossFn], LossFn]:
+def register_policy_loss(
+    name: str,
+    *,
+    aliases: Sequence[str] = (),
+    agg_mode: str = "token-mean",
+    uses: Sequence[str] = ("clip",),
+    replace: bool = False,
+    default_clip: tuple[float, float] = (0.2, 0.2),
+    default_clip_source: str = "PPO's 0.2",
+) -> Callable[[LossFn], LossFn]:
     """Decorator: register ``fn(inputs: PolicyLossInputs) -> (per_token_loss, stats)`` under ``name``.
 
     ``agg_mode`` is the loss's default aggregation; ``uses`` the settings it reads (``"clip"``: ``clip_low`` /
@@ -142,13 +152,23 @@ def register_policy_loss(name: str, *, aliases: Sequence[str] = (), agg_mode: st
         entries = [_REGISTRY.get(_ALIASES.get(n, n)) for n in taken]
         again = all(e is not None and _same_definition(e.fn, fn) for e in entries)
         if taken and not replace and not again:
-            raise AlgoInputError("name", f"policy loss name(s) {taken} are already registered.",
-                                 "Pick another name, or pass replace=True to override.")
+            raise AlgoInputError(
+                "name",
+                f"policy loss name(s) {taken} are already registered.",
+                "Pick another name, or pass replace=True to override.",
+            )
         for n in taken:
             _REGISTRY.pop(n, None)
             _ALIASES.pop(n, None)
-        _REGISTRY[name] = PolicyLoss(name, fn, agg_mode, tuple(uses), tuple(aliases),
-                                     (float(default_clip[0]), float(default_clip[1])), default_clip_source)
+        _REGISTRY[name] = PolicyLoss(
+            name,
+            fn,
+            agg_mode,
+            tuple(uses),
+            tuple(aliases),
+            (float(default_clip[0]), float(default_clip[1])),
+            default_clip_source,
+        )
         for alias in aliases:
             _ALIASES[alias] = name
         return fn
@@ -160,8 +180,9 @@ def get_policy_loss(name: str) -> PolicyLoss:
     """The loss registered under ``name`` or one of its aliases; unknown names list the known ones."""
     canonical = _ALIASES.get(name, name)
     if canonical not in _REGISTRY:
-        raise AlgoInputError("policy_loss_type", f"unknown policy loss {name!r}.",
-                             f"Choose one of: {', '.join(list_policy_losses())}.")
+        raise AlgoInputError(
+            "policy_loss_type", f"unknown policy loss {name!r}.", f"Choose one of: {', '.join(list_policy_losses())}."
+        )
     return _REGISTRY[canonical]
 
 
@@ -170,8 +191,9 @@ def list_policy_losses(include_aliases: bool = True) -> list[str]:
     return sorted(set(_REGISTRY) | (set(_ALIASES) if include_aliases else set()))
 
 
-def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None, *, low_max: float = 1.0,
-                low_inclusive: bool = False) -> None:
+def _check_clip(
+    clip_low: float, clip_high: float, dual_clip: float | None, *, low_max: float = 1.0, low_inclusive: bool = False
+) -> None:
     ok_low = 0.0 <= clip_low <= low_max if low_inclusive else 0.0 <= clip_low < low_max
     if not ok_low:
         bound = "]" if low_inclusive else ")"
@@ -179,15 +201,28 @@ def _check_clip(clip_low: float, clip_high: float, dual_clip: float | None, *, l
     if not clip_high >= 0.0:
         raise AlgoInputError("clip_high", f"must be >= 0, got {clip_high}.", "Typical: 0.2, or 0.28 for clip-higher.")
     if dual_clip is not None and not dual_clip > 1.0:
-        raise AlgoInputError("dual_clip", f"must be > 1 (it caps the loss at -A * dual_clip), got {dual_clip}.",
-                             "Typical: 3.0, or None to turn it off.")
+        raise AlgoInputError(
+            "dual_clip",
+            f"must be > 1 (it caps the loss at -A * dual_clip), got {dual_clip}.",
+            "Typical: 3.0, or None to turn it off.",
+        )
 
 
-def compute_policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        mask: torch.Tensor, *, clip_low: float | None = None, clip_high: float | None = None,
-                        dual_clip: float | None = None, agg_mode: str | None = None, norm_len: float | None = None,
-                        is_weights: torch.Tensor | None = None, log_ratio_clamp: float = 20.0
-                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def compute_policy_loss(
+    name: str,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    agg_mode: str | None = None,
+    norm_len: float | None = None,
+    is_weights: torch.Tensor | None = None,
+    log_ratio_clamp: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss ``name`` aggregated over valid tokens -> ``(loss, stats)``; gradients flow through ``logprobs``.
 
     Shapes ``[batch, len]``. ``agg_mode`` defaults to the loss's own, and so does the clip range when neither
@@ -204,8 +239,11 @@ def compute_policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.T
         clip_high = loss_def.default_clip[1] if clip_high is None else clip_high
     clip_high = clip_low if clip_high is None else clip_high
     if dual_clip is not None and "dual_clip" not in loss_def.uses:
-        raise AlgoInputError("dual_clip", f"the {loss_def.name!r} policy loss has no dual clip.",
-                             "Leave dual_clip unset, or use the 'ppo' loss.")
+        raise AlgoInputError(
+            "dual_clip",
+            f"the {loss_def.name!r} policy loss has no dual clip.",
+            "Leave dual_clip unset, or use the 'ppo' loss.",
+        )
     _check_clip(clip_low, clip_high, dual_clip, low_inclusive=loss_def.name == "cispo")
     agg_mode = check_agg_mode(loss_def.agg_mode if agg_mode is None else agg_mode)
     _checks.positive_float("log_ratio_clamp", log_ratio_clamp)
@@ -213,11 +251,15 @@ def compute_policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.T
     for arg, x in (("old_logprobs", old_logprobs), ("advantages", advantages)):
         _checks.same_shape(arg, _checks.tensor(arg, x, ndim=2, floating=True), "logprobs", logprobs)
     valid = _checks.mask("mask", mask, like=logprobs, like_name="logprobs")
-    value_checks = [("logprobs", logprobs, valid), ("old_logprobs", old_logprobs, valid),
-                    ("advantages", advantages, valid)]
+    value_checks = [
+        ("logprobs", logprobs, valid),
+        ("old_logprobs", old_logprobs, valid),
+        ("advantages", advantages, valid),
+    ]
     if is_weights is not None:
-        _checks.same_shape("is_weights", _checks.tensor("is_weights", is_weights, ndim=2, floating=True),
-                           "logprobs", logprobs)
+        _checks.same_shape(
+            "is_weights", _checks.tensor("is_weights", is_weights, ndim=2, floating=True), "logprobs", logprobs
+        )
         value_checks.append(("is_weights", is_weights, valid))
     _checks.finite(value_checks, masks=[("mask", mask)])
 
@@ -226,13 +268,20 @@ def compute_policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.T
         logprobs=torch.where(valid, logprobs.to(dtype), 0.0),
         old_logprobs=torch.where(valid, old_logprobs.detach().to(dtype), 0.0),
         advantages=torch.where(valid, advantages.detach().to(dtype), 0.0),
-        mask=valid, clip_low=float(clip_low), clip_high=float(clip_high), dual_clip=dual_clip,
-        log_ratio_clamp=float(log_ratio_clamp))
+        mask=valid,
+        clip_low=float(clip_low),
+        clip_high=float(clip_high),
+        dual_clip=dual_clip,
+        log_ratio_clamp=float(log_ratio_clamp),
+    )
     per_token, stats = loss_def.fn(inputs)
     if not isinstance(per_token, torch.Tensor) or per_token.shape != logprobs.shape:
         got = tuple(per_token.shape) if isinstance(per_token, torch.Tensor) else type(per_token).__name__
-        raise AlgoInputError("per_token_loss", f"policy loss {loss_def.name!r} returned {got}, expected "
-                             f"{tuple(logprobs.shape)}.", "Fix the registered loss.")
+        raise AlgoInputError(
+            "per_token_loss",
+            f"policy loss {loss_def.name!r} returned {got}, expected {tuple(logprobs.shape)}.",
+            "Fix the registered loss.",
+        )
     if is_weights is not None:
         per_token = per_token * torch.where(valid, is_weights.detach().to(per_token.dtype), 0.0)
     loss = aggregate_loss(per_token, valid, agg_mode, norm_len)
@@ -241,34 +290,57 @@ def compute_policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.T
         log_ratio = inputs.log_ratio().detach()
         r = torch.exp(log_ratio)
         n = valid.sum().clamp(min=1)
-        stats = {**{k: v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for k, v in stats.items()},
-                 "approx_kl": torch.where(valid, (r - 1) - log_ratio, 0.0).sum() / n,
-                 "ratio_mean": torch.where(valid, r, 0.0).sum() / n,
-                 "ratio_max": torch.where(valid, r, 0.0).amax() if r.numel() else r.new_zeros(())}
+        stats = {
+            **{k: v.detach() if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for k, v in stats.items()},
+            "approx_kl": torch.where(valid, (r - 1) - log_ratio, 0.0).sum() / n,
+            "ratio_mean": torch.where(valid, r, 0.0).sum() / n,
+            "ratio_max": torch.where(valid, r, 0.0).amax() if r.numel() else r.new_zeros(()),
+        }
     return loss, stats
 
 
-def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                    mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float | None = None,
-                    dual_clip: float | None = None, agg_mode: str = "token-mean", norm_len: float | None = None,
-                    log_ratio_clamp: float = 20.0, is_weights: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    agg_mode: str = "token-mean",
+    norm_len: float | None = None,
+    log_ratio_clamp: float = 20.0,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate, aggregated with ``agg_mode``: ``compute_policy_loss("ppo", ...)``.
 
     Returns ``(loss, stats)``; ``stats`` holds detached scalars over valid tokens: ``clip_frac`` (tokens where
     clipping is active), ``dual_clip_frac``, ``approx_kl`` (k3 estimate of KL(old || new)) and ``ratio_mean``,
     ``ratio_max``.
     """
-    return compute_policy_loss("ppo", logprobs, old_logprobs, advantages, mask, clip_low=clip_low,
-                               clip_high=clip_high, dual_clip=dual_clip, agg_mode=agg_mode, norm_len=norm_len,
-                               is_weights=is_weights, log_ratio_clamp=log_ratio_clamp)
+    return compute_policy_loss(
+        "ppo",
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        agg_mode=agg_mode,
+        norm_len=norm_len,
+        is_weights=is_weights,
+        log_ratio_clamp=log_ratio_clamp,
+    )
 
 
 # ---- built-in losses --------------------------------------------------------------------------------------------
 
 
-def _clipped_surrogate(adv: torch.Tensor, ratio: torch.Tensor, inputs: PolicyLossInputs
-                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _clipped_surrogate(
+    adv: torch.Tensor, ratio: torch.Tensor, inputs: PolicyLossInputs
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - inputs.clip_low, 1.0 + inputs.clip_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -278,8 +350,10 @@ def _clipped_surrogate(adv: torch.Tensor, ratio: torch.Tensor, inputs: PolicyLos
         dual_active = (adv < 0) & (per_token > cap)
         per_token = torch.where(dual_active, cap, per_token)
     with torch.no_grad():
-        stats = {"clip_frac": inputs.valid_fraction(clipped > unclipped),
-                 "dual_clip_frac": inputs.valid_fraction(dual_active)}
+        stats = {
+            "clip_frac": inputs.valid_fraction(clipped > unclipped),
+            "dual_clip_frac": inputs.valid_fraction(dual_active),
+        }
     return per_token, stats
 
 
@@ -297,8 +371,12 @@ def dr_grpo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torc
 
 # GSPO clips a sequence-level ratio (a geometric mean of token ratios), which stays far closer to 1 than token
 # ratios: its paper's clip range is (3e-4, 4e-4), not PPO's 0.2 (which would almost never clip).
-@register_policy_loss("gspo", agg_mode="seq-mean-token-mean", default_clip=(3e-4, 4e-4),
-                      default_clip_source="GSPO's paper (Zheng et al. 2025, arXiv:2507.18071): 3e-4 / 4e-4")
+@register_policy_loss(
+    "gspo",
+    agg_mode="seq-mean-token-mean",
+    default_clip=(3e-4, 4e-4),
+    default_clip_source="GSPO's paper (Zheng et al. 2025, arXiv:2507.18071): 3e-4 / 4e-4",
+)
 def gspo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: one clipped ratio per sequence, the geometric mean of its token ratios."""
     mask = inputs.mask
@@ -313,8 +391,11 @@ def gspo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.T
 
 # CISPO clips the importance weight from above only: its paper sets no lower bound (clip_low = 1, a weight floor of
 # 0) and tunes the upper one without giving a value; 0.28 is DAPO's clip-higher, the usual choice in its ports.
-@register_policy_loss("cispo", default_clip=(1.0, 0.28),
-                      default_clip_source="CISPO's paper (MiniMax-M1, arXiv:2506.13585): no lower bound; upper 0.28")
+@register_policy_loss(
+    "cispo",
+    default_clip=(1.0, 0.28),
+    default_clip_source="CISPO's paper (MiniMax-M1, arXiv:2506.13585): no lower bound; upper 0.28",
+)
 def cispo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO: the clipped ratio as a stop-gradient weight on A * log pi (clipped tokens keep their gradient)."""
     ratio = inputs.ratio().detach()
@@ -325,5 +406,13 @@ def cispo_loss(inputs: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.
     return per_token, stats
 
 
-__all__ = ["LOSS_AGG_MODES", "PolicyLoss", "PolicyLossInputs", "compute_policy_loss", "get_policy_loss",
-           "list_policy_losses", "ppo_policy_loss", "register_policy_loss"]
+__all__ = [
+    "LOSS_AGG_MODES",
+    "PolicyLoss",
+    "PolicyLossInputs",
+    "compute_policy_loss",
+    "get_policy_loss",
+    "list_policy_losses",
+    "ppo_policy_loss",
+    "register_policy_loss",
+]

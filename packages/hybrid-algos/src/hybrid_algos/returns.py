@@ -48,8 +48,9 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
 
 
 @no_grad
-def generalized_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                           lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def generalized_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE: ``delta_t = r_t + gamma * V_next - V_t``, ``A_t = delta_t + gamma * lam * A_next``; returns ``A + V``.
 
     The value after the last valid token is 0 (the response ended). Returns ``(advantages, returns)``, both
@@ -86,8 +87,11 @@ def scores_to_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.T
     scores = _checks.tensor("scores", scores, ndim=1)
     m = _checks.mask("mask", mask)
     if scores.shape[0] != m.shape[0]:
-        raise AlgoInputError("scores", f"has {scores.shape[0]} entries for {m.shape[0]} sequences.",
-                             "Pass one score per sequence (shape [batch]).")
+        raise AlgoInputError(
+            "scores",
+            f"has {scores.shape[0]} entries for {m.shape[0]} sequences.",
+            "Pass one score per sequence (shape [batch]).",
+        )
     dtype = torch.promote_types(scores.dtype, torch.float32) if not scores.is_floating_point() else scores.dtype
     last, has_any = last_valid_index(m)
     out = torch.zeros(m.shape, dtype=dtype, device=m.device)

@@ -18,9 +18,16 @@ from .aggregation import aggregate_loss, check_agg_mode
 from .masked import masked_var
 
 
-def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-                       *, clip: float | None = 0.2, agg_mode: str = "token-mean",
-                       norm_len: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float | None = 0.2,
+    agg_mode: str = "token-mean",
+    norm_len: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The (clipped) squared error of the critic, aggregated with ``agg_mode``; gradients flow through ``values``.
 
     Returns ``(loss, stats)`` with detached scalars over valid tokens: ``clip_frac`` (tokens where the clipped term
@@ -33,8 +40,10 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     for name, x in (("old_values", old_values), ("returns", returns)):
         _checks.same_shape(name, _checks.tensor(name, x, ndim=2, floating=True), "values", values)
     valid = _checks.mask("mask", mask, like=values, like_name="values")
-    _checks.finite([("values", values, valid), ("old_values", old_values, valid), ("returns", returns, valid)],
-                   masks=[("mask", mask)])
+    _checks.finite(
+        [("values", values, valid), ("old_values", old_values, valid), ("returns", returns, valid)],
+        masks=[("mask", mask)],
+    )
 
     dtype = torch.promote_types(values.dtype, torch.float32)
     v = torch.where(valid, values.to(dtype), 0.0)
@@ -59,4 +68,3 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
             "explained_variance": 1.0 - masked_var(td - vd, valid, unbiased=False) / var_target.clamp(min=1e-8),
         }
     return loss, stats
-

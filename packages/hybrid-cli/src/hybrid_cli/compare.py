@@ -47,9 +47,12 @@ class Agreement:
         return asdict(self)
 
 
-def agreement(tokens_a: Sequence[Sequence[int]], tokens_b: Sequence[Sequence[int]],
-              logprobs_a: Sequence[Sequence[float]] | None = None,
-              logprobs_b: Sequence[Sequence[float]] | None = None) -> Agreement:
+def agreement(
+    tokens_a: Sequence[Sequence[int]],
+    tokens_b: Sequence[Sequence[int]],
+    logprobs_a: Sequence[Sequence[float]] | None = None,
+    logprobs_b: Sequence[Sequence[float]] | None = None,
+) -> Agreement:
     """Compare two engines' completions of the same prompts (one completion per prompt, same order)."""
     if len(tokens_a) != len(tokens_b):
         raise ValueError(f"engine A answered {len(tokens_a)} prompts, engine B {len(tokens_b)}")
@@ -69,14 +72,20 @@ def agreement(tokens_a: Sequence[Sequence[int]], tokens_b: Sequence[Sequence[int
             for k in range(d):
                 diffs_at.setdefault(k, []).append(abs(float(logprobs_a[i][k]) - float(logprobs_b[i][k])))
     all_diffs = [x for values in diffs_at.values() for x in values]
-    per_position = [{"position": k, "compared": len(v), "mean": sum(v) / len(v), "max": max(v)}
-                    for k, v in sorted(diffs_at.items())]
+    per_position = [
+        {"position": k, "compared": len(v), "mean": sum(v) / len(v), "max": max(v)} for k, v in sorted(diffs_at.items())
+    ]
     n = len(tokens_a)
     return Agreement(
-        prompts=n, token_agreement=agree / total if total else 1.0, identical_sequences=identical / n if n else 1.0,
+        prompts=n,
+        token_agreement=agree / total if total else 1.0,
+        identical_sequences=identical / n if n else 1.0,
         max_abs_logprob_diff=max(all_diffs, default=0.0),
         mean_abs_logprob_diff=sum(all_diffs) / len(all_diffs) if all_diffs else 0.0,
-        first_divergence=divergence, diverged=diverged, per_position=per_position)
+        first_divergence=divergence,
+        diverged=diverged,
+        per_position=per_position,
+    )
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------
@@ -118,8 +127,11 @@ def run_compare(args: argparse.Namespace, *, console: Any = None) -> int:
         raise ConfigError("max_samples" if args.max_samples < 1 else "generate_max_len", "must be >= 1.")
     for which in ("a", "b"):
         if getattr(args, f"batch_size_{which}") is not None and getattr(args, f"backend_{which}") != "hf":
-            raise ConfigError(f"batch_size_{which}", "only the hf backend takes a batch size.",
-                              f"Use --engine_args_{which} with the engine's own setting.")
+            raise ConfigError(
+                f"batch_size_{which}",
+                "only the hf backend takes a batch size.",
+                f"Use --engine_args_{which} with the engine's own setting.",
+            )
     if args.prompt_data is not None and not args.input_key:
         raise ConfigError("input_key", "--prompt_data needs --input_key.", "Add e.g. --input_key prompt.")
     with tempfile.TemporaryDirectory(prefix="hybrid-compare-") as tmp:
@@ -134,15 +146,19 @@ def run_compare(args: argparse.Namespace, *, console: Any = None) -> int:
         prompt_ids = compare_prompts(args, model_a)
         out_a = generate(args.backend_a, model_a, prompt_ids, args, "a")
         out_b = generate(args.backend_b, model_b, prompt_ids, args, "b")
-    result = agreement(*[[o.token_ids for o in outs] for outs in (out_a, out_b)],
-                       *[[o.logprobs or [] for o in outs] for outs in (out_a, out_b)])
+    result = agreement(
+        *[[o.token_ids for o in outs] for outs in (out_a, out_b)],
+        *[[o.logprobs or [] for o in outs] for outs in (out_a, out_b)],
+    )
     _print_report(console, args, result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_dict(), f, indent=2)
     if args.min_token_agreement is not None and result.token_agreement < args.min_token_agreement:
-        console.print(f"[red]token agreement {result.token_agreement:.4f} < --min_token_agreement "
-                      f"{args.min_token_agreement}[/red]")
+        console.print(
+            f"[red]token agreement {result.token_agreement:.4f} < --min_token_agreement "
+            f"{args.min_token_agreement}[/red]"
+        )
         return 1
     return 0
 
@@ -155,10 +171,20 @@ def compare_prompts(args: argparse.Namespace, model_path: str) -> list[list[int]
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=getattr(args, "trust_remote_code", False))
     settings = SimpleNamespace(
-        prompt_data=args.prompt_data, input_key=args.input_key, label_key=None,
-        apply_chat_template=args.apply_chat_template, prompt_split=args.prompt_split, max_samples=args.max_samples,
-        prompt_max_len=args.prompt_max_len, task=args.task, task_length=args.task_length, tiny_model={}, rollout_batch_size=1,
-        max_steps=args.max_samples, seed=args.seed)
+        prompt_data=args.prompt_data,
+        input_key=args.input_key,
+        label_key=None,
+        apply_chat_template=args.apply_chat_template,
+        prompt_split=args.prompt_split,
+        max_samples=args.max_samples,
+        prompt_max_len=args.prompt_max_len,
+        task=args.task,
+        task_length=args.task_length,
+        tiny_model={},
+        rollout_batch_size=1,
+        max_steps=args.max_samples,
+        seed=args.seed,
+    )
     prompts, _ = load_prompt_set(settings, tokenizer)
     return [list(p.prompt_ids) for p in prompts[: args.max_samples]]
 
@@ -167,8 +193,11 @@ def generate(backend: str, model: str, prompt_ids: list[list[int]], args: argpar
     """Greedy completions (with log-probs) of one engine; the engine is shut down before returning."""
     from hybrid_engines import SamplingParams, make_engine
 
-    kwargs: dict[str, Any] = {"model": model, "seed": args.seed,
-                              "trust_remote_code": getattr(args, "trust_remote_code", False)}
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "seed": args.seed,
+        "trust_remote_code": getattr(args, "trust_remote_code", False),
+    }
     dtype = getattr(args, f"dtype_{which}")
     if dtype:
         kwargs["dtype"] = dtype

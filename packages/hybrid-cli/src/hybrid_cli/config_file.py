@@ -41,22 +41,29 @@ def load_config_file(path: str, cls: type) -> tuple[dict[str, Any], dict[str, An
     if data is None:  # an empty file sets nothing
         return {}, {}
     if not isinstance(data, dict):
-        raise ConfigError("config", f"{path!r} must hold a mapping of flag names to values, "
-                          f"not a {type(data).__name__}.", "Write one `name: value` per line.")
+        raise ConfigError(
+            "config",
+            f"{path!r} must hold a mapping of flag names to values, not a {type(data).__name__}.",
+            "Write one `name: value` per line.",
+        )
     specs = field_specs(cls)
     out: dict[str, Any] = {}
     openrlhf: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = resolve_alias(str(raw_key).replace("-", "_"), cls)
         if key in CLI_ONLY:
-            raise ConfigError(key, f"{key!r} in {path!r} is a command-line option, not a setting.",
-                              f"Pass --{key} on the command line.")
+            raise ConfigError(
+                key,
+                f"{key!r} in {path!r} is a command-line option, not a setting.",
+                f"Pass --{key} on the command line.",
+            )
         spec = specs.get(key)
         if spec is None and key in openrlhf_flags():
             openrlhf[key] = value
             continue
         if spec is None:
-            raise unknown_flag_error(key, [n for n in known_names(cls) if n not in CLI_ONLY], what="key",
-                                     where=f" in {path!r}")
+            raise unknown_flag_error(
+                key, [n for n in known_names(cls) if n not in CLI_ONLY], what="key", where=f" in {path!r}"
+            )
         out[key] = convert(spec, value, source=f"in {path!r}")
     return out, openrlhf

@@ -12,22 +12,30 @@ what the plan needs per node and does not refuse it for the laptop's memory.
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 
 from hybrid_core.errors import ConfigError, PlacementError
-from hybrid_core.residency import GiB
+from hybrid_core.residency import GiB, HostBudget
 
 
-def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: float | None = None,
-            notes: Sequence[str] = (), console: Console | None = None) -> int:
+def dry_run(
+    config: Any,
+    *,
+    gpu_memory_gb: float | None = None,
+    host_memory_gb: float | None = None,
+    notes: Sequence[str] = (),
+    console: Console | None = None,
+) -> int:
     """Validate ``config`` (already ``validate()``-d) all the way, print both plans; 0 when it fits."""
+    from rich.markup import escape
+
     from hybrid_algos.train.data import step_count
     from hybrid_algos.train.loop import rollout_lengths
     from hybrid_algos.train.model_files import check_model_folder, check_reward_head
     from hybrid_algos.train.placement import build_residency, gpu_memory
-    from rich.markup import escape
 
     console = console or Console(width=None if _is_terminal() else 132, highlight=False)
     for note in notes:  # yellow: a note says what was chosen for the user (defaults taken, flags translated)
@@ -36,13 +44,16 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
         if getattr(config, name) is not None:
             check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
     if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
-        head = check_reward_head(config.reward_pretrain, random_head=config.reward_random_head,
-                                 trust_remote_code=config.trust_remote_code)
+        head = check_reward_head(
+            config.reward_pretrain, random_head=config.reward_random_head, trust_remote_code=config.trust_remote_code
+        )
         if head:
             console.print("[yellow]note:[/yellow] " + escape(head))
     plan = build_plan(config)
-    console.print(f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
-                  f"advantage estimator {config.advantage_estimator}")
+    console.print(
+        f"[bold]{config.algorithm}[/bold]: {plan.num_gpus} GPU(s), backend {config.backend}, "
+        f"advantage estimator {config.advantage_estimator}"
+    )
     clip = config.clip_note()  # a policy loss's own clip range (GSPO's, CISPO's)
     if clip:
         console.print("note: " + clip, markup=False)
@@ -54,14 +65,17 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
         console.print("[yellow]note:[/yellow] " + escape(unused))
     missing = library_missing(config.backend)
     if missing:
-        console.print(f"warning: {missing}; the run will stop before it starts unless it is installed.",
-                      markup=False)  # as markup, the extra ('hybrid-engines[vllm]') would vanish
+        console.print(
+            f"warning: {missing}; the run will stop before it starts unless it is installed.", markup=False
+        )  # as markup, the extra ('hybrid-engines[vllm]') would vanish
     prompts = load_prompts(config, console)
     console.print(step_count(config, len(prompts)).describe(), markup=False)  # the loop's own count
     console.print(describe_reward(config), markup=False)  # a path or URL may hold [...]
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
-        console.print("warning: --use_wandb, but wandb is not installed here; the run will stop before it starts "
-                      "unless it is (pip install wandb).")
+        console.print(
+            "warning: --use_wandb, but wandb is not installed here; the run will stop before it starts "
+            "unless it is (pip install wandb)."
+        )
     if gpu_memory_gb is not None and gpu_memory_gb <= 0:
         raise PlacementError("gpu_memory_gb", f"must be > 0, got {gpu_memory_gb}.")
     if gpu_memory_gb is not None:
@@ -70,13 +84,30 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
         config = config.replace(host_memory_gb=host_memory_gb).validate()  # the config's own check names the flag
     gpu_bytes, source = gpu_memory(config)
     prompt_len, generate_len = rollout_lengths(config, prompts)
-    residency, run_config = build_residency(config, plan, config.pretrain, prompt_len=prompt_len,
-                                            generate_len=generate_len, gpu_bytes=gpu_bytes, host=host_budget(config, plan))
+    residency, run_config = build_residency(
+        config,
+        plan,
+        config.pretrain,
+        prompt_len=prompt_len,
+        generate_len=generate_len,
+        gpu_bytes=gpu_bytes,
+        host=host_budget(config, plan),
+    )
     host = residency.host  # --host_memory_gb, else this machine's available memory where it is one of the nodes
-    console.print(f"GPU memory: {gpu_bytes / GiB:.1f} GiB per GPU ({source}); sequences up to {prompt_len} + "
-                  f"{generate_len} tokens")
-    console.print("host memory: " + (f"{host.bytes / GiB:.1f} GiB per node ({host.source})" if host.bytes is not None
-                                     else f"not checked ({host.source}; set --host_memory_gb)"), markup=False)
+    assert host is not None  # host_budget always gives one, and the plan keeps it
+    console.print(
+        f"GPU memory: {gpu_bytes / GiB:.1f} GiB per GPU ({source}); sequences up to {prompt_len} + "
+        f"{generate_len} tokens"
+    )
+    console.print(
+        "host memory: "
+        + (
+            f"{host.bytes / GiB:.1f} GiB per node ({host.source})"
+            if host.bytes is not None
+            else f"not checked ({host.source}; set --host_memory_gb)"
+        ),
+        markup=False,
+    )
     console.print(residency.render(), markup=False)
     if run_config.adam_offload and not config.adam_offload:
         console.print("note: the optimizer state stays in host memory (DeepSpeed CPU Adam), as if --adam_offload")
@@ -86,12 +117,14 @@ def dry_run(config: Any, *, gpu_memory_gb: float | None = None, host_memory_gb: 
         console.print(f"note: {async_mode(run_config, plan, residency)[1]}", markup=False)
     residency.check()
     gpu, phase, total = residency.worst()
-    console.print(f"fits: the fullest GPU is GPU {gpu} in phase {phase}: {total / GiB:.1f} of "
-                  f"{residency.capacity / GiB:.1f} GiB usable. Dry run only: no Ray started, no GPU taken.")
+    console.print(
+        f"fits: the fullest GPU is GPU {gpu} in phase {phase}: {total / GiB:.1f} of "
+        f"{residency.capacity / GiB:.1f} GiB usable. Dry run only: no Ray started, no GPU taken."
+    )
     return 0
 
 
-def host_budget(config: Any, plan: Any):
+def host_budget(config: Any, plan: Any) -> HostBudget:
     """The host memory the plan is checked against: ``--host_memory_gb`` (the run's own), else this machine's only if
     it has the GPUs one of the run's nodes uses or the run is a local one (a local Ray declaring ``--num_gpus``)."""
     from hybrid_algos.train.placement import host_memory
@@ -129,7 +162,8 @@ def describe_sync(config: Any, plan: Any) -> str:
 
 def sync_backend_note(config: Any, plan: Any) -> str | None:
     """An explicit --vllm_sync_backend the chosen path does not use, and why (the note the run starts with)."""
-    from hybrid_engines.weight_sync import choose_sync, sync_backend_note as note
+    from hybrid_engines.weight_sync import choose_sync
+    from hybrid_engines.weight_sync import sync_backend_note as note
 
     return note(config, choose_sync(config, plan).mode)
 
@@ -152,9 +186,11 @@ def load_prompts(config: Any, console: Console | None = None) -> list:
 
     prompts, stats = load_prompt_set(config, _tokenizer(config))
     if len(prompts) < config.rollout_batch_size:
-        raise ConfigError("rollout_batch_size", f"{stats.describe()}: fewer than one rollout batch "
-                          f"(rollout_batch_size = {config.rollout_batch_size}).",
-                          "Lower --rollout_batch_size or give more prompts.")
+        raise ConfigError(
+            "rollout_batch_size",
+            f"{stats.describe()}: fewer than one rollout batch (rollout_batch_size = {config.rollout_batch_size}).",
+            "Lower --rollout_batch_size or give more prompts.",
+        )
     (console or Console(highlight=False)).print(f"prompts: {stats.describe()}", markup=False)
     return prompts
 
@@ -166,24 +202,31 @@ def describe_reward(config: Any) -> str:
 
         spec = load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config)
         what = "OpenRLHF AgentExecutor" if spec.kind == "openrlhf" else "environment"
-        return (f"reward: the environment's ({what} of {spec.source}; multi-turn, up to "
-                f"{AgentSettings.from_config(config, spec).max_turns} turns)")
+        return (
+            f"reward: the environment's ({what} of {spec.source}; multi-turn, up to "
+            f"{AgentSettings.from_config(config, spec).max_turns} turns)"
+        )
     if config.reward_fn is not None:
         from hybrid_algos.train.remote_rewards import HttpReward, RewardFile
         from hybrid_algos.train.rewards import load_reward_fn
 
         fn = load_reward_fn(config.reward_fn)  # imports the user's module now: a typo fails here, not after Ray starts
         if isinstance(fn, HttpReward):
-            return (f"reward: HTTP reward server{'s' if len(fn.urls) > 1 else ''} {', '.join(fn.urls)} (OpenRLHF's "
-                    f"protocol; {fn.timeout_s:g} s timeout, {fn.tries} tries; not contacted by --dry-run)")
+            return (
+                f"reward: HTTP reward server{'s' if len(fn.urls) > 1 else ''} {', '.join(fn.urls)} (OpenRLHF's "
+                f"protocol; {fn.timeout_s:g} s timeout, {fn.tries} tries; not contacted by --dry-run)"
+            )
         if isinstance(fn, RewardFile):
             return f"reward: reward_func(queries, prompts, labels) in {fn.path} (OpenRLHF's shape)"
         return f"reward: function {config.reward_fn}"
     if config.reward_pretrain is not None:
         return f"reward: model {config.reward_pretrain}"
     if config.prompt_data is not None:
-        raise ConfigError("reward_pretrain", "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
-                          "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.")
+        raise ConfigError(
+            "reward_pretrain",
+            "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
+            "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.",
+        )
     return f"reward: the built-in task {config.task!r}'s rule"
 
 

@@ -23,8 +23,9 @@ import json
 import math
 import re
 import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -50,7 +51,7 @@ class FlagSpec:
 
 
 # ---- the schema, read from the dataclass --------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def field_specs(cls: type) -> dict[str, FlagSpec]:
     """One :class:`FlagSpec` per dataclass field of ``cls`` (type hints resolved, help from the source comments)."""
     hints = typing.get_type_hints(cls)
@@ -58,9 +59,15 @@ def field_specs(cls: type) -> dict[str, FlagSpec]:
     specs = {}
     for f in dataclasses.fields(cls):
         kind, optional = _kind(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        specs[f.name] = FlagSpec(f.name, kind, optional, default, HELP.get(f.name) or notes.get(f.name, ""),
-                                 sections.get(f.name, "other"))
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:  # the config dataclasses give every field a default: a flag without one has no value to show
+            raise TypeError(f"{cls.__name__}.{f.name}: a field without a default cannot be a flag")
+        specs[f.name] = FlagSpec(
+            f.name, kind, optional, default, HELP.get(f.name) or notes.get(f.name, ""), sections.get(f.name, "other")
+        )
     return specs
 
 
@@ -138,8 +145,14 @@ def convert(spec: FlagSpec, value: Any, *, source: str = "flag") -> Any:
             return parse_mapping(value)
     except (ValueError, TypeError):
         pass
-    example = {"bool": "true/false", "int": "an integer", "float": "a finite number", "str": "text",
-               "pair": "two numbers, e.g. 0.2 0.28", "mapping": "KEY=VALUE words or a JSON object"}[spec.kind]
+    example = {
+        "bool": "true/false",
+        "int": "an integer",
+        "float": "a finite number",
+        "str": "text",
+        "pair": "two numbers, e.g. 0.2 0.28",
+        "mapping": "KEY=VALUE words or a JSON object",
+    }[spec.kind]
     raise ConfigError(spec.name, f"invalid value {value!r} ({source}).", f"Give {example}.")
 
 
@@ -208,7 +221,7 @@ SHORT_NAMES = {"max_tokens_per_gpu": "train_max_tokens_per_gpu"}
 OFF_SWITCHES = {"verify_weight_sync": "off"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def aliases(cls: type) -> dict[str, str]:
     """OpenRLHF names (either spelling) that are plainly one of our fields, taking the same kind of value, and our
     own short names."""
@@ -218,8 +231,12 @@ def aliases(cls: type) -> dict[str, str]:
         if name in specs:
             continue
         rule = orl.rule_for(name)
-        if rule.kind == "same" and rule.field in specs and flag.action != "store_false" \
-                and flag.arity == _arity(specs[rule.field]):
+        if (
+            rule.kind == "same"
+            and rule.field in specs
+            and flag.action != "store_false"
+            and flag.arity == _arity(specs[rule.field])
+        ):
             out[name] = rule.field
     return out
 
@@ -239,19 +256,31 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         if group is None:
             group = groups[spec.section] = parser.add_argument_group(spec.section)
         names = [f"--{spec.name}", *(f"--{a}" for a in aliases_of.get(spec.name, ()))]
-        shown = "" if (spec.kind == "bool" and not spec.default) or spec.default is None else f" (default: {spec.default})"
-        common = dict(dest=spec.name, default=argparse.SUPPRESS, help=(spec.help + shown).strip())
+        shown = (
+            "" if (spec.kind == "bool" and not spec.default) or spec.default is None else f" (default: {spec.default})"
+        )
+        common: dict[str, Any] = dict(dest=spec.name, default=argparse.SUPPRESS, help=(spec.help + shown).strip())
         if spec.kind == "bool" and spec.name in orl.openrlhf_flags() and orl.openrlhf_flags()[spec.name].arity == 1:
             # OpenRLHF spells a setting of its own like this switch (--use_tensorboard DIR): a value that is not
             # true/false is OpenRLHF's, translated after parsing (see given_openrlhf).
             group.add_argument(*names, nargs="?", const=True, metavar="true/false", **common)
-            group.add_argument(f"--no_{spec.name}", action="store_false", dest=spec.name, default=argparse.SUPPRESS,
-                               help=f"turn --{spec.name} off" if spec.default else argparse.SUPPRESS)
+            group.add_argument(
+                f"--no_{spec.name}",
+                action="store_false",
+                dest=spec.name,
+                default=argparse.SUPPRESS,
+                help=f"turn --{spec.name} off" if spec.default else argparse.SUPPRESS,
+            )
         elif spec.kind == "bool":
             group.add_argument(*names, action="store_true", **common)
             # --no_x is listed where x defaults to on; it exists for every switch (to undo a --config file).
-            group.add_argument(f"--no_{spec.name}", action="store_false", dest=spec.name, default=argparse.SUPPRESS,
-                               help=f"turn --{spec.name} off" if spec.default else argparse.SUPPRESS)
+            group.add_argument(
+                f"--no_{spec.name}",
+                action="store_false",
+                dest=spec.name,
+                default=argparse.SUPPRESS,
+                help=f"turn --{spec.name} off" if spec.default else argparse.SUPPRESS,
+            )
         elif spec.kind == "pair":
             group.add_argument(*names, nargs=2, metavar=("LOW", "HIGH"), type=_arg_type(spec, "float"), **common)
         elif spec.kind == "mapping":
@@ -259,14 +288,19 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         else:
             group.add_argument(*names, type=_arg_type(spec, spec.kind), metavar=spec.kind.upper(), **common)
             if spec.name in OFF_SWITCHES:
-                group.add_argument(f"--no_{spec.name}", action="store_const", const=OFF_SWITCHES[spec.name],
-                                   dest=spec.name, default=argparse.SUPPRESS,
-                                   help=f"the same as --{spec.name} {OFF_SWITCHES[spec.name]}")
+                group.add_argument(
+                    f"--no_{spec.name}",
+                    action="store_const",
+                    const=OFF_SWITCHES[spec.name],
+                    dest=spec.name,
+                    default=argparse.SUPPRESS,
+                    help=f"the same as --{spec.name} {OFF_SWITCHES[spec.name]}",
+                )
     taken = {s for action in parser._actions for s in action.option_strings}
     for name, flag in orl.openrlhf_flags().items():
         if f"--{name}" in taken:
             continue
-        hidden = dict(dest=OPENRLHF_DEST + name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        hidden: dict[str, Any] = dict(dest=OPENRLHF_DEST + name, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
         if flag.is_switch:
             parser.add_argument(f"--{name}", action="store_const", const=True, **hidden)
         elif flag.arity == 1:
@@ -307,8 +341,9 @@ def given_config_values(namespace: argparse.Namespace, cls: type) -> dict[str, A
 
 def given_openrlhf(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The OpenRLHF flags given that are not plainly one of our settings: name -> raw value (text, words, True)."""
-    out = {name[len(OPENRLHF_DEST):]: value for name, value in vars(namespace).items()
-           if name.startswith(OPENRLHF_DEST)}
+    out = {
+        name[len(OPENRLHF_DEST) :]: value for name, value in vars(namespace).items() if name.startswith(OPENRLHF_DEST)
+    }
     specs = field_specs(cls)
     for name, value in vars(namespace).items():  # a switch of ours given a value OpenRLHF's way (see add_config_flags)
         if name in specs and specs[name].kind == "bool" and isinstance(value, str):
@@ -319,8 +354,9 @@ def given_openrlhf(namespace: argparse.Namespace, cls: type) -> dict[str, Any]:
     return out
 
 
-def translate_openrlhf(given: Mapping[str, Any], fields: Mapping[str, Any], cls: type
-                       ) -> tuple[dict[str, Any], list[str]]:
+def translate_openrlhf(
+    given: Mapping[str, Any], fields: Mapping[str, Any], cls: type
+) -> tuple[dict[str, Any], list[str]]:
     """``fields`` with the settings (and notes) of the OpenRLHF flags in ``given`` that are not plainly one of our
     settings: ``fields`` (ours) win, except where OpenRLHF's meaning overrides them (see orl.translate)."""
     if not given:
@@ -332,8 +368,9 @@ def translate_openrlhf(given: Mapping[str, Any], fields: Mapping[str, Any], cls:
 # ---- unknown flags ------------------------------------------------------------------------------------------------
 def check_leftovers(leftovers: Sequence[str], parser: argparse.ArgumentParser, known_switches: set[str]) -> None:
     """Raise a ConfigError for the first thing the parser did not take, naming it and what to do instead."""
-    known = sorted(s for action in parser._actions for s in action.option_strings
-                   if s.startswith("--") and _suggestable(s[2:]))
+    known = sorted(
+        s for action in parser._actions for s in action.option_strings if s.startswith("--") and _suggestable(s[2:])
+    )
     for word in leftovers:
         if word.startswith("--"):
             flag = word.split("=", 1)[0]
@@ -341,9 +378,13 @@ def check_leftovers(leftovers: Sequence[str], parser: argparse.ArgumentParser, k
         if word.startswith("-") and len(word) > 1 and not _is_number(word):
             raise ConfigError(word.lstrip("-"), f"unknown option {word}.", "Flags are spelled --name (two dashes).")
     if leftovers:
-        raise ConfigError("arguments", f"unexpected value(s) {' '.join(leftovers)}.",
-                          "Each flag takes its own values; switches (e.g. " + ", ".join(sorted(known_switches)[:3])
-                          + ") take none. Check the word before each of these.")
+        raise ConfigError(
+            "arguments",
+            f"unexpected value(s) {' '.join(leftovers)}.",
+            "Each flag takes its own values; switches (e.g. "
+            + ", ".join(sorted(known_switches)[:3])
+            + ") take none. Check the word before each of these.",
+        )
 
 
 def unknown_flag_error(name: str, known: Sequence[str], *, what: str = "flag", where: str = "") -> ConfigError:
@@ -363,7 +404,7 @@ def unknown_flag_error(name: str, known: Sequence[str], *, what: str = "flag", w
         close = difflib.get_close_matches(tail, [k for k in plain if "." not in k], n=1, cutoff=0.75)
     fix = f"Did you mean {dash}{close[0]}?" if close else "`hybrid ppo --help` lists the valid names."
     release = orl.openrlhf_release()
-    extra = (f" (not a flag of OpenRLHF {release}'s train_ppo_ray either)" if "." in field and what == "flag" else "")
+    extra = f" (not a flag of OpenRLHF {release}'s train_ppo_ray either)" if "." in field and what == "flag" else ""
     return ConfigError(field, f"unknown {what} {dash}{field}{where}{extra}.", fix)
 
 

@@ -47,16 +47,24 @@ def build_parser() -> FlagParser:
     """The whole ``hybrid`` command line (one sub-parser per command)."""
     from hybrid_algos.train.config import CONFIGS
 
-    parser = FlagParser(prog="hybrid", description="Hybrid-engine RL for LLMs: trainers and inference engines share "
-                        "GPUs. Run `hybrid ppo` for the CPU demo, `hybrid ppo --help` for every flag.")
+    parser = FlagParser(
+        prog="hybrid",
+        description="Hybrid-engine RL for LLMs: trainers and inference engines share "
+        "GPUs. Run `hybrid ppo` for the CPU demo, `hybrid ppo --help` for every flag.",
+    )
     parser.add_argument("--version", action="version", version=f"hybrid {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=FlagParser)
     from hybrid_algos.train.config import registry_help
 
     for name, cls in CONFIGS.items():
-        sub = commands.add_parser(name, help=_ABOUT.get(name, name), description=(cls.__doc__ or "").strip(),
-                                  usage=f"hybrid {name} [--config FILE.yaml] [--dry-run] [--FLAG VALUE ...]",
-                                  epilog=registry_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = commands.add_parser(
+            name,
+            help=_ABOUT.get(name, name),
+            description=(cls.__doc__ or "").strip(),
+            usage=f"hybrid {name} [--config FILE.yaml] [--dry-run] [--FLAG VALUE ...]",
+            epilog=registry_help(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         _add_run_flags(sub)
         add_config_flags(sub, cls)
     from .compare import add_compare_flags
@@ -68,9 +76,14 @@ def build_parser() -> FlagParser:
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("command")
     group.add_argument("--config", metavar="FILE.yaml", help="settings file (same names as the flags; flags win)")
-    group.add_argument("--dry-run", "--dry_run", dest="dry_run", action="store_true",
-                       help="validate, print the placement plan and the residency plan (what stays on each GPU in "
-                       "each phase, predicted peaks), and exit (no Ray, no GPU)")
+    group.add_argument(
+        "--dry-run",
+        "--dry_run",
+        dest="dry_run",
+        action="store_true",
+        help="validate, print the placement plan and the residency plan (what stays on each GPU in "
+        "each phase, predicted peaks), and exit (no Ray, no GPU)",
+    )
 
 
 def load_config(command: str, argv: Sequence[str]) -> tuple[Any, argparse.Namespace, list[str]]:
@@ -80,8 +93,9 @@ def load_config(command: str, argv: Sequence[str]) -> tuple[Any, argparse.Namesp
     return _config_from(parser, args, leftovers, argv)
 
 
-def _config_from(parser: FlagParser, args: argparse.Namespace, leftovers: list[str], argv: Sequence[str] = ()
-                 ) -> tuple[Any, argparse.Namespace, list[str]]:
+def _config_from(
+    parser: FlagParser, args: argparse.Namespace, leftovers: list[str], argv: Sequence[str] = ()
+) -> tuple[Any, argparse.Namespace, list[str]]:
     from hybrid_algos.train.config import CONFIGS
     from hybrid_algos.train.data import resolve_local_paths
 
@@ -123,8 +137,9 @@ def _given_settings(args: argparse.Namespace, cls: type, argv: Sequence[str]) ->
     return given, dotted, notes + more
 
 
-def _defaults(cls: type[RLConfig], command: str, given: dict[str, Any], dotted: bool
-              ) -> tuple[dict[str, Any], list[str]]:
+def _defaults(
+    cls: type[RLConfig], command: str, given: dict[str, Any], dotted: bool
+) -> tuple[dict[str, Any], list[str]]:
     """What is not given: OpenRLHF's defaults for an OpenRLHF command line, the demo's without a model of one's own
     (see hybrid_cli.openrlhf for why), and a note saying which."""
     if is_openrlhf_command(given, dotted):
@@ -142,12 +157,16 @@ def _defaults(cls: type[RLConfig], command: str, given: dict[str, Any], dotted: 
 
         critic = estimator_needs_critic(given.get("advantage_estimator", cls.advantage_estimator))
         shown = {k: v for k, v in implied.items() if critic or not k.startswith("critic_")}
-        notes.append("no --pretrain: the built-in demo (a tiny model learns the copy task) with its settings: "
-                     + ", ".join(f"{k}={v}" for k, v in shown.items()))
+        notes.append(
+            "no --pretrain: the built-in demo (a tiny model learns the copy task) with its settings: "
+            + ", ".join(f"{k}={v}" for k, v in shown.items())
+        )
         if PLACEMENT_FLAGS & set(given):
-            notes.append("OpenRLHF placement flags on the demo: every other setting keeps hybrid's default "
-                         "(colocated, the residency planner deciding who sleeps, the built-in engine); "
-                         "OpenRLHF's defaults apply to OpenRLHF command lines (with --pretrain or dotted flags).")
+            notes.append(
+                "OpenRLHF placement flags on the demo: every other setting keeps hybrid's default "
+                "(colocated, the residency planner deciding who sleeps, the built-in engine); "
+                "OpenRLHF's defaults apply to OpenRLHF command lines (with --pretrain or dotted flags)."
+            )
             implied.update(_demo_fits_the_actor(cls, implied, given))
     return implied, notes
 
@@ -208,17 +227,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         note = getattr(e, "note", "")  # e.g. why the checkpoint on SIGTERM could not be saved
         status = EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
         with _ctrl_c_ends_at_once(status, to_the_end=program):  # Ctrl-C pressed again while the command ends
-            print(f"hybrid: {what}: the run stopped and its processes were shut down.{' ' + note if note else ''}"
-                  f"{_resume_line()}", file=sys.stderr)
+            print(
+                f"hybrid: {what}: the run stopped and its processes were shut down.{' ' + note if note else ''}"
+                f"{_resume_line()}",
+                file=sys.stderr,
+            )
             _finish_ray_shutdown()
         return status
     except Exception as e:  # a bug: show where, then end like every other failure
         import traceback
 
         traceback.print_exc()
-        print(f"hybrid: internal error: {type(e).__name__}: {str(e).rstrip('.')}. "
-              f"This is a bug in hybrid (or a library it uses); the traceback above says where.{_resume_line()}",
-              file=sys.stderr)
+        print(
+            f"hybrid: internal error: {type(e).__name__}: {str(e).rstrip('.')}. "
+            f"This is a bug in hybrid (or a library it uses); the traceback above says where.{_resume_line()}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
 
 
@@ -280,8 +304,9 @@ def _resume_line() -> str:
     from hybrid_algos.train.checkpoint import CheckpointManager
     from hybrid_algos.train.failures import saved_hint
 
-    return " " + saved_hint(CheckpointManager(_current_config.checkpoint_dir),
-                            os.path.abspath(_current_config.save_path), since=_started_at)
+    return " " + saved_hint(
+        CheckpointManager(_current_config.checkpoint_dir), os.path.abspath(_current_config.save_path), since=_started_at
+    )
 
 
 def _run(argv: list[str]) -> int:
@@ -322,11 +347,11 @@ def train_command(config: Any, *, notes: Sequence[str] = ()) -> int:
     # not dim: a note says what was chosen for the user (defaults taken, flags translated)
     for note in [*notes, *metrics.notes()]:
         progress.console.print(f"[yellow]note:[/yellow] {escape(note)}")
-    from hybrid_algos.train import RECIPES  # imported late: the loop pulls in Ray, DeepSpeed and the engines
+    from hybrid_algos.train import TRAINERS  # imported late: the loop pulls in Ray, DeepSpeed and the engines
 
     try:  # the recipe of the command (hybrid ppo -> train_ppo, ...): the same path as the Python API
         with _sigterm_ends_the_command():  # until the loop's own handler (preemption) takes over, after Ray starts
-            RECIPES[config.algorithm](config, callbacks=[progress, metrics])
+            TRAINERS[config.algorithm](config, callbacks=[progress, metrics])
     finally:
         metrics.close()
         progress.close()

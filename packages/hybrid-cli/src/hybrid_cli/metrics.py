@@ -29,8 +29,10 @@ from hybrid_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 WANDB_FIX = "pip install wandb (or pip install 'hybrid-cli[wandb]'), or drop --use_wandb."
-WANDB_LOGIN_FIX = ("Run `wandb login` (or set WANDB_API_KEY, or give the key: --use_wandb KEY); or log offline "
-                   "with WANDB_MODE=offline (`wandb sync` uploads it later), or drop --use_wandb.")
+WANDB_LOGIN_FIX = (
+    "Run `wandb login` (or set WANDB_API_KEY, or give the key: --use_wandb KEY); or log offline "
+    "with WANDB_MODE=offline (`wandb sync` uploads it later), or drop --use_wandb."
+)
 #: How long the W&B server has to answer before the run logs offline.
 WANDB_REACH_S = 5.0
 
@@ -38,8 +40,16 @@ WANDB_REACH_S = 5.0
 class MetricsLogger:
     """A training callback writing every step's metrics to JSONL (+ TensorBoard, + W&B)."""
 
-    def __init__(self, run_dir: str | None = None, *, tensorboard: bool = True, wandb_key: str | None = None,
-                 wandb_project: str = "hybrid", wandb_run_name: str | None = None, config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | None = None,
+        *,
+        tensorboard: bool = True,
+        wandb_key: str | None = None,
+        wandb_project: str = "hybrid",
+        wandb_run_name: str | None = None,
+        config: dict | None = None,
+    ):
         self.run_dir = run_dir
         self.tensorboard = tensorboard
         self.wandb_key = wandb_key
@@ -62,16 +72,23 @@ class MetricsLogger:
         secrets = secrets_of(config)
         if secrets:  # W&B (and any library) records sys.argv in the run folder: the key is taken out of it
             hide_in_argv(sys.argv)
-        return cls(config.save_path, tensorboard=config.use_tensorboard, wandb_key=config.use_wandb,
-                   wandb_project=config.wandb_project, wandb_run_name=config.wandb_run_name,
-                   config=redact(_plain(config.to_dict()), secrets))
+        return cls(
+            config.save_path,
+            tensorboard=config.use_tensorboard,
+            wandb_key=config.use_wandb,
+            wandb_project=config.wandb_project,
+            wandb_run_name=config.wandb_run_name,
+            config=redact(_plain(config.to_dict()), secrets),
+        )
 
     def notes(self) -> list[str]:
         """What the user should know about where metrics go (shown before the run starts)."""
         if self.tensorboard and not tensorboard_installed():
-            return ["tensorboard is not installed, so metrics go to metrics.jsonl only "
-                    "(pip install tensorboard, or 'hybrid-cli[tensorboard]'; --no_use_tensorboard hides this note)",
-                    *self._notes]
+            return [
+                "tensorboard is not installed, so metrics go to metrics.jsonl only "
+                "(pip install tensorboard, or 'hybrid-cli[tensorboard]'; --no_use_tensorboard hides this note)",
+                *self._notes,
+            ]
         return list(self._notes)
 
     def check_wandb(self) -> None:
@@ -89,9 +106,11 @@ class MetricsLogger:
         if why is not None:
             self.wandb_mode = "offline"
             where = os.path.join(self.run_dir or ".", "wandb")
-            self._notes.append(f"W&B: nothing answers at {url} ({why}), so the run logs offline into {where} "
-                               f"(upload it later: wandb sync {os.path.join(where, 'offline-run-*')}; the API key "
-                               "is not checked)")
+            self._notes.append(
+                f"W&B: nothing answers at {url} ({why}), so the run logs offline into {where} "
+                f"(upload it later: wandb sync {os.path.join(where, 'offline-run-*')}; the API key "
+                "is not checked)"
+            )
             return
         key = self.wandb_key if self._explicit_key() else None  # None: W&B finds it (WANDB_API_KEY, netrc)
         try:
@@ -100,8 +119,11 @@ class MetricsLogger:
             text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if key:
                 text = text.replace(key, "<redacted>")
-            what = ("no W&B API key is configured here" if isinstance(e, wandb.errors.UsageError) and key is None
-                    else f"W&B ({url}) refused the API key")
+            what = (
+                "no W&B API key is configured here"
+                if isinstance(e, wandb.errors.UsageError) and key is None
+                else f"W&B ({url}) refused the API key"
+            )
             raise ConfigError("use_wandb", f"{what}: {text.rstrip('.')}.", WANDB_LOGIN_FIX) from None
         self._wandb_checked = True
 
@@ -126,15 +148,22 @@ class MetricsLogger:
         # open for the run's life (closed by on_end), not a `with` block
         self._jsonl = open(path, "a" if resumed else "w", encoding="utf-8")  # noqa: SIM115
         if self.tensorboard:
-            self._tb = _tensorboard_writer(os.path.join(self.run_dir, "tensorboard"),
-                                           purge_step=start_step if resumed else None)
+            self._tb = _tensorboard_writer(
+                os.path.join(self.run_dir, "tensorboard"), purge_step=start_step if resumed else None
+            )
         if self.wandb_key:
             wandb = self._wandb_module()
             if self._explicit_key() and not self._wandb_checked and self.wandb_mode is None:
                 wandb.login(key=self.wandb_key, relogin=True)
             mode = {"mode": self.wandb_mode} if self.wandb_mode else {}  # offline: check_wandb found no server
-            self._wandb = wandb.init(project=self.wandb_project, name=self.wandb_run_name, config=self.config,
-                                     dir=self.run_dir, resume="allow" if resumed else None, **mode)
+            self._wandb = wandb.init(
+                project=self.wandb_project,
+                name=self.wandb_run_name,
+                config=self.config,
+                dir=self.run_dir,
+                resume="allow" if resumed else None,
+                **mode,
+            )
 
     def on_step(self, metrics: dict[str, Any]) -> None:
         if self._jsonl is None:
@@ -176,8 +205,9 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("use_wandb", "logging to Weights & Biases needs the wandb package, which is not "
-                              "installed.", WANDB_FIX) from None
+            raise ConfigError(
+                "use_wandb", "logging to Weights & Biases needs the wandb package, which is not installed.", WANDB_FIX
+            ) from None
         return wandb
 
 

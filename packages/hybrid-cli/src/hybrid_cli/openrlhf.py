@@ -33,20 +33,32 @@ who sleeps where OpenRLHF keeps every model resident unless told (``--vllm.enabl
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 
 from . import openrlhf_flags as orl
 
 #: Flags that place roles the OpenRLHF way (see the module docstring).
-PLACEMENT_FLAGS = frozenset({
-    "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
-    "ref_num_nodes", "ref_num_gpus_per_node", "reward_num_nodes", "reward_num_gpus_per_node",
-    "vllm_num_engines", "vllm_tensor_parallel_size", "colocate_all_models", "colocate_actor_ref",
-    "colocate_critic_reward",
-})
+PLACEMENT_FLAGS = frozenset(
+    {
+        "actor_num_nodes",
+        "actor_num_gpus_per_node",
+        "critic_num_nodes",
+        "critic_num_gpus_per_node",
+        "ref_num_nodes",
+        "ref_num_gpus_per_node",
+        "reward_num_nodes",
+        "reward_num_gpus_per_node",
+        "vllm_num_engines",
+        "vllm_tensor_parallel_size",
+        "colocate_all_models",
+        "colocate_actor_ref",
+        "colocate_critic_reward",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -65,29 +77,38 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     "vllm_enable_sleep": (
         "the residency planner decides (each engine sleeps only where the next phase needs its GPU memory)",
         "the planner keeps what fits resident and moves only what must leave; --vllm_enable_sleep, "
-        "--no_vllm_enable_sleep or --residency manual decide it as OpenRLHF does"),
+        "--no_vllm_enable_sleep or --residency manual decide it as OpenRLHF does",
+    ),
     "deepspeed_enable_sleep": (
         "the residency planner decides (each trainer state moves only where the next phase needs its GPU memory)",
         "the planner keeps what fits resident and moves only what must leave; --deepspeed_enable_sleep, "
-        "--no_deepspeed_enable_sleep or --residency manual decide it as OpenRLHF does"),
+        "--no_deepspeed_enable_sleep or --residency manual decide it as OpenRLHF does",
+    ),
     "ckpt_path": (
         "<save_path>/checkpoints",
         "a run's checkpoints stay in its own run folder, so another run started in the same working directory never "
-        "resumes from them (OpenRLHF's default is one folder under the working directory for every run)"),
+        "resumes from them (OpenRLHF's default is one folder under the working directory for every run)",
+    ),
     "vllm_sync_backend": (
         "nccl where the GPUs have CUDA, gloo on a machine without (chosen per run)",
-        "nccl needs CUDA; on GPUs it is OpenRLHF's nccl"),
+        "nccl needs CUDA; on GPUs it is OpenRLHF's nccl",
+    ),
 }
 
 #: What OpenRLHF's ``None`` means for a setting that has no ``None`` here.
-NONE_MEANS = {"vllm_num_engines": 0,  # no engines: generate with the actor's own model
-              "entropy_loss_coef": 0.0}  # no entropy term
+NONE_MEANS = {
+    "vllm_num_engines": 0,  # no engines: generate with the actor's own model
+    "entropy_loss_coef": 0.0,
+}  # no entropy term
 #: Conversions whose ``None`` default means something here (``--logger.tensorboard_dir`` not given: no TensorBoard).
 CONVERT_NONE = {"logger.tensorboard_dir": {"use_tensorboard": False}, "use_tensorboard": {"use_tensorboard": False}}
 #: Defaults OpenRLHF reads only when a switch is on: field -> the switch (the line must give it).
-CONDITIONAL = {"vllm_is_truncated_threshold": "enable_vllm_is_correction", "train_max_tokens_per_gpu":
-               "use_dynamic_batch", "rollout_max_tokens_per_gpu": "use_dynamic_batch",
-               "dynamic_filtering_reward_range": "dynamic_filtering"}
+CONDITIONAL = {
+    "vllm_is_truncated_threshold": "enable_vllm_is_correction",
+    "train_max_tokens_per_gpu": "use_dynamic_batch",
+    "rollout_max_tokens_per_gpu": "use_dynamic_batch",
+    "dynamic_filtering_reward_range": "dynamic_filtering",
+}
 
 
 def is_openrlhf_command(given: Mapping[str, Any], dotted_used: bool) -> bool:
@@ -116,18 +137,23 @@ class LineDefaults:
 
         specs = field_specs(cls)
         changed = {k: v for k, v in self.implied.items() if k not in specs or specs[k].default != v}
-        head = (f"this is an OpenRLHF command line (read as OpenRLHF {self.release}: "
-                f"{'dotted' if self.release == orl.openrlhf_release() else 'flat'} flags), so the settings it does "
-                f"not give take OpenRLHF's defaults (OpenRLHF {self.release}'s train_ppo_ray parser), not `hybrid "
-                f"{command}`'s; those that differ from `hybrid {command}`'s: "
-                + (", ".join(f"{k}={_show(v)}" for k, v in changed.items()) or "none") + ".")
+        head = (
+            f"this is an OpenRLHF command line (read as OpenRLHF {self.release}: "
+            f"{'dotted' if self.release == orl.openrlhf_release() else 'flat'} flags), so the settings it does "
+            f"not give take OpenRLHF's defaults (OpenRLHF {self.release}'s train_ppo_ray parser), not `hybrid "
+            f"{command}`'s; those that differ from `hybrid {command}`'s: "
+            + (", ".join(f"{k}={_show(v)}" for k, v in changed.items()) or "none")
+            + "."
+        )
         return [head, *(self.describe(d) for d in self.differences)]
 
     def describe(self, d: Difference) -> str:
         flag = self.flag_of.get(d.field)
         name = f"--{flag}" if flag else d.field
-        return (f"differs from OpenRLHF {self.release}: {name} not given: OpenRLHF {d.openrlhf}; here "
-                f"{d.field} = {d.ours}. Why: {d.why}.")
+        return (
+            f"differs from OpenRLHF {self.release}: {name} not given: OpenRLHF {d.openrlhf}; here "
+            f"{d.field} = {d.ours}. Why: {d.why}."
+        )
 
 
 def line_defaults(cls: type, given: Mapping[str, Any], *, dotted_used: bool) -> LineDefaults:
@@ -151,9 +177,15 @@ def line_defaults(cls: type, given: Mapping[str, Any], *, dotted_used: bool) -> 
             continue
         if outputs == ("advantage_estimator",) and specs["advantage_estimator"].default != default:
             ours = specs["advantage_estimator"].default  # the subcommand names the algorithm
-            differences.append(Difference("advantage_estimator", str(default), ours,
-                                          f"the subcommand names the algorithm (`hybrid {cls().algorithm}`: "
-                                          f"{ours}); give --{name} to choose another"))
+            differences.append(
+                Difference(
+                    "advantage_estimator",
+                    str(default),
+                    ours,
+                    f"the subcommand names the algorithm (`hybrid {cls().algorithm}`: "
+                    f"{ours}); give --{name} to choose another",
+                )
+            )
             continue
         if outputs[0] in DIFFERENCES and specs[outputs[0]].default != default:
             ours, why = DIFFERENCES[outputs[0]]
@@ -162,9 +194,14 @@ def line_defaults(cls: type, given: Mapping[str, Any], *, dotted_used: bool) -> 
         try:
             values = _default_values(rule, name, default, given, specs, convert)
         except ConfigError as e:  # OpenRLHF's default cannot hold what the line gives (a total length too short)
-            differences.append(Difference(outputs[0], f"{_show(default)} (--{name})", f"hybrid's default "
-                                          f"({specs[outputs[0]].default})", f"OpenRLHF's default does not fit the "
-                                          f"line: {e.problem.rstrip('.')}"))
+            differences.append(
+                Difference(
+                    outputs[0],
+                    f"{_show(default)} (--{name})",
+                    f"hybrid's default ({specs[outputs[0]].default})",
+                    f"OpenRLHF's default does not fit the line: {e.problem.rstrip('.')}",
+                )
+            )
             continue
         implied.update({k: v for k, v in values.items() if k not in given and k not in implied})
     for field_name, switch in CONDITIONAL.items():
@@ -174,10 +211,16 @@ def line_defaults(cls: type, given: Mapping[str, Any], *, dotted_used: bool) -> 
         del implied["loss_agg_mode"]  # OpenRLHF's GSPO averages per sequence whatever --actor.loss_agg_mode says
     if given.get("async_train") and implied.get("enable_vllm_is_correction") is False:
         del implied["enable_vllm_is_correction"]
-        differences.append(Difference("enable_vllm_is_correction", "off", "on (hybrid's default correction)",
-                                      "an asynchronous run trains on samples of older weights, and hybrid corrects "
-                                      "that gap with the engines' log-probs (it does not train asynchronously "
-                                      "without); turn it on the OpenRLHF way to choose its level and mode"))
+        differences.append(
+            Difference(
+                "enable_vllm_is_correction",
+                "off",
+                "on (hybrid's default correction)",
+                "an asynchronous run trains on samples of older weights, and hybrid corrects "
+                "that gap with the engines' log-probs (it does not train asynchronously "
+                "without); turn it on the OpenRLHF way to choose its level and mode",
+            )
+        )
     if "backend" not in given:  # OpenRLHF's engines are vLLM; without engines it generates with transformers
         engines = given.get("vllm_num_engines", implied.get("vllm_num_engines"))
         implied["backend"] = "vllm" if engines else "hf"
@@ -187,24 +230,27 @@ def line_defaults(cls: type, given: Mapping[str, Any], *, dotted_used: bool) -> 
 def _outputs(rule: orl.Rule, specs: Mapping[str, Any]) -> tuple[str, ...]:
     """The settings here that a flag's default may set (none for flags that change nothing here)."""
     if rule.kind in ("same", "pending"):
-        return (rule.field,) if rule.field in specs else ()
+        return (rule.field,) if rule.field is not None and rule.field in specs else ()
     if rule.kind == "convert":
         return tuple(f for f in rule.fields if f in specs)
     return ()
 
 
-def _default_values(rule: orl.Rule, name: str, default: Any, given: Mapping[str, Any], specs: Mapping[str, Any],
-                    convert) -> dict[str, Any]:
+def _default_values(
+    rule: orl.Rule, name: str, default: Any, given: Mapping[str, Any], specs: Mapping[str, Any], convert
+) -> dict[str, Any]:
     """The settings a flag's default means here, by the flag's own rule (its notes are for given flags: dropped)."""
     if rule.kind in ("same", "pending"):
-        spec = specs[rule.field]
+        field = rule.field
+        assert field is not None, f"{name}: a {rule.kind} rule names its setting"  # same() / pending() set it
+        spec = specs[field]
         if default is None:
-            if rule.field in NONE_MEANS:
-                return {rule.field: NONE_MEANS[rule.field]}
-            return {rule.field: None} if spec.optional else {}
+            if field in NONE_MEANS:
+                return {field: NONE_MEANS[field]}
+            return {field: None} if spec.optional else {}
         if isinstance(default, str) and "%" in default and name in ("logger.wandb.run_name", "wandb_run_name"):
             default = time.strftime(default)  # OpenRLHF's run name is the launch time
-        return {rule.field: convert(spec, default)}
+        return {field: convert(spec, default)}
     if default is None:
         return dict(CONVERT_NONE.get(name, {}))
     ctx = orl.Context({}, dict(given), frozenset(specs))
@@ -224,10 +270,14 @@ def without_engines(values: Mapping[str, Any]) -> tuple[dict[str, Any], list[str
     if values.get("vllm_num_engines", 1) != 0:
         return {}, []
     changes: dict[str, Any] = {}
-    notes = ["--vllm_num_engines 0: OpenRLHF generates with the actor's own model; here the built-in transformers "
-             "engine runs on each actor GPU, taking turns with the actor (no vLLM)."]
+    notes = [
+        "--vllm_num_engines 0: OpenRLHF generates with the actor's own model; here the built-in transformers "
+        "engine runs on each actor GPU, taking turns with the actor (no vLLM)."
+    ]
     if values.get("vllm_tensor_parallel_size", 1) > 1:
         changes["vllm_tensor_parallel_size"] = 1
-        notes.append(f"--vllm_tensor_parallel_size {values['vllm_tensor_parallel_size']} is unused without engines "
-                     "(as in OpenRLHF).")
+        notes.append(
+            f"--vllm_tensor_parallel_size {values['vllm_tensor_parallel_size']} is unused without engines "
+            "(as in OpenRLHF)."
+        )
     return changes, notes

@@ -75,17 +75,42 @@ def openrlhf_flags() -> dict[str, OpenRLHFFlag]:
     data = load_data()
     flags: dict[str, OpenRLHFFlag] = {}
     for r in data["flags"]:
-        flags[r["name"]] = OpenRLHFFlag(r["name"], r["action"], r["type"], r["nargs"], _tuple(r["choices"]),
-                                        r["default"], dotted=True, flat=tuple(r["flat"]))
+        flags[r["name"]] = OpenRLHFFlag(
+            r["name"],
+            r["action"],
+            r["type"],
+            r["nargs"],
+            _tuple(r["choices"]),
+            r["default"],
+            dotted=True,
+            flat=tuple(r["flat"]),
+        )
     for r in data["flat_flags"]:
         if r["name"] in flags:  # kept its name across the rename (--local_rank, --use_ms)
             continue
-        flags[r["name"]] = OpenRLHFFlag(r["name"], r["action"], r["type"], r["nargs"], _tuple(r["choices"]),
-                                        r["default"], dotted=False, successors=tuple(r["dotted"]),
-                                        releases=tuple(r["releases"]))
+        flags[r["name"]] = OpenRLHFFlag(
+            r["name"],
+            r["action"],
+            r["type"],
+            r["nargs"],
+            _tuple(r["choices"]),
+            r["default"],
+            dotted=False,
+            successors=tuple(r["dotted"]),
+            releases=tuple(r["releases"]),
+        )
     for r in data.get("main_flags", ()):
-        flags[r["name"]] = OpenRLHFFlag(r["name"], r["action"], r["type"], r["nargs"], _tuple(r["choices"]),
-                                        r["default"], dotted=False, flat=tuple(r["flat"]), main_only=True)
+        flags[r["name"]] = OpenRLHFFlag(
+            r["name"],
+            r["action"],
+            r["type"],
+            r["nargs"],
+            _tuple(r["choices"]),
+            r["default"],
+            dotted=False,
+            flat=tuple(r["flat"]),
+            main_only=True,
+        )
     for name, (action, nargs) in UNRELEASED_FLAGS.items():
         flags[name] = OpenRLHFFlag(name, action, "str", nargs, None, None, dotted=False)
     return flags
@@ -186,14 +211,19 @@ def _attn_implementation(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     text = str(value)
     if text.startswith("flash_attention"):
         if text != "flash_attention_2":
-            ctx.notes.append(f"--{flag} {text}: hybrid's trainers use FlashAttention-2 when flash-attn is installed, "
-                             "else PyTorch SDPA (--flash_attn).")
+            ctx.notes.append(
+                f"--{flag} {text}: hybrid's trainers use FlashAttention-2 when flash-attn is installed, "
+                "else PyTorch SDPA (--flash_attn)."
+            )
         return {"flash_attn": True}
     if text == "sdpa":
         return {"flash_attn": False}
-    raise _refused(flag, f"the {text!r} attention kernel",
-                   "hybrid's trainers use FlashAttention-2 (--flash_attn, falling back to PyTorch SDPA) or, without "
-                   "--flash_attn, transformers' default; use --ds.attn_implementation flash_attention_2 or sdpa.")
+    raise _refused(
+        flag,
+        f"the {text!r} attention kernel",
+        "hybrid's trainers use FlashAttention-2 (--flash_attn, falling back to PyTorch SDPA) or, without "
+        "--flash_attn, transformers' default; use --ds.attn_implementation flash_attention_2 or sdpa.",
+    )
 
 
 def _max_len(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
@@ -206,22 +236,34 @@ def _max_len(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     if new is not None:
         new = _int(new, "rollout.max_new_tokens")
         if new >= total:
-            raise ConfigError(flag, f"--{flag} {total} leaves no room for a prompt next to {new} new tokens.",
-                              "Give a total length above --rollout.max_new_tokens.")
+            raise ConfigError(
+                flag,
+                f"--{flag} {total} leaves no room for a prompt next to {new} new tokens.",
+                "Give a total length above --rollout.max_new_tokens.",
+            )
         prompt = ctx.fields.get("prompt_max_len", total - new)
         gen = new
     else:
         prompt = ctx.fields.get("prompt_max_len", ctx.value("prompt_max_len"))
         prompt = _int(prompt, "prompt_max_len") if prompt is not None else min(1024, total // 2)
         if prompt >= total:
-            raise ConfigError(flag, f"--{flag} {total} leaves no room for a completion after prompts of up to "
-                              f"{prompt} tokens (--prompt_max_len).", "Raise the total or lower --prompt_max_len.")
+            raise ConfigError(
+                flag,
+                f"--{flag} {total} leaves no room for a completion after prompts of up to "
+                f"{prompt} tokens (--prompt_max_len).",
+                "Raise the total or lower --prompt_max_len.",
+            )
         gen = total - prompt
     if prompt + gen > total:
-        raise ConfigError("prompt_max_len", f"--prompt_max_len {prompt} + {gen} new tokens exceed --{flag} {total}.",
-                          f"Use --prompt_max_len {total - gen} or less.")
-    ctx.notes.append(f"--{flag} {total} (prompt + completion): prompts of up to {prompt} tokens (--prompt_max_len; "
-                     f"longer ones are dropped, not cut) and completions of up to {gen} (--generate_max_len).")
+        raise ConfigError(
+            "prompt_max_len",
+            f"--prompt_max_len {prompt} + {gen} new tokens exceed --{flag} {total}.",
+            f"Use --prompt_max_len {total - gen} or less.",
+        )
+    ctx.notes.append(
+        f"--{flag} {total} (prompt + completion): prompts of up to {prompt} tokens (--prompt_max_len; "
+        f"longer ones are dropped, not cut) and completions of up to {gen} (--generate_max_len)."
+    )
     return {"prompt_max_len": prompt, "generate_max_len": gen}
 
 
@@ -237,20 +279,28 @@ def _generate_batch(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     batch = ctx.fields.get("rollout_batch_size") or ctx.value("rollout.batch_size")
     if batch is not None and _int(value, flag) == _int(batch, "rollout.batch_size"):
         return {}
-    raise _refused(flag, "generating more prompts than a rollout batch (over-sampling for the asynchronous trainer)",
-                   "hybrid generates exactly --rollout_batch_size prompts per step; drop this flag.")
+    raise _refused(
+        flag,
+        "generating more prompts than a rollout batch (over-sampling for the asynchronous trainer)",
+        "hybrid generates exactly --rollout_batch_size prompts per step; drop this flag.",
+    )
 
 
 def _remote_reward(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     urls = [u.strip() for u in str(value).split(",") if u.strip()]
     files = [u for u in urls if not u.startswith(("http://", "https://"))]
     if files and len(urls) > 1:
-        raise ConfigError(flag, f"--{flag} mixes a reward file with other rewards ({value}).",
-                          "Give one .py file, or one or more http(s):// reward servers separated by commas.")
+        raise ConfigError(
+            flag,
+            f"--{flag} mixes a reward file with other rewards ({value}).",
+            "Give one .py file, or one or more http(s):// reward servers separated by commas.",
+        )
     if files and not files[0].endswith(".py"):
-        raise ConfigError(flag, f"--{flag} {files[0]!r} is neither an http(s):// URL nor a .py file.",
-                          "Give the URL of a reward server or a Python file defining reward_func(queries, prompts, "
-                          "labels).")
+        raise ConfigError(
+            flag,
+            f"--{flag} {files[0]!r} is neither an http(s):// URL nor a .py file.",
+            "Give the URL of a reward server or a Python file defining reward_func(queries, prompts, labels).",
+        )
     out: dict[str, Any] = {"reward_fn": ",".join(urls)}
     rm = ctx.fields.get("reward_pretrain") or ctx.value("reward.model_name_or_path")
     if rm:  # OpenRLHF then runs no reward model: the reward model's path only initialises the critic
@@ -259,15 +309,20 @@ def _remote_reward(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
         if not (ctx.fields.get("critic_pretrain") or ctx.value("critic.model_name_or_path")):
             out["critic_pretrain"] = rm
             ctx.overrides.add("critic_pretrain")
-        ctx.notes.append(f"--{flag} is the reward, so no reward model runs (as in OpenRLHF); --reward_pretrain {rm} "
-                         "only initialises the critic.")
+        ctx.notes.append(
+            f"--{flag} is the reward, so no reward model runs (as in OpenRLHF); --reward_pretrain {rm} "
+            "only initialises the critic."
+        )
     return out
 
 
 def _reward_models(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     if "," in str(value):
-        raise _refused(flag, "several reward models whose scores are combined",
-                       "Give one --reward_pretrain (or one reward function/server with --reward_fn).")
+        raise _refused(
+            flag,
+            "several reward models whose scores are combined",
+            "Give one --reward_pretrain (or one reward function/server with --reward_fn).",
+        )
     return {"reward_pretrain": str(value)}
 
 
@@ -280,9 +335,12 @@ def _lr_scheduler(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     from hybrid_algos.train.config import LR_SCHEDULERS
 
     if str(value) not in LR_SCHEDULERS:
-        raise _refused(flag, f"the {value!r} learning-rate schedule",
-                       f"hybrid has {' and '.join(LR_SCHEDULERS)} (linear warm-up over --lr_warmup_ratio, then "
-                       "constant or a cosine decay to --min_lr_ratio).")
+        raise _refused(
+            flag,
+            f"the {value!r} learning-rate schedule",
+            f"hybrid has {' and '.join(LR_SCHEDULERS)} (linear warm-up over --lr_warmup_ratio, then "
+            "constant or a cosine decay to --min_lr_ratio).",
+        )
     if flag.startswith("critic."):  # one schedule for both trainers
         return _shared_optimizer("lr_scheduler", number=False)(value, ctx, flag)
     return {"lr_scheduler": str(value)}
@@ -299,8 +357,11 @@ def _shared_optimizer(field_name: str, number: bool = True) -> Callable[[Any, Co
         if actor is None:
             return {field_name: mine}
         if parse(actor) != mine:
-            raise ConfigError(flag, f"--{flag} {value} differs from the actor's {actor}; hybrid has one "
-                              f"--{field_name} for both trainers.", f"Give both the same --{field_name}.")
+            raise ConfigError(
+                flag,
+                f"--{flag} {value} differs from the actor's {actor}; hybrid has one --{field_name} for both trainers.",
+                f"Give both the same --{field_name}.",
+            )
         return {}
 
     return fn
@@ -308,8 +369,11 @@ def _shared_optimizer(field_name: str, number: bool = True) -> Callable[[Any, Co
 
 def _estimator(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     if str(value) == "flash_reinforce":
-        raise _refused(flag, "FlashREINFORCE's estimator (reward minus the rollout-batch mean, no groups)",
-                       "The closest here is --advantage_estimator reinforce (batch-normalised returns).")
+        raise _refused(
+            flag,
+            "FlashREINFORCE's estimator (reward minus the rollout-batch mean, no groups)",
+            "The closest here is --advantage_estimator reinforce (batch-normalised returns).",
+        )
     return {"advantage_estimator": str(value)}
 
 
@@ -330,14 +394,18 @@ def _is_level(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     ``--enable_vllm_is_correction --vllm_is_correction_type tis|icepop|seq-mask-tis``."""
     level = str(value)
     if level == "off":  # OpenRLHF's default: no correction (hybrid's own default is on, so it is said)
-        return _pending_values(ctx, flag, {"enable_vllm_is_correction": False},
-                               "importance-sampling correction of the engines' log-probs")
+        return _pending_values(
+            ctx, flag, {"enable_vllm_is_correction": False}, "importance-sampling correction of the engines' log-probs"
+        )
     mode = str(ctx.value("algo.advantage.is_correction_mode", default="mask"))
     kind = {("token", "clip"): "tis", ("token", "mask"): "icepop", ("seq", "mask"): "seq-mask-tis"}.get((level, mode))
     if kind is None:
-        raise ConfigError(flag, f"--{flag} {level} with --algo.advantage.is_correction_mode {mode} is not a "
-                          "correction OpenRLHF defines (sequence level only masks).",
-                          "Use token with mask or clip, or seq with mask.")
+        raise ConfigError(
+            flag,
+            f"--{flag} {level} with --algo.advantage.is_correction_mode {mode} is not a "
+            "correction OpenRLHF defines (sequence level only masks).",
+            "Use token with mask or clip, or seq with mask.",
+        )
     values: dict[str, Any] = {"enable_vllm_is_correction": True}
     if kind != "tis":  # the flat era's default type
         values["vllm_is_correction_type"] = kind
@@ -348,8 +416,9 @@ def _is_mode(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     if str(ctx.value("algo.advantage.is_correction_level", default="off")) == "off" and str(value) == "mask":
         return {}  # OpenRLHF's default, and without a level it does nothing there either
     if str(ctx.value("algo.advantage.is_correction_level", default="off")) == "off":
-        ctx.notes.append(f"--{flag} {value} has no effect without --algo.advantage.is_correction_level (as in "
-                         "OpenRLHF).")
+        ctx.notes.append(
+            f"--{flag} {value} has no effect without --algo.advantage.is_correction_level (as in OpenRLHF)."
+        )
     return {}  # read by _is_level
 
 
@@ -364,11 +433,17 @@ def _is_threshold(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     if len(numbers) != 2:
         raise ConfigError(flag, f"--{flag} takes HIGH or LOW HIGH, got {value!r}.", "E.g. 0.5 5.0.")
     if not correction_on(ctx):
-        ctx.notes.append(f"--{flag} {_show(value)} has no effect without the correction (--algo.advantage."
-                         "is_correction_level token|seq, or --enable_vllm_is_correction), as in OpenRLHF.")
+        ctx.notes.append(
+            f"--{flag} {_show(value)} has no effect without the correction (--algo.advantage."
+            "is_correction_level token|seq, or --enable_vllm_is_correction), as in OpenRLHF."
+        )
         return {}
-    return _pending_values(ctx, flag, {"vllm_is_truncated_threshold": tuple(numbers)},
-                           "importance-sampling correction of the engines' log-probs")
+    return _pending_values(
+        ctx,
+        flag,
+        {"vllm_is_truncated_threshold": tuple(numbers)},
+        "importance-sampling correction of the engines' log-probs",
+    )
 
 
 def correction_on(ctx: Context) -> bool:
@@ -388,8 +463,9 @@ def correction_on(ctx: Context) -> bool:
 def _flat_is_type(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     if str(value) == "tis":
         return {}  # the flat era's default
-    return _pending_values(ctx, flag, {"vllm_is_correction_type": str(value)},
-                           "importance-sampling correction of the engines' log-probs")
+    return _pending_values(
+        ctx, flag, {"vllm_is_correction_type": str(value)}, "importance-sampling correction of the engines' log-probs"
+    )
 
 
 def _pending_values(ctx: Context, flag: str, values: dict[str, Any], what: str) -> dict[str, Any]:
@@ -408,10 +484,14 @@ _VLM = "vision-language training (images in the prompts)"
 #: The rule of every flag of OpenRLHF 0.11.2's parser.
 DOTTED_RULES: dict[str, Rule] = {
     # placement
-    "ref.num_nodes": same("ref_num_nodes"), "ref.num_gpus_per_node": same("ref_num_gpus_per_node"),
-    "reward.num_nodes": same("reward_num_nodes"), "reward.num_gpus_per_node": same("reward_num_gpus_per_node"),
-    "actor.num_nodes": same("actor_num_nodes"), "actor.num_gpus_per_node": same("actor_num_gpus_per_node"),
-    "critic.num_nodes": same("critic_num_nodes"), "critic.num_gpus_per_node": same("critic_num_gpus_per_node"),
+    "ref.num_nodes": same("ref_num_nodes"),
+    "ref.num_gpus_per_node": same("ref_num_gpus_per_node"),
+    "reward.num_nodes": same("reward_num_nodes"),
+    "reward.num_gpus_per_node": same("reward_num_gpus_per_node"),
+    "actor.num_nodes": same("actor_num_nodes"),
+    "actor.num_gpus_per_node": same("actor_num_gpus_per_node"),
+    "critic.num_nodes": same("critic_num_nodes"),
+    "critic.num_gpus_per_node": same("critic_num_gpus_per_node"),
     "train.colocate_actor_ref": same("colocate_actor_ref"),
     "train.colocate_critic_reward": same("colocate_critic_reward"),
     "train.colocate_all": same("colocate_all_models"),
@@ -419,17 +499,22 @@ DOTTED_RULES: dict[str, Rule] = {
     "vllm.num_engines": same("vllm_num_engines"),
     "vllm.tensor_parallel_size": same("vllm_tensor_parallel_size"),
     "vllm.sync_backend": same("vllm_sync_backend"),
-    "vllm.sync_with_ray": refuse("sending the weights to the engines through Ray's object store",
-                                 "hybrid streams them in buckets over --vllm_sync_backend (nccl/gloo), or by CUDA IPC "
-                                 "when the engines share the actor's GPUs; drop this flag."),
+    "vllm.sync_with_ray": refuse(
+        "sending the weights to the engines through Ray's object store",
+        "hybrid streams them in buckets over --vllm_sync_backend (nccl/gloo), or by CUDA IPC "
+        "when the engines share the actor's GPUs; drop this flag.",
+    ),
     "vllm.enable_prefix_caching": same("enable_prefix_caching"),
     "vllm.enforce_eager": same("enforce_eager"),
     "vllm.enable_sleep": same("vllm_enable_sleep"),
     "vllm.gpu_memory_utilization": same("vllm_gpu_memory_utilization"),
     "algo.advantage.is_correction_level": convert(_is_level, "enable_vllm_is_correction"),
     "algo.advantage.is_correction_mode": convert(_is_mode),
-    "algo.advantage.is_correction_gating": only("ratio", why="gating the correction by a divergence (a trust region)",
-                                                instead="hybrid's correction (when available) gates by the ratio."),
+    "algo.advantage.is_correction_gating": only(
+        "ratio",
+        why="gating the correction by a divergence (a trust region)",
+        instead="hybrid's correction (when available) gates by the ratio.",
+    ),
     "algo.advantage.is_correction_threshold": convert(_is_threshold, "vllm_is_truncated_threshold"),
     # asynchronous training
     "train.async_enable": same("async_train"),
@@ -442,16 +527,24 @@ DOTTED_RULES: dict[str, Rule] = {
     "logger.logging_steps": same("logging_steps"),
     "ckpt.path": same("ckpt_path"),
     "ckpt.save_hf": same("save_hf_ckpt"),
-    "ckpt.disable_ds": refuse("checkpoints without the DeepSpeed (optimizer) state",
-                              "hybrid's checkpoints are resume points and keep it; for Hugging Face weights only use "
-                              "--save_steps -1 (the final model) or --save_hf_ckpt."),
+    "ckpt.disable_ds": refuse(
+        "checkpoints without the DeepSpeed (optimizer) state",
+        "hybrid's checkpoints are resume points and keep it; for Hugging Face weights only use "
+        "--save_steps -1 (the final model) or --save_hf_ckpt.",
+    ),
     "ckpt.max_num": same("max_ckpt_num"),
-    "ckpt.max_mem": only("inf", float("inf"), why="a disk budget for checkpoints",
-                         instead="Use --max_ckpt_num to bound how many are kept."),
+    "ckpt.max_mem": only(
+        "inf",
+        float("inf"),
+        why="a disk budget for checkpoints",
+        instead="Use --max_ckpt_num to bound how many are kept.",
+    ),
     "ckpt.load_enable": same("resume_if_exists"),  # load one if there is one, else start fresh
     "ckpt.best_metric_key": note("it picks the best checkpoint by an evaluation metric; hybrid runs no evaluation."),
-    "ds.use_universal_ckpt": refuse("DeepSpeed universal checkpoints (reshardable to another GPU count)",
-                                    "hybrid resumes on the same placement; drop this flag."),
+    "ds.use_universal_ckpt": refuse(
+        "DeepSpeed universal checkpoints (reshardable to another GPU count)",
+        "hybrid resumes on the same placement; drop this flag.",
+    ),
     # DeepSpeed
     "local_rank": note("the DeepSpeed launcher's rank; hybrid starts its workers through Ray."),
     "ds.zero_stage": same("zero_stage"),
@@ -463,20 +556,25 @@ DOTTED_RULES: dict[str, Rule] = {
     "ds.zpg": only(1, why="ZeRO++ hierarchical partitioning", instead="drop this flag (ZeRO runs unpartitioned)."),
     "ds.adam_offload": same("adam_offload"),
     "ds.attn_implementation": convert(_attn_implementation, "flash_attn"),
-    "ds.experts_implementation": only(None, why="choosing the MoE expert kernel",
-                                      instead="transformers picks it; drop this flag."),
+    "ds.experts_implementation": only(
+        None, why="choosing the MoE expert kernel", instead="transformers picks it; drop this flag."
+    ),
     "ds.use_liger_kernel": refuse("Liger's fused kernels", "drop this flag."),
     "ds.grad_accum_dtype": only(None, why="a separate gradient-accumulation dtype", instead="drop this flag."),
     "ds.overlap_comm": refuse("DeepSpeed's overlap_comm", "drop this flag."),
-    "actor.gradient_checkpointing_reentrant": refuse("reentrant gradient checkpointing",
-                                                     "hybrid uses the non-reentrant form with "
-                                                     "--gradient_checkpointing; drop this flag."),
+    "actor.gradient_checkpointing_reentrant": refuse(
+        "reentrant gradient checkpointing",
+        "hybrid uses the non-reentrant form with --gradient_checkpointing; drop this flag.",
+    ),
     "data.disable_fast_tokenizer": refuse("the slow (Python) tokenizers", "drop this flag."),
     "data.dataloader_num_workers": note("prompts are read and encoded once, on the driver; there is no dataloader."),
     "ds.enable_sleep": same("deepspeed_enable_sleep"),
-    "ds.tensor_parallel_size": only(1, why="tensor parallelism of the trainers (DeepSpeed AutoTP)",
-                                    instead="hybrid's trainers are data parallel; shard a model that does not fit one "
-                                            "GPU with --zero_stage 3 (and --adam_offload)."),
+    "ds.tensor_parallel_size": only(
+        1,
+        why="tensor parallelism of the trainers (DeepSpeed AutoTP)",
+        instead="hybrid's trainers are data parallel; shard a model that does not fit one "
+        "GPU with --zero_stage 3 (and --adam_offload).",
+    ),
     "ds.packing_samples": same("packing_samples"),
     "train.dynamic_batch_enable": pending("use_dynamic_batch", False, why="token-budget dynamic batching"),
     "rollout.max_tokens_per_gpu": pending("rollout_max_tokens_per_gpu", None, why="token-budget dynamic batching"),
@@ -509,20 +607,25 @@ DOTTED_RULES: dict[str, Rule] = {
     "rollout.top_p": same("top_p"),
     "rollout.temperature": same("temperature"),
     "train.seed": same("seed"),
-    "train.full_determinism_enable": refuse("deterministic kernels everywhere (torch.use_deterministic_algorithms)",
-                                            "hybrid seeds every worker (--seed); drop this flag."),
+    "train.full_determinism_enable": refuse(
+        "deterministic kernels everywhere (torch.use_deterministic_algorithms)",
+        "hybrid seeds every worker (--seed); drop this flag.",
+    ),
     "critic.freezing_steps": only(-1, why="warming the critic up while the actor stays frozen", instead="drop it."),
     "rollout.n_samples_per_prompt": same("n_samples_per_prompt"),
-    "critic.save_value_network": refuse("saving the critic as a Hugging Face model",
-                                        "the critic's state is in every checkpoint (--save_steps); drop this flag."),
+    "critic.save_value_network": refuse(
+        "saving the critic as a Hugging Face model",
+        "the critic's state is in every checkpoint (--save_steps); drop this flag.",
+    ),
     "algo.kl.target": same("kl_target"),
     "algo.kl.horizon": same("kl_horizon"),
     "algo.kl.init_coef": same("init_kl_coef"),
     "actor.policy_loss_type": pending("policy_loss_type", "ppo", why="policy losses other than PPO's clipped loss"),
     "actor.loss_agg_mode": same("loss_agg_mode"),
     "algo.kl.estimator": same("kl_estimator"),
-    "algo.kl.unbiased_gradient": refuse("the importance-weighted (unbiased) gradient of the KL loss",
-                                        "drop this flag."),
+    "algo.kl.unbiased_gradient": refuse(
+        "the importance-weighted (unbiased) gradient of the KL loss", "drop this flag."
+    ),
     "actor.aux_loss_coef": only(0, why="the MoE load-balancing loss", instead="drop this flag."),
     "actor.entropy_coef": same("entropy_loss_coef"),
     "reward.clip_range": same("reward_clip_range"),
@@ -556,25 +659,36 @@ DOTTED_RULES: dict[str, Rule] = {
     "critic.max_norm": convert(_shared_optimizer("max_norm"), "max_norm"),
     "algo.advantage.estimator": convert(_estimator, "advantage_estimator"),
     "algo.kl.use_loss": same("use_kl_loss"),
-    "algo.advantage.no_std_norm": refuse("advantages centred but not divided by their standard deviation",
-                                         "use --advantage_estimator dr_grpo (Dr. GRPO: no std division)."),
+    "algo.advantage.no_std_norm": refuse(
+        "advantages centred but not divided by their standard deviation",
+        "use --advantage_estimator dr_grpo (Dr. GRPO: no std division).",
+    ),
     "reward.overlong_buffer_len": same("overlong_buffer_len"),
     "reward.overlong_penalty_factor": same("overlong_penalty_factor"),
-    "reward.stop_properly_penalty_coef": only(None, why="rescaling the reward of completions cut at "
-                                              "--generate_max_len", instead="add it to your reward function "
-                                              "(completions cut short end without the EOS token)."),
-    "ds.ring_attn_size": only(1, why="ring attention (sequence parallelism across GPUs)",
-                              instead="hybrid's trainers hold whole sequences; lower --generate_max_len or use "
-                                      "--gradient_checkpointing for long contexts."),
-    "ds.ring_attn_head_stride": only(1, why="ring attention (sequence parallelism across GPUs)",
-                                     instead="drop this flag."),
+    "reward.stop_properly_penalty_coef": only(
+        None,
+        why="rescaling the reward of completions cut at --generate_max_len",
+        instead="add it to your reward function (completions cut short end without the EOS token).",
+    ),
+    "ds.ring_attn_size": only(
+        1,
+        why="ring attention (sequence parallelism across GPUs)",
+        instead="hybrid's trainers hold whole sequences; lower --generate_max_len or use "
+        "--gradient_checkpointing for long contexts.",
+    ),
+    "ds.ring_attn_head_stride": only(
+        1, why="ring attention (sequence parallelism across GPUs)", instead="drop this flag."
+    ),
     # models and rewards
     "actor.model_name_or_path": same("pretrain"),
     "reward.model_name_or_path": convert(_reward_models, "reward_pretrain"),
     "reward.remote_url": convert(_remote_reward, "reward_fn"),
     "critic.model_name_or_path": same("critic_pretrain"),
-    "ds.value_head_prefix": only("score", why="a custom name for the reward/critic value head",
-                                 instead="hybrid reads the head transformers' sequence-classification models have."),
+    "ds.value_head_prefix": only(
+        "score",
+        why="a custom name for the reward/critic value head",
+        instead="hybrid reads the head transformers' sequence-classification models have.",
+    ),
     "ref.offload": convert(_offload_frozen, "ref_reward_offload"),
     "reward.offload": convert(_offload_frozen, "ref_reward_offload"),
     "train.agent_func_path": same("agent_func_path"),
@@ -596,31 +710,38 @@ DOTTED_RULES: dict[str, Rule] = {
     "logger.wandb.group": refuse("Weights & Biases run groups", "set WANDB_RUN_GROUP in the environment instead."),
     "logger.wandb.project": same("wandb_project"),
     "logger.wandb.run_name": same("wandb_run_name"),
-    "algo.dynamic_filtering_enable": pending("dynamic_filtering", False, why="dynamic sampling (filtering groups by "
-                                             "reward)"),
-    "algo.dynamic_filtering_range": pending("dynamic_filtering_reward_range", (0.0, 1.0), why="dynamic sampling "
-                                            "(filtering groups by reward)"),
+    "algo.dynamic_filtering_enable": pending(
+        "dynamic_filtering", False, why="dynamic sampling (filtering groups by reward)"
+    ),
+    "algo.dynamic_filtering_range": pending(
+        "dynamic_filtering_reward_range", (0.0, 1.0), why="dynamic sampling (filtering groups by reward)"
+    ),
     "data.image_key": only("images", why=_VLM, instead="drop this flag."),
     "data.max_images_per_prompt": only(0, why=_VLM, instead="drop this flag."),
     "actor.freeze_visual_encoder": refuse(_VLM, "drop this flag."),
     "logger.tensorboard_dir": convert(_tensorboard_dir, "use_tensorboard"),
-    "use_ms": refuse("downloading models and data from ModelScope",
-                     "models and data are never downloaded at run time: give local folders, or ids already in the "
-                     "Hugging Face cache."),
+    "use_ms": refuse(
+        "downloading models and data from ModelScope",
+        "models and data are never downloaded at run time: give local folders, or ids already in the "
+        "Hugging Face cache.",
+    ),
 }
 
 #: Flat flags whose meaning is not their dotted successor's.
 FLAT_RULES: dict[str, Rule] = {
-    "enable_vllm_is_correction": pending("enable_vllm_is_correction", False,
-                                         why="importance-sampling correction of the engines' log-probs"),
+    "enable_vllm_is_correction": pending(
+        "enable_vllm_is_correction", False, why="importance-sampling correction of the engines' log-probs"
+    ),
     "vllm_is_correction_type": convert(_flat_is_type, "vllm_is_correction_type"),
     "vllm_is_truncated_threshold": convert(_is_threshold, "vllm_is_truncated_threshold"),
     "use_tensorboard": convert(_tensorboard_dir, "use_tensorboard"),
     "max_len": convert(_max_len, "prompt_max_len", "generate_max_len"),
     "max_new_tokens": convert(_max_new_tokens, "generate_max_len"),
     # removed before the dotted rename
-    "actor_init_on_gpu": note("OpenRLHF itself stopped using it (it was removed in 0.10.2); hybrid loads weights "
-                              "on the host and DeepSpeed moves them to the GPU."),
+    "actor_init_on_gpu": note(
+        "OpenRLHF itself stopped using it (it was removed in 0.10.2); hybrid loads weights "
+        "on the host and DeepSpeed moves them to the GPU."
+    ),
     "bf16": same("bf16"),
     "flash_attn": same("flash_attn"),
     "prompt_max_len": same("prompt_max_len"),
@@ -637,14 +758,20 @@ FLAT_RULES: dict[str, Rule] = {
 
 #: Flags of OpenRLHF example scripts from a pull-request branch that never reached a release
 #: (examples/scripts/train_ppo_llama_ray_with_dynamic_sampling.sh, 2025-04): name -> (argparse action, nargs).
-UNRELEASED_FLAGS = {"custom_experience_filter": ("store", None), "store_extra_buffers": ("store_true", None),
-                    "max_global_steps": ("store", None)}
+UNRELEASED_FLAGS = {
+    "custom_experience_filter": ("store", None),
+    "store_extra_buffers": ("store_true", None),
+    "max_global_steps": ("store", None),
+}
 UNRELEASED_RULES: dict[str, Rule] = {
-    "custom_experience_filter": refuse("filtering experiences with your own Python (an unreleased OpenRLHF branch)",
-                                       "filter groups by reward with --dynamic_filtering --dynamic_filtering_reward_range "
-                                       "LOW HIGH, or score unwanted samples in your --reward_fn."),
-    "store_extra_buffers": refuse("keeping filtered samples for later steps (an unreleased OpenRLHF branch)",
-                                  "drop this flag."),
+    "custom_experience_filter": refuse(
+        "filtering experiences with your own Python (an unreleased OpenRLHF branch)",
+        "filter groups by reward with --dynamic_filtering --dynamic_filtering_reward_range "
+        "LOW HIGH, or score unwanted samples in your --reward_fn.",
+    ),
+    "store_extra_buffers": refuse(
+        "keeping filtered samples for later steps (an unreleased OpenRLHF branch)", "drop this flag."
+    ),
     "max_global_steps": convert(_max_steps, "max_steps"),
 }
 
@@ -680,8 +807,7 @@ def rule_for(name: str) -> Rule:
 def _spellings() -> dict[str, tuple[str, ...]]:
     """Each name's other spellings: a dotted name's flat names, a flat name's dotted successors (not their siblings:
     --critic.adam.betas is not a spelling of --actor.adam.betas, though both were --adam_betas)."""
-    return {flag.name: tuple(sorted({flag.name, *flag.flat, *flag.successors}))
-            for flag in openrlhf_flags().values()}
+    return {flag.name: tuple(sorted({flag.name, *flag.flat, *flag.successors})) for flag in openrlhf_flags().values()}
 
 
 def spellings(name: str) -> tuple[str, ...]:
@@ -700,20 +826,34 @@ def check_table(config_fields: Iterable[str] = ()) -> list[str]:
         # flat spelling, older than them, never needed
         if not (rule.kind in ("same", "pending", "convert") and rule.field == name) and name not in OWN_MEANING_OK:
             problems.append(f"--{name} is a hybrid setting but its OpenRLHF rule is {rule.kind} {rule.field}")
-    problems += [f"--{n} (OpenRLHF {openrlhf_release()}) has no rule" for n, f in flags.items()
-                 if f.dotted and n not in DOTTED_RULES]
-    problems += [f"--{n}: successor {s} has no rule" for n, f in flags.items() for s in f.successors
-                 if s not in DOTTED_RULES]
-    problems += [f"--{n} has no rule" for n, f in flags.items()
-                 if not f.dotted and not f.successors and n not in FLAT_RULES and n not in UNRELEASED_RULES
-                 and n not in MAIN_RULES]
+    problems += [
+        f"--{n} (OpenRLHF {openrlhf_release()}) has no rule"
+        for n, f in flags.items()
+        if f.dotted and n not in DOTTED_RULES
+    ]
+    problems += [
+        f"--{n}: successor {s} has no rule" for n, f in flags.items() for s in f.successors if s not in DOTTED_RULES
+    ]
+    problems += [
+        f"--{n} has no rule"
+        for n, f in flags.items()
+        if not f.dotted
+        and not f.successors
+        and n not in FLAT_RULES
+        and n not in UNRELEASED_RULES
+        and n not in MAIN_RULES
+    ]
     problems += [f"rule for unknown flag --{n}" for n in (*DOTTED_RULES, *FLAT_RULES, *MAIN_RULES) if n not in flags]
     return problems
 
 
 # ---- translating given flags ----------------------------------------------------------------------------------------
-def translate(given: Mapping[str, Any], fields: Mapping[str, Any], specs: Mapping[str, Any],
-              convert_value: Callable[[Any, Any], Any]) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
+def translate(
+    given: Mapping[str, Any],
+    fields: Mapping[str, Any],
+    specs: Mapping[str, Any],
+    convert_value: Callable[[Any, Any], Any],
+) -> tuple[dict[str, Any], list[str], dict[str, Any]]:
     """The hybrid settings and notes for the OpenRLHF flags in ``given`` (name -> raw value: text, a list of words,
     or True/False for a switch; YAML values from a config file).
 
@@ -754,8 +894,7 @@ def translate(given: Mapping[str, Any], fields: Mapping[str, Any], specs: Mappin
         else:  # pragma: no cover - the table is checked
             raise AssertionError(rule.kind)
     # hybrid's own settings given beside the OpenRLHF ones win, except where OpenRLHF's meaning overrides them
-    return ({k: v for k, v in ctx.out.items() if k not in fields}, ctx.notes,
-            {k: ctx.out[k] for k in ctx.overrides})
+    return ({k: v for k, v in ctx.out.items() if k not in fields}, ctx.notes, {k: ctx.out[k] for k in ctx.overrides})
 
 
 def _switch_value(flag: OpenRLHFFlag, raw: Any) -> bool:

@@ -63,12 +63,20 @@ class ProgressDisplay:
         for line in info.get("lines") or ():  # the step count and why; flags the run does not use as given
             self.console.print(line, markup=False)
         if self.live:
-            self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-                                      TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
-                                      console=self.console, transient=False)
+            self._progress = Progress(
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[stats]}"),
+                console=self.console,
+                transient=False,
+            )
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self.total_steps or None,
-                                                 completed=self.start_step, stats="")
+            self._task = self._progress.add_task(
+                "train", total=self.total_steps or None, completed=self.start_step, stats=""
+            )
 
     def on_step(self, metrics: dict[str, Any]) -> None:
         self.history.append(dict(metrics))

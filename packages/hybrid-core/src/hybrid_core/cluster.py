@@ -86,10 +86,14 @@ def connect(
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         if num_gpus is not None:
-            raise ConfigError("num_gpus", f"cannot declare GPUs when joining the running cluster at {address}.",
-                              "Drop --num_gpus; the cluster's own GPUs are used.")
-        check_gcs(address, source="RAY_ADDRESS" if address == os.environ.get("RAY_ADDRESS") and not given
-                  else "address")
+            raise ConfigError(
+                "num_gpus",
+                f"cannot declare GPUs when joining the running cluster at {address}.",
+                "Drop --num_gpus; the cluster's own GPUs are used.",
+            )
+        check_gcs(
+            address, source="RAY_ADDRESS" if address == os.environ.get("RAY_ADDRESS") and not given else "address"
+        )
         ray.init(address=address, log_to_driver=True)
         _warn_if_unauthenticated(address)
         return _info(started_here=False)
@@ -105,9 +109,16 @@ def connect(
     with loopback_only(), gpus_hidden_as_fakes(num_gpus), own_process_group():
         for attempt in (1, 2):
             try:
-                ray.init(address="local", num_gpus=num_gpus, num_cpus=num_cpus, include_dashboard=False,
-                         _temp_dir=temp_dir, log_to_driver=True, logging_level=logging.WARNING,
-                         _node_ip_address="127.0.0.1")
+                ray.init(
+                    address="local",
+                    num_gpus=num_gpus,
+                    num_cpus=num_cpus,
+                    include_dashboard=False,
+                    _temp_dir=temp_dir,
+                    log_to_driver=True,
+                    logging_level=logging.WARNING,
+                    _node_ip_address="127.0.0.1",
+                )
                 break
             except Exception as e:  # Ray's own start-up failure (a bare Exception), not a bug of the caller's
                 if "timed out during startup" not in str(e):
@@ -117,17 +128,24 @@ def connect(
                 except Exception:  # noqa: BLE001 - the start-up error is the one to report
                     pass
                 if attempt == 2:
-                    raise RoleFailure(f"the local Ray did not start: its node timed out during start-up twice "
-                                      f"({_first_line(e)}). Ray gives its processes a fixed 30 s to register; a "
-                                      "machine this busy delays them past it. Fix: run again when the machine is "
-                                      "less loaded.") from None
-                log.warning("the local Ray's node did not register within Ray's fixed 30 s (a loaded machine?): "
-                            "starting it once more")
+                    raise RoleFailure(
+                        f"the local Ray did not start: its node timed out during start-up twice "
+                        f"({_first_line(e)}). Ray gives its processes a fixed 30 s to register; a "
+                        "machine this busy delays them past it. Fix: run again when the machine is "
+                        "less loaded."
+                    ) from None
+                log.warning(
+                    "the local Ray's node did not register within Ray's fixed 30 s (a loaded machine?): "
+                    "starting it once more"
+                )
     info = _info(started_here=True)
     if not is_loopback(info.node_ip):
-        log.warning("the local Ray listens on %s, not on 127.0.0.1 only: this Ray version ignored its local-only "
-                    "mode, so the run is reachable from the network (token authentication is %s)", info.node_ip,
-                    os.environ.get(AUTH_MODE_ENV, "Ray's default"))
+        log.warning(
+            "the local Ray listens on %s, not on 127.0.0.1 only: this Ray version ignored its local-only "
+            "mode, so the run is reachable from the network (token authentication is %s)",
+            info.node_ip,
+            os.environ.get(AUTH_MODE_ENV, "Ray's default"),
+        )
     return info
 
 
@@ -140,8 +158,11 @@ def make_temp_dir(path: str) -> str:
     except OSError as e:  # NotADirectoryError (a file in the path), FileExistsError (a file there), PermissionError
         blocker = next((p for p in _ancestors(path) if os.path.exists(p) and not os.path.isdir(p)), None)
         why = f"{blocker!r} is a file, not a folder" if blocker else e.strerror or type(e).__name__
-        raise ConfigError("ray_temp_dir", f"cannot create the folder {path!r}: {why}.",
-                          "Give a folder that can be created (or leave --ray_temp_dir out: Ray's /tmp/ray).") from None
+        raise ConfigError(
+            "ray_temp_dir",
+            f"cannot create the folder {path!r}: {why}.",
+            "Give a folder that can be created (or leave --ray_temp_dir out: Ray's /tmp/ray).",
+        ) from None
     return path
 
 
@@ -164,8 +185,10 @@ def check_gcs(address: str, *, source: str = "address", timeout_s: float = CONNE
     host, port = _host_port(address)
     if host is None:
         return
-    fix = ("Start the cluster first (`ray start --head` on its head node), or give its GCS address (host:6379, "
-           "what `ray start --head` prints); without an address hybrid starts a Ray of its own.")
+    fix = (
+        "Start the cluster first (`ray start --head` on its head node), or give its GCS address (host:6379, "
+        "what `ray start --head` prints); without an address hybrid starts a Ray of its own."
+    )
     if source == "RAY_ADDRESS":
         fix = "Unset RAY_ADDRESS (a stale one: hybrid then starts a Ray of its own), or " + fix[0].lower() + fix[1:]
     try:
@@ -174,9 +197,12 @@ def check_gcs(address: str, *, source: str = "address", timeout_s: float = CONNE
     except OSError as e:
         raise ConfigError(source, f"nothing answers at {address} ({e.strerror or type(e).__name__}).", fix) from None
     if not _answers_as_gcs(host, port, timeout_s):
-        raise ConfigError(source, f"{address} answers, but not as a Ray cluster's GCS (no reply to Ray's "
-                          f"CheckAlive within {timeout_s:g} s): another service's port, or the dashboard's (8265).",
-                          fix)
+        raise ConfigError(
+            source,
+            f"{address} answers, but not as a Ray cluster's GCS (no reply to Ray's "
+            f"CheckAlive within {timeout_s:g} s): another service's port, or the dashboard's (8265).",
+            fix,
+        )
 
 
 def _host_port(address: str) -> tuple[str | None, int]:
@@ -200,12 +226,17 @@ def _answers_as_gcs(host: str, port: int, timeout_s: float) -> bool:
         return True
     channel = grpc.insecure_channel(f"{host}:{port}")
     try:
-        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).CheckAlive(gcs_service_pb2.CheckAliveRequest(),
-                                                                        timeout=timeout_s)
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).CheckAlive(
+            gcs_service_pb2.CheckAliveRequest(), timeout=timeout_s
+        )
         return True
     except grpc.RpcError as e:
-        return e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+        return e.code() not in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.UNKNOWN,
+            grpc.StatusCode.INTERNAL,
+        )
     finally:
         channel.close()
 
@@ -331,9 +362,13 @@ def is_loopback(host: str) -> bool:
 
 def _warn_if_unauthenticated(address: str) -> None:
     if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
-        log.warning("joined the Ray cluster at %s without token authentication (RAY_AUTH_MODE=%s): anyone who can "
-                    "reach its ports can run code on it. Start every node with RAY_AUTH_MODE=token and the same "
-                    "RAY_AUTH_TOKEN (README: multi-node).", address, os.environ.get(AUTH_MODE_ENV, "unset"))
+        log.warning(
+            "joined the Ray cluster at %s without token authentication (RAY_AUTH_MODE=%s): anyone who can "
+            "reach its ports can run code on it. Start every node with RAY_AUTH_MODE=token and the same "
+            "RAY_AUTH_TOKEN (README: multi-node).",
+            address,
+            os.environ.get(AUTH_MODE_ENV, "unset"),
+        )
 
 
 def _info(started_here: bool) -> ClusterInfo:
@@ -343,9 +378,14 @@ def _info(started_here: bool) -> ClusterInfo:
     context = ray.get_runtime_context()
     address = context.gcs_address
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    return ClusterInfo(address=address, started_here=started_here, num_gpus=int(resources.get("GPU", 0)),
-                       num_cpus=int(resources.get("CPU", 0)), num_nodes=len(nodes),
-                       node_ip=address.rsplit(":", 1)[0])
+    return ClusterInfo(
+        address=address,
+        started_here=started_here,
+        num_gpus=int(resources.get("GPU", 0)),
+        num_cpus=int(resources.get("CPU", 0)),
+        num_nodes=len(nodes),
+        node_ip=address.rsplit(":", 1)[0],
+    )
 
 
 def shutdown(info: ClusterInfo) -> None:

@@ -55,8 +55,11 @@ def parse_faults(text: str | None) -> list[Fault]:
         who, phase, action = parts[:3]
         role, _, rank = who.partition("/")
         if action not in ACTIONS or not role or not phase or (rank and not rank.isdigit()):
-            raise ConfigError(ENV, f"{item!r}: action must be one of {', '.join(ACTIONS)}, rank a number.",
-                              "E.g. actor/0:train:die:2.")
+            raise ConfigError(
+                ENV,
+                f"{item!r}: action must be one of {', '.join(ACTIONS)}, rank a number.",
+                "E.g. actor/0:train:die:2.",
+            )
         nth = parts[3] if len(parts) == 4 else "1"
         if not nth.isdigit() or int(nth) < 1:
             raise ConfigError(ENV, f"{item!r}: nth must be a whole number >= 1.", "E.g. actor:train:hang:2.")
@@ -73,8 +76,11 @@ def maybe_inject(role: str, phase: str, rank: int | None = None) -> None:
     text = os.environ.get(ENV)
     if not text:
         return
-    matching = [f for f in parse_faults(text) if f.role == role and f.phase == phase and f.rank in (None, rank)
-                and f.action != "corrupt"]
+    matching = [
+        f
+        for f in parse_faults(text)
+        if f.role == role and f.phase == phase and f.rank in (None, rank) and f.action != "corrupt"
+    ]
     if not matching:
         return
     with _lock:
@@ -91,8 +97,11 @@ def corrupt_due(role: str, phase: str, rank: int | None = None) -> bool:
     text = os.environ.get(ENV)
     if not text:
         return False
-    matching = [f for f in parse_faults(text) if f.role == role and f.phase == phase and f.rank in (None, rank)
-                and f.action == "corrupt"]
+    matching = [
+        f
+        for f in parse_faults(text)
+        if f.role == role and f.phase == phase and f.rank in (None, rank) and f.action == "corrupt"
+    ]
     if not matching:
         return False
     with _lock:

@@ -28,8 +28,15 @@ class GpuMemory:
     processes: str | None = None
 
 
-def check_room(role: str, gpu: int, need: int, memory: GpuMemory, *, awake: Mapping[str, int | None],
-               headroom: int = DEFAULT_HEADROOM) -> None:
+def check_room(
+    role: str,
+    gpu: int,
+    need: int,
+    memory: GpuMemory,
+    *,
+    awake: Mapping[str, int | None],
+    headroom: int = DEFAULT_HEADROOM,
+) -> None:
     """Raise :class:`GpuMemoryError` unless ``need`` + ``headroom`` bytes are free on ``gpu``.
 
     ``awake``: the other roles that may hold memory on that GPU now -> their footprint in bytes (None: unknown).
@@ -39,8 +46,16 @@ def check_room(role: str, gpu: int, need: int, memory: GpuMemory, *, awake: Mapp
     raise room_error(role, gpu, need, memory, awake=awake, headroom=headroom)
 
 
-def room_error(role: str, gpu: int, need: int, memory: GpuMemory, *, awake: Mapping[str, int | None],
-               headroom: int = DEFAULT_HEADROOM, failed: str | None = None) -> GpuMemoryError:
+def room_error(
+    role: str,
+    gpu: int,
+    need: int,
+    memory: GpuMemory,
+    *,
+    awake: Mapping[str, int | None],
+    headroom: int = DEFAULT_HEADROOM,
+    failed: str | None = None,
+) -> GpuMemoryError:
     """The error for a role that cannot wake on ``gpu``: what it needs, what is free, who holds the rest, the fix.
 
     ``failed``: the allocator's own message when the wake itself ran out of memory (another process took the memory
@@ -52,16 +67,21 @@ def room_error(role: str, gpu: int, need: int, memory: GpuMemory, *, awake: Mapp
         who += f"; processes on the GPU: {memory.processes}"
     # Sleeping another role helps only if it holds what is missing; otherwise the memory is someone else's.
     short = need + headroom - memory.free
-    biggest = max((r for r, s in awake.items() if r != role and s and s >= short), key=lambda r: awake[r] or 0,
-                  default=None)
-    fix = (f"make {biggest} sleep before {role}'s turn (sleep flags, colocation), " if biggest else
-           "free the GPU from other jobs (see the processes), ")
+    biggest = max(
+        (r for r, s in awake.items() if r != role and s and s >= short), key=lambda r: awake[r] or 0, default=None
+    )
+    fix = (
+        f"make {biggest} sleep before {role}'s turn (sleep flags, colocation), "
+        if biggest
+        else "free the GPU from other jobs (see the processes), "
+    )
     needs = f"it needs {_gib(need)} (+ {_gib(headroom)} headroom)" if need > 0 else "it needs more memory"
     ran_out = f"; the wake ran out of memory ({failed.strip()[:300]})" if failed else ""
     return GpuMemoryError(
         f"{role} cannot wake on GPU {gpu}: {needs} but only {_gib(memory.free)} of {_gib(memory.total)} is free"
         f"{ran_out}; {who}. Fix: {fix}or lower the memory the roles take "
-        "(--vllm_gpu_memory_utilization, --zero_stage 3, --adam_offload, a smaller micro batch).")
+        "(--vllm_gpu_memory_utilization, --zero_stage 3, --adam_offload, a smaller micro batch)."
+    )
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -104,8 +124,12 @@ def gpu_processes(device: Any) -> str | None:
     try:
         uuid = str(torch.cuda.get_device_properties(device).uuid)
         select = [f"--id=GPU-{uuid}"] if uuid and not uuid.startswith("GPU-") else ([f"--id={uuid}"] if uuid else [])
-        out = subprocess.run(["nvidia-smi", *select, "--query-compute-apps=pid,process_name,used_memory",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", *select, "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         lines = [line.strip() for line in out.stdout.splitlines() if line.strip()]
         return "; ".join(lines) or None
     except Exception:  # no nvidia-smi either: the roles' own figures must do

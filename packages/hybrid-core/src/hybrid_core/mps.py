@@ -31,6 +31,8 @@ def mps_note(env: Mapping[str, str] | None = None) -> str:
     folder = mps_pipe_directory(env)
     if folder is not None:
         return f"CUDA MPS is running ({folder}): the processes' kernels run at the same time on a shared GPU"
-    return ("CUDA MPS is not running: the processes' kernels take turns on a shared GPU, so running both at once gains "
-            "only what each leaves idle (start nvidia-cuda-mps-control -d first to let them run together; see the "
-            "README, 'Asynchronous training')")
+    return (
+        "CUDA MPS is not running: the processes' kernels take turns on a shared GPU, so running both at once gains "
+        "only what each leaves idle (start nvidia-cuda-mps-control -d first to let them run together; see the "
+        "README, 'Asynchronous training')"
+    )

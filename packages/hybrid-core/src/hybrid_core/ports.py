@@ -58,8 +58,11 @@ class PortWindow:
     def port(self, offset: int) -> int:
         """The window's ``offset``-th port (an adapter's layout: its library's settings at fixed offsets)."""
         if not 0 <= offset < self.size:
-            raise ConfigError(BASE_PORT_ENV, f"{self.owner} needs port offset {offset} in its window of {self.size} "
-                              "ports.", "Give the engines wider windows (the adapter's PORTS_NEEDED).")
+            raise ConfigError(
+                BASE_PORT_ENV,
+                f"{self.owner} needs port offset {offset} in its window of {self.size} ports.",
+                "Give the engines wider windows (the adapter's PORTS_NEEDED).",
+            )
         return self.start + offset
 
     def __contains__(self, port: object) -> bool:
@@ -106,8 +109,14 @@ RAY_DEFAULTS = (
     Reserved.port(52365, "Ray's default dashboard agent port"),
 )
 #: ``ray.nodes()`` entries that are ports a node's Ray processes listen on
-RAY_NODE_PORT_KEYS = ("NodeManagerPort", "ObjectManagerPort", "MetricsExportPort", "MetricsAgentPort",
-                      "DashboardAgentListenPort", "RuntimeEnvAgentPort")
+RAY_NODE_PORT_KEYS = (
+    "NodeManagerPort",
+    "ObjectManagerPort",
+    "MetricsExportPort",
+    "MetricsAgentPort",
+    "DashboardAgentListenPort",
+    "RuntimeEnvAgentPort",
+)
 
 
 def base_port(environ: Mapping[str, str] | None = None) -> int:
@@ -121,13 +130,17 @@ def base_port(environ: Mapping[str, str] | None = None) -> int:
     except ValueError:
         value = -1
     if not 1024 <= value <= 65535:
-        raise ConfigError(BASE_PORT_ENV, f"must be a TCP port number in 1024-65535, got {text!r}.",
-                          f"Unset it (default {DEFAULT_BASE_PORT}) or give a free, unprivileged port range's start.")
+        raise ConfigError(
+            BASE_PORT_ENV,
+            f"must be a TCP port number in 1024-65535, got {text!r}.",
+            f"Unset it (default {DEFAULT_BASE_PORT}) or give a free, unprivileged port range's start.",
+        )
     return value
 
 
-def allocate_windows(engines: Sequence[tuple[str, str]], *, base: int = DEFAULT_BASE_PORT,
-                     size: int = DEFAULT_WINDOW) -> list[PortWindow]:
+def allocate_windows(
+    engines: Sequence[tuple[str, str]], *, base: int = DEFAULT_BASE_PORT, size: int = DEFAULT_WINDOW
+) -> list[PortWindow]:
     """One window per ``(owner, node)``, in order: the k-th engine of a node gets ``base + k x size`` (numbers repeat
     on other nodes). Not checked against anything: see :func:`check_windows`."""
     if not isinstance(size, int) or size < 1:
@@ -141,8 +154,9 @@ def allocate_windows(engines: Sequence[tuple[str, str]], *, base: int = DEFAULT_
     return windows
 
 
-def check_windows(windows: Sequence[PortWindow], reserved: Iterable[Reserved] = (),
-                  ephemeral: tuple[int, int] | None = None) -> None:
+def check_windows(
+    windows: Sequence[PortWindow], reserved: Iterable[Reserved] = (), ephemeral: tuple[int, int] | None = None
+) -> None:
     """Refuse windows that leave the port range, overlap on a node, hold a reserved port or meet the ephemeral
     range (see the module docstring). Nothing is probed: a port something else already holds is found by the
     engine's own bind, inside its window."""
@@ -152,20 +166,26 @@ def check_windows(windows: Sequence[PortWindow], reserved: Iterable[Reserved] = 
         if w.start < 1024 or w.stop - 1 > 65535:
             raise ConfigError(BASE_PORT_ENV, f"{w} leaves the unprivileged TCP ports 1024-65535.", fix)
     for i, a in enumerate(windows):
-        for b in windows[i + 1:]:
+        for b in windows[i + 1 :]:
             if a.node == b.node and a.overlaps(b.start, b.stop - 1):
-                raise ConfigError(BASE_PORT_ENV, f"{a} and {b} share ports on one node.",
-                                  "Give every engine of a node its own window (allocate_windows does).")
+                raise ConfigError(
+                    BASE_PORT_ENV,
+                    f"{a} and {b} share ports on one node.",
+                    "Give every engine of a node its own window (allocate_windows does).",
+                )
     for w in windows:
         for r in reserved:
             if (r.node is None or r.node == w.node) and w.overlaps(r.first, r.last):
                 raise ConfigError(BASE_PORT_ENV, f"{w} holds a port of {r}.", fix)
         if ephemeral is not None and w.overlaps(*ephemeral):
-            raise ConfigError(BASE_PORT_ENV, f"{w} overlaps the kernel's ephemeral ports {ephemeral[0]}-"
-                              f"{ephemeral[1]} ({EPHEMERAL_RANGE_FILE}), where every port-0 bind lands: the "
-                              "trainer's rendezvous and weight-sync ports, Ray's random ports.",
-                              f"Move the windows below {ephemeral[0]} or above {ephemeral[1]} with "
-                              f"{BASE_PORT_ENV}=<port> (they start at {first} now).")
+            raise ConfigError(
+                BASE_PORT_ENV,
+                f"{w} overlaps the kernel's ephemeral ports {ephemeral[0]}-"
+                f"{ephemeral[1]} ({EPHEMERAL_RANGE_FILE}), where every port-0 bind lands: the "
+                "trainer's rendezvous and weight-sync ports, Ray's random ports.",
+                f"Move the windows below {ephemeral[0]} or above {ephemeral[1]} with "
+                f"{BASE_PORT_ENV}=<port> (they start at {first} now).",
+            )
 
 
 def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
@@ -178,8 +198,9 @@ def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
     return low, high
 
 
-def ray_reserved_ports(nodes: Sequence[Mapping[str, Any]] | None = None, gcs_address: str | None = None
-                       ) -> list[Reserved]:
+def ray_reserved_ports(
+    nodes: Sequence[Mapping[str, Any]] | None = None, gcs_address: str | None = None
+) -> list[Reserved]:
     """Ray's ports: the fixed defaults, each node's own (``ray.nodes()``: node manager, object manager, metrics and
     agents) and the GCS port (``ray.get_runtime_context().gcs_address``). Without arguments, of the running cluster."""
     if nodes is None or gcs_address is None:
@@ -206,15 +227,24 @@ def check_port_env(env: Mapping[str, str], names: Iterable[str], backend: str) -
     ``SGLANG_*`` from the driver to every worker): it would put all engines on one port."""
     shared = [n for n in names if n in env]
     if shared:
-        raise ConfigError(shared[0], f"is set for every {backend} engine ({', '.join(f'{n}={env[n]}' for n in shared)}"
-                          "), but engines side by side need ports of their own; hybrid gives each engine its own "
-                          "window and sets it.", f"Unset {' and '.join(shared)}; move the windows with "
-                          f"{BASE_PORT_ENV}=<port>.")
+        raise ConfigError(
+            shared[0],
+            f"is set for every {backend} engine ({', '.join(f'{n}={env[n]}' for n in shared)}"
+            "), but engines side by side need ports of their own; hybrid gives each engine its own "
+            "window and sets it.",
+            f"Unset {' and '.join(shared)}; move the windows with {BASE_PORT_ENV}=<port>.",
+        )
 
 
-def plan_engine_ports(engines: Sequence[tuple[str, str]], *, needed: int, environ: Mapping[str, str],
-                      reserved: Iterable[Reserved] = (), ray_ports: Iterable[Reserved] | None = None,
-                      ephemeral: Any = _THIS_MACHINE) -> list[PortWindow]:
+def plan_engine_ports(
+    engines: Sequence[tuple[str, str]],
+    *,
+    needed: int,
+    environ: Mapping[str, str],
+    reserved: Iterable[Reserved] = (),
+    ray_ports: Iterable[Reserved] | None = None,
+    ephemeral: Any = _THIS_MACHINE,
+) -> list[PortWindow]:
     """Checked windows for ``engines`` (``(owner, node)`` each) that need ``needed`` ports each: the one call an
     engine launcher makes. ``ray_ports``: default those of the running cluster; ``ephemeral``: ``(low, high)`` or None
     (unknown), default this machine's range."""
@@ -225,8 +255,15 @@ def plan_engine_ports(engines: Sequence[tuple[str, str]], *, needed: int, enviro
     return windows
 
 
-def engine_windows(placed: Any, role: str, engine_cls: type, backend: str, environ: Mapping[str, str],
-                   engine_kwargs: Mapping[str, Any], reserved: Iterable[Reserved] = ()) -> list[PortWindow] | None:
+def engine_windows(
+    placed: Any,
+    role: str,
+    engine_cls: type,
+    backend: str,
+    environ: Mapping[str, str],
+    engine_kwargs: Mapping[str, Any],
+    reserved: Iterable[Reserved] = (),
+) -> list[PortWindow] | None:
     """Engine ``r`` of ``role``'s checked window, on the node of its first plan GPU (``placed``: a
     :class:`~hybrid_core.placement.PlacedPlan`); None for an engine class that opens no ports of its own (no
     ``PORTS_NEEDED``). ``environ``: the engines' environment (``HYBRID_ENGINE_BASE_PORT``; the class's ``PORT_ENV``
@@ -235,8 +272,11 @@ def engine_windows(placed: Any, role: str, engine_cls: type, backend: str, envir
     if not needed:
         return None
     if "ports" in engine_kwargs:
-        raise ConfigError("ports", "the engine kwargs give every engine the same port window.",
-                          f"Drop 'ports': each engine gets its own; move them with {BASE_PORT_ENV}=<port>.")
+        raise ConfigError(
+            "ports",
+            "the engine kwargs give every engine the same port window.",
+            f"Drop 'ports': each engine gets its own; move them with {BASE_PORT_ENV}=<port>.",
+        )
     check_port_env(environ, getattr(engine_cls, "PORT_ENV", ()), backend)
     engines = [(f"{role} engine {w.rank}", placed.devices[w.gpus[0]].node_id) for w in placed.plan.roles[role].workers]
     return plan_engine_ports(engines, needed=needed, environ=environ, reserved=reserved)

@@ -51,8 +51,10 @@ class Rendezvous:
     def describe(self) -> str:
         if self.single_node:
             return f"rendezvous: {self.host} (single node; loopback only)"
-        return (f"rendezvous: {self.host} (several nodes; each rank's listeners bind its node's cluster address only, "
-                f"never 0.0.0.0 / ::)")
+        return (
+            f"rendezvous: {self.host} (several nodes; each rank's listeners bind its node's cluster address only, "
+            f"never 0.0.0.0 / ::)"
+        )
 
 
 def choose(node_ips: Iterable[str], rank0_ip: str | None = None) -> Rendezvous:
@@ -60,15 +62,21 @@ def choose(node_ips: Iterable[str], rank0_ip: str | None = None) -> Rendezvous:
     unless ``rank0_ip`` names it): loopback when they are all one node, else rank 0's cluster address."""
     ips = [ip for ip in node_ips if ip]
     if not ips:
-        raise ConfigError("node_ips", "no member of the group has a node address.",
-                          "Pass the Ray node IP of every member (worker.where()['node_ip']).")
+        raise ConfigError(
+            "node_ips",
+            "no member of the group has a node address.",
+            "Pass the Ray node IP of every member (worker.where()['node_ip']).",
+        )
     rank0 = rank0_ip or ips[0]
     if len(set(ips) | {rank0}) == 1:
         return Rendezvous(LOOPBACK, True)
     if is_loopback(rank0):
-        raise ConfigError("node_ips", f"the group spans nodes {sorted(set(ips))}, but rank 0's address is the "
-                          f"loopback {rank0}: the other nodes could not reach it.",
-                          "Start every Ray node on its cluster address (ray start --node-ip-address=...).")
+        raise ConfigError(
+            "node_ips",
+            f"the group spans nodes {sorted(set(ips))}, but rank 0's address is the "
+            f"loopback {rank0}: the other nodes could not reach it.",
+            "Start every Ray node on its cluster address (ray start --node-ip-address=...).",
+        )
     return Rendezvous(rank0, False)
 
 
@@ -98,8 +106,11 @@ def bind_address(rendezvous_host: str, node_ip: str | None = None) -> str:
 
         node_ip = ray.util.get_node_ip_address()
     if is_loopback(node_ip) or ipaddress.ip_address(node_ip).is_unspecified:
-        raise ConfigError("node_ip", f"the group meets at {rendezvous_host}, but this process's node address is "
-                          f"{node_ip}.", "Start every Ray node on its cluster address (ray start --node-ip-address).")
+        raise ConfigError(
+            "node_ip",
+            f"the group meets at {rendezvous_host}, but this process's node address is {node_ip}.",
+            "Start every Ray node on its cluster address (ray start --node-ip-address).",
+        )
     return node_ip
 
 
@@ -129,15 +140,23 @@ def use_interface(address: str, environ: MutableMapping[str, str] | None = None)
     env = os.environ if environ is None else environ
     name = interface_of(address)
     if name is None:
-        log.warning("rendezvous: no interface holds %s; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME left as they are, "
-                    "so gloo and NCCL choose their own", address)
+        log.warning(
+            "rendezvous: no interface holds %s; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME left as they are, "
+            "so gloo and NCCL choose their own",
+            address,
+        )
         return {k: env[k] for k in INTERFACE_ENVS if k in env}
     for key in INTERFACE_ENVS:
         if key not in env:
             env[key] = name
         elif env[key] != name:
-            log.warning("rendezvous: %s=%s set by the user is kept (this run's groups bind %s, interface %s)",
-                        key, env[key], address, name)
+            log.warning(
+                "rendezvous: %s=%s set by the user is kept (this run's groups bind %s, interface %s)",
+                key,
+                env[key],
+                address,
+                name,
+            )
     return {k: env[k] for k in INTERFACE_ENVS}
 
 
@@ -165,8 +184,9 @@ def free_port(host: str = LOOPBACK) -> int:
 KEEP_OPEN_ENV = "HYBRID_RENDEZVOUS_KEEP_OPEN"
 
 
-def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta,
-               what: str = "rendezvous") -> RendezvousStore:
+def open_store(
+    host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta, what: str = "rendezvous"
+) -> RendezvousStore:
     """A ``TCPStore`` at ``host:port``; on rank 0 (``is_master``) its server listens on ``host`` only."""
     if is_master:
         listener = socket.socket(_family(host), socket.SOCK_STREAM)
@@ -178,8 +198,16 @@ def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeou
             listener.close()
             raise RoleFailure(f"{what}: cannot listen on {host}:{port} ({e}).") from e
         # the store owns the socket from here on (closing the store closes it)
-        store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
-                              master_listen_fd=listener.detach(), use_libuv=True)
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            True,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+            use_libuv=True,
+        )
     else:
         store = dist.TCPStore(host, port, world_size, False, timeout)
     return RendezvousStore(store, what)
@@ -217,9 +245,11 @@ class RendezvousStore(dist.Store):  # type: ignore[misc]
 
     def _live(self) -> _Store:
         if self._store is None:
-            raise RuntimeError(f"{self.what}: the rendezvous store was closed once the groups formed "
-                               f"(hybrid_core.rendezvous: it listens only while the ranks meet); a group made after "
-                               f"set-up cannot use it.")
+            raise RuntimeError(
+                f"{self.what}: the rendezvous store was closed once the groups formed "
+                f"(hybrid_core.rendezvous: it listens only while the ranks meet); a group made after "
+                f"set-up cannot use it."
+            )
         return self._store
 
     def close(self) -> None:

@@ -14,12 +14,16 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import RemoteTimeout, RoleFailure
 from .faults import maybe_inject
 from .remote import get_all_with_timeout
 from .runtime_env import worker_runtime_env
+
+if TYPE_CHECKING:
+    from .placement.ray_groups import PlacedPlan
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +32,22 @@ log = logging.getLogger(__name__)
 CONTROL_METHODS = ("dump_stacks", "ping", "gpu_memory")
 
 
-def remote_class(worker_cls: type):
+def remote_class(worker_cls: type[Any]) -> Any:
     """The worker class as a Ray actor with a 'control' thread for stack dumps, health and memory checks.
 
     Every other public method is a phase: it first passes :func:`hybrid_core.faults.maybe_inject` (test-only fault
     injection through ``HYBRID_FAULT``; a no-op when unset), and so does the constructor, as phase ``create``."""
     import ray
 
-    members: dict[str, Any] = {name: ray.method(concurrency_group="control")(getattr(worker_cls, name))
-                               for name in CONTROL_METHODS}
+    members: dict[str, Any] = {
+        name: ray.method(concurrency_group="control")(getattr(worker_cls, name)) for name in CONTROL_METHODS
+    }
     for name, fn in inspect.getmembers(worker_cls, inspect.isfunction):
-        if name.startswith("_") or name in CONTROL_METHODS or isinstance(inspect.getattr_static(worker_cls, name),
-                                                                         staticmethod):
+        if (
+            name.startswith("_")
+            or name in CONTROL_METHODS
+            or isinstance(inspect.getattr_static(worker_cls, name), staticmethod)
+        ):
             continue
         members[name] = _phase(name, fn)
     members["__init__"] = _created(worker_cls.__init__)
@@ -51,9 +59,9 @@ def remote_class(worker_cls: type):
 _NOT_PHASES = ("offload", "reload", "set_residency", "end_phase", "where", "free_port", "setup")
 
 
-def _created(init):
+def _created(init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(init)
-    def create(self, role: str, rank: int, *args: Any, **kwargs: Any) -> None:
+    def create(self: Any, role: str, rank: int, *args: Any, **kwargs: Any) -> None:
         maybe_inject(role, "create", rank)
         init(self, role, rank, *args, **kwargs)
 
@@ -66,9 +74,9 @@ def gpu_label(gpus: Sequence[int]) -> str:
     return f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {','.join(str(g) for g in gpus)}"
 
 
-def _phase(name: str, fn):
+def _phase(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
-    def call(self, *args: Any, **kwargs: Any) -> Any:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         maybe_inject(self.role, name, self.rank)
         try:
             return fn(self, *args, **kwargs)
@@ -86,7 +94,7 @@ class RoleGroup:
     Worker ``rank`` is built as ``worker_cls(role, rank, world_size, *args)`` on the bundle the placed plan gives it.
     """
 
-    def __init__(self, role: str, worker_cls: type, placed, *args: Any, timeout_s: float):
+    def __init__(self, role: str, worker_cls: type[Any], placed: PlacedPlan, *args: Any, timeout_s: float):
         self.role = role
         self.timeout_s = timeout_s
         placement = placed.plan.roles[role]
@@ -95,8 +103,9 @@ class RoleGroup:
         self.rank_gpus = [list(w.gpus) for w in placement.workers]
         actor_cls = remote_class(worker_cls)
         self.workers = [
-            actor_cls.options(**placed.actor_options(role, rank), runtime_env=worker_runtime_env(),
-                              name=None, max_restarts=0).remote(role, rank, self.world_size, *args)
+            actor_cls.options(
+                **placed.actor_options(role, rank), runtime_env=worker_runtime_env(), name=None, max_restarts=0
+            ).remote(role, rank, self.world_size, *args)
             for rank in range(self.world_size)
         ]
 
@@ -106,28 +115,34 @@ class RoleGroup:
         return f"{self.role} rank {rank}: {method}" + (f" on {gpu_label(gpus)}" if gpus else "")
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
-        refs = [(self.name(r, method), getattr(w, method).remote(*args, **kwargs))
-                for r, w in enumerate(self.workers)]
+        refs = [(self.name(r, method), getattr(w, method).remote(*args, **kwargs)) for r, w in enumerate(self.workers)]
         return self._wait(refs, timeout_s)
 
-    def call_sharded(self, method: str, shards: Sequence[Any], *args: Any, timeout_s: float | None = None,
-                     **kwargs: Any) -> list[Any]:
+    def call_sharded(
+        self, method: str, shards: Sequence[Any], *args: Any, timeout_s: float | None = None, **kwargs: Any
+    ) -> list[Any]:
         if len(shards) != self.world_size:
             raise ValueError(f"{self.role}: {len(shards)} shards for {self.world_size} ranks")
-        refs = [(self.name(r, method), getattr(w, method).remote(shard, *args, **kwargs))
-                for r, (w, shard) in enumerate(zip(self.workers, shards))]
+        refs = [
+            (self.name(r, method), getattr(w, method).remote(shard, *args, **kwargs))
+            for r, (w, shard) in enumerate(zip(self.workers, shards))
+        ]
         return self._wait(refs, timeout_s)
 
     # ---- residency (started here, waited for by the owner) ---------------------------------------------------------
     def offload(self, states: Sequence[str], moves: Any = None) -> list[tuple[str, Any]]:
-        return [(self.name(r, f"offload {'+'.join(states)}"), w.offload.remote(list(states)))
-                for r, w in enumerate(self.workers)]
+        return [
+            (self.name(r, f"offload {'+'.join(states)}"), w.offload.remote(list(states)))
+            for r, w in enumerate(self.workers)
+        ]
 
     def reload(self, states: Sequence[str]) -> list[tuple[str, Any]]:
-        return [(self.name(r, f"reload {'+'.join(states)}"), w.reload.remote(list(states)))
-                for r, w in enumerate(self.workers)]
+        return [
+            (self.name(r, f"reload {'+'.join(states)}"), w.reload.remote(list(states)))
+            for r, w in enumerate(self.workers)
+        ]
 
-    def _wait(self, named_refs, timeout_s: float | None) -> list[Any]:
+    def _wait(self, named_refs: Sequence[tuple[str, Any]], timeout_s: float | None) -> list[Any]:
         try:
             return get_all_with_timeout(named_refs, timeout_s or self.timeout_s)
         except (RemoteTimeout, RoleFailure):

@@ -63,8 +63,11 @@ def end_leftovers(tag: str, *, grace_s: float = 3.0, wait_s: float = 5.0) -> lis
         _signal(left, signal.SIGKILL)
         left = _wait_gone(tag, wait_s)
     if left:
-        log.warning("processes of this run are still alive after SIGKILL: %s (kill -9 them; on a GPU node they may "
-                    "hold GPU memory)", " ".join(map(str, left)))
+        log.warning(
+            "processes of this run are still alive after SIGKILL: %s (kill -9 them; on a GPU node they may "
+            "hold GPU memory)",
+            " ".join(map(str, left)),
+        )
     return left
 
 

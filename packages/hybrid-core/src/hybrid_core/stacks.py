@@ -57,8 +57,9 @@ def request_dump(pid: int, node_ip: str | None = None, timeout_s: float = 10.0) 
         here = ray.util.get_node_ip_address() if ray.is_initialized() else None
         if node_ip is None or node_ip == here or not ray.is_initialized():
             return _signal(pid)
-        node_id = next((n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeManagerAddress"] == node_ip),
-                       None)
+        node_id = next(
+            (n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeManagerAddress"] == node_ip), None
+        )
         if node_id is None:
             return False
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

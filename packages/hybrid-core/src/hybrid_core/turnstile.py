@@ -85,8 +85,9 @@ class TurnTable:
         async with self._cond:
             wrong = {g: self._holder.get(g) for g in gpus if self._holder.get(g) != role}
             if wrong:
-                detail = ", ".join(f"GPU {g} is {'free' if h is None else 'held by ' + h}"
-                                   for g, h in sorted(wrong.items()))
+                detail = ", ".join(
+                    f"GPU {g} is {'free' if h is None else 'held by ' + h}" for g, h in sorted(wrong.items())
+                )
                 return f"{role} released GPUs it does not hold ({detail}): every release must match an acquire."
             for g in set(gpus):
                 self._count[g] -= 1
@@ -146,16 +147,21 @@ class TurnTable:
             holder = self._holder.get(g)
             if holder is not None and holder != waiter.role:
                 held.setdefault(holder, []).append(g)
-        reasons = [f"{holder} holds {_gpus(gs)} (for {now - min(self._since[g] for g in gs):.1f} s) and has not "
-                   "released it" for holder, gs in held.items()]
+        reasons = [
+            f"{holder} holds {_gpus(gs)} (for {now - min(self._since[g] for g in gs):.1f} s) and has not released it"
+            for holder, gs in held.items()
+        ]
         ahead = [w for w in self._ahead_of(waiter) if self._blocks(w, waiter)]
-        reasons += [f"{w.role} asked first for {_gpus(sorted(w.gpus & waiter.gpus))} and is still waiting"
-                    for w in ahead]
+        reasons += [
+            f"{w.role} asked first for {_gpus(sorted(w.gpus & waiter.gpus))} and is still waiting" for w in ahead
+        ]
         holders = " / ".join(held) or " / ".join(dict.fromkeys(w.role for w in ahead)) or "the holder"
-        return (f"{waiter.role} waited {timeout_s:g} s for its turn on {_gpus(sorted(waiter.gpus))}: "
-                f"{'; '.join(reasons) or 'the GPUs stayed busy'}. Fix: make sure {holders} sleeps and releases its "
-                "turn after its phase (leave the `turn()` block); if it crashed, call release_all() for it; if its "
-                "phase is just slow, raise timeout_s.")
+        return (
+            f"{waiter.role} waited {timeout_s:g} s for its turn on {_gpus(sorted(waiter.gpus))}: "
+            f"{'; '.join(reasons) or 'the GPUs stayed busy'}. Fix: make sure {holders} sleeps and releases its "
+            "turn after its phase (leave the `turn()` block); if it crashed, call release_all() for it; if its "
+            "phase is just slow, raise timeout_s."
+        )
 
 
 class _TurnstileActor:
@@ -192,16 +198,18 @@ class Turnstile:
         self.timeout_s = _check_timeout(timeout_s)
 
     @classmethod
-    def create(cls, name: str, timeout_s: float = 600, *, detached: bool = False,
-               namespace: str | None = None) -> Turnstile:
+    def create(
+        cls, name: str, timeout_s: float = 600, *, detached: bool = False, namespace: str | None = None
+    ) -> Turnstile:
         """Get the turnstile actor called ``name``, creating it if needed (``detached``: it outlives the driver)."""
         import ray
 
         if not isinstance(name, str) or not name:
             raise ConfigError("name", f"a turnstile needs a non-empty name, got {name!r}.")
         remote_cls = ray.remote(num_cpus=0, max_concurrency=10_000)(_TurnstileActor)
-        actor = remote_cls.options(name=name, namespace=namespace, get_if_exists=True,
-                                   lifetime="detached" if detached else None).remote()
+        actor = remote_cls.options(
+            name=name, namespace=namespace, get_if_exists=True, lifetime="detached" if detached else None
+        ).remote()
         return cls(actor, name, timeout_s)
 
     @classmethod
@@ -215,23 +223,32 @@ class Turnstile:
         """Block until no *other* role holds any of ``gpus``, then hold them; raises :class:`TurnTimeout`."""
         role, gpu_list = _check_role(role), _check_gpus(gpus)
         wait_s = self.timeout_s if timeout_s is None else _check_timeout(timeout_s)
-        message = get_with_timeout(self.actor.acquire.remote(role, gpu_list, wait_s), wait_s + RPC_GRACE_S,
-                                   f"turnstile {self.name!r}: {role} acquiring {_gpus(gpu_list)}")
+        message = get_with_timeout(
+            self.actor.acquire.remote(role, gpu_list, wait_s),
+            wait_s + RPC_GRACE_S,
+            f"turnstile {self.name!r}: {role} acquiring {_gpus(gpu_list)}",
+        )
         if message is not None:
             raise TurnTimeout(message)
 
     def release(self, role: str, gpus: Sequence[int]) -> None:
         """Give back the turn taken by the matching :meth:`acquire`."""
         role, gpu_list = _check_role(role), _check_gpus(gpus)
-        message = get_with_timeout(self.actor.release.remote(role, gpu_list), RPC_GRACE_S,
-                                   f"turnstile {self.name!r}: {role} releasing {_gpus(gpu_list)}")
+        message = get_with_timeout(
+            self.actor.release.remote(role, gpu_list),
+            RPC_GRACE_S,
+            f"turnstile {self.name!r}: {role} releasing {_gpus(gpu_list)}",
+        )
         if message is not None:
             raise TurnstileMisuse(message)
 
     def release_all(self, role: str) -> list[int]:
         """Drop every hold of ``role`` (e.g. after its workers died); returns the GPUs freed."""
-        freed: list[int] = get_with_timeout(self.actor.release_all.remote(_check_role(role)), RPC_GRACE_S,
-                                            f"turnstile {self.name!r}: release_all {role}")
+        freed: list[int] = get_with_timeout(
+            self.actor.release_all.remote(_check_role(role)),
+            RPC_GRACE_S,
+            f"turnstile {self.name!r}: release_all {role}",
+        )
         return freed
 
     @contextlib.contextmanager
@@ -245,14 +262,16 @@ class Turnstile:
 
     def holders(self) -> dict[int, str | None]:
         """Every GPU the turnstile has seen -> the role holding it now, or None."""
-        holders: dict[int, str | None] = get_with_timeout(self.actor.holders.remote(), RPC_GRACE_S,
-                                                          f"turnstile {self.name!r}: holders")
+        holders: dict[int, str | None] = get_with_timeout(
+            self.actor.holders.remote(), RPC_GRACE_S, f"turnstile {self.name!r}: holders"
+        )
         return holders
 
     def state(self) -> dict[str, Any]:
         """Holders, hold counts and who is waiting for how long."""
-        state: dict[str, Any] = get_with_timeout(self.actor.state.remote(), RPC_GRACE_S,
-                                                 f"turnstile {self.name!r}: state")
+        state: dict[str, Any] = get_with_timeout(
+            self.actor.state.remote(), RPC_GRACE_S, f"turnstile {self.name!r}: state"
+        )
         return state
 
     def kill(self) -> None:

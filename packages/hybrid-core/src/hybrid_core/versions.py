@@ -35,7 +35,9 @@ def at_least(version: str, floor: str) -> bool:
 def require(package: str, version: str, floor: str, needed_for: str) -> None:
     """Raise :class:`ConfigError` (field: the package) unless ``version`` of ``package`` is at least ``floor``."""
     if not at_least(version, floor):
-        raise ConfigError(package, f"{needed_for} needs {package} >= {floor}; this environment has {package} "
-                                   f"{version}.",
-                          f"pip install '{package}>={floor}' (the floor hybrid declares; an install with --no-deps "
-                          "or a pinned environment skipped it).")
+        raise ConfigError(
+            package,
+            f"{needed_for} needs {package} >= {floor}; this environment has {package} {version}.",
+            f"pip install '{package}>={floor}' (the floor hybrid declares; an install with --no-deps "
+            "or a pinned environment skipped it).",
+        )

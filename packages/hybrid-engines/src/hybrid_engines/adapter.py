@@ -64,16 +64,21 @@ class EngineAdapter:
         by the config's validation, before anything starts). By default: one engine on each actor GPU without a
         count (``--vllm_num_engines 0``) is the built-in engine's alone."""
         if settings.num_engines == 0:
-            raise ConfigError("vllm_num_engines", f"0 engines means generating on the actor's GPUs with the built-in "
-                              f"engine, but --backend is {settings.backend}.",
-                              "Use --backend hf, or give --vllm_num_engines N for N separate engines.")
+            raise ConfigError(
+                "vllm_num_engines",
+                f"0 engines means generating on the actor's GPUs with the built-in "
+                f"engine, but --backend is {settings.backend}.",
+                "Use --backend hf, or give --vllm_num_engines N for N separate engines.",
+            )
 
     @classmethod
     def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
         """The constructor's keyword arguments for every engine of the run (``launch_engines`` adds the placement's:
         GPUs, placement group, ports)."""
-        raise NotImplementedError(f"{cls.__name__} does not say how the training loop builds it: give it an "
-                                  "engine_kwargs(settings, plan) classmethod.")
+        raise NotImplementedError(
+            f"{cls.__name__} does not say how the training loop builds it: give it an "
+            "engine_kwargs(settings, plan) classmethod."
+        )
 
     @classmethod
     def weight_transport(cls) -> WeightTransport:
@@ -95,10 +100,14 @@ def pooled_engine_kwargs(settings: EngineSettings, plan: EnginePlan) -> dict[str
     them to its server arguments): every engine setting, with or without partial rollouts (the planner budgeted
     these values)."""
     kwargs: dict[str, Any] = {
-        "model": plan.model_path, "seed": settings.seed, "trust_remote_code": settings.trust_remote_code,
+        "model": plan.model_path,
+        "seed": settings.seed,
+        "trust_remote_code": settings.trust_remote_code,
         "tensor_parallel_size": settings.tensor_parallel_size,
-        "gpu_memory_utilization": settings.gpu_memory_utilization, "enforce_eager": settings.enforce_eager,
-        "enable_prefix_caching": settings.enable_prefix_caching, "dtype": "bfloat16" if settings.bf16 else "auto",
+        "gpu_memory_utilization": settings.gpu_memory_utilization,
+        "enforce_eager": settings.enforce_eager,
+        "enable_prefix_caching": settings.enable_prefix_caching,
+        "dtype": "bfloat16" if settings.bf16 else "auto",
         "max_model_len": plan.max_model_len,
         # sleep mode (the engine's own allocator) whenever the engines share a GPU: the residency plan may free
         # their KV cache or weights, and a refined plan may start to

@@ -31,7 +31,8 @@ import gc
 import random
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +44,9 @@ from .hf_generation import decode
 from .hf_sampling import row_seeds, row_uniforms
 from .hf_weights import NamedWeights
 from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from hybrid_core.weight_sync import SyncGroup
 
 
 class EngineStateError(HybridError, RuntimeError):
@@ -72,16 +76,23 @@ class HFEngine(EngineAdapter):
     def check_settings(cls, settings: EngineSettings) -> None:
         """One GPU per engine; ``--vllm_num_engines 0`` (an engine on each actor GPU) is this engine's."""
         if settings.tensor_parallel_size > 1:
-            raise ConfigError("vllm_tensor_parallel_size", f"the built-in engine (--backend hf) runs on one GPU, but "
-                              f"vllm_tensor_parallel_size = {settings.tensor_parallel_size}.",
-                              "Use --vllm_tensor_parallel_size 1 with --backend hf, or --backend vllm / sglang.")
+            raise ConfigError(
+                "vllm_tensor_parallel_size",
+                f"the built-in engine (--backend hf) runs on one GPU, but "
+                f"vllm_tensor_parallel_size = {settings.tensor_parallel_size}.",
+                "Use --vllm_tensor_parallel_size 1 with --backend hf, or --backend vllm / sglang.",
+            )
 
     @classmethod
     def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
         """The model, seed and dtype: this engine pauses at a weight update whatever it was built with, keeps no
         memory pool to size and has no context limit to set."""
-        return {"model": plan.model_path, "seed": settings.seed, "trust_remote_code": settings.trust_remote_code,
-                "dtype": "bfloat16" if settings.bf16 else "float32"}
+        return {
+            "model": plan.model_path,
+            "seed": settings.seed,
+            "trust_remote_code": settings.trust_remote_code,
+            "dtype": "bfloat16" if settings.bf16 else "float32",
+        }
 
     def __init__(
         self,
@@ -99,8 +110,9 @@ class HFEngine(EngineAdapter):
             raise ConfigError("max_batch_size", f"must be >= 1, got {max_batch_size}.")
         self.device = torch.device(device) if device is not None else _default_device()
         self.max_batch_size = max_batch_size
-        self.model = _build_model(model, _as_dtype(dtype), seed, attn_implementation,
-                                  trust_remote_code).to(self.device).eval()
+        self.model = (
+            _build_model(model, _as_dtype(dtype), seed, attn_implementation, trust_remote_code).to(self.device).eval()
+        )
         self.model.requires_grad_(False)
         self.weights = NamedWeights(self.model, self.device)
         self._rng = random.Random(seed)
@@ -113,7 +125,7 @@ class HFEngine(EngineAdapter):
         self._offloader = None
         self._weights_state = "awake"  # "awake" | "offloaded" (sleep 1) | "discarded" (sleep 2)
         self._kv_awake = True
-        self._group = None
+        self._group: SyncGroup | None = None
         self._closed = False
         # partial rollouts: the decoding loops running, those parked at a pause, and the weight version
         self._cond = threading.Condition()
@@ -124,8 +136,9 @@ class HFEngine(EngineAdapter):
         self.pause_timeout_s = 600.0  # a parked loop that is never resumed ends with an error, not a hang
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
-                 params: SamplingParams) -> list[list[GenerationOutput]]:
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[GenerationOutput]]:
         """``params.n`` completions per prompt, in prompt order."""
         self._require_ready("generate")
         prompts = self._check_prompts(prompt_token_ids, params)
@@ -141,25 +154,38 @@ class HFEngine(EngineAdapter):
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
         per_batch = max(1, self.max_batch_size // params.n)
         for start in range(0, len(order), per_batch):
-            chunk = order[start:start + per_batch]
+            chunk = order[start : start + per_batch]
             uniforms = None
             if seeds is not None:
                 chunk_seeds = [seeds[i * params.n + j] for i in chunk for j in range(params.n)]
                 uniforms = row_uniforms(chunk_seeds, params.max_new_tokens, self.device)
             with self._decoding():
-                batch = decode(self.model, [prompts[i] for i in chunk], params, stop_ids=stop_ids, uniforms=uniforms,
-                               pad_id=self._pad_id, keep_last_logits=self._keep_last, with_logprobs=params.logprobs,
-                               before_forward=self._before_forward)
+                batch = decode(
+                    self.model,
+                    [prompts[i] for i in chunk],
+                    params,
+                    stop_ids=stop_ids,
+                    uniforms=uniforms,
+                    pad_id=self._pad_id,
+                    keep_last_logits=self._keep_last,
+                    with_logprobs=params.logprobs,
+                    before_forward=self._before_forward,
+                )
             tokens, logprobs = batch.tokens.tolist(), batch.logprobs.tolist()
             lengths, stopped, versions = batch.lengths.tolist(), batch.stopped.tolist(), batch.versions.tolist()
             for c, i in enumerate(chunk):
                 outs = []
                 for j in range(params.n):
                     r, length = c * params.n + j, lengths[c * params.n + j]
-                    outs.append(GenerationOutput(
-                        prompt_token_ids=list(prompts[i]), token_ids=tokens[r][:length],
-                        logprobs=logprobs[r][:length] if params.logprobs else None,
-                        finish_reason="stop" if stopped[r] else "length", weight_versions=versions[r][:length]))
+                    outs.append(
+                        GenerationOutput(
+                            prompt_token_ids=list(prompts[i]),
+                            token_ids=tokens[r][:length],
+                            logprobs=logprobs[r][:length] if params.logprobs else None,
+                            finish_reason="stop" if stopped[r] else "length",
+                            weight_versions=versions[r][:length],
+                        )
+                    )
                 results[i] = outs
         return results  # type: ignore[return-value]
 
@@ -175,8 +201,9 @@ class HFEngine(EngineAdapter):
             while self._parked < self._running:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise EngineStateError(f"pause_generation: a decoding loop did not reach its next step within "
-                                           f"{timeout_s:g} s.")
+                    raise EngineStateError(
+                        f"pause_generation: a decoding loop did not reach its next step within {timeout_s:g} s."
+                    )
                 self._cond.wait(left)
             return {"parked": self._parked, "version": self._version}
 
@@ -203,8 +230,10 @@ class HFEngine(EngineAdapter):
                     while self._paused:
                         left = deadline - time.monotonic()
                         if left <= 0:
-                            raise EngineStateError(f"generate: paused for more than {self.pause_timeout_s:g} s and "
-                                                   "never resumed (resume_generation).")
+                            raise EngineStateError(
+                                f"generate: paused for more than {self.pause_timeout_s:g} s and "
+                                "never resumed (resume_generation)."
+                            )
                         self._cond.wait(left)
                 finally:
                     self._parked -= 1
@@ -226,8 +255,10 @@ class HFEngine(EngineAdapter):
         """A loop that is decoding (not parked) reads the weights and its cache: nothing may change them now."""
         with self._cond:
             if self._running > self._parked:
-                raise EngineStateError(f"{what}: generation is running; call pause_generation() first (partial "
-                                       "rollouts) or wait for generate to return.")
+                raise EngineStateError(
+                    f"{what}: generation is running; call pause_generation() first (partial "
+                    "rollouts) or wait for generate to return."
+                )
 
     # ---- sleep / wake ------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> TransferStats:
@@ -299,12 +330,23 @@ class HFEngine(EngineAdapter):
 
         self._require_open("init_weight_update_group")
         if not 0 < rank_offset < world_size:
-            raise ConfigError("rank_offset", f"must be in [1, world_size={world_size}), got {rank_offset}.",
-                              "Rank 0 is the trainer; engine workers take ranks 1..world_size-1.")
+            raise ConfigError(
+                "rank_offset",
+                f"must be in [1, world_size={world_size}), got {rank_offset}.",
+                "Rank 0 is the trainer; engine workers take ranks 1..world_size-1.",
+            )
         if self._group is not None:
             _destroy(self._group)
-        self._group = create_sync_group(master_address, master_port, rank_offset, world_size, backend=backend,
-                                        timeout_s=timeout_s, device=self.device, group_name=group_name)
+        self._group = create_sync_group(
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+            device=self.device,
+            group_name=group_name,
+        )
 
     def update_weights(self, metas: Sequence[Any], *, bucket_bytes: int) -> TransferStats:
         """Receive the tensors ``metas`` describes from rank 0, bucket by bucket, into the parameters of those names.
@@ -354,7 +396,7 @@ class HFEngine(EngineAdapter):
             _destroy(self._group)
             self._group = None
         self._closed = True
-        self.model = None  # type: ignore[assignment]
+        self.model = None
         self.weights = None  # type: ignore[assignment]
         self._offloader = None
         gc.collect()
@@ -376,8 +418,9 @@ class HFEngine(EngineAdapter):
         self._require_open(what)
         if self._weights_state != "awake":
             level = 1 if self._weights_state == "offloaded" else 2
-            raise EngineStateError(f"{what}: the weights are asleep (sleep level {level}). "
-                                   "Call wake_up(['weights']) first.")
+            raise EngineStateError(
+                f"{what}: the weights are asleep (sleep level {level}). Call wake_up(['weights']) first."
+            )
 
     def _require_ready(self, what: str) -> None:
         self._require_weights_on_device(what)
@@ -386,13 +429,18 @@ class HFEngine(EngineAdapter):
         missing = self.weights.unloaded()
         if missing:
             shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-            raise EngineStateError(f"{what}: weights were discarded by sleep(level=2) and {shown} have not been "
-                                   "loaded since. Call update_weights (or update_weights_from_ipc) with every weight.")
+            raise EngineStateError(
+                f"{what}: weights were discarded by sleep(level=2) and {shown} have not been "
+                "loaded since. Call update_weights (or update_weights_from_ipc) with every weight."
+            )
 
     def _check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
         if isinstance(prompts, (str, bytes)) or len(prompts) == 0:
-            raise ConfigError("prompt_token_ids", "expected a non-empty list of token-id lists.",
-                              "Tokenize the prompts first; engines take token ids, not strings.")
+            raise ConfigError(
+                "prompt_token_ids",
+                "expected a non-empty list of token-id lists.",
+                "Tokenize the prompts first; engines take token ids, not strings.",
+            )
         out = []
         for i, p in enumerate(prompts):
             if isinstance(p, (str, bytes)) or len(p) == 0:
@@ -401,15 +449,19 @@ class HFEngine(EngineAdapter):
             if min(ids) < 0 or max(ids) >= self._vocab:
                 raise ConfigError("prompt_token_ids", f"prompt {i} has ids outside the vocabulary [0, {self._vocab}).")
             if self._max_len is not None and len(ids) + params.max_new_tokens > self._max_len:
-                raise ConfigError("max_new_tokens", f"prompt {i} ({len(ids)} tokens) + max_new_tokens="
-                                  f"{params.max_new_tokens} exceeds the model's {self._max_len} positions.",
-                                  "Shorten the prompt or lower max_new_tokens.")
+                raise ConfigError(
+                    "max_new_tokens",
+                    f"prompt {i} ({len(ids)} tokens) + max_new_tokens="
+                    f"{params.max_new_tokens} exceeds the model's {self._max_len} positions.",
+                    "Shorten the prompt or lower max_new_tokens.",
+                )
             out.append(ids)
         return out
 
 
-def _build_model(model: Any, dtype: torch.dtype | None, seed: int, attn_implementation: str | None,
-                 trust_remote_code: bool = False):
+def _build_model(
+    model: Any, dtype: torch.dtype | None, seed: int, attn_implementation: str | None, trust_remote_code: bool = False
+):
     from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
@@ -421,8 +473,9 @@ def _build_model(model: Any, dtype: torch.dtype | None, seed: int, attn_implemen
             built = AutoModelForCausalLM.from_config(model, **kwargs)
         return built.to(dtype) if dtype is not None else built
     if isinstance(model, str):
-        return AutoModelForCausalLM.from_pretrained(model, dtype=dtype if dtype is not None else "auto",
-                                                    trust_remote_code=trust_remote_code, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(
+            model, dtype=dtype if dtype is not None else "auto", trust_remote_code=trust_remote_code, **kwargs
+        )
     raise ConfigError("model", f"expected a path, a PreTrainedModel or a PretrainedConfig, got {type(model).__name__}.")
 
 

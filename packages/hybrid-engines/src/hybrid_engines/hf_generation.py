@@ -18,8 +18,8 @@ completion length). It is what ``model.generate`` uses too; the vLLM/SGLang back
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -48,8 +48,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
     ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), longest), dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, longest - len(p):] = torch.as_tensor(p, dtype=torch.long)
-        mask[i, longest - len(p):] = 1
+        ids[i, longest - len(p) :] = torch.as_tensor(p, dtype=torch.long)
+        mask[i, longest - len(p) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -75,8 +75,9 @@ def decode(
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
     cache = DynamicCache(config=model.config)
     extra = {"logits_to_keep": 1} if keep_last_logits else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
-                **extra)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **extra
+    )
     logits = out.logits[:, -1].float()
     if n > 1:  # one prefill per prompt, shared by its n samples
         cache.batch_repeat_interleave(n)
@@ -117,8 +118,13 @@ def decode(
         mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=-1)
         if before_forward is not None:
             version = before_forward()  # may park here while the weights change (the rows and cache stay)
-        out = model(input_ids=tok.unsqueeze(-1), attention_mask=mask, position_ids=next_pos, past_key_values=cache,
-                    use_cache=True)
+        out = model(
+            input_ids=tok.unsqueeze(-1),
+            attention_mask=mask,
+            position_ids=next_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
         logits = out.logits[:, -1].float()
         next_pos = next_pos + 1
     return DecodedBatch(tokens, logprobs, lengths, stopped, versions)

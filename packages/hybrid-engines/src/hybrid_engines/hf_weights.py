@@ -8,7 +8,7 @@ arrives for it (under any of its names).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -60,6 +60,8 @@ class NamedWeights:
         """Copy each tensor into the weight of that name (dtype cast on the way; checked with :meth:`check`)."""
         for name, tensor in items:
             target = self._target(name)
+            if target is None:  # check() names such weights before a sync; this is the same refusal, late
+                raise KeyError(f"no engine weight named {name!r} (NamedWeights.check reports unknown names)")
             target.data.copy_(tensor)  # blocking: the sender's bucket may be reused next
             self._unloaded.discard(id(target))
 

@@ -6,8 +6,9 @@ vLLM and SGLang disagreed in the seed project, and the trainer already holds the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from hybrid_core.errors import ConfigError
 from hybrid_core.stats import TransferStats
@@ -83,7 +84,9 @@ class InferenceEngine(Protocol):
     ``release_kv_cache()`` frees the KV cache alone.
     """
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams) -> list[list[GenerationOutput]]: ...
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[GenerationOutput]]: ...
 
     def sleep(self, level: int = 1) -> TransferStats: ...
 

@@ -37,14 +37,18 @@ import math
 import os
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import ConfigError
 from hybrid_core.faults import maybe_inject
 from hybrid_core.remote import get_all_with_timeout
 
 from .protocol import GenerationOutput, SamplingParams
+
+if TYPE_CHECKING:
+    from hybrid_core.ports import PortWindow
 
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 #: the torch CPU threads of every engine actor, whatever the backend (default: :func:`engine_threads` decides)
@@ -76,8 +80,11 @@ def engine_threads(backend: str, cpus: int, gpus_on_node: int, override: str | N
         except ValueError:
             threads = 0
         if threads < 1:
-            raise ConfigError(ENGINE_THREADS_ENV, f"must be a whole number >= 1, got {override!r}.",
-                              "Unset it to let hybrid choose, or give the threads per engine.")
+            raise ConfigError(
+                ENGINE_THREADS_ENV,
+                f"must be a whole number >= 1, got {override!r}.",
+                "Unset it to let hybrid choose, or give the threads per engine.",
+            )
         return threads
     if backend == "hf":
         return None
@@ -136,8 +143,9 @@ class EngineActor:
     ``ray.remote(EngineActor).options(...).remote(backend, engine_kwargs, tp_size=...)``.
     """
 
-    def __init__(self, backend: str, engine_kwargs: Mapping[str, Any], *, tp_size: int = 1, role: str = "rollout",
-                 rank: int = 0):
+    def __init__(
+        self, backend: str, engine_kwargs: Mapping[str, Any], *, tp_size: int = 1, role: str = "rollout", rank: int = 0
+    ):
         import ray
 
         from .registry import make_engine
@@ -154,8 +162,9 @@ class EngineActor:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         if backend == "hf" and "device" not in kwargs and gpu_ids and _cuda_available():
             kwargs["device"] = f"cuda:{local_device_index(gpu_ids[0], os.environ.get('CUDA_VISIBLE_DEVICES'))}"
-        threads = engine_threads(backend, len(os.sched_getaffinity(0)), _node_gpus(),
-                                 os.environ.get(ENGINE_THREADS_ENV))
+        threads = engine_threads(
+            backend, len(os.sched_getaffinity(0)), _node_gpus(), os.environ.get(ENGINE_THREADS_ENV)
+        )
         if threads is not None:
             import torch
 
@@ -175,9 +184,14 @@ class EngineActor:
         import ray
         import torch
 
-        return {"node_ip": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
-                "device": str(getattr(self.engine, "device", "")), "torch_threads": torch.get_num_threads()}
+        return {
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "pid": os.getpid(),
+            "device": str(getattr(self.engine, "device", "")),
+            "torch_threads": torch.get_num_threads(),
+        }
 
     def generate(self, prompt_token_ids, params):
         maybe_inject(self.role, "generate", self.rank)
@@ -205,8 +219,11 @@ class EngineActor:
 
     def _pausable(self, what: str):
         if not callable(getattr(self.engine, what, None)):
-            raise ConfigError("partial_rollout", f"the {self.backend} engine cannot pause a generation in flight "
-                              f"({what}).", "Drop --partial_rollout, or use --backend hf / vllm / sglang.")
+            raise ConfigError(
+                "partial_rollout",
+                f"the {self.backend} engine cannot pause a generation in flight ({what}).",
+                "Drop --partial_rollout, or use --backend hf / vllm / sglang.",
+            )
         return self.engine
 
     def sleep(self, level: int = 1):
@@ -218,10 +235,26 @@ class EngineActor:
     def release_kv_cache(self):
         return self.engine.release_kv_cache()
 
-    def init_weight_update_group(self, master_address, master_port, rank_offset, world_size, *,
-                                 group_name="hybrid-weight-sync", backend="nccl", timeout_s=600.0):
-        return self.engine.init_weight_update_group(master_address, master_port, rank_offset, world_size,
-                                                    group_name=group_name, backend=backend, timeout_s=timeout_s)
+    def init_weight_update_group(
+        self,
+        master_address,
+        master_port,
+        rank_offset,
+        world_size,
+        *,
+        group_name="hybrid-weight-sync",
+        backend="nccl",
+        timeout_s=600.0,
+    ):
+        return self.engine.init_weight_update_group(
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=timeout_s,
+        )
 
     def update_weights(self, metas, *, bucket_bytes: int):
         return self.engine.update_weights(metas, bucket_bytes=bucket_bytes)
@@ -241,11 +274,13 @@ class EngineGroup:
     per-call override) and a late or failed engine raises ``RemoteTimeout`` / ``RoleFailure`` naming the role, the
     engine rank and the method."""
 
-    def __init__(self, role: str, backend: str, actors: list, tp_sizes: list[int], timeout_s: float,
-                 gpus: Sequence[int] = ()):
+    def __init__(
+        self, role: str, backend: str, actors: list, tp_sizes: list[int], timeout_s: float, gpus: Sequence[int] = ()
+    ):
         self.role, self.backend, self.actors, self.tp_sizes, self.timeout_s = role, backend, actors, tp_sizes, timeout_s
         self._gpus = sorted(gpus)
         self.engine_gpus: list[list[int]] = []  # each engine's plan GPUs (launch_engines): errors name them
+        self.port_windows: list[PortWindow] = []  # each engine's ports (launch_engines), see Reserved.window
 
     @property
     def num_engines(self) -> int:
@@ -271,8 +306,9 @@ class EngineGroup:
         gpus = self.engine_gpus[rank] if rank < len(self.engine_gpus) else []
         return f"{self.role} engine {rank}: {method}" + (f" on {gpu_label(gpus)}" if gpus else "")
 
-    def wait(self, refs: Sequence[Any], method: str, timeout_s: float | None = None,
-             ranks: Sequence[int] | None = None) -> list[Any]:
+    def wait(
+        self, refs: Sequence[Any], method: str, timeout_s: float | None = None, ranks: Sequence[int] | None = None
+    ) -> list[Any]:
         """Results of one call per engine (``ranks``: which engines the refs belong to; default all, in order)."""
         ranks = list(range(len(refs))) if ranks is None else list(ranks)
         named = [(self._name(r, method), ref) for r, ref in zip(ranks, refs)]
@@ -283,8 +319,9 @@ class EngineGroup:
         refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
         return self.wait(refs, method, timeout_s)
 
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                 timeout_s: float | None = None) -> list[list[GenerationOutput]]:
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, *, timeout_s: float | None = None
+    ) -> list[list[GenerationOutput]]:
         """Split the prompts across the engines, generate, and return the outputs in prompt order.
 
         Identical prompts go to the same engine, so a seeded call gives the same samples on any number of engines
@@ -295,8 +332,9 @@ class EngineGroup:
         results = self.wait(refs, "generate", timeout_s, ranks)
         return _in_prompt_order(len(prompt_token_ids), shares, ranks, results)
 
-    def submit_generate(self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, *,
-                        what: str = "generate") -> "PendingGeneration":
+    def submit_generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, *, what: str = "generate"
+    ) -> PendingGeneration:
         """Start a generation without waiting for it (asynchronous training: it runs while the trainer works);
         :meth:`PendingGeneration.result` collects it, in prompt order, with when each engine ran it."""
         shares = split_prompts(prompt_token_ids, self.num_engines)
@@ -342,20 +380,32 @@ class EngineGroup:
         return [(self._name(r, "release_kv_cache"), a.release_kv_cache.remote()) for r, a in enumerate(self.actors)]
 
     def reload(self, states: Sequence[str]) -> list[tuple[str, Any]]:
-        return [(self._name(r, f"wake_up({list(states)})"), a.wake_up.remote(list(states)))
-                for r, a in enumerate(self.actors)]
+        return [
+            (self._name(r, f"wake_up({list(states)})"), a.wake_up.remote(list(states)))
+            for r, a in enumerate(self.actors)
+        ]
 
-    def init_weight_update_group(self, master_address: str, master_port: int, *, backend: str = "nccl",
-                                 timeout_s: float | None = None, group_name: str = "hybrid-weight-sync") -> list:
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        backend: str = "nccl",
+        timeout_s: float | None = None,
+        group_name: str = "hybrid-weight-sync",
+    ) -> list:
         """Start every engine joining the weight-sync group; returns one ref per engine (wait with :meth:`wait`).
 
         The world is 1 + :attr:`num_workers`; the trainer must join as rank 0 at the same time (the rendezvous
         needs every rank), which is why this does not block."""
         world = 1 + self.num_workers
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        return [a.init_weight_update_group.remote(master_address, master_port, offset, world, group_name=group_name,
-                                                  backend=backend, timeout_s=timeout)
-                for a, offset in zip(self.actors, self.rank_offsets())]
+        return [
+            a.init_weight_update_group.remote(
+                master_address, master_port, offset, world, group_name=group_name, backend=backend, timeout_s=timeout
+            )
+            for a, offset in zip(self.actors, self.rank_offsets())
+        ]
 
     def update_weights(self, metas: Sequence[Any], *, bucket_bytes: int) -> list:
         """Start every engine receiving the broadcast of ``metas``; returns one ref per engine, so the trainer can
@@ -430,10 +480,16 @@ def split_prompts(prompts: Sequence[Sequence[int]], num_engines: int) -> list[li
     return [sorted(s) for s in shares]
 
 
-def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
-                   engine_kwargs: Mapping[str, Any] | None = None, timeout_s: float = 600.0,
-                   env_vars: Mapping[str, str] | None = None, max_concurrency: int = 1,
-                   reserved_ports: Sequence[Any] = ()) -> EngineGroup:
+def launch_engines(
+    placed: Any,
+    role: str = "rollout",
+    backend: str = "hf",
+    engine_kwargs: Mapping[str, Any] | None = None,
+    timeout_s: float = 600.0,
+    env_vars: Mapping[str, str] | None = None,
+    max_concurrency: int = 1,
+    reserved_ports: Sequence[Any] = (),
+) -> EngineGroup:
     """Start one engine per worker of ``role`` in the placed plan and wait until all are built.
 
     ``engine_kwargs`` go to every engine (e.g. ``model``); tensor-parallel engines also get ``placement_group``,
@@ -455,23 +511,35 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
 
     plan = placed.plan
     if role not in plan.roles:
-        raise ConfigError("role", f"the plan has no role {role!r} (roles: {', '.join(plan.roles)}).",
-                          "Give the engines' role GPUs in the placement.")
+        raise ConfigError(
+            "role",
+            f"the plan has no role {role!r} (roles: {', '.join(plan.roles)}).",
+            "Give the engines' role GPUs in the placement.",
+        )
     cls = engine_class(backend)  # a missing backend fails here, before any actor starts
     if max_concurrency > 1 and not callable(getattr(cls, "pause_generation", None)):
-        raise ConfigError("partial_rollout", f"{backend} engines cannot pause a generation in flight, so they cannot "
-                          "take calls while one runs.", "Drop --partial_rollout, or use --backend hf / vllm / sglang.")
+        raise ConfigError(
+            "partial_rollout",
+            f"{backend} engines cannot pause a generation in flight, so they cannot take calls while one runs.",
+            "Drop --partial_rollout, or use --backend hf / vllm / sglang.",
+        )
     tp = plan.roles[role].tp
     kwargs = dict(engine_kwargs or {})
     refusal = getattr(cls, "placement_refusal", None)
     problem = refusal(tp=tp, shares_gpus=bool(plan.shared_gpus(role))) if refusal else None
     if problem:
-        raise ConfigError(f"{role}.tp", f"{backend} engines cannot take this placement: {problem}.",
-                          "Use tensor-parallel size 1, or backend 'vllm'.")
+        raise ConfigError(
+            f"{role}.tp",
+            f"{backend} engines cannot take this placement: {problem}.",
+            "Use tensor-parallel size 1, or backend 'vllm'.",
+        )
     given_tp = kwargs.get("tensor_parallel_size")
     if given_tp is not None and given_tp != tp:
-        raise ConfigError("tensor_parallel_size", f"engine kwargs ask for {given_tp}, the plan gives {role} {tp}.",
-                          "Make the engines' tensor-parallel size match the placement.")
+        raise ConfigError(
+            "tensor_parallel_size",
+            f"engine kwargs ask for {given_tp}, the plan gives {role} {tp}.",
+            "Make the engines' tensor-parallel size match the placement.",
+        )
     accepts = _accepted_kwargs(cls)
     if backend != "hf" and (accepts is None or "tensor_parallel_size" in accepts):
         kwargs.setdefault("tensor_parallel_size", tp)
@@ -484,9 +552,11 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
             options, placement_kwargs = engine_placement(placed, role, rank, accepts)
             if windows:
                 placement_kwargs["ports"] = windows[rank]
-            actors.append(remote_cls.options(**options, runtime_env=env, max_restarts=0,
-                                             max_concurrency=max_concurrency).remote(
-                backend, {**kwargs, **placement_kwargs}, tp_size=tp, role=role, rank=rank))
+            actors.append(
+                remote_cls.options(**options, runtime_env=env, max_restarts=0, max_concurrency=max_concurrency).remote(
+                    backend, {**kwargs, **placement_kwargs}, tp_size=tp, role=role, rank=rank
+                )
+            )
         group = EngineGroup(role, backend, actors, [tp] * len(actors), timeout_s, gpus=plan.roles[role].gpus)
         group.engine_gpus = [list(w.gpus) for w in plan.roles[role].workers]
         group.port_windows = list(windows or ())  # another group beside it reserves these (Reserved.window)
@@ -501,8 +571,9 @@ def launch_engines(placed: Any, role: str = "rollout", backend: str = "hf",
     return group
 
 
-def engine_placement(placed: Any, role: str, rank: int,
-                     accepts: set[str] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def engine_placement(
+    placed: Any, role: str, rank: int, accepts: set[str] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(actor options, extra engine kwargs)`` for engine ``rank`` of ``role``.
 
     TP 1: the worker's own options. TP > 1: the actor takes half the worker's fraction of its first GPU and captures
@@ -515,14 +586,16 @@ def engine_placement(placed: Any, role: str, rank: int,
     half = math.floor(slot.num_gpus * _RAY_STEP / 2) / _RAY_STEP
     options = placed.actor_options(role, rank, capture_child_tasks=True)
     options["num_gpus"] = half
-    extra: dict[str, Any] = {"placement_group": placed.placement_group,
-                             "bundle_indices": placed.bundle_indices(role, rank)}
+    extra: dict[str, Any] = {
+        "placement_group": placed.placement_group,
+        "bundle_indices": placed.bundle_indices(role, rank),
+    }
     if accepts is None or "gpus_per_worker" in accepts:
         extra["gpus_per_worker"] = half
     return options, extra
 
 
-def _accepted_kwargs(cls: type) -> set[str] | None:
+def _accepted_kwargs(cls: type[Any]) -> set[str] | None:
     """Keyword names the engine's constructor takes (None when it takes **kwargs)."""
     params = inspect.signature(cls.__init__).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):

@@ -18,9 +18,12 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from .adapter import EngineAdapter
 
 
 @dataclass(frozen=True)
@@ -52,13 +55,19 @@ def register_engine(name: str, target: str, *, library: str | None = None, extra
     Registering the same line again does nothing; another target under a name already taken is refused."""
     module, _, cls = target.partition(":")
     if not isinstance(name, str) or not name.strip() or not module or not cls.isidentifier():
-        raise ConfigError("backend", f"register_engine({name!r}, {target!r}): needs a name and 'module:Class'.",
-                          "E.g. register_engine('my-engine', 'my_pkg.my_engine:MyEngine').")
+        raise ConfigError(
+            "backend",
+            f"register_engine({name!r}, {target!r}): needs a name and 'module:Class'.",
+            "E.g. register_engine('my-engine', 'my_pkg.my_engine:MyEngine').",
+        )
     entry = Backend(module, cls, library, extra)
     known = BACKENDS.get(name)
     if known is not None and known != entry:
-        raise ConfigError("backend", f"backend {name!r} is {known.module}:{known.cls} already.",
-                          "Register your engine under another name.")
+        raise ConfigError(
+            "backend",
+            f"backend {name!r} is {known.module}:{known.cls} already.",
+            "Register your engine under another name.",
+        )
     BACKENDS[name] = entry
     from hybrid_core.runtime_env import set_worker_env
 
@@ -80,7 +89,7 @@ def _backend(backend: str) -> Backend:
     return BACKENDS[backend]
 
 
-def engine_spec(backend: str) -> type:
+def engine_spec(backend: str) -> type[EngineAdapter]:
     """The engine class of ``backend`` without requiring its library (its module imports it lazily): for plans,
     weight-sync choices and dry runs."""
     from .adapter import EngineAdapter
@@ -88,8 +97,11 @@ def engine_spec(backend: str) -> type:
     entry = _backend(backend)
     cls = getattr(importlib.import_module(entry.module), entry.cls)
     if not (isinstance(cls, type) and issubclass(cls, EngineAdapter)):
-        raise ConfigError("backend", f"backend {backend!r} names {entry.module}:{entry.cls}, which is not an engine "
-                          "adapter.", "Derive the class from hybrid_engines.adapter.EngineAdapter.")
+        raise ConfigError(
+            "backend",
+            f"backend {backend!r} names {entry.module}:{entry.cls}, which is not an engine adapter.",
+            "Derive the class from hybrid_engines.adapter.EngineAdapter.",
+        )
     return cls
 
 
@@ -101,15 +113,18 @@ def library_missing(backend: str) -> str | None:
     return f"the {backend} backend needs the {entry.library!r} package: pip install '{entry.extra}'"
 
 
-def engine_class(backend: str) -> type:
+def engine_class(backend: str) -> type[EngineAdapter]:
     """The engine class of ``backend``, importing its library now (a missing one is a ConfigError)."""
     entry = _backend(backend)
     if entry.library is not None:
         try:
             importlib.import_module(entry.library)
         except ImportError as e:
-            raise ConfigError("backend", f"the {backend} backend needs the {entry.library!r} package, which cannot be "
-                              f"imported here ({e}).", f"pip install '{entry.extra}' (or choose backend 'hf').") from e
+            raise ConfigError(
+                "backend",
+                f"the {backend} backend needs the {entry.library!r} package, which cannot be imported here ({e}).",
+                f"pip install '{entry.extra}' (or choose backend 'hf').",
+            ) from e
     return engine_spec(backend)
 
 

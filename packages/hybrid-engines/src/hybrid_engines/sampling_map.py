@@ -30,8 +30,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 
@@ -42,14 +43,31 @@ VLLM_MAX_TEMPERATURE = 2.0
 
 #: Every ``vllm.SamplingParams`` field :func:`vllm_sampling_kwargs` sets (the contract test checks each exists).
 VLLM_SAMPLING_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "seed",
-    "logprobs", "detokenize", "flat_logprobs",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "seed",
+    "logprobs",
+    "detokenize",
+    "flat_logprobs",
 )
 
 #: Every SGLang sampling-parameter key :func:`sglang_sampling_params` sets (fields of
 #: ``sglang.srt.sampling.sampling_params.SamplingParams`` in 0.5.23; the contract test checks each exists).
 SGLANG_SAMPLING_FIELDS = (
-    "n", "temperature", "top_p", "top_k", "max_new_tokens", "min_new_tokens", "stop_token_ids", "ignore_eos",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "min_new_tokens",
+    "stop_token_ids",
+    "ignore_eos",
     "sampling_seed",
 )
 
@@ -97,8 +115,11 @@ def per_prompt_requests(rows: Sequence[Row], params: SamplingParams) -> bool:
 def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """Prompts as lists of ints; a clear error for an empty prompt or a non-integer id (engines fail obscurely)."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise ConfigError("prompt_token_ids", f"must be a list of token-id lists, got {type(prompts).__name__}.",
-                          "Tokenize first: engines take ids, never strings.")
+        raise ConfigError(
+            "prompt_token_ids",
+            f"must be a list of token-id lists, got {type(prompts).__name__}.",
+            "Tokenize first: engines take ids, never strings.",
+        )
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) == 0:
@@ -110,16 +131,22 @@ def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     return out
 
 
-def vllm_sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_at_eos: bool,
-                         n: int = 1) -> dict[str, Any]:
+def vllm_sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_at_eos: bool, n: int = 1) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for one row (``n=1``), or for one prompt's ``n`` unseeded samples
     (see :func:`per_prompt_requests`), per vLLM 0.26 ``sampling_params.py``."""
     if not params.greedy and params.temperature > VLLM_MAX_TEMPERATURE:
-        raise ConfigError("temperature", f"vLLM accepts at most {VLLM_MAX_TEMPERATURE}, got {params.temperature}.",
-                          "Lower the temperature (or use the built-in engine).")
+        raise ConfigError(
+            "temperature",
+            f"vLLM accepts at most {VLLM_MAX_TEMPERATURE}, got {params.temperature}.",
+            "Lower the temperature (or use the built-in engine).",
+        )
     if n > 1 and (seed is not None or params.greedy):
-        raise ConfigError("n", "one vLLM request with n > 1 samples unseeded and at a temperature only (vLLM seeds "
-                          "its children seed, seed + 1, ... and refuses greedy n > 1).", "Send one request per sample.")
+        raise ConfigError(
+            "n",
+            "one vLLM request with n > 1 samples unseeded and at a temperature only (vLLM seeds "
+            "its children seed, seed + 1, ... and refuses greedy n > 1).",
+            "Send one request per sample.",
+        )
     return {
         "n": n,
         # temperature < 1e-5 is vLLM's greedy switch; top_k=1 with a temperature is greedy too, so say it plainly.
@@ -150,8 +177,11 @@ def sglang_sampling_params(params: SamplingParams, *, seed: int | None, stop_at_
     ``enable_deterministic_inference`` (``sampling/sampling_batch_info.py``): the adapter checks that.
     """
     if not stop_at_eos and params.stop_token_ids:
-        raise ConfigError("stop_token_ids", "SGLang cannot stop at these ids while ignoring EOS: its ignore_eos turns "
-                          "stop_token_ids off too.", "Use stop_at_eos=True on SGLang, or the vLLM / built-in engine.")
+        raise ConfigError(
+            "stop_token_ids",
+            "SGLang cannot stop at these ids while ignoring EOS: its ignore_eos turns stop_token_ids off too.",
+            "Use stop_at_eos=True on SGLang, or the vLLM / built-in engine.",
+        )
     return {
         "n": 1,
         "temperature": 0.0 if params.greedy else params.temperature,
@@ -172,7 +202,8 @@ def sampled_logprobs(token_ids: Sequence[int], step_logprobs: Sequence[Any]) -> 
         raise ValueError(f"vLLM returned {len(step_logprobs)} logprob steps for {len(token_ids)} tokens.")
     starts = getattr(step_logprobs, "start_indices", None)
     if starts is not None:
-        ids, values = step_logprobs.token_ids, step_logprobs.logprobs
+        flat: Any = step_logprobs  # vLLM's FlatLogprobs: a sequence with flat lists besides
+        ids, values = flat.token_ids, flat.logprobs
         if len(values) == len(token_ids) and list(ids) == list(token_ids):  # one entry per position: the sampled one
             return [float(v) for v in values]
         if all(ids[s] == t for s, t in zip(starts, token_ids)):

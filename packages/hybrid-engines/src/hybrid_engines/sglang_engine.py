@@ -65,7 +65,8 @@ import os
 import random
 import threading
 import time
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from hybrid_core.errors import ConfigError, RoleFailure
 from hybrid_core.ports import PortWindow
@@ -76,7 +77,12 @@ from .hf_engine import EngineStateError
 from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
 from .sampling_map import check_prompts, expand_rows, finish_reason, sglang_sampling_params
 from .weight_sync.sglang import (  # noqa: F401  (the trainer's side, re-exported for custom loops)
-    FLATTENED, SGLangIpcPayload, SGLangTransport, flatten_bucket, send_to_sglang, sglang_bucket_plan,
+    FLATTENED,
+    SGLangIpcPayload,
+    SGLangTransport,
+    flatten_bucket,
+    send_to_sglang,
+    sglang_bucket_plan,
     sglang_trainer_group,
 )
 
@@ -100,8 +106,14 @@ SGLANG_ENGINE_METHODS = {
     "generate": ("input_ids", "sampling_params", "return_logprob"),
     "release_memory_occupation": ("tags",),
     "resume_memory_occupation": ("tags",),
-    "init_weights_update_group": ("master_address", "master_port", "rank_offset", "world_size", "group_name",
-                                  "backend"),
+    "init_weights_update_group": (
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "group_name",
+        "backend",
+    ),
     "update_weights_from_distributed": ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format"),
     "update_weights_from_tensor": ("named_tensors", "load_format", "flush_cache"),
     "flush_cache": (),
@@ -113,8 +125,10 @@ SGLANG_SESSION_METHODS = ("begin_weight_update", "end_weight_update")
 SGLANG_TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
 #: Partial rollouts: the tokenizer manager's pause / continue (``srt/managers/tokenizer_manager.py``), their request
 #: types (``srt/managers/io_struct.py``) and the pause mode used.
-SGLANG_PAUSE = {"pause": ("pause_generation", "PauseGenerationReqInput", {"mode": "retract"}),
-                "resume": ("continue_generation", "ContinueGenerationReqInput", {})}
+SGLANG_PAUSE = {
+    "pause": ("pause_generation", "PauseGenerationReqInput", {"mode": "retract"}),
+    "resume": ("continue_generation", "ContinueGenerationReqInput", {}),
+}
 #: ``Engine.async_generate`` keyword arguments of a streamed row (contract-tested).
 SGLANG_STREAM_ARGS = ("input_ids", "sampling_params", "return_logprob", "stream")
 #: Seconds a pause waits, once SGLang reports it, for tokens already on their way out of the scheduler.
@@ -176,9 +190,11 @@ class SGLangEngine(EngineAdapter):
     def placement_refusal(cls, *, tp: int, shares_gpus: bool) -> str | None:
         """Why the training loop cannot place these engines (None: it can)."""
         if tp > 1:
-            return ("SGLang runs TP > 1 through its RayEngine, whose scheduler actors each take a whole GPU "
-                    "(num_gpus=1, srt/ray/engine.py), while hybrid's engine actor holds part of the first GPU of its "
-                    "bundles" + (" and the trainer shares them" if shares_gpus else ""))
+            return (
+                "SGLang runs TP > 1 through its RayEngine, whose scheduler actors each take a whole GPU "
+                "(num_gpus=1, srt/ray/engine.py), while hybrid's engine actor holds part of the first GPU of its "
+                "bundles" + (" and the trainer shares them" if shares_gpus else "")
+            )
         return None
 
     def __init__(
@@ -213,12 +229,20 @@ class SGLangEngine(EngineAdapter):
         if os.path.isdir(str(model)):
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
         engine_cls = _engine_class(tensor_parallel_size, placement_group, bundle_indices, gpus_per_worker)
-        ours = dict(model=model, tensor_parallel_size=tensor_parallel_size,
-                    gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                    weights_cpu_backup=weights_cpu_backup, enforce_eager=enforce_eager, dtype=dtype, seed=seed,
-                    max_model_len=sglang_context_length(model, max_model_len),
-                    enable_prefix_caching=not enable_prefix_caching,  # SGLang's field is disable_radix_cache
-                    deterministic=deterministic, base_gpu_id=base_gpu_id)
+        ours = dict(
+            model=model,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            weights_cpu_backup=weights_cpu_backup,
+            enforce_eager=enforce_eager,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=sglang_context_length(model, max_model_len),
+            enable_prefix_caching=not enable_prefix_caching,  # SGLang's field is disable_radix_cache
+            deterministic=deterministic,
+            base_gpu_id=base_gpu_id,
+        )
         kwargs = {SGLANG_SERVER_ARGS[k]: v for k, v in ours.items()}
         if ports is not None:
             kwargs.update(sglang_port_args(ports, extra))
@@ -246,22 +270,29 @@ class SGLangEngine(EngineAdapter):
             self._loop_thread = _LoopThread(self.engine, call_timeout_s)
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
-                 params: SamplingParams) -> list[list[GenerationOutput]]:
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[GenerationOutput]]:
         """``params.n`` completions per prompt, in prompt order."""
         self._require_ready("generate")
         prompts = check_prompts(prompt_token_ids)
         rows = expand_rows(prompts, params)
         if not self.deterministic and any(r.seed is not None for r in rows):
-            raise ConfigError("seed", "SGLang ignores per-request seeds unless the engine runs deterministic "
-                              "inference, and this engine was built with deterministic=False.",
-                              "Build SGLangEngine(deterministic=True) (the default), or sample with seed=None.")
-        sampling = [sglang_sampling_params(params, seed=self._row_seed(r.seed, params), stop_at_eos=self.stop_at_eos)
-                    for r in rows]
+            raise ConfigError(
+                "seed",
+                "SGLang ignores per-request seeds unless the engine runs deterministic "
+                "inference, and this engine was built with deterministic=False.",
+                "Build SGLangEngine(deterministic=True) (the default), or sample with seed=None.",
+            )
+        sampling = [
+            sglang_sampling_params(params, seed=self._row_seed(r.seed, params), stop_at_eos=self.stop_at_eos)
+            for r in rows
+        ]
         if self.pausable:
             return self._generate_streamed(prompts, rows, sampling, params)
-        outs = self.engine.generate(input_ids=[prompts[r.prompt] for r in rows], sampling_params=sampling,
-                                    return_logprob=params.logprobs)
+        outs = self.engine.generate(
+            input_ids=[prompts[r.prompt] for r in rows], sampling_params=sampling, return_logprob=params.logprobs
+        )
         return self._outputs(prompts, rows, outs, params)
 
     def _row_seed(self, seed: int | None, params: SamplingParams) -> int | None:
@@ -284,16 +315,20 @@ class SGLangEngine(EngineAdapter):
                     raise RoleFailure("sglang generate: output_token_logprobs do not line up with output_ids.")
                 logprobs = [float(s[0]) for s in steps]
             results[row.prompt][row.sample] = GenerationOutput(
-                prompt_token_ids=prompts[row.prompt], token_ids=ids, logprobs=logprobs,
+                prompt_token_ids=prompts[row.prompt],
+                token_ids=ids,
+                logprobs=logprobs,
                 finish_reason=finish_reason(meta["finish_reason"], engine="sglang"),
-                weight_versions=out.get("versions", [self._version] * len(ids)))
+                weight_versions=out.get("versions", [self._version] * len(ids)),
+            )
         return results
 
     # ---- partial rollouts ----------------------------------------------------------------------------------------
     def _generate_streamed(self, prompts, rows, sampling, params: SamplingParams):
         async def row_stream(ids: list[int], sp: dict) -> dict:
-            stream = await self.engine.async_generate(input_ids=ids, sampling_params=sp,
-                                                      return_logprob=params.logprobs, stream=True)
+            stream = await self.engine.async_generate(
+                input_ids=ids, sampling_params=sp, return_logprob=params.logprobs, stream=True
+            )
             versions: list[int] = []
             last: dict = {}
             async for chunk in stream:  # cumulative output_ids: what arrived now was sampled by the current weights
@@ -308,7 +343,7 @@ class SGLangEngine(EngineAdapter):
         with self._lock:
             self._in_flight += 1
         try:
-            outs = self._loop_thread.run(every_row(), "generate")
+            outs = self._pausable_loop().run(every_row(), "generate")
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -318,11 +353,15 @@ class SGLangEngine(EngineAdapter):
         """Retract every running request (tokens kept, KV freed; recomputed after resume) and stop scheduling."""
         self._require_open("pause_generation")
         if not self.pausable:
-            raise ConfigError("pausable", "this engine was built without pausable=True (partial rollouts).",
-                              "Build SGLangEngine(pausable=True).")
+            raise ConfigError(
+                "pausable",
+                "this engine was built without pausable=True (partial rollouts).",
+                "Build SGLangEngine(pausable=True).",
+            )
         method, request, kwargs = SGLANG_PAUSE["pause"]
-        self._loop_thread.run(self._manager_call(method, request, kwargs, drain=PAUSE_DRAIN_S), "pause_generation",
-                              timeout_s)
+        self._pausable_loop().run(
+            self._manager_call(method, request, kwargs, drain=PAUSE_DRAIN_S), "pause_generation", timeout_s
+        )
         with self._lock:
             self._paused = True
             return {"parked": self._in_flight, "version": self._version}
@@ -332,7 +371,7 @@ class SGLangEngine(EngineAdapter):
         if not self.pausable:
             return
         method, request, kwargs = SGLANG_PAUSE["resume"]
-        self._loop_thread.run(self._manager_call(method, request, kwargs), "resume_generation")
+        self._pausable_loop().run(self._manager_call(method, request, kwargs), "resume_generation")
         with self._lock:
             self._paused = False
 
@@ -353,8 +392,10 @@ class SGLangEngine(EngineAdapter):
     def _require_not_generating(self, what: str) -> None:
         with self._lock:
             if self._in_flight and not self._paused:
-                raise EngineStateError(f"{what}: generation is running; call pause_generation() first (partial "
-                                       "rollouts) or wait for generate to return.")
+                raise EngineStateError(
+                    f"{what}: generation is running; call pause_generation() first (partial "
+                    "rollouts) or wait for generate to return."
+                )
 
     # ---- sleep / wake ------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> TransferStats:
@@ -365,8 +406,12 @@ class SGLangEngine(EngineAdapter):
         if not self.enable_sleep_mode:
             raise ConfigError("enable_sleep_mode", "sleep needs the engine built with enable_sleep_mode=True.")
         if level == 1 and not self.weights_cpu_backup:
-            raise ConfigError("level", "sleep level 1 keeps the weights, which needs SGLangEngine(weights_cpu_backup="
-                              "True) (SGLang's enable_weights_cpu_backup).", "Use level 2 and re-sync the weights.")
+            raise ConfigError(
+                "level",
+                "sleep level 1 keeps the weights, which needs SGLangEngine(weights_cpu_backup="
+                "True) (SGLang's enable_weights_cpu_backup).",
+                "Use level 2 and re-sync the weights.",
+            )
         start = time.perf_counter()
         awake = [t for t in WAKE_TAGS if t not in self._asleep]
         if awake:
@@ -380,12 +425,14 @@ class SGLangEngine(EngineAdapter):
         """Free the KV cache (and the decode CUDA graphs that belong to it), keep the weights."""
         self._require_open("release_kv_cache")
         if not self.enable_sleep_mode:
-            raise ConfigError("enable_sleep_mode", "releasing the KV cache needs the engine built with "
-                              "enable_sleep_mode=True.")
+            raise ConfigError(
+                "enable_sleep_mode", "releasing the KV cache needs the engine built with enable_sleep_mode=True."
+            )
         start = time.perf_counter()
         if "kv_cache" not in self._asleep:
-            self._check(self.engine.release_memory_occupation(tags=_sglang_tags(["kv_cache"])),
-                        "release_memory_occupation")
+            self._check(
+                self.engine.release_memory_occupation(tags=_sglang_tags(["kv_cache"])), "release_memory_occupation"
+            )
             self._asleep.add("kv_cache")
         return TransferStats(0, time.perf_counter() - start, "sglang release kv")
 
@@ -402,20 +449,39 @@ class SGLangEngine(EngineAdapter):
         return TransferStats(0, time.perf_counter() - start, "sglang wake")
 
     # ---- weight updates ----------------------------------------------------------------------------------------
-    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, *,
-                                 group_name: str = "hybrid-weight-sync", backend: str = "nccl",
-                                 timeout_s: float = 600.0) -> None:
+    def init_weight_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "hybrid-weight-sync",
+        backend: str = "nccl",
+        timeout_s: float = 600.0,
+    ) -> None:
         """SGLang's TP ranks join as ``rank_offset + tp_rank``; the trainer joins with :func:`sglang_trainer_group`.
 
         ``timeout_s`` is not SGLang's to take (its group uses torch's default timeout); the caller's Ray call
         deadline bounds this call."""
         self._require_open("init_weight_update_group")
         if rank_offset < 1 or rank_offset + self.tp > world_size:
-            raise ConfigError("rank_offset", f"the engine's {self.tp} TP rank(s) need ranks {rank_offset}.."
-                              f"{rank_offset + self.tp - 1} inside world_size={world_size}.")
-        self._check(self.engine.init_weights_update_group(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
-            group_name=group_name, backend=backend), "init_weights_update_group")
+            raise ConfigError(
+                "rank_offset",
+                f"the engine's {self.tp} TP rank(s) need ranks {rank_offset}.."
+                f"{rank_offset + self.tp - 1} inside world_size={world_size}.",
+            )
+        self._check(
+            self.engine.init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            ),
+            "init_weights_update_group",
+        )
         self._group_name = group_name
 
     def update_weights(self, metas: Sequence[Any], *, bucket_bytes: int) -> TransferStats:
@@ -427,10 +493,17 @@ class SGLangEngine(EngineAdapter):
         start = time.perf_counter()
         with self._session():
             for bucket in sglang_bucket_plan(metas, bucket_bytes):
-                self._check(self.engine.update_weights_from_distributed(
-                    names=[m.name for m in bucket], dtypes=[m.dtype for m in bucket],
-                    shapes=[list(m.shape) for m in bucket], group_name=self._group_name, flush_cache=False,
-                    load_format=FLATTENED), "update_weights_from_distributed")
+                self._check(
+                    self.engine.update_weights_from_distributed(
+                        names=[m.name for m in bucket],
+                        dtypes=[m.dtype for m in bucket],
+                        shapes=[list(m.shape) for m in bucket],
+                        group_name=self._group_name,
+                        flush_cache=False,
+                        load_format=FLATTENED,
+                    ),
+                    "update_weights_from_distributed",
+                )
         return TransferStats(sum(m.nbytes for m in metas), time.perf_counter() - start, "sglang weight sync")
 
     def update_weights_from_ipc(self, bucket: Any) -> TransferStats:
@@ -439,15 +512,24 @@ class SGLangEngine(EngineAdapter):
         names the trainer's memory, which SGLang's scheduler maps). The first delivery of a sync opens a weight-update
         session, the last closes it and flushes the cache; until then the engine counts as mid-update."""
         if self.tp != 1:
-            raise ConfigError("tensor_parallel_size", "the SGLang IPC path supports TP = 1 only.",
-                              "Use update_weights (broadcast) for TP > 1.")
+            raise ConfigError(
+                "tensor_parallel_size",
+                "the SGLang IPC path supports TP = 1 only.",
+                "Use update_weights (broadcast) for TP > 1.",
+            )
         self._require_weights_on_device("update_weights_from_ipc")
         self._require_not_generating("update_weights_from_ipc")
-        payload = bucket if isinstance(bucket, SGLangIpcPayload) else SGLangIpcPayload.of(
-            list(bucket) if isinstance(bucket, (list, tuple)) else [bucket])
+        payload = (
+            bucket
+            if isinstance(bucket, SGLangIpcPayload)
+            else SGLangIpcPayload.of(list(bucket) if isinstance(bucket, (list, tuple)) else [bucket])
+        )
         if payload.data and len(payload.data) != self.tp:
-            raise ConfigError("bucket", f"got {len(payload.data)} serialized bucket(s) for an engine of TP {self.tp}.",
-                              "Send one per TP rank (SGLangTransport.encode_ipc).")
+            raise ConfigError(
+                "bucket",
+                f"got {len(payload.data)} serialized bucket(s) for an engine of TP {self.tp}.",
+                "Send one per TP rank (SGLangTransport.encode_ipc).",
+            )
         start = time.perf_counter()
         if payload.index == 0 or self._ipc_session is None:
             self._close_ipc_session(ok=False)  # a sync that never finished: its session is dropped
@@ -455,9 +537,12 @@ class SGLangEngine(EngineAdapter):
             self._ipc_session.__enter__()
         try:
             if payload.data:
-                self._check(self.engine.update_weights_from_tensor(named_tensors=list(payload.data),
-                                                                   load_format=FLATTENED, flush_cache=False),
-                            "update_weights_from_tensor")
+                self._check(
+                    self.engine.update_weights_from_tensor(
+                        named_tensors=list(payload.data), load_format=FLATTENED, flush_cache=False
+                    ),
+                    "update_weights_from_tensor",
+                )
         except BaseException:
             self._close_ipc_session(ok=False)
             raise
@@ -484,7 +569,7 @@ class SGLangEngine(EngineAdapter):
                     self._loop_thread.stop()
 
     # ---- helpers -----------------------------------------------------------------------------------------------
-    def _session(self) -> "_UpdateSession":
+    def _session(self) -> _UpdateSession:
         return _UpdateSession(self)
 
     @staticmethod
@@ -494,6 +579,11 @@ class SGLangEngine(EngineAdapter):
         if ok is False:
             raise RoleFailure(f"sglang {what} failed: {message}")
         return result
+
+    def _pausable_loop(self) -> _LoopThread:
+        """The event-loop thread that streams, pauses and resumes: a pausable engine's (built in ``__init__``)."""
+        assert self._loop_thread is not None, "only a pausable engine streams, pauses or resumes"
+        return self._loop_thread
 
     def _require_open(self, what: str) -> None:
         if self._closed:
@@ -511,8 +601,10 @@ class SGLangEngine(EngineAdapter):
         if self._ipc_session is not None:
             raise EngineStateError(f"{what}: a weight update by IPC is in progress (its last bucket has not arrived).")
         if self._needs_sync:
-            raise EngineStateError(f"{what}: the weights were discarded by sleep. Re-sync them (update_weights / "
-                                   "update_weights_from_ipc) before generating.")
+            raise EngineStateError(
+                f"{what}: the weights were discarded by sleep. Re-sync them (update_weights / "
+                "update_weights_from_ipc) before generating."
+            )
 
 
 class _UpdateSession:
@@ -571,8 +663,9 @@ class _LoopThread:
         return getattr(self.loop, name)
 
 
-def _engine_class(tp: int, placement_group: Any, bundle_indices: Sequence[int] | None,
-                  gpus_per_worker: float | None) -> type:
+def _engine_class(
+    tp: int, placement_group: Any, bundle_indices: Sequence[int] | None, gpus_per_worker: float | None
+) -> type:
     """``sglang.Engine`` (schedulers as subprocesses on this process's GPUs), or for TP > 1 on given Ray bundles
     SGLang's own ``RayEngine`` (``srt/ray/engine.py``: one scheduler actor per bundle, in the order of
     ``SGLANG_RAY_BUNDLE_INDICES``). Its scheduler actors take ``num_gpus=1`` each, so their GPUs cannot be shared."""
@@ -581,10 +674,14 @@ def _engine_class(tp: int, placement_group: Any, bundle_indices: Sequence[int] |
     if tp == 1 or placement_group is None:
         return sglang.Engine
     if gpus_per_worker is not None and gpus_per_worker < 1:
-        raise ConfigError("gpus_per_worker", f"SGLang 0.5.23 gives each TP scheduler a whole GPU (num_gpus=1 in "
-                          f"srt/ray/engine.py), so it cannot run on {gpus_per_worker} of a GPU shared with another "
-                          "role.", "Give SGLang's TP > 1 engines GPUs of their own (and the engine actor num_gpus=0), "
-                          "or use vLLM for colocated tensor parallelism.")
+        raise ConfigError(
+            "gpus_per_worker",
+            f"SGLang 0.5.23 gives each TP scheduler a whole GPU (num_gpus=1 in "
+            f"srt/ray/engine.py), so it cannot run on {gpus_per_worker} of a GPU shared with another "
+            "role.",
+            "Give SGLang's TP > 1 engines GPUs of their own (and the engine actor num_gpus=0), "
+            "or use vLLM for colocated tensor parallelism.",
+        )
     if bundle_indices is not None:
         if len(bundle_indices) != tp:
             raise ConfigError("bundle_indices", f"needs one bundle per TP rank ({tp}), got {list(bundle_indices)}.")
@@ -599,13 +696,18 @@ def sglang_port_args(window: PortWindow, extra: Mapping[str, Any]) -> dict[str, 
     it would be the same for every engine."""
     given = [k for k in (*SGLANG_PORT_ARGS, "dist_init_addr") if k in extra]
     if given:
-        raise ConfigError(given[0], f"is given to every SGLang engine alike, but {window.owner} has a port window of "
-                          "its own and takes its ports from it.", f"Drop {', '.join(given)} from the engine kwargs; "
-                          "move the windows with HYBRID_ENGINE_BASE_PORT=<port>.")
+        raise ConfigError(
+            given[0],
+            f"is given to every SGLang engine alike, but {window.owner} has a port window of "
+            "its own and takes its ports from it.",
+            f"Drop {', '.join(given)} from the engine kwargs; move the windows with HYBRID_ENGINE_BASE_PORT=<port>.",
+        )
     if window.size < SGLangEngine.PORTS_NEEDED:
-        raise ConfigError("ports", f"{window} has {window.size} ports; SGLang's layout needs "
-                          f"{SGLangEngine.PORTS_NEEDED}.", "Allocate the windows with size >= "
-                          "SGLangEngine.PORTS_NEEDED (launch_engines does).")
+        raise ConfigError(
+            "ports",
+            f"{window} has {window.size} ports; SGLang's layout needs {SGLangEngine.PORTS_NEEDED}.",
+            "Allocate the windows with size >= SGLangEngine.PORTS_NEEDED (launch_engines does).",
+        )
     return {name: window.port(offset) for name, offset in SGLANG_PORT_ARGS.items()}
 
 
@@ -616,7 +718,9 @@ def _sglang_tags(tags: Iterable[str]) -> list[str]:
 def _require_raw_logprobs() -> None:
     value = os.environ.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     if value.strip().lower() not in ("1", "true", "yes", "on"):
-        raise ConfigError("SGLANG_RETURN_ORIGINAL_LOGPROB", f"is {value!r}: SGLang would return temperature-scaled "
-                          "logprobs, but the protocol promises the raw model's.", "Unset it or set it to 1.")
-
-
+        raise ConfigError(
+            "SGLANG_RETURN_ORIGINAL_LOGPROB",
+            f"is {value!r}: SGLang would return temperature-scaled "
+            "logprobs, but the protocol promises the raw model's.",
+            "Unset it or set it to 1.",
+        )

@@ -50,8 +50,9 @@ import itertools
 import os
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from hybrid_core.errors import ConfigError, RemoteTimeout, RoleFailure
 from hybrid_core.ports import PortWindow
@@ -61,7 +62,12 @@ from .adapter import EngineAdapter, EnginePlan, EngineSettings, pooled_engine_kw
 from .hf_engine import EngineStateError
 from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
 from .sampling_map import (
-    check_prompts, expand_rows, finish_reason, per_prompt_requests, sampled_logprobs, vllm_sampling_kwargs,
+    check_prompts,
+    expand_rows,
+    finish_reason,
+    per_prompt_requests,
+    sampled_logprobs,
+    vllm_sampling_kwargs,
 )
 
 WORKER_EXTENSION = "hybrid_engines.vllm_worker.HybridWorkerExtension"
@@ -69,8 +75,18 @@ WORKER_EXTENSION = "hybrid_engines.vllm_worker.HybridWorkerExtension"
 #: Keyword arguments this adapter gives ``vllm.LLM`` (checked against ``LLM.__init__`` and ``EngineArgs`` by the
 #: contract test; ``**extra`` from the caller goes through unchecked).
 VLLM_LLM_KWARGS = (
-    "model", "tensor_parallel_size", "gpu_memory_utilization", "enable_sleep_mode", "enforce_eager", "dtype", "seed",
-    "max_model_len", "enable_prefix_caching", "worker_extension_cls", "logprobs_mode", "distributed_executor_backend",
+    "model",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "enable_sleep_mode",
+    "enforce_eager",
+    "dtype",
+    "seed",
+    "max_model_len",
+    "enable_prefix_caching",
+    "worker_extension_cls",
+    "logprobs_mode",
+    "distributed_executor_backend",
     "async_scheduling",
 )
 #: ``vllm.LLM`` methods this adapter calls, with the keyword arguments it passes (contract-tested).
@@ -84,7 +100,10 @@ VLLM_LLM_METHODS = {
     "_preprocess_cmpl_one": ("prompt", "tokenization_kwargs"),
 }
 #: ``vllm.LLM.sleep`` / ``wake_up`` arguments of the partial-rollout pause (level 0 keeps requests and memory).
-VLLM_KEEP_PAUSE = {"sleep": {"level": 0, "mode": "keep"}, "wake_up": {"tags": ["scheduling"]}}
+VLLM_KEEP_PAUSE: dict[str, dict[str, Any]] = {
+    "sleep": {"level": 0, "mode": "keep"},
+    "wake_up": {"tags": ["scheduling"]},
+}
 #: ``LLMEngine`` (``LLM.llm_engine``) methods the stepping loop calls, with the arguments it passes.
 VLLM_ENGINE_METHODS = {"add_request": ("request_id", "prompt", "params"), "step": (), "abort_request": ("request_ids",)}
 #: vLLM 0.26 sleep-mode tags (``LLM.wake_up`` docstring: "weights", "kv_cache", "scheduling").
@@ -151,8 +170,9 @@ class VLLMEngine(EngineAdapter):
         ports: PortWindow | None = None,
         **extra: Any,
     ):
-        _check_args(tensor_parallel_size, gpu_memory_utilization, weight_loading, bundle_indices, gpus_per_worker,
-                    rpc_timeout_s)
+        _check_args(
+            tensor_parallel_size, gpu_memory_utilization, weight_loading, bundle_indices, gpus_per_worker, rpc_timeout_s
+        )
         _set_env_defaults(model)
         if ports is not None:
             os.environ.update(vllm_port_env(ports, os.environ))
@@ -161,9 +181,15 @@ class VLLMEngine(EngineAdapter):
         import vllm
 
         kwargs = dict(
-            model=model, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            enable_sleep_mode=enable_sleep_mode, enforce_eager=enforce_eager, dtype=dtype, seed=seed,
-            enable_prefix_caching=enable_prefix_caching, worker_extension_cls=WORKER_EXTENSION,
+            model=model,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            enforce_eager=enforce_eager,
+            dtype=dtype,
+            seed=seed,
+            enable_prefix_caching=enable_prefix_caching,
+            worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="raw_logprobs",
         )
         if max_model_len is not None:
@@ -196,8 +222,9 @@ class VLLMEngine(EngineAdapter):
         self._request_ids = itertools.count()
 
     # ---- generation --------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: Sequence[Sequence[int]],
-                 params: SamplingParams) -> list[list[GenerationOutput]]:
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[list[GenerationOutput]]:
         """``params.n`` completions per prompt, in prompt order."""
         self._require_ready("generate")
         prompts = check_prompts(prompt_token_ids)
@@ -219,24 +246,30 @@ class VLLMEngine(EngineAdapter):
         return results
 
     def _generate_per_prompt(self, prompts, params: SamplingParams) -> list[list[GenerationOutput]]:
-        sampling = self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos,
-                                                                    n=params.n))
-        outputs = self.llm.generate(prompts=[{"prompt_token_ids": p} for p in prompts], sampling_params=sampling,
-                                    use_tqdm=False)
+        sampling = self._vllm.SamplingParams(
+            **vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos, n=params.n)
+        )
+        outputs = self.llm.generate(
+            prompts=[{"prompt_token_ids": p} for p in prompts], sampling_params=sampling, use_tqdm=False
+        )
         results = []
         for prompt, out in zip(prompts, outputs, strict=True):
             if len(out.outputs) != params.n:
-                raise RoleFailure(f"vllm generate: a prompt came back with {len(out.outputs)} samples, not n="
-                                  f"{params.n}.")
+                raise RoleFailure(
+                    f"vllm generate: a prompt came back with {len(out.outputs)} samples, not n={params.n}."
+                )
             results.append([self._output(prompt, done, params) for done in out.outputs])
         return results
 
     def _output(self, prompt: list[int], done: Any, params: SamplingParams) -> GenerationOutput:
         ids = list(done.token_ids)
-        return GenerationOutput(prompt_token_ids=prompt, token_ids=ids,
-                                logprobs=sampled_logprobs(ids, done.logprobs) if params.logprobs else None,
-                                finish_reason=finish_reason(done.finish_reason, engine="vllm"),
-                                weight_versions=[self._version] * len(ids))
+        return GenerationOutput(
+            prompt_token_ids=prompt,
+            token_ids=ids,
+            logprobs=sampled_logprobs(ids, done.logprobs) if params.logprobs else None,
+            finish_reason=finish_reason(done.finish_reason, engine="vllm"),
+            weight_versions=[self._version] * len(ids),
+        )
 
     # ---- partial rollouts: one stepping loop shared by every generate call ------------------------------------
     def _generate_stepping(self, prompts, rows, requests, sampling, params: SamplingParams):
@@ -245,7 +278,7 @@ class VLLMEngine(EngineAdapter):
         with self._cv:
             if not self._live and self._prefix_stale:
                 self._reset_prefix_now()
-            for i, (row, request) in enumerate(zip(rows, requests)):
+            for i, (_row, request) in enumerate(zip(rows, requests)):
                 sp = (sampling[i] if isinstance(sampling, list) else sampling).clone()
                 sp.output_kind = delta
                 rid = f"hybrid-{next(self._request_ids)}"
@@ -253,6 +286,7 @@ class VLLMEngine(EngineAdapter):
                 self._adds.append((rid, request, sp))
                 ids.append(rid)
             self._cv.notify_all()
+        mine: list[_Live] | None  # the finished requests; None: this caller steps the engine first
         try:
             while True:
                 with self._cv:
@@ -289,9 +323,12 @@ class VLLMEngine(EngineAdapter):
         results: list[list[Any]] = [[None] * params.n for _ in prompts]
         for row, live in zip(rows, mine):
             results[row.prompt][row.sample] = GenerationOutput(
-                prompt_token_ids=prompts[row.prompt], token_ids=live.token_ids,
+                prompt_token_ids=prompts[row.prompt],
+                token_ids=live.token_ids,
                 logprobs=live.logprobs if params.logprobs else None,
-                finish_reason=finish_reason(live.finish_reason, engine="vllm"), weight_versions=live.versions)
+                finish_reason=finish_reason(live.finish_reason, engine="vllm"),
+                weight_versions=live.versions,
+            )
         return results
 
     def _step_once(self) -> None:
@@ -306,8 +343,8 @@ class VLLMEngine(EngineAdapter):
             outputs = engine.step()
         except BaseException as error:
             with self._cv:
-                for live in self._live.values():
-                    live.error = live.error or error
+                for waiting in self._live.values():
+                    waiting.error = waiting.error or error
             raise
         version = self._version
         with self._cv:
@@ -330,8 +367,11 @@ class VLLMEngine(EngineAdapter):
         (``LLM.sleep(level=0, mode="keep")``); returns once no step runs."""
         self._require_open("pause_generation")
         if not self.pausable:
-            raise ConfigError("pausable", "this engine was built without pausable=True (partial rollouts).",
-                              "Build VLLMEngine(pausable=True).")
+            raise ConfigError(
+                "pausable",
+                "this engine was built without pausable=True (partial rollouts).",
+                "Build VLLMEngine(pausable=True).",
+            )
         deadline = time.monotonic() + timeout_s
         with self._cv:
             self._paused = True
@@ -363,14 +403,17 @@ class VLLMEngine(EngineAdapter):
         """vLLM's sleep aborts the requests it holds: never while generations are in flight (paused or not)."""
         with self._cv:
             if self._live:
-                raise EngineStateError(f"{what}: {len(self._live)} request(s) are in flight; their generate calls "
-                                       "must return first.")
+                raise EngineStateError(
+                    f"{what}: {len(self._live)} request(s) are in flight; their generate calls must return first."
+                )
 
     def _require_not_stepping(self, what: str) -> None:
         with self._cv:
             if self._live and not self._paused:
-                raise EngineStateError(f"{what}: generation is running; call pause_generation() first (partial "
-                                       "rollouts) or wait for generate to return.")
+                raise EngineStateError(
+                    f"{what}: generation is running; call pause_generation() first (partial "
+                    "rollouts) or wait for generate to return."
+                )
 
     # ---- sleep / wake ------------------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> TransferStats:
@@ -407,8 +450,11 @@ class VLLMEngine(EngineAdapter):
         self._require_open("release_kv_cache")
         self._require_idle("release_kv_cache")
         if not self.enable_sleep_mode:
-            raise ConfigError("enable_sleep_mode", "releasing the KV cache needs the engine built with "
-                              "enable_sleep_mode=True (vLLM's sleep-mode allocator).")
+            raise ConfigError(
+                "enable_sleep_mode",
+                "releasing the KV cache needs the engine built with "
+                "enable_sleep_mode=True (vLLM's sleep-mode allocator).",
+            )
         if not self._kv_awake:
             return TransferStats(0, 0.0, "vllm release kv")
         start = time.perf_counter()
@@ -459,11 +505,23 @@ class VLLMEngine(EngineAdapter):
         self._require_open("init_weight_update_group")
         workers = self.llm.llm_engine.vllm_config.parallel_config.world_size
         if rank_offset < 1 or rank_offset + workers > world_size:
-            raise ConfigError("rank_offset", f"this engine's {workers} worker(s) need ranks {rank_offset}.."
-                              f"{rank_offset + workers - 1} inside world_size={world_size}.",
-                              "Rank 0 is the trainer; give each engine a disjoint range of ranks >= 1.")
-        self._rpc("hybrid_init_weight_group", master_address, master_port, rank_offset, world_size, backend,
-                  timeout_s, group_name, timeout=timeout_s + 30)
+            raise ConfigError(
+                "rank_offset",
+                f"this engine's {workers} worker(s) need ranks {rank_offset}.."
+                f"{rank_offset + workers - 1} inside world_size={world_size}.",
+                "Rank 0 is the trainer; give each engine a disjoint range of ranks >= 1.",
+            )
+        self._rpc(
+            "hybrid_init_weight_group",
+            master_address,
+            master_port,
+            rank_offset,
+            world_size,
+            backend,
+            timeout_s,
+            group_name,
+            timeout=timeout_s + 30,
+        )
         self._group = True
 
     def update_weights(self, metas: Sequence[Any], *, bucket_bytes: int) -> TransferStats:
@@ -484,13 +542,20 @@ class VLLMEngine(EngineAdapter):
         GPU of a TP > 1 engine (each worker takes the one on its GPU). Returns once copied; the sync's last delivery
         resets the prefix cache (once per sync, not per bucket)."""
         if self.weight_loading == "layerwise":
-            raise ConfigError("weight_loading", "the IPC path loads bucket by bucket, which layerwise reload cannot do "
-                              "(a bucket may hold part of a layer).", "Use update_weights (broadcast) for layerwise.")
+            raise ConfigError(
+                "weight_loading",
+                "the IPC path loads bucket by bucket, which layerwise reload cannot do "
+                "(a bucket may hold part of a layer).",
+                "Use update_weights (broadcast) for layerwise.",
+            )
         self._require_weights_on_device("update_weights_from_ipc")
         self._require_not_stepping("update_weights_from_ipc")
         buckets = list(bucket) if isinstance(bucket, (list, tuple)) else [bucket]
-        return self._after_update(self._rpc("hybrid_load_ipc", buckets), "vllm weight sync ipc",
-                                  reset=any(getattr(b, "last", True) for b in buckets))
+        return self._after_update(
+            self._rpc("hybrid_load_ipc", buckets),
+            "vllm weight sync ipc",
+            reset=any(getattr(b, "last", True) for b in buckets),
+        )
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (their KV was computed with the old weights). With requests paused in flight
@@ -520,7 +585,7 @@ class VLLMEngine(EngineAdapter):
             core = getattr(engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
-            self.llm = None  # type: ignore[assignment]
+            self.llm = None
             import gc
 
             gc.collect()
@@ -552,8 +617,9 @@ class VLLMEngine(EngineAdapter):
         self._require_open(what)
         if self._weights != "awake":
             level = 1 if self._weights == "offloaded" else 2
-            raise EngineStateError(f"{what}: the weights are asleep (sleep level {level}). "
-                                   "Call wake_up(['weights']) first.")
+            raise EngineStateError(
+                f"{what}: the weights are asleep (sleep level {level}). Call wake_up(['weights']) first."
+            )
 
     def _require_ready(self, what: str) -> None:
         self._require_weights_on_device(what)
@@ -561,9 +627,11 @@ class VLLMEngine(EngineAdapter):
             raise EngineStateError(f"{what}: the KV cache is asleep. Call wake_up(['kv_cache']) (or wake_up()) first.")
         count, names = self._missing
         if count:
-            raise EngineStateError(f"{what}: {count} parameter(s) hold no weights since sleep(level=2), e.g. "
-                                   f"{', '.join(names)}. Re-sync the weights (update_weights / "
-                                   "update_weights_from_ipc) before generating.")
+            raise EngineStateError(
+                f"{what}: {count} parameter(s) hold no weights since sleep(level=2), e.g. "
+                f"{', '.join(names)}. Re-sync the weights (update_weights / "
+                "update_weights_from_ipc) before generating."
+            )
 
 
 @dataclass
@@ -586,20 +654,32 @@ def _check_tags(tags: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(tags))
 
 
-def _check_args(tp: int, gpu_mem: float, weight_loading: str, bundle_indices: Sequence[int] | None,
-                gpus_per_worker: float | None, rpc_timeout_s: float) -> None:
+def _check_args(
+    tp: int,
+    gpu_mem: float,
+    weight_loading: str,
+    bundle_indices: Sequence[int] | None,
+    gpus_per_worker: float | None,
+    rpc_timeout_s: float,
+) -> None:
     if not isinstance(tp, int) or tp < 1:
         raise ConfigError("tensor_parallel_size", f"must be an int >= 1, got {tp!r}.")
     if not 0 < gpu_mem <= 1:
-        raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {gpu_mem!r}.",
-                          "It is the fraction of the GPU this engine may take (weights + KV cache).")
+        raise ConfigError(
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {gpu_mem!r}.",
+            "It is the fraction of the GPU this engine may take (weights + KV cache).",
+        )
     if weight_loading not in ("direct", "layerwise"):
         raise ConfigError("weight_loading", f"must be 'direct' or 'layerwise', got {weight_loading!r}.")
     if bundle_indices is not None and len(bundle_indices) != tp:
         raise ConfigError("bundle_indices", f"needs one bundle per TP rank ({tp}), got {list(bundle_indices)}.")
     if bundle_indices is not None and len(set(bundle_indices)) != len(bundle_indices):
-        raise ConfigError("bundle_indices", f"must not repeat a bundle, got {list(bundle_indices)}.",
-                          "vLLM places one TP worker per bundle (one GPU each).")
+        raise ConfigError(
+            "bundle_indices",
+            f"must not repeat a bundle, got {list(bundle_indices)}.",
+            "vLLM places one TP worker per bundle (one GPU each).",
+        )
     if gpus_per_worker is not None and not 0 < gpus_per_worker <= 1:
         raise ConfigError("gpus_per_worker", f"must be in (0, 1], got {gpus_per_worker!r}.")
     if not rpc_timeout_s > 0:
@@ -629,26 +709,35 @@ def vllm_port_env(window: PortWindow, environ: Mapping[str, str]) -> dict[str, s
     be 0: hybrid runs each engine as its own vLLM instance (its data parallelism is across engines)."""
     for name in ("VLLM_DP_RANK_LOCAL", "VLLM_DP_RANK"):
         if environ.get(name, "0").strip() not in ("", "0"):
-            raise ConfigError(name, f"is {environ[name]!r}, but every hybrid vLLM engine is a single instance (local "
-                              "DP rank 0): vLLM would move its TCPStore port search out of the engine's port window.",
-                              f"Unset {name}.")
+            raise ConfigError(
+                name,
+                f"is {environ[name]!r}, but every hybrid vLLM engine is a single instance (local "
+                "DP rank 0): vLLM would move its TCPStore port search out of the engine's port window.",
+                f"Unset {name}.",
+            )
     if window.size < VLLMEngine.PORTS_NEEDED:
-        raise ConfigError("ports", f"{window} has {window.size} ports; vLLM's layout needs {VLLMEngine.PORTS_NEEDED}.",
-                          "Allocate the windows with size >= VLLMEngine.PORTS_NEEDED (launch_engines does).")
+        raise ConfigError(
+            "ports",
+            f"{window} has {window.size} ports; vLLM's layout needs {VLLMEngine.PORTS_NEEDED}.",
+            "Allocate the windows with size >= VLLMEngine.PORTS_NEEDED (launch_engines does).",
+        )
     return {name: str(window.port(offset)) for name, offset in VLLM_PORT_LAYOUT.items()}
 
 
-def _set_ray_placement(placement_group: Any, bundle_indices: Sequence[int] | None,
-                       gpus_per_worker: float | None) -> None:
+def _set_ray_placement(
+    placement_group: Any, bundle_indices: Sequence[int] | None, gpus_per_worker: float | None
+) -> None:
     """What vLLM 0.26's Ray executor reads to place TP workers (see the module docstring)."""
     import ray
 
     current = ray.util.get_current_placement_group() if ray.is_initialized() else None
     if placement_group is not None and (current is None or current.id != placement_group.id):
-        raise ConfigError("placement_group", "vLLM 0.26 places its TP workers in the placement group of the Ray actor "
-                          "that builds the engine, and this process is not in the given one.",
-                          "Build VLLMEngine inside an actor scheduled with PlacementGroupSchedulingStrategy("
-                          "placement_group=pg).")
+        raise ConfigError(
+            "placement_group",
+            "vLLM 0.26 places its TP workers in the placement group of the Ray actor "
+            "that builds the engine, and this process is not in the given one.",
+            "Build VLLMEngine inside an actor scheduled with PlacementGroupSchedulingStrategy(placement_group=pg).",
+        )
     if bundle_indices is not None:
         os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(int(b)) for b in bundle_indices)
     if gpus_per_worker is not None:

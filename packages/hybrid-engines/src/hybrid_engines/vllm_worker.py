@@ -18,14 +18,23 @@ worker checks the bytes it received (the buckets it hands to ``load_weights``) a
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from hybrid_core.weight_sync import SyncGroup, WeightReceiver
+
 #: Method names the adapter calls through ``collective_rpc`` (the contract test checks none exists on vLLM's Worker).
 RPC_METHODS = (
-    "hybrid_free_bytes", "hybrid_init_weight_group", "hybrid_close_weight_group",
-    "hybrid_receive_weights", "hybrid_load_ipc", "hybrid_expect_full_reload", "hybrid_release_kv_cache",
+    "hybrid_free_bytes",
+    "hybrid_init_weight_group",
+    "hybrid_close_weight_group",
+    "hybrid_receive_weights",
+    "hybrid_load_ipc",
+    "hybrid_expect_full_reload",
+    "hybrid_release_kv_cache",
     "hybrid_reacquire_kv_cache",
 )
 #: The sleep-mode allocator's tag of the KV cache (vLLM 0.26 ``v1/worker/gpu_worker.py`` allocates it under it).
@@ -35,23 +44,53 @@ KV_TAG = "kv_cache"
 class HybridWorkerExtension:
     """Mixed into vLLM's GPU ``Worker``: ``self`` is the worker (``self.device``, ``self.rank``, ``get_model()``)."""
 
+    if TYPE_CHECKING:  # for mypy only: nothing is defined at run time (vLLM refuses names its Worker has)
+        # what vLLM's Worker provides
+        rank: int
+        device: torch.device
+        model_runner: Any
+        model_config: Any
+
+        def get_model(self) -> Any: ...
+
+        # what the methods below set
+        _hybrid_group: SyncGroup | None
+        _hybrid_receiver: WeightReceiver | None
+        _hybrid_missing: set[str]
+        _hybrid_kv_released: Sequence[int]
+
     # ---- introspection -------------------------------------------------------------------------------------------
     def hybrid_free_bytes(self) -> int:
         torch.cuda.synchronize(self._hybrid_device())
         return int(torch.cuda.mem_get_info(self._hybrid_device())[0])
 
     # ---- weight-sync group ---------------------------------------------------------------------------------------
-    def hybrid_init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                 backend: str, timeout_s: float, group_name: str) -> int:
+    def hybrid_init_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        group_name: str,
+    ) -> int:
         """Join the trainer's group as rank ``rank_offset + self.rank`` (as vLLM's own NCCL engine numbers workers:
         ``distributed/weight_transfer/nccl_common.py::worker_init_process_group``). Returns that rank."""
         from hybrid_core.weight_sync import create_sync_group
 
         self.hybrid_close_weight_group()
         rank = rank_offset + int(self.rank)
-        self._hybrid_group = create_sync_group(master_address, master_port, rank, world_size, backend=backend,
-                                               timeout_s=timeout_s, device=self._hybrid_device(),
-                                               group_name=group_name)
+        self._hybrid_group = create_sync_group(
+            master_address,
+            master_port,
+            rank,
+            world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+            device=self._hybrid_device(),
+            group_name=group_name,
+        )
         return rank
 
     def hybrid_close_weight_group(self) -> None:
@@ -67,8 +106,9 @@ class HybridWorkerExtension:
         self._hybrid_missing = {name for name, _ in self.get_model().named_parameters()}
         return len(self._hybrid_missing)
 
-    def hybrid_receive_weights(self, metas: Sequence[tuple[str, str, Sequence[int]]], bucket_bytes: int,
-                               layerwise: bool) -> dict[str, Any]:
+    def hybrid_receive_weights(
+        self, metas: Sequence[tuple[str, str, Sequence[int]]], bucket_bytes: int, layerwise: bool
+    ) -> dict[str, Any]:
         """Receive one broadcast sync (``WeightSender`` on the trainer's rank 0) and load it.
 
         ``layerwise``: wrap the load in vLLM 0.26's layerwise reload (``model_executor/model_loader/reload``, what its
@@ -112,9 +152,11 @@ class HybridWorkerExtension:
         if not mine and buckets and all(b.handle is None for b in buckets):
             mine = list(buckets[:1])  # the sync's bare end marker (no tensors): every worker takes it
         if len(mine) != 1:
-            raise RuntimeError(f"vLLM worker rank {self.rank} (GPU {uuid}): expected exactly one IPC bucket from this "
-                               f"GPU, got {len(mine)} of {len(buckets)}. Colocate a trainer rank with every engine "
-                               "worker's GPU, or use the broadcast path (update_weights).")
+            raise RuntimeError(
+                f"vLLM worker rank {self.rank} (GPU {uuid}): expected exactly one IPC bucket from this "
+                f"GPU, got {len(mine)} of {len(buckets)}. Colocate a trainer rank with every engine "
+                "worker's GPU, or use the broadcast path (update_weights)."
+            )
         model = self.get_model()
         loaded: set[str] = set()
         with _on(dev):
@@ -139,8 +181,10 @@ class HybridWorkerExtension:
         for ptr in ptrs:
             data = pools.get(ptr)
             if data is None:
-                raise RuntimeError(f"vLLM worker rank {self.rank}: a KV cache tensor is not in the sleep-mode pool "
-                                   "(built without enable_sleep_mode?): it cannot be released")
+                raise RuntimeError(
+                    f"vLLM worker rank {self.rank}: a KV cache tensor is not in the sleep-mode pool "
+                    "(built without enable_sleep_mode?): it cannot be released"
+                )
             if not data.is_asleep:
                 unmap_and_release(data.handle)
                 data.is_asleep = True
@@ -204,8 +248,14 @@ class HybridWorkerExtension:
         if missing is not None:
             missing -= loaded
         left = sorted(missing) if missing else []
-        return {"rank": int(self.rank), "bytes": int(nbytes), "seconds": float(seconds), "loaded": len(loaded),
-                "missing_count": len(left), "missing": left[:5]}
+        return {
+            "rank": int(self.rank),
+            "bytes": int(nbytes),
+            "seconds": float(seconds),
+            "loaded": len(loaded),
+            "missing_count": len(left),
+            "missing": left[:5],
+        }
 
 
 class _LayerwiseReload:

@@ -36,15 +36,25 @@ def _file(tmp_path, source: str, name: str = "env.py") -> str:
 
 def _run(tiny, path: str, *, n: int = 2, budget: int = 12, **changes):
     engine, tok = tiny
-    settings = dict(task="copy", task_length=1, rollout_batch_size=2, n_samples_per_prompt=n, train_batch_size=2 * n,
-                    micro_train_batch_size=2 * n, agent_func_path=path, generate_max_len=budget,
-                    max_new_tokens_per_turn=3, seed=1)
+    settings = dict(
+        task="copy",
+        task_length=1,
+        rollout_batch_size=2,
+        n_samples_per_prompt=n,
+        train_batch_size=2 * n,
+        micro_train_batch_size=2 * n,
+        agent_func_path=path,
+        generate_max_len=budget,
+        max_new_tokens_per_turn=3,
+        seed=1,
+    )
     cfg = GRPOConfig(**{**settings, **changes}).validate()
     agent = AgentRollout(load_agent(path), cfg, tok, context_limit=256)
     prompts = SyntheticTask("copy", prompt_symbols=1).prompts(2, seed=1)
     try:
-        return agent.run(engine, prompts, SamplingParams(max_new_tokens=budget, n=n, stop_token_ids=(EOS,), seed=2),
-                         step=4)
+        return agent.run(
+            engine, prompts, SamplingParams(max_new_tokens=budget, n=n, stop_token_ids=(EOS,), seed=2), step=4
+        )
     finally:
         agent.close()
 
@@ -86,18 +96,27 @@ def test_exception_in_step_with_end_sample_ends_only_that_sample(tiny, tmp_path,
     assert any(path in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("""
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (
+            """
      class Environment:
          def step(self, action):
              return [action, 1.0]
-     """, "step returned a list"),
-    ("""
+     """,
+            "step returned a list",
+        ),
+        (
+            """
      class Environment:
          async def step(self, action):
              return {"feedback": "", "reward": "high", "done": True}
-     """, "reward is a str ('high'); it must be a number"),
-    ("""
+     """,
+            "reward is a str ('high'); it must be a number",
+        ),
+        (
+            """
      import torch
      from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
@@ -111,8 +130,11 @@ def test_exception_in_step_with_end_sample_ends_only_that_sample(tiny, tmp_path,
      class AgentExecutor(MultiTurnAgentExecutor):
          def __init__(self):
              super().__init__(AgentInstance)
-     """, "step returned a dict without 'done'"),
-])
+     """,
+            "step returned a dict without 'done'",
+        ),
+    ],
+)
 def test_wrong_return_shape_names_what_was_expected(tiny, tmp_path, source, expected):
     path = _file(tmp_path, source)
     with pytest.raises(AgentError) as e:
@@ -122,11 +144,14 @@ def test_wrong_return_shape_names_what_was_expected(tiny, tmp_path, source, expe
 
 
 def test_episode_that_never_ends_stops_at_max_turns(tiny, tmp_path, caplog):
-    path = _file(tmp_path, """
+    path = _file(
+        tmp_path,
+        """
         class Environment:
             def step(self, action):
                 return {"feedback": "s1", "reward": 0.25, "done": False}
-    """)
+    """,
+    )
     with caplog.at_level(logging.WARNING):
         batch = _run(tiny, path, max_turns=3, budget=20)
     flat = [c for g in batch.conversations for c in g]
@@ -136,7 +161,9 @@ def test_episode_that_never_ends_stops_at_max_turns(tiny, tmp_path, caplog):
 
 
 def test_openrlhf_episode_that_never_ends_stops_at_max_turns(tiny, tmp_path):
-    path = _file(tmp_path, """
+    path = _file(
+        tmp_path,
+        """
         import torch
         from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
@@ -151,19 +178,23 @@ def test_openrlhf_episode_that_never_ends_stops_at_max_turns(tiny, tmp_path):
         class AgentExecutor(MultiTurnAgentExecutor):
             def __init__(self):
                 super().__init__(AgentInstance)
-    """)
+    """,
+    )
     batch = _run(tiny, path, max_turns=2, budget=20)
     assert all(c.turns == 2 and c.hit_max_turns and c.reward == 1.0 for g in batch.conversations for c in g)
 
 
 def test_step_that_hangs_times_out(tiny, tmp_path):
-    path = _file(tmp_path, """
+    path = _file(
+        tmp_path,
+        """
         import asyncio
 
         class Environment:
             async def step(self, action):
                 await asyncio.sleep(60)
-    """)
+    """,
+    )
     with pytest.raises(AgentError) as e:
         _run(tiny, path, agent_timeout_s=0.5)
     msg = str(e.value)
@@ -171,14 +202,17 @@ def test_step_that_hangs_times_out(tiny, tmp_path):
 
 
 def test_blocking_call_inside_async_def_is_caught_by_the_watchdog(tiny, tmp_path):
-    path = _file(tmp_path, """
+    path = _file(
+        tmp_path,
+        """
         import time
 
         class Environment:
             async def step(self, action):
                 time.sleep(8)  # blocks the event loop: no other sample, no timeout can run
                 return {"feedback": "", "reward": 0.0, "done": True}
-    """)
+    """,
+    )
     with pytest.raises(AgentError) as e:
         _run(tiny, path, agent_timeout_s=1.0)
     msg = str(e.value)
@@ -186,14 +220,17 @@ def test_blocking_call_inside_async_def_is_caught_by_the_watchdog(tiny, tmp_path
 
 
 def test_executor_waiting_on_something_else_is_caught_by_the_watchdog(tiny, tmp_path):
-    path = _file(tmp_path, """
+    path = _file(
+        tmp_path,
+        """
         import asyncio
         from openrlhf.utils.agent import AgentExecutorBase
 
         class AgentExecutor(AgentExecutorBase):
             async def execute(self, prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine, images=None):
                 await asyncio.Event().wait()  # never set
-    """)
+    """,
+    )
     with pytest.raises(AgentError) as e:
         _run(tiny, path, agent_timeout_s=1.0)
     msg = str(e.value)
@@ -201,11 +238,14 @@ def test_executor_waiting_on_something_else_is_caught_by_the_watchdog(tiny, tmp_
 
 
 def test_reply_that_overflows_the_response_budget_ends_the_sample(tiny, tmp_path, caplog):
-    path = _file(tmp_path, """
+    path = _file(
+        tmp_path,
+        """
         class Environment:
             def step(self, action):
                 return {"feedback": " ".join(["s1"] * 40), "reward": 1.0, "done": False}
-    """)
+    """,
+    )
     with caplog.at_level(logging.WARNING):
         batch = _run(tiny, path, budget=12)
     flat = [c for g in batch.conversations for c in g]
@@ -216,7 +256,9 @@ def test_reply_that_overflows_the_response_budget_ends_the_sample(tiny, tmp_path
 
 
 def test_openrlhf_reply_that_overflows_is_cut_to_the_budget(tiny, tmp_path):
-    path = _file(tmp_path, """
+    path = _file(
+        tmp_path,
+        """
         import torch
         from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
 
@@ -230,23 +272,30 @@ def test_openrlhf_reply_that_overflows_is_cut_to_the_budget(tiny, tmp_path):
         class AgentExecutor(MultiTurnAgentExecutor):
             def __init__(self):
                 super().__init__(AgentInstance)
-    """)
+    """,
+    )
     batch = _run(tiny, path, budget=12)
     for c in (c for g in batch.conversations for c in g):
         assert len(c.response) == 12 and c.overflow_tokens > 0 and c.turns == 1
 
 
 # ---- loading ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("source, expected", [
-    ("x = 1\n", "defines neither AgentExecutor (OpenRLHF's agent files) nor Environment"),
-    ("from openrlhf.utils.logging_utils import init_logger\n", "stand-in provides only openrlhf.utils.agent's"),
-    ("from openrlhf.utils.agent import GuidedMultiTurnAgentExecutor\n", "Install OpenRLHF"),
-    ("raise RuntimeError('no API key')\n", "raised RuntimeError: no API key"),
-    ("from openrlhf.utils.agent import MultiTurnAgentExecutor\n\n"
-     "class AgentExecutor(MultiTurnAgentExecutor):\n    def __init__(self, env):\n        super().__init__(env)\n",
-     "OpenRLHF builds the executor with no arguments"),
-    ("class AgentExecutor:\n    pass\n", "must inherit from openrlhf.utils.agent's AgentExecutorBase"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("x = 1\n", "defines neither AgentExecutor (OpenRLHF's agent files) nor Environment"),
+        ("from openrlhf.utils.logging_utils import init_logger\n", "stand-in provides only openrlhf.utils.agent's"),
+        ("from openrlhf.utils.agent import GuidedMultiTurnAgentExecutor\n", "Install OpenRLHF"),
+        ("raise RuntimeError('no API key')\n", "raised RuntimeError: no API key"),
+        (
+            "from openrlhf.utils.agent import MultiTurnAgentExecutor\n\n"
+            "class AgentExecutor(MultiTurnAgentExecutor):\n"
+            "    def __init__(self, env):\n        super().__init__(env)\n",
+            "OpenRLHF builds the executor with no arguments",
+        ),
+        ("class AgentExecutor:\n    pass\n", "must inherit from openrlhf.utils.agent's AgentExecutorBase"),
+    ],
+)
 def test_broken_agent_files_fail_before_the_run_naming_the_file(tmp_path, source, expected):
     path = _file(tmp_path, source)
     with pytest.raises(ConfigError) as e:
@@ -257,16 +306,24 @@ def test_broken_agent_files_fail_before_the_run_naming_the_file(tmp_path, source
 
 def test_config_refuses_what_an_agent_run_would_ignore(tmp_path):
     path = _file(tmp_path, "class Environment:\n    def step(self, action):\n        return ('', 0.0, True)\n")
-    base = dict(task="copy", task_length=1, rollout_batch_size=2, n_samples_per_prompt=2, train_batch_size=4,
-                micro_train_batch_size=4)
+    base = dict(
+        task="copy",
+        task_length=1,
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        train_batch_size=4,
+        micro_train_batch_size=4,
+    )
     GRPOConfig(agent_func_path=path, **base).validate()
-    cases = [(dict(agent_func_path=path, reward_fn=f"{path}:x"), "reward_fn", "rewarded by its environment"),
-             (dict(max_turns=3), "max_turns", "no environment"),
-             (dict(agent_on_error="end_sample"), "agent_on_error", "no environment"),
-             (dict(agent_func_path=path, agent_on_error="skip"), "agent_on_error", "raise, end_sample"),
-             (dict(agent_func_path=path, agent_timeout_s=0.0), "agent_timeout_s", "> 0"),
-             (dict(agent_func_path=str(tmp_path / "missing.py")), "agent_func_path", "no file"),
-             (dict(agent_func_path=path, max_new_tokens_per_turn=4096), "max_new_tokens_per_turn", "generate_max_len")]
+    cases = [
+        (dict(agent_func_path=path, reward_fn=f"{path}:x"), "reward_fn", "rewarded by its environment"),
+        (dict(max_turns=3), "max_turns", "no environment"),
+        (dict(agent_on_error="end_sample"), "agent_on_error", "no environment"),
+        (dict(agent_func_path=path, agent_on_error="skip"), "agent_on_error", "raise, end_sample"),
+        (dict(agent_func_path=path, agent_timeout_s=0.0), "agent_timeout_s", "> 0"),
+        (dict(agent_func_path=str(tmp_path / "missing.py")), "agent_func_path", "no file"),
+        (dict(agent_func_path=path, max_new_tokens_per_turn=4096), "max_new_tokens_per_turn", "generate_max_len"),
+    ]
     for changes, field, text in cases:
         with pytest.raises(ConfigError) as e:
             GRPOConfig(**{**base, **changes}).validate()

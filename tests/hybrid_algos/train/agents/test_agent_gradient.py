@@ -24,7 +24,7 @@ import textwrap
 
 import torch
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, socket, tempfile
     import torch
     from hybrid_algos.train.config import GRPOConfig
@@ -121,15 +121,21 @@ SCRIPT = textwrap.dedent('''
                          "mismatch_kl": stats.get("mismatch/kl", 0.0) - ref_stats.get("mismatch/kl", 0.0)}
         out["packed" if packed else "padded"] = row
     print("RESULT " + json.dumps(out))
-''')
+""")
 
 
 def test_environment_tokens_change_no_parameter_update(tmp_path):
-    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     line = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    out = json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT ") :])
     for layout in ("padded", "packed"):
         row = out[layout]
         assert row["moved"] > 1e-4 and row["scale"] > 0  # a real update happened
@@ -151,17 +157,20 @@ def test_advantages_are_zero_at_environment_tokens_and_ignore_them():
     masks = [[[1, 1, 1, 0, 0, 0, 1, 1, 0]], [[1, 1, 0, 1, 1]], [[1, 1, 1, 0, 0, 1, 1]], [[1, 1, 0, 0, 1, 1]]]
     base = Rollout.from_generations([[1, 4, 3]] * 4, responses, 0, action_masks=masks)
     mask = base.action_mask
-    env = (base.attention_mask[:, -mask.size(1):] == 1) & (mask == 0)
+    env = (base.attention_mask[:, -mask.size(1) :] == 1) & (mask == 0)
     shape = mask.shape
 
     def rand():
         return torch.randn(shape, generator=g)
 
-    base = base.with_(scores=torch.tensor([1.0, 0.0, 0.5, 0.2]), old_logprobs=-rand().abs(),
-                      ref_logprobs=-rand().abs(), values=rand())
-    noisy = base.with_(old_logprobs=torch.where(env, -rand().abs() * 9, base.old_logprobs),
-                       ref_logprobs=torch.where(env, -rand().abs() * 9, base.ref_logprobs),
-                       values=torch.where(env, rand() * 9, base.values))
+    base = base.with_(
+        scores=torch.tensor([1.0, 0.0, 0.5, 0.2]), old_logprobs=-rand().abs(), ref_logprobs=-rand().abs(), values=rand()
+    )
+    noisy = base.with_(
+        old_logprobs=torch.where(env, -rand().abs() * 9, base.old_logprobs),
+        ref_logprobs=torch.where(env, -rand().abs() * 9, base.ref_logprobs),
+        values=torch.where(env, rand() * 9, base.values),
+    )
     for cfg in (PPOConfig(), ReinforceConfig(), GRPOConfig(n_samples_per_prompt=2)):
         a, _ = advantages_for(cfg, base, kl_coef=0.1)
         b, _ = advantages_for(cfg, noisy, kl_coef=0.1)

@@ -12,7 +12,7 @@ import pytest
 
 from hybrid_algos.train import GRPOConfig, train
 
-AGENT_FILE = '''
+AGENT_FILE = """
 import re
 from typing import Any, Dict
 
@@ -46,7 +46,7 @@ class AgentInstance(AgentInstanceBase):
 class AgentExecutor(MultiTurnAgentExecutor):
     def __init__(self):
         super().__init__(AgentInstance)
-'''
+"""
 
 
 @pytest.fixture
@@ -58,11 +58,25 @@ def agent_file(tmp_path):
 
 def test_openrlhf_agent_file_trains_for_several_steps(agent_file, tmp_path, caplog):
     assert "openrlhf" not in sys.modules
-    config = GRPOConfig(save_path=str(tmp_path / "run"), task="lookup", task_length=1, agent_func_path=agent_file,
-                        max_turns=3, max_new_tokens_per_turn=2, generate_max_len=12, max_steps=4,
-                        rollout_batch_size=4, n_samples_per_prompt=4, train_batch_size=16, micro_train_batch_size=16,
-                        micro_rollout_batch_size=16, actor_learning_rate=2e-3, seed=3, call_timeout_s=120,
-                        step_timeout_s=300)
+    config = GRPOConfig(
+        save_path=str(tmp_path / "run"),
+        task="lookup",
+        task_length=1,
+        agent_func_path=agent_file,
+        max_turns=3,
+        max_new_tokens_per_turn=2,
+        generate_max_len=12,
+        max_steps=4,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        train_batch_size=16,
+        micro_train_batch_size=16,
+        micro_rollout_batch_size=16,
+        actor_learning_rate=2e-3,
+        seed=3,
+        call_timeout_s=120,
+        step_timeout_s=300,
+    )
     with caplog.at_level(logging.INFO, logger="hybrid_algos.train.agents.loader"):
         summary = train(config)
     assert any("OpenRLHF is not installed" in r.getMessage() and agent_file in r.getMessage() for r in caplog.records)
@@ -83,7 +97,9 @@ def test_openrlhf_flag_spellings_reach_the_agent(agent_file):
     from hybrid_cli.main import load_config
 
     # an OpenRLHF line takes OpenRLHF's default of one sample per prompt, which GRPO refuses: give several
-    for flag, samples in (("--train.agent_func_path", "--rollout.n_samples_per_prompt"),
-                          ("--agent_func_path", "--n_samples_per_prompt")):
+    for flag, samples in (
+        ("--train.agent_func_path", "--rollout.n_samples_per_prompt"),
+        ("--agent_func_path", "--n_samples_per_prompt"),
+    ):
         config, _, _ = load_config("grpo", ["--task", "lookup", "--task_length", "1", flag, agent_file, samples, "4"])
         assert config.agent_func_path == agent_file and config.uses_agent

@@ -35,8 +35,15 @@ def tiny(tmp_path_factory):
 
 
 def _config(**changes) -> GRPOConfig:
-    settings = dict(task="lookup", task_length=1, rollout_batch_size=4, n_samples_per_prompt=4, train_batch_size=16,
-                    micro_train_batch_size=16, seed=7)
+    settings = dict(
+        task="lookup",
+        task_length=1,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        train_batch_size=16,
+        micro_train_batch_size=16,
+        seed=7,
+    )
     return GRPOConfig(**{**settings, **changes}).validate()
 
 
@@ -72,14 +79,14 @@ def test_lookup_conversations_interleave_model_turns_and_masked_tool_replies(tin
             assert len(segments) == c.turns and all(m >= 1 for m, _ in segments)
             pos = 0
             for model, env in segments:
-                turn = c.response[pos:pos + model]
-                assert all(lp < 0 for lp in c.logprobs[pos:pos + model])  # the engine's own log-probs
-                reply = c.response[pos + model:pos + model + env]
-                assert c.logprobs[pos + model:pos + model + env] == [0.0] * env
-                assert c.action_mask[pos:pos + model + env] == [1] * model + [0] * env
+                turn = c.response[pos : pos + model]
+                assert all(lp < 0 for lp in c.logprobs[pos : pos + model])  # the engine's own log-probs
+                reply = c.response[pos + model : pos + model + env]
+                assert c.logprobs[pos + model : pos + model + env] == [0.0] * env
+                assert c.action_mask[pos : pos + model + env] == [1] * model + [0] * env
                 if env:  # the tool's answer through the tiny chat template: "<sep> s_v" (the turn closed first)
                     closing = [] if turn[-1] == EOS else [EOS]
-                    assert reply == closing + [SEP, FIRST_SYMBOL_ID + prompt.label]
+                    assert reply == [*closing, SEP, FIRST_SYMBOL_ID + prompt.label]
                     assert turn[0] < FIRST_SYMBOL_ID  # it was a call, not an answer
                 pos += model + env
             assert segments[-1][1] == 0  # nothing after the last turn
@@ -160,7 +167,7 @@ def test_conversations_do_not_depend_on_the_environments_timing(tiny):
             agent.close()
         results.append([(c.response, c.action_mask, c.reward) for g in batch.conversations for c in g])
     assert results[0] == results[1] == results[2]
-    assert any(len(set(tuple(r[0]) for r in results[0][i * 4:(i + 1) * 4])) > 1 for i in range(4))  # samples differ
+    assert any(len(set(tuple(r[0]) for r in results[0][i * 4 : (i + 1) * 4])) > 1 for i in range(4))  # samples differ
 
 
 def test_per_turn_timeline_in_the_metrics(tiny):
@@ -188,9 +195,11 @@ def test_chat_template_renders_replies_after_the_model_s_own_stop_token(tiny):
     _, tok = tiny
     tok = tok.__class__.from_pretrained(tok.name_or_path)
     # a template whose assistant turn closes with two tokens and whose generation prompt is one
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }} <eos> <pad> "
-                         "{% else %}<bos> {{ m['content'] }} {% endif %}{% endfor %}"
-                         "{% if add_generation_prompt %}<sep> {% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }} <eos> <pad> "
+        "{% else %}<bos> {{ m['content'] }} {% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<sep> {% endif %}"
+    )
     r = Renderer(tok, chat_template=True)
     s = lambda i: FIRST_SYMBOL_ID + i  # noqa: E731
     assert r.feedback("s5", "user", [s(1), EOS]) == [PAD, BOS, s(5), SEP]  # the model's <eos> is kept, not doubled
@@ -231,14 +240,18 @@ def test_environment_can_rewrite_the_prompt(tiny):
 
     rollout = Sampled(prompts, batch.outputs).rollout(PAD)
     P = rollout.sequences.size(1) - rollout.response_len
-    assert rollout.sequences[0, P - len(want):P].tolist() == want
+    assert rollout.sequences[0, P - len(want) : P].tolist() == want
 
 
 def test_from_generations_with_action_masks_and_sample_prompts():
-    r = Rollout.from_generations([[1, 4], [1, 5]], [[[6, 2, 1, 7, 3, 8]], [[9]]], PAD,
-                                 logprobs=[[[-1.0, -2.0, 5.0, 5.0, 5.0, -3.0]], [[-0.5]]],
-                                 action_masks=[[[1, 1, 0, 0, 0, 1]], [None]],
-                                 sample_prompts=[[[1, 4, 4]], [[1, 5]]])
+    r = Rollout.from_generations(
+        [[1, 4], [1, 5]],
+        [[[6, 2, 1, 7, 3, 8]], [[9]]],
+        PAD,
+        logprobs=[[[-1.0, -2.0, 5.0, 5.0, 5.0, -3.0]], [[-0.5]]],
+        action_masks=[[[1, 1, 0, 0, 0, 1]], [None]],
+        sample_prompts=[[[1, 4, 4]], [[1, 5]]],
+    )
     assert r.action_mask.tolist() == [[1, 1, 0, 0, 0, 1], [1, 0, 0, 0, 0, 0]]
     assert r.engine_logprobs.tolist() == [[-1.0, -2.0, 0.0, 0.0, 0.0, -3.0], [-0.5, 0, 0, 0, 0, 0]]
     assert r.sequences[0].tolist() == [1, 4, 4, 6, 2, 1, 7, 3, 8] and r.attention_mask[0].sum() == 9

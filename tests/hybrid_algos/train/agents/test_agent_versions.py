@@ -64,12 +64,23 @@ def test_the_rollout_passes_the_engine_s_versions_through(tmp_path):
     path = save_tiny_model(str(tmp_path / "tiny"), seed=3)
     engine, tok = HFEngine(path, device="cpu", dtype="float32"), AutoTokenizer.from_pretrained(path)
     engine.set_weight_version(7)
-    cfg = GRPOConfig(task="lookup", task_length=1, rollout_batch_size=4, n_samples_per_prompt=4, train_batch_size=16,
-                     micro_train_batch_size=16, seed=7).validate()
+    cfg = GRPOConfig(
+        task="lookup",
+        task_length=1,
+        rollout_batch_size=4,
+        n_samples_per_prompt=4,
+        train_batch_size=16,
+        micro_train_batch_size=16,
+        seed=7,
+    ).validate()
     agent = AgentRollout(builtin_agent(cfg), cfg, tok, context_limit=256)
     try:
-        batch = agent.run(engine, task_from_config(cfg).prompts(4, seed=1),
-                          SamplingParams(max_new_tokens=14, n=4, stop_token_ids=(EOS,), seed=5), step=0)
+        batch = agent.run(
+            engine,
+            task_from_config(cfg).prompts(4, seed=1),
+            SamplingParams(max_new_tokens=14, n=4, stop_token_ids=(EOS,), seed=5),
+            step=0,
+        )
     finally:
         agent.close()
     outs = [o for group in batch.outputs for o in group]

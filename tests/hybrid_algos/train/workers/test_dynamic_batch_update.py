@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json, socket, sys, tempfile
     import torch
     from hybrid_algos.train.config import GRPOConfig
@@ -71,15 +71,21 @@ SCRIPT = textwrap.dedent('''
         out[label] = {"micro": stats["actor/micro_batches"], "steps": steps, "max_diff": diff / moved, "moved": moved,
                       "loss": stats["actor/pg_loss"], "one_loss": one_stats["actor/pg_loss"]}
     print("RESULT " + json.dumps(out))
-''')
+""")
 
 
 def test_token_budget_update_equals_one_micro_batch(tmp_path):
-    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=400,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     line = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    out = json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT ") :])
     assert out["one_steps"] == 1 and out["one_micro"] == 1
     for label in ("padded", "packed", "fixed"):
         r = out[label]

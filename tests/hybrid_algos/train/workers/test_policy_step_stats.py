@@ -25,8 +25,12 @@ def test_mismatch_stats_are_the_token_weighted_stats_of_all_micro_batches():
     for old, engine, mask in batches:
         stats.add(rollout_correction(old, engine, mask, "tis").stats)
     got = stats.result("cpu")
-    whole = rollout_correction(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]),
-                               torch.cat([b[2] for b in batches]), "tis").stats
+    whole = rollout_correction(
+        torch.cat([b[0] for b in batches]),
+        torch.cat([b[1] for b in batches]),
+        torch.cat([b[2] for b in batches]),
+        "tis",
+    ).stats
     for key in MismatchStats.MEANS:
         assert got[f"mismatch/{key}"] == pytest.approx(float(whole[key]), rel=1e-5, abs=1e-8), key  # float32 stats
     # the empty micro-batch's neutral 1.0 must not pass for a ratio of the others

@@ -39,13 +39,20 @@ def ranks(tmp_path_factory) -> list[dict]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     env.pop("LOCAL_WORLD_SIZE", None)  # with it set, DeepSpeed's CPU path runs ~10x slower
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(rank), "2", str(port), policy, reward,
-                               str(folder / "logs")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(rank), "2", str(port), policy, reward, str(folder / "logs")],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     out = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=280)
-        lines = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+        lines = [json.loads(line[len("RESULT ") :]) for line in stdout.splitlines() if line.startswith("RESULT ")]
         assert proc.returncode == 0 and len(lines) == 1, stdout[-3000:] + stderr[-3000:]
         out += lines
     return out
@@ -57,14 +64,22 @@ def test_each_rank_holds_half_of_each_frozen_model(ranks):
         for held, total in zip(r["held"], r["total"]):
             # DeepSpeed pads each parameter's partition to a whole number of elements per rank: at most a few
             assert total / 2 <= held <= total / 2 + 64, r
-    from hybrid_algos.train.tiny import tiny_model_config
     from hybrid_algos.train.recipes import PPO
+    from hybrid_algos.train.tiny import tiny_model_config
     from hybrid_core.residency.memory import Workload, model_shape, size_role
 
     # the plan's bytes for one of these ranks: the same half
     shape = model_shape(tiny_model_config())
-    size = size_role("reference", shape, Workload(zero_stage=3), kind="frozen", phases=PPO.residency_phases(),
-                     ranks=2, tp=1, gpu_bytes=80 * 2**30)
+    size = size_role(
+        "reference",
+        shape,
+        Workload(zero_stage=3),
+        kind="frozen",
+        phases=PPO.residency_phases(),
+        ranks=2,
+        tp=1,
+        gpu_bytes=80 * 2**30,
+    )
     assert size.states["params"] == 2 * ranks[0]["total"][0] / 2
 
 
@@ -89,8 +104,15 @@ def test_one_rank_trainers_keep_zero3_when_a_frozen_model_has_several_ranks():
     from hybrid_core.residency.memory import count_params
 
     def planned(**kw):
-        config = GRPOConfig(bf16=True, zero_stage=3, actor_num_gpus_per_node=1, vllm_num_engines=1, colocate_all_models=False,
-                            vllm_enable_sleep=False, **kw).validate()
+        config = GRPOConfig(
+            bf16=True,
+            zero_stage=3,
+            actor_num_gpus_per_node=1,
+            vllm_num_engines=1,
+            colocate_all_models=False,
+            vllm_enable_sleep=False,
+            **kw,
+        ).validate()
         placement = build_plan(config)
         plan, run = build_residency(config, placement, None, prompt_len=16, generate_len=16, gpu_bytes=80 * 2**30)
         return placement, plan, run

@@ -57,14 +57,23 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 -- the test checks which
         refused = type(e).__name__
     ref.reload(["params"])
-    print("RESULT " + json.dumps({
-        "rank": rank, "sharded": [ref.sharded, rm.sharded],
-        "held": [ref.held_params(), rm.held_params()],
-        "total": [sum(p.numel() for p in whole.parameters()), sum(p.numel() for p in whole_rm.parameters())],
-        "logprob_gap": (lp - lp_whole).abs().max().item(), "score_gap": (scores - scores_whole).abs().max().item(),
-        "offloaded_bytes": moved["bytes"], "refused_asleep": refused,
-        "after_wake_gap": (ref.logprobs(batch) - lp).abs().max().item(),
-    }), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "rank": rank,
+                "sharded": [ref.sharded, rm.sharded],
+                "held": [ref.held_params(), rm.held_params()],
+                "total": [sum(p.numel() for p in whole.parameters()), sum(p.numel() for p in whole_rm.parameters())],
+                "logprob_gap": (lp - lp_whole).abs().max().item(),
+                "score_gap": (scores - scores_whole).abs().max().item(),
+                "offloaded_bytes": moved["bytes"],
+                "refused_asleep": refused,
+                "after_wake_gap": (ref.logprobs(batch) - lp).abs().max().item(),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Pick a recipe and a config::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .config import CONFIGS, GRPOConfig, PPOConfig, ReinforceConfig, RLConfig, demo_config
@@ -46,7 +46,23 @@ def train_reinforce(config: ReinforceConfig | None = None, *, callbacks: Sequenc
     return train(config or demo_config(ReinforceConfig), callbacks=callbacks)
 
 
-RECIPES = {"ppo": train_ppo, "grpo": train_grpo, "reinforce": train_reinforce}
+#: command -> its training function (``hybrid ppo`` -> :func:`train_ppo`); what each runs is its recipe
+#: (:mod:`.recipes`: the roles and phases as data)
+TRAINERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "ppo": train_ppo,
+    "grpo": train_grpo,
+    "reinforce": train_reinforce,
+}
 
-__all__ = ["CONFIGS", "GRPOConfig", "PPOConfig", "RECIPES", "ReinforceConfig", "RLConfig", "train", "train_grpo",
-           "train_ppo", "train_reinforce"]
+__all__ = [
+    "CONFIGS",
+    "TRAINERS",
+    "GRPOConfig",
+    "PPOConfig",
+    "RLConfig",
+    "ReinforceConfig",
+    "train",
+    "train_grpo",
+    "train_ppo",
+    "train_reinforce",
+]

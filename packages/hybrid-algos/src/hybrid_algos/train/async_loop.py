@@ -21,6 +21,7 @@ role's stacks). A failure in the producer ends the run with that failure, named 
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -91,8 +92,13 @@ class AsyncRunner:
                 self.cv.notify_all()
 
     def _may_generate(self) -> bool:
-        return (not self.stopped and not self.holding and self.error is None and self.next_gen < self.total
-                and self.version >= self.next_gen - self.max_staleness)
+        return (
+            not self.stopped
+            and not self.holding
+            and self.error is None
+            and self.next_gen < self.total
+            and self.version >= self.next_gen - self.max_staleness
+        )
 
     # ---- trainer -----------------------------------------------------------------------------------------------
     def step(self, step: int) -> dict[str, float]:
@@ -104,8 +110,11 @@ class AsyncRunner:
         timer = PhaseTimer()
         timer.spans.append(("generate", batch.start, batch.end))  # the timeline shows it next to the trainer's phases
         metrics, _ = self.session.guarded(
-            f"step {step + 1}", lambda: train_on(self.ctx, step, batch.sampled, self.session.sampling(step), timer, t0,
-                                                 sync=lambda: self._boundary(step)))
+            f"step {step + 1}",
+            lambda: train_on(
+                self.ctx, step, batch.sampled, self.session.sampling(step), timer, t0, sync=lambda: self._boundary(step)
+            ),
+        )
         metrics.update(staleness_metrics(batch, step))
         metrics["async/staleness_max"] = float(age)
         metrics["async/wait_s"] = waited
@@ -133,8 +142,9 @@ class AsyncRunner:
         with self.cv:
             if not self.partial:  # wait for version `step`'s last batch (the producer may still have to start it)
                 ends = time.monotonic() + self.timeout_s
-                while self.generating is not None or (self.next_gen <= last_needed and self.next_gen < self.total
-                                                      and not self.stopped):
+                while self.generating is not None or (
+                    self.next_gen <= last_needed and self.next_gen < self.total and not self.stopped
+                ):
                     self._raise_producer_error()
                     left = ends - time.monotonic()
                     if left <= 0:
@@ -161,14 +171,22 @@ class AsyncRunner:
 
     def _raise_producer_error(self) -> None:
         if self.error is not None:  # the engines' errors name the role and rank; this names the step
-            self.error.add_note(f"(raised by the asynchronous rollout producer, generating step {self.next_gen + 1})")
+            if sys.version_info >= (3, 11):  # add_note is 3.11's (3.10 raises the error without the note)
+                self.error.add_note(
+                    f"(raised by the asynchronous rollout producer, generating step {self.next_gen + 1})"
+                )
             raise self.error
 
     def _stalled(self, what: str) -> str:
-        doing = (f"generating step {self.generating + 1}" if self.generating is not None else
-                 f"waiting to generate step {self.next_gen + 1} (engines at weight version {self.version})")
-        return (f"rollout (asynchronous producer): {what} did not come within {self.timeout_s:g} s "
-                f"(--step_timeout_s); the producer is {doing}.")
+        doing = (
+            f"generating step {self.generating + 1}"
+            if self.generating is not None
+            else f"waiting to generate step {self.next_gen + 1} (engines at weight version {self.version})"
+        )
+        return (
+            f"rollout (asynchronous producer): {what} did not come within {self.timeout_s:g} s "
+            f"(--step_timeout_s); the producer is {doing}."
+        )
 
     def has(self, step: int) -> bool:
         """Whether batch ``step`` comes from the producer (after :meth:`stop_producing`, only those it made)."""

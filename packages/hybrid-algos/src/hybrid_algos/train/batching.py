@@ -51,7 +51,7 @@ def token_bins(shapes: list[SampleShape], budget: int, *, packed: bool, count: i
     bins: list[list[int]] = []
     for i in order:
         for b in bins:
-            if bin_cost([shapes[j] for j in b + [i]], packed) <= budget:
+            if bin_cost([shapes[j] for j in [*b, i]], packed) <= budget:
                 b.append(i)
                 break
         else:
@@ -77,8 +77,15 @@ def agree_on_count(count: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def plan_micro_batches(attention_mask: torch.Tensor, response_len: int, *, budget: int, packed: bool,
-                       device: torch.device, sync: bool = True) -> list[list[int]]:
+def plan_micro_batches(
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    budget: int,
+    packed: bool,
+    device: torch.device,
+    sync: bool = True,
+) -> list[list[int]]:
     """Token-budget micro-batches of one rank's samples, with the count agreed across ranks when ``sync``."""
     shapes = sample_shapes(attention_mask, response_len)
     bins = token_bins(shapes, budget, packed=packed)

@@ -26,7 +26,8 @@ import os
 import shutil
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hybrid_core.errors import HybridError
 
@@ -72,8 +73,10 @@ class CheckpointManager:
             if time.perf_counter() - began > 10:
                 log.info("checkpoint %d: %d files checksummed in %.1f s", step, len(files), time.perf_counter() - began)
             digest = _write_json(os.path.join(tmp, DRIVER_STATE), redact(driver_state))
-            _write_json(os.path.join(tmp, COMPLETE), {"step": step, "time": time.time(),
-                                                      "sha256": {DRIVER_STATE: digest}, "files": files})
+            _write_json(
+                os.path.join(tmp, COMPLETE),
+                {"step": step, "time": time.time(), "sha256": {DRIVER_STATE: digest}, "files": files},
+            )
             _fsync_dir(tmp)
         except BaseException as error:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -97,10 +100,12 @@ class CheckpointManager:
         free = _free_bytes(self.root)
         previous = self.complete_checkpoints()
         size = f"; the last checkpoint takes {_human(_folder_bytes(previous[-1][0]))}" if previous else ""
-        return (f"no space left on device: the checkpoint of step {step} did not fit in {self.root} "
-                f"({_human(free)} free{size}). Nothing of it was kept, and the previous checkpoints are intact. "
-                f"Fix: free disk space, keep fewer checkpoints (--max_ckpt_num, now {self.max_keep}) or put them on "
-                "a larger disk (--ckpt_path DIR), then continue with --resume.")
+        return (
+            f"no space left on device: the checkpoint of step {step} did not fit in {self.root} "
+            f"({_human(free)} free{size}). Nothing of it was kept, and the previous checkpoints are intact. "
+            f"Fix: free disk space, keep fewer checkpoints (--max_ckpt_num, now {self.max_keep}) or put them on "
+            "a larger disk (--ckpt_path DIR), then continue with --resume."
+        )
 
     # ---- finding ---------------------------------------------------------------------------------------------------
     def latest(self) -> tuple[str, int] | None:
@@ -122,8 +127,12 @@ class CheckpointManager:
                     info = json.load(f)
                 pointed = (os.path.join(self.root, str(info["path"])), int(info["step"]))
             except (OSError, ValueError, KeyError, TypeError, CheckpointError) as e:
-                log.warning("%s is damaged (%s); using the newest complete checkpoint in %s instead", pointer,
-                            _short(e), self.root)
+                log.warning(
+                    "%s is damaged (%s); using the newest complete checkpoint in %s instead",
+                    pointer,
+                    _short(e),
+                    self.root,
+                )
         ordered = sorted(complete, key=lambda c: c[1], reverse=True)
         if pointed is not None and pointed in complete:
             ordered.remove(pointed)
@@ -282,10 +291,11 @@ def verify_role_files(path: str, *, trusted: bool = False) -> int:
             except Exception:
                 names = []
             shown = f" ({', '.join(names[:5])})" if names else ""
-            raise UnsafeCheckpoint(f"{file} refers to Python objects DeepSpeed does not write{shown}; DeepSpeed would "
-                                  "unpickle it and run them. Refused: resume only from checkpoints you wrote (if "
-                                  "you wrote this one with another DeepSpeed version, --trust_checkpoint loads it)"
-                                  ) from e
+            raise UnsafeCheckpoint(
+                f"{file} refers to Python objects DeepSpeed does not write{shown}; DeepSpeed would "
+                "unpickle it and run them. Refused: resume only from checkpoints you wrote (if "
+                "you wrote this one with another DeepSpeed version, --trust_checkpoint loads it)"
+            ) from e
         except Exception as e:
             raise CheckpointError(f"{file} is damaged: {_short(e)}") from e
     return len(files)
@@ -297,8 +307,11 @@ def _only_regular_files(path: str) -> None:
     to one is refused too."""
     import stat
 
-    entries = [path] if not os.path.isdir(path) else [os.path.join(root, n) for root, dirs, names in os.walk(path)
-                                                        for n in names + dirs]
+    entries = (
+        [path]
+        if not os.path.isdir(path)
+        else [os.path.join(root, n) for root, dirs, names in os.walk(path) for n in names + dirs]
+    )
     for entry in entries:
         try:
             mode = os.stat(entry).st_mode
@@ -306,8 +319,9 @@ def _only_regular_files(path: str) -> None:
             raise CheckpointError(f"{entry} cannot be read: {_short(e)}") from e
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
-            raise CheckpointError(f"{entry} is {kind}, not a file: reading it would wait forever (a checkpoint "
-                                  "holds only files)")
+            raise CheckpointError(
+                f"{entry} is {kind}, not a file: reading it would wait forever (a checkpoint holds only files)"
+            )
 
 
 def _load_legacy(path: str) -> dict[str, Any]:
@@ -319,8 +333,10 @@ def _load_legacy(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise UnsafeCheckpoint(f"{path} holds objects other than plain data, and loading it would run code; "
-                              "refused. Resume only from checkpoints you wrote.") from e
+        raise UnsafeCheckpoint(
+            f"{path} holds objects other than plain data, and loading it would run code; "
+            "refused. Resume only from checkpoints you wrote."
+        ) from e
     except Exception as e:  # truncated or not a torch file
         raise CheckpointError(f"{path} is damaged: {_short(e)}") from e
     if not isinstance(state, dict) or "next_step" not in state:
@@ -335,16 +351,17 @@ def out_of_space(error: BaseException, path: str) -> bool:
     failure arrives as text, so the message is read too; a write failure only counts when the disk is nearly full.
     """
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        text = str(error)
+        text = str(cause)
         if "No space left on device" in text or "Disk quota exceeded" in text:
             return True
         if ("file write failed" in text or "inline_container" in text) and _free_bytes(path) < 64 << 20:
             return True
-        error = error.__cause__ or error.__context__
+        cause = cause.__cause__ or cause.__context__
     return False
 
 

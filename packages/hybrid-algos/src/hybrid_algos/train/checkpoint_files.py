@@ -67,7 +67,7 @@ def problems(folder: str, manifest: dict[str, Any]) -> list[str]:
             to_sum.append((rel, path, want.get("crc32")))
     with ThreadPoolExecutor(_workers(len(to_sum))) as pool:
         sums = list(pool.map(lambda item: crc32(item[1]), to_sum))
-    for (rel, path, want), got in zip(to_sum, sums):
+    for (_rel, path, want), got in zip(to_sum, sums):
         if got != want:
             found.append(f"{path} differs from what was saved (CRC-32 {got}, {want} when saved)")
     return found

@@ -29,9 +29,9 @@ class ClusterWatch:
         self.lost_after_s = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._sigint_before: object = None
+        self._sigint_before: int | signal.Handlers | None = None  # SIG_IGN / SIG_DFL (not Python's handler)
 
-    def __enter__(self) -> "ClusterWatch":
+    def __enter__(self) -> ClusterWatch:
         if self.port and threading.current_thread() is threading.main_thread():
             # A command started in the background by a script (`hybrid ppo ... &`) inherits SIGINT ignored: then the
             # interrupt below would be dropped. Python's own handler for the block, the caller's back after it.
@@ -70,5 +70,7 @@ class ClusterWatch:
                 log.debug("Ray GCS at %s does not answer: interrupting the run", self.address)
                 # A real SIGINT to the main thread: a KeyboardInterrupt there (turned into ClusterLost by the loop),
                 # which also cuts short a blocking call that a mere interrupt flag would wait out.
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                main = threading.main_thread().ident
+                assert main is not None  # the main thread has started: it runs this program
+                signal.pthread_kill(main, signal.SIGINT)
                 return

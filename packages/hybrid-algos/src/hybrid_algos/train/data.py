@@ -34,8 +34,9 @@ import logging
 import os
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 
@@ -76,8 +77,11 @@ def load_prompt_set(config: Any, tokenizer: Any) -> tuple[list[Prompt], PromptSt
     if config.prompt_data is None:
         return synthetic_prompts(config, tokenizer)
     if not config.input_key:
-        raise ConfigError("input_key", "--prompt_data needs --input_key to say which field holds the prompt.",
-                          "Add e.g. --input_key prompt.")
+        raise ConfigError(
+            "input_key",
+            "--prompt_data needs --input_key to say which field holds the prompt.",
+            "Add e.g. --input_key prompt.",
+        )
     sources = split_sources(config.prompt_data)
     weights = parse_probs(getattr(config, "prompt_data_probs", None), len(sources))
     groups, read, dropped = [], 0, 0
@@ -85,9 +89,15 @@ def load_prompt_set(config: Any, tokenizer: Any) -> tuple[list[Prompt], PromptSt
         records = read_records(source.path, split=getattr(config, "prompt_split", "train"), given=source.given)
         records = records[: config.max_samples]
         prompts, lost = encode_records(
-            records, tokenizer, input_key=config.input_key, label_key=config.label_key,
-            apply_chat_template=config.apply_chat_template, prompt_max_len=config.prompt_max_len,
-            source=source.given, input_template=getattr(config, "input_template", None))
+            records,
+            tokenizer,
+            input_key=config.input_key,
+            label_key=config.label_key,
+            apply_chat_template=config.apply_chat_template,
+            prompt_max_len=config.prompt_max_len,
+            source=source.given,
+            input_template=getattr(config, "input_template", None),
+        )
         groups.append(prompts)
         read, dropped = read + len(records), dropped + lost
     if weights is None:
@@ -142,28 +152,44 @@ class StepCount:
         if self.max_steps is None:
             line = f"steps: {self.total} = {why}"
         elif self.max_steps < self.from_prompts:
-            line = (f"steps: {self.total} (--max_steps {self.max_steps} ends the run before the prompts do: "
-                    f"{self.from_prompts} = {why})")
+            line = (
+                f"steps: {self.total} (--max_steps {self.max_steps} ends the run before the prompts do: "
+                f"{self.from_prompts} = {why})"
+            )
         elif self.max_steps == self.from_prompts:
             line = f"steps: {self.total} = {why} (= --max_steps {self.max_steps})"
         else:
             need = -(-self.max_steps // self.per_episode)
-            line = (f"steps: {self.total} = {why} (--max_steps {self.max_steps} is not reached: it only ends a run "
-                    f"early; raise --num_episodes to {need} or add prompts)")
+            line = (
+                f"steps: {self.total} = {why} (--max_steps {self.max_steps} is not reached: it only ends a run "
+                f"early; raise --num_episodes to {need} or add prompts)"
+            )
         updates = f"{self.updates_per_step} optimizer update{'s' if self.updates_per_step != 1 else ''}"
-        return (f"{line}; each step {updates} ({self.samples_per_step} samples / --train_batch_size "
-                f"{self.train_batch_size} x --max_epochs {self.max_epochs})")
+        return (
+            f"{line}; each step {updates} ({self.samples_per_step} samples / --train_batch_size "
+            f"{self.train_batch_size} x --max_epochs {self.max_epochs})"
+        )
 
 
 def step_count(config: Any, prompts: int) -> StepCount:
     """How many steps ``prompts`` prompts make under ``config`` (the loop runs exactly ``.total``)."""
     if prompts < config.rollout_batch_size:
-        raise ConfigError("rollout_batch_size", f"only {prompts} prompts, fewer than one rollout batch "
-                          f"({config.rollout_batch_size}).", "Lower --rollout_batch_size or give more prompts.")
+        raise ConfigError(
+            "rollout_batch_size",
+            f"only {prompts} prompts, fewer than one rollout batch ({config.rollout_batch_size}).",
+            "Lower --rollout_batch_size or give more prompts.",
+        )
     samples = config.samples_per_step
-    return StepCount(prompts, config.rollout_batch_size, config.num_episodes, config.max_steps,
-                     samples // config.train_batch_size * config.max_epochs, samples, config.train_batch_size,
-                     config.max_epochs)
+    return StepCount(
+        prompts,
+        config.rollout_batch_size,
+        config.num_episodes,
+        config.max_steps,
+        samples // config.train_batch_size * config.max_epochs,
+        samples,
+        config.train_batch_size,
+        config.max_epochs,
+    )
 
 
 # ---- several datasets ---------------------------------------------------------------------------------------------
@@ -180,8 +206,11 @@ def split_sources(prompt_data: str) -> list[Source]:
     out = []
     for part in (p.strip() for p in prompt_data.split(",")):
         if not part:
-            raise ConfigError("prompt_data", f"{prompt_data!r} has an empty entry.",
-                              "Separate datasets with single commas: --prompt_data a.jsonl,b.jsonl.")
+            raise ConfigError(
+                "prompt_data",
+                f"{prompt_data!r} has an empty entry.",
+                "Separate datasets with single commas: --prompt_data a.jsonl,b.jsonl.",
+            )
         path, _, sub = part.partition("@")
         out.append(Source(part, os.path.join(path, sub) if sub else path))
     return out
@@ -194,14 +223,23 @@ def parse_probs(probs: str | None, count: int) -> list[float] | None:
     try:
         weights = [float(w) for w in str(probs).split(",")]
     except ValueError:
-        raise ConfigError("prompt_data_probs", f"expected comma-separated numbers, got {probs!r}.",
-                          "E.g. --prompt_data_probs 0.7,0.3.") from None
+        raise ConfigError(
+            "prompt_data_probs",
+            f"expected comma-separated numbers, got {probs!r}.",
+            "E.g. --prompt_data_probs 0.7,0.3.",
+        ) from None
     if len(weights) != count:
-        raise ConfigError("prompt_data_probs", f"{len(weights)} weights for {count} dataset(s) of --prompt_data.",
-                          "Give one weight per dataset, in the same order.")
+        raise ConfigError(
+            "prompt_data_probs",
+            f"{len(weights)} weights for {count} dataset(s) of --prompt_data.",
+            "Give one weight per dataset, in the same order.",
+        )
     if any(not (w > 0) or w == float("inf") for w in weights):
-        raise ConfigError("prompt_data_probs", f"every weight must be a positive number, got {probs!r}.",
-                          "Drop a dataset from --prompt_data instead of giving it weight 0.")
+        raise ConfigError(
+            "prompt_data_probs",
+            f"every weight must be a positive number, got {probs!r}.",
+            "Drop a dataset from --prompt_data instead of giving it weight 0.",
+        )
     total = sum(weights)
     return [w / total for w in weights]
 
@@ -231,10 +269,13 @@ def check_prompt_sources(prompt_data: str, probs: str | None = None) -> None:
     sources = split_sources(prompt_data)
     for source in sources:
         if not os.path.exists(source.path):
-            raise ConfigError("prompt_data", f"no file or folder at {source.path!r}"
-                              + (f" (from {prompt_data!r})" if len(sources) > 1 else "") + ".",
-                              "Give local JSONL/Parquet files or datasets folders, or Hugging Face ids already in "
-                              "the local cache.")
+            raise ConfigError(
+                "prompt_data",
+                f"no file or folder at {source.path!r}"
+                + (f" (from {prompt_data!r})" if len(sources) > 1 else "")
+                + ".",
+                "Give local JSONL/Parquet files or datasets folders, or Hugging Face ids already in the local cache.",
+            )
     parse_probs(probs, len(sources))
 
 
@@ -249,7 +290,8 @@ def hub_cache_dir() -> str:
     if explicit:
         return os.path.expanduser(explicit)
     home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
+    )
     return os.path.join(os.path.expanduser(home), "hub")
 
 
@@ -309,11 +351,14 @@ def _from_cache(field: str, repo_id: str, kind: str) -> str:
     path, looked = cached_snapshot(repo_id, kind)
     if path is None:
         what = "model" if kind == "model" else "dataset"
-        raise ConfigError(field, f"{repo_id!r} is not a local path, and the Hugging Face cache has no {what} of that "
-                          f"name (looked for {looked}); {what}s are not downloaded at run time.",
-                          f"Download it once where there is network access (`hf download {repo_id}"
-                          f"{' --repo-type dataset' if kind == 'dataset' else ''}`, into the same cache or "
-                          "HF_HOME), or give a local folder.")
+        raise ConfigError(
+            field,
+            f"{repo_id!r} is not a local path, and the Hugging Face cache has no {what} of that "
+            f"name (looked for {looked}); {what}s are not downloaded at run time.",
+            f"Download it once where there is network access (`hf download {repo_id}"
+            f"{' --repo-type dataset' if kind == 'dataset' else ''}`, into the same cache or "
+            "HF_HOME), or give a local folder.",
+        )
     return path
 
 
@@ -327,8 +372,11 @@ def synthetic_prompts(config: Any, tokenizer: Any | None = None) -> tuple[list[P
     prompts = task.prompts(count, seed=config.seed)
     longest = max(len(p.prompt_ids) for p in prompts)
     if longest > config.prompt_max_len:
-        raise ConfigError("prompt_max_len", f"the built-in task's prompts are {longest} tokens, more than "
-                          f"prompt_max_len={config.prompt_max_len}.", f"Use --prompt_max_len {longest} or more.")
+        raise ConfigError(
+            "prompt_max_len",
+            f"the built-in task's prompts are {longest} tokens, more than prompt_max_len={config.prompt_max_len}.",
+            f"Use --prompt_max_len {longest} or more.",
+        )
     return prompts, PromptStats(f"built-in task {config.task!r}", count, count, 0, config.prompt_max_len)
 
 
@@ -337,24 +385,26 @@ def _check_task_vocab(tokenizer: Any, num_symbols: int) -> None:
     want = {"<bos>": BOS, "<sep>": SEP, "s0": FIRST_SYMBOL_ID, f"s{num_symbols - 1}": FIRST_SYMBOL_ID + num_symbols - 1}
     got = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in want}
     if got != want:
-        raise ConfigError("prompt_data", "the built-in tasks use the tiny demo model's vocabulary, which this "
-                          "--pretrain tokenizer does not have.",
-                          "Give your own prompts with --prompt_data FILE --input_key KEY (and a reward), "
-                          "or drop --pretrain to train the demo model.")
+        raise ConfigError(
+            "prompt_data",
+            "the built-in tasks use the tiny demo model's vocabulary, which this --pretrain tokenizer does not have.",
+            "Give your own prompts with --prompt_data FILE --input_key KEY (and a reward), "
+            "or drop --pretrain to train the demo model.",
+        )
 
 
 # ---- reading records ---------------------------------------------------------------------------------------------
 def read_records(path: str, *, split: str = "train", given: str | None = None) -> list[dict[str, Any]]:
     """All records of a JSONL/JSON/Parquet file, a ``datasets`` folder, or a folder of such files (sorted)."""
     if not os.path.exists(path):
-        raise ConfigError("prompt_data", f"no file or folder at {path!r}"
-                          + (f" (from {given!r})" if given and given != path else "")
-                          + " (datasets are not downloaded at run time).",
-                          "Give a local JSONL/Parquet file or a datasets folder (Dataset.save_to_disk).")
-    if os.path.isdir(path):
-        records = _read_folder(path, split)
-    else:
-        records = _read_file(path)
+        raise ConfigError(
+            "prompt_data",
+            f"no file or folder at {path!r}"
+            + (f" (from {given!r})" if given and given != path else "")
+            + " (datasets are not downloaded at run time).",
+            "Give a local JSONL/Parquet file or a datasets folder (Dataset.save_to_disk).",
+        )
+    records = _read_folder(path, split) if os.path.isdir(path) else _read_file(path)
     if not records:
         raise ConfigError("prompt_data", f"{path!r} holds no records.", "Point --prompt_data at a non-empty dataset.")
     return records
@@ -379,8 +429,11 @@ def _read_file(path: str) -> list[dict[str, Any]]:
             return _check_dicts(records, path)
     if lower.endswith((".jsonl", ".json")):
         return _read_jsonl(path)
-    raise ConfigError("prompt_data", f"cannot tell the format of {path!r} from its name.",
-                      "Use a .jsonl, .json or .parquet file, or a datasets folder.")
+    raise ConfigError(
+        "prompt_data",
+        f"cannot tell the format of {path!r} from its name.",
+        "Use a .jsonl, .json or .parquet file, or a datasets folder.",
+    )
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -396,15 +449,21 @@ def _read_jsonl(path: str) -> list[dict[str, Any]]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ConfigError("prompt_data", f"{path!r} line {lineno} is not valid JSON: {e.msg}.",
-                                  "Write one JSON object per line.") from None
+                raise ConfigError(
+                    "prompt_data",
+                    f"{path!r} line {lineno} is not valid JSON: {e.msg}.",
+                    "Write one JSON object per line.",
+                ) from None
     return _check_dicts(records, path)
 
 
 def _not_utf8(path: str, e: UnicodeDecodeError, where: str = "") -> ConfigError:
-    return ConfigError("prompt_data", f"{path!r} is not UTF-8 text: {where}byte {e.start + 1} "
-                       f"({e.object[e.start:e.start + 1]!r}) cannot be decoded.",
-                       "Save it as UTF-8 (e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl).")
+    return ConfigError(
+        "prompt_data",
+        f"{path!r} is not UTF-8 text: {where}byte {e.start + 1} "
+        f"({e.object[e.start : e.start + 1]!r}) cannot be decoded.",
+        "Save it as UTF-8 (e.g. iconv -f latin1 -t utf-8 in.jsonl > out.jsonl).",
+    )
 
 
 def _check_dicts(records: Any, path: str) -> list[dict[str, Any]]:
@@ -420,18 +479,25 @@ def _read_parquet(path: str) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConfigError("prompt_data", f"reading the Parquet file {path!r} needs pyarrow, which is not installed.",
-                          DATA_EXTRA) from None
+        raise ConfigError(
+            "prompt_data", f"reading the Parquet file {path!r} needs pyarrow, which is not installed.", DATA_EXTRA
+        ) from None
     return pq.read_table(path).to_pylist()
 
 
 def _read_folder(path: str, split: str) -> list[dict[str, Any]]:
-    if any(os.path.exists(os.path.join(path, marker)) for marker in ("dataset_info.json", "state.json", "dataset_dict.json")):
+    if any(
+        os.path.exists(os.path.join(path, marker))
+        for marker in ("dataset_info.json", "state.json", "dataset_dict.json")
+    ):
         return _read_saved_dataset(path, split)
     files = _data_files(path)
     if not files:
-        raise ConfigError("prompt_data", f"the folder {path!r} is neither a datasets folder (save_to_disk) nor holds "
-                          ".jsonl/.json/.parquet files.", "Point --prompt_data at a data file or a datasets folder.")
+        raise ConfigError(
+            "prompt_data",
+            f"the folder {path!r} is neither a datasets folder (save_to_disk) nor holds .jsonl/.json/.parquet files.",
+            "Point --prompt_data at a data file or a datasets folder.",
+        )
     # A hub-style folder (data/train-0000.parquet, data/test-....parquet): keep the split's files when named so.
     in_split = [f for f in files if split in os.path.basename(f)]
     records: list[dict[str, Any]] = []
@@ -463,28 +529,45 @@ def _read_saved_dataset(path: str, split: str) -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError:
-        raise ConfigError("prompt_data", f"{path!r} is a datasets folder; reading it needs the datasets package, "
-                          "which is not installed.", DATA_EXTRA) from None
+        raise ConfigError(
+            "prompt_data",
+            f"{path!r} is a datasets folder; reading it needs the datasets package, which is not installed.",
+            DATA_EXTRA,
+        ) from None
     loaded = datasets.load_from_disk(path)
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ConfigError("prompt_split", f"{path!r} has no split {split!r}; it has: {', '.join(loaded)}.",
-                              f"Use --prompt_split {next(iter(loaded))}.")
+            raise ConfigError(
+                "prompt_split",
+                f"{path!r} has no split {split!r}; it has: {', '.join(loaded)}.",
+                f"Use --prompt_split {next(iter(loaded))}.",
+            )
         loaded = loaded[split]
     return loaded.to_list()
 
 
 # ---- encoding ----------------------------------------------------------------------------------------------------
-def encode_records(records: Sequence[dict[str, Any]], tokenizer: Any, *, input_key: str, label_key: str | None = None,
-                   apply_chat_template: bool = False, prompt_max_len: int = 1024, source: str = "prompt_data",
-                   input_template: str | None = None) -> tuple[list[Prompt], int]:
+def encode_records(
+    records: Sequence[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    input_key: str,
+    label_key: str | None = None,
+    apply_chat_template: bool = False,
+    prompt_max_len: int = 1024,
+    source: str = "prompt_data",
+    input_template: str | None = None,
+) -> tuple[list[Prompt], int]:
     """Token ids of every record's prompt; returns the prompts and how many were dropped for length."""
     _check_key("input_key", input_key, records, source)
     if label_key:
         _check_key("label_key", label_key, records, source)
     if apply_chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("apply_chat_template", "the tokenizer has no chat template.",
-                          "Drop --apply_chat_template, or use a model folder whose tokenizer_config.json has a chat_template.")
+        raise ConfigError(
+            "apply_chat_template",
+            "the tokenizer has no chat template.",
+            "Drop --apply_chat_template, or use a model folder whose tokenizer_config.json has a chat_template.",
+        )
     prompts, dropped = [], 0
     for i, record in enumerate(records):
         value = record[input_key]
@@ -499,8 +582,11 @@ def encode_records(records: Sequence[dict[str, Any]], tokenizer: Any, *, input_k
             raise ConfigError("input_key", f"record {i} of {source!r} has an empty prompt in {input_key!r}.")
         prompts.append(Prompt(ids, text, label=record[label_key] if label_key else None))
     if not prompts:
-        raise ConfigError("prompt_max_len", f"all {len(records)} prompts of {source!r} are longer than "
-                          f"prompt_max_len={prompt_max_len} tokens.", "Raise --prompt_max_len.")
+        raise ConfigError(
+            "prompt_max_len",
+            f"all {len(records)} prompts of {source!r} are longer than prompt_max_len={prompt_max_len} tokens.",
+            "Raise --prompt_max_len.",
+        )
     return prompts, dropped
 
 
@@ -508,8 +594,11 @@ def _check_key(flag: str, key: str, records: Sequence[dict[str, Any]], source: s
     for i, record in enumerate(records):
         if key not in record:
             keys = ", ".join(sorted(record)) or "(none)"
-            raise ConfigError(flag, f"record {i} of {source!r} has no key {key!r}; its keys are: {keys}.",
-                              f"Use --{flag} with one of those keys.")
+            raise ConfigError(
+                flag,
+                f"record {i} of {source!r} has no key {key!r}; its keys are: {keys}.",
+                f"Use --{flag} with one of those keys.",
+            )
 
 
 def _render(value: Any, tokenizer: Any, apply_chat_template: bool, index: int, key: str, source: str) -> str:
@@ -518,21 +607,33 @@ def _render(value: Any, tokenizer: Any, apply_chat_template: bool, index: int, k
         if isinstance(value, str):
             value = [{"role": "user", "content": value}]
         elif not is_messages or not value:
-            raise ConfigError("input_key", f"record {index} of {source!r}: {key!r} is neither a string nor a list of "
-                              "chat messages ({'role': ..., 'content': ...}).")
+            raise ConfigError(
+                "input_key",
+                f"record {index} of {source!r}: {key!r} is neither a string nor a list of "
+                "chat messages ({'role': ..., 'content': ...}).",
+            )
         return tokenizer.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
     if is_messages:
-        raise ConfigError("apply_chat_template", f"{key!r} in {source!r} holds chat messages, not text.",
-                          "Add --apply_chat_template to render them with the tokenizer's chat template.")
+        raise ConfigError(
+            "apply_chat_template",
+            f"{key!r} in {source!r} holds chat messages, not text.",
+            "Add --apply_chat_template to render them with the tokenizer's chat template.",
+        )
     if not isinstance(value, str):
-        raise ConfigError("input_key", f"record {index} of {source!r}: {key!r} is a {type(value).__name__}, not text.",
-                          "Point --input_key at a text field (or a list of chat messages with --apply_chat_template).")
+        raise ConfigError(
+            "input_key",
+            f"record {index} of {source!r}: {key!r} is a {type(value).__name__}, not text.",
+            "Point --input_key at a text field (or a list of chat messages with --apply_chat_template).",
+        )
     return value
 
 
 def _apply_template(template: str, text: str) -> str:
     """OpenRLHF's --input_template: ``{}`` marks where the prompt goes."""
     if "{}" not in template:
-        raise ConfigError("input_template", f"{template!r} has no {{}} to put the prompt in.",
-                          'E.g. --input_template "User: {}\\nAssistant: ".')
+        raise ConfigError(
+            "input_template",
+            f"{template!r} has no {{}} to put the prompt in.",
+            'E.g. --input_template "User: {}\\nAssistant: ".',
+        )
     return template.replace("{}", text, 1)

@@ -14,8 +14,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _os_lock(path: str) -> Iterator[None]:
 
 def clear_stale_locks(root: str, max_age_s: float = STALE_LOCK_S) -> list[str]:
     """Remove torch build ``lock`` files older than ``max_age_s`` under ``root``; returns the removed paths."""
-    removed = []
+    removed: list[str] = []
     if not os.path.isdir(root):
         return removed
     now = time.time()

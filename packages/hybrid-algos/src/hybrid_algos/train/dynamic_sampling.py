@@ -6,8 +6,8 @@ only dilute the batch -- and generates for more prompts until ``rollout_batch_si
 ``--dynamic_filtering_max_rounds`` extra rounds (the engines stay awake: it all happens in the rollout turn). If
 the cap is reached first, dropped groups fill the batch (they still cost nothing to the policy gradient), and the
 step's metrics say how many. The step's ``reward`` is then the mean over every sample generated (how good the
-policy is), ``reward/batch`` the one of the batch trained on. Extra prompts are drawn from the whole prompt set with a seed of (seed, step, round),
-so a resumed run draws the same ones.
+policy is), ``reward/batch`` the one of the batch trained on. Extra prompts are drawn from the whole prompt set with
+a seed of (seed, step, round), so a resumed run draws the same ones.
 
 With an environment (``ctx.agent``: :mod:`.agents`) each round's samples are multi-turn conversations and their raw
 scores the environment's rewards (each sample's sum over its turns); dynamic sampling filters them the same way.
@@ -22,8 +22,9 @@ import dataclasses
 import math
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -47,10 +48,15 @@ class Sampled:
         multi_turn = any("action_mask" in o.extra for outs in self.outputs for o in outs)
         asked = any(o.logprobs is not None for outs in self.outputs for o in outs)  # else the engines were not asked
         return Rollout.from_generations(
-            [p.prompt_ids for p in self.prompts], [[o.token_ids for o in outs] for outs in self.outputs], pad_id,
-            logprobs=[[o.logprobs or [0.0] * len(o.token_ids) for o in outs] for outs in self.outputs] if asked else None,
+            [p.prompt_ids for p in self.prompts],
+            [[o.token_ids for o in outs] for outs in self.outputs],
+            pad_id,
+            logprobs=[[o.logprobs or [0.0] * len(o.token_ids) for o in outs] for outs in self.outputs]
+            if asked
+            else None,
             action_masks=[[o.extra.get("action_mask") for o in outs] for outs in self.outputs] if multi_turn else None,
-            sample_prompts=[[o.prompt_token_ids for o in outs] for outs in self.outputs] if multi_turn else None)
+            sample_prompts=[[o.prompt_token_ids for o in outs] for outs in self.outputs] if multi_turn else None,
+        )
 
 
 def _generate(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any, *, score: bool):
@@ -107,11 +113,16 @@ def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -
     chosen = kept[:target] + dropped[:filled]
     scores = torch.cat([c[2] for c in chosen])
     everything = torch.cat([g[2] for g in kept + dropped])
-    metrics = {"reward": everything.float().mean().item(), "reward/batch": scores.float().mean().item(),
-               "dynamic_sampling/rounds": float(rounds + 1), "dynamic_sampling/generated_prompts": float(generated),
-               "dynamic_sampling/generated_samples": float(generated * n),
-               "dynamic_sampling/pass_rate": len(kept) / generated, "dynamic_sampling/filled_groups": float(filled),
-               "dynamic_sampling/reward_s": reward_s}
+    metrics = {
+        "reward": everything.float().mean().item(),
+        "reward/batch": scores.float().mean().item(),
+        "dynamic_sampling/rounds": float(rounds + 1),
+        "dynamic_sampling/generated_prompts": float(generated),
+        "dynamic_sampling/generated_samples": float(generated * n),
+        "dynamic_sampling/pass_rate": len(kept) / generated,
+        "dynamic_sampling/filled_groups": float(filled),
+        "dynamic_sampling/reward_s": reward_s,
+    }
     if any(b is not None for b in agent_batches):
         metrics.update(_agent_metrics(agent_batches))
     return Sampled([c[0] for c in chosen], [c[1] for c in chosen], scores, metrics)
@@ -131,8 +142,9 @@ def extra_prompts(ctx: Any, cfg: Any, step: int, round_: int, count: int, fallba
     return [pool[rng.randrange(len(pool))] for _ in range(count)]
 
 
-def shape_rewards(cfg: Any, outputs: Sequence[Sequence[Any]], scores: torch.Tensor,
-                  max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+def shape_rewards(
+    cfg: Any, outputs: Sequence[Sequence[Any]], scores: torch.Tensor, max_new_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """``(scores with the overlong penalty, sample_mask or None, metrics)`` for prompt-major ``outputs``.
 
     The penalty's length limit is the step's real one (``max_new_tokens``: built-in tasks stop earlier than
@@ -143,8 +155,9 @@ def shape_rewards(cfg: Any, outputs: Sequence[Sequence[Any]], scores: torch.Tens
     metrics = {"rollout/truncated_frac": truncated.float().mean().item() if len(flat) else 0.0}
     if cfg.overlong_buffer_len is not None:
         lengths = torch.tensor([len(o.token_ids) for o in flat])
-        penalty = overlong_penalty(lengths, max_new_tokens, min(cfg.overlong_buffer_len, max_new_tokens),
-                                   cfg.overlong_penalty_factor)
+        penalty = overlong_penalty(
+            lengths, max_new_tokens, min(cfg.overlong_buffer_len, max_new_tokens), cfg.overlong_penalty_factor
+        )
         scores = scores + penalty.to(scores.dtype)
         metrics["reward/overlong_penalty"] = penalty.mean().item()
     sample_mask = ~truncated if cfg.mask_truncated_completions else None

@@ -3,20 +3,28 @@
 Layout: ``sequences[b] = [left-padded prompt (P) | right-padded response (R)]``; ``action_mask[b, t]`` marks the
 response tokens the policy produced (the stop token included). In a multi-turn sample (:mod:`.agents`) the response
 also holds the environment's replies between the model's turns: attended to (``attention_mask`` 1) but with
-``action_mask`` 0, so no loss, KL, advantage or mismatch statistic sees them. Samples are prompt-major: the ``n`` samples of prompt 0, then of prompt 1,
-so ``group`` (the prompt index) is what GRPO / RLOO group by.
+``action_mask`` 0, so no loss, KL, advantage or mismatch statistic sees them. Samples are prompt-major: the ``n``
+samples of prompt 0, then of prompt 1, so ``group`` (the prompt index) is what GRPO / RLOO group by.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
-OPTIONAL_FIELDS = ("old_logprobs", "ref_logprobs", "values", "scores", "advantages", "returns", "token_rewards",
-                   "sample_mask")
+OPTIONAL_FIELDS = (
+    "old_logprobs",
+    "ref_logprobs",
+    "values",
+    "scores",
+    "advantages",
+    "returns",
+    "token_rewards",
+    "sample_mask",
+)
 
 
 @dataclass
@@ -55,10 +63,16 @@ class Rollout:
         return self.action_mask * self.sample_mask.to(self.action_mask.dtype)[:, None]
 
     @classmethod
-    def from_generations(cls, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[Sequence[int]]],
-                         pad_id: int, logprobs: Sequence[Sequence[Sequence[float]]] | None = None, *,
-                         action_masks: Sequence[Sequence[Sequence[int] | None]] | None = None,
-                         sample_prompts: Sequence[Sequence[Sequence[int]]] | None = None) -> "Rollout":
+    def from_generations(
+        cls,
+        prompts: Sequence[Sequence[int]],
+        completions: Sequence[Sequence[Sequence[int]]],
+        pad_id: int,
+        logprobs: Sequence[Sequence[Sequence[float]]] | None = None,
+        *,
+        action_masks: Sequence[Sequence[Sequence[int] | None]] | None = None,
+        sample_prompts: Sequence[Sequence[Sequence[int]]] | None = None,
+    ) -> Rollout:
         """Build from per-prompt lists of completions (``completions[i]`` = the samples of prompt ``i``).
 
         Multi-turn samples: ``action_masks[i][j]`` (1 = the model's token, 0 = the environment's; None = all the
@@ -72,8 +86,9 @@ class Rollout:
                 group.append(i)
                 mask = action_masks[i][j] if action_masks is not None else None
                 if mask is not None and len(mask) != len(resp):
-                    raise ValueError(f"sample {j} of prompt {i}: action mask of {len(mask)} tokens for a response of "
-                                     f"{len(resp)}")
+                    raise ValueError(
+                        f"sample {j} of prompt {i}: action mask of {len(mask)} tokens for a response of {len(resp)}"
+                    )
                 flat_mask.append(mask)
                 if logprobs is not None:
                     flat_lp.append(list(logprobs[i][j]))
@@ -101,31 +116,38 @@ class Rollout:
         return cls(seq, att, act, torch.tensor(group, dtype=torch.long), engine_logprobs=elp)
 
     # ---- slicing ------------------------------------------------------------------------------------------------
-    def select(self, index: torch.Tensor | slice) -> "Rollout":
-        return dataclasses.replace(self, **{f.name: (v[index] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
-                                            for f in dataclasses.fields(self)})
+    def select(self, index: torch.Tensor | slice) -> Rollout:
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: (v[index] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                for f in dataclasses.fields(self)
+            },
+        )
 
-    def split(self, parts: int) -> list["Rollout"]:
+    def split(self, parts: int) -> list[Rollout]:
         """Contiguous, equal shards (one per data-parallel rank); the batch must divide evenly."""
         if self.batch_size % parts:
             raise ValueError(f"batch of {self.batch_size} samples does not split into {parts} equal shards")
         size = self.batch_size // parts
         return [self.select(slice(i * size, (i + 1) * size)) for i in range(parts)]
 
-    def micro_batches(self, size: int) -> list["Rollout"]:
+    def micro_batches(self, size: int) -> list[Rollout]:
         return [self.select(slice(i, i + size)).trimmed() for i in range(0, self.batch_size, size)]
 
-    def token_micro_batches(self, budget: int, *, packed: bool, device: torch.device | str = "cpu",
-                            sync: bool = True) -> tuple[list["Rollout"], list[torch.Tensor]]:
+    def token_micro_batches(
+        self, budget: int, *, packed: bool, device: torch.device | str = "cpu", sync: bool = True
+    ) -> tuple[list[Rollout], list[torch.Tensor]]:
         """Micro-batches of at most ``budget`` tokens each (see :mod:`.batching`), and each one's sample indices."""
         from .batching import plan_micro_batches
 
-        bins = plan_micro_batches(self.attention_mask, self.response_len, budget=budget, packed=packed,
-                                  device=torch.device(device), sync=sync)
+        bins = plan_micro_batches(
+            self.attention_mask, self.response_len, budget=budget, packed=packed, device=torch.device(device), sync=sync
+        )
         index = [torch.tensor(b, dtype=torch.long) for b in bins]
         return [self.select(i).trimmed() for i in index], index
 
-    def trimmed(self) -> "Rollout":
+    def trimmed(self) -> Rollout:
         """Drop prompt columns that are padding in every row and response columns past the longest response."""
         R_keep = int(self.action_mask.sum(0).nonzero().max().item()) + 1 if self.action_mask.any() else 1
         P = self.sequences.size(1) - self.response_len
@@ -143,7 +165,7 @@ class Rollout:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
-    def cat(parts: Sequence["Rollout"]) -> "Rollout":
+    def cat(parts: Sequence[Rollout]) -> Rollout:
         """Concatenate shards with the same layout (as returned by :meth:`split`)."""
         out = {}
         for f in dataclasses.fields(Rollout):
@@ -151,9 +173,15 @@ class Rollout:
             out[f.name] = torch.cat(values) if all(isinstance(v, torch.Tensor) for v in values) else None
         return Rollout(**out)
 
-    def to(self, device: torch.device | str) -> "Rollout":
-        return dataclasses.replace(self, **{f.name: v.to(device) for f in dataclasses.fields(self)
-                                            if isinstance(v := getattr(self, f.name), torch.Tensor)})
+    def to(self, device: torch.device | str) -> Rollout:
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: v.to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(v := getattr(self, f.name), torch.Tensor)
+            },
+        )
 
-    def with_(self, **fields: torch.Tensor) -> "Rollout":
+    def with_(self, **fields: torch.Tensor) -> Rollout:
         return dataclasses.replace(self, **fields)

@@ -14,7 +14,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from hybrid_core.errors import ConfigError, HybridError, RemoteTimeout, RoleFailure, TurnTimeout
 
@@ -142,8 +143,12 @@ class Preemption:
         if self.requested_at is None:
             self.requested_at = time.monotonic()
             if self.deferring:
-                print(f"hybrid: SIGTERM: finishing step {self.step}, then saving a checkpoint and stopping "
-                      "(SIGTERM again: stop at once, without it)", file=sys.stderr, flush=True)
+                print(
+                    f"hybrid: SIGTERM: finishing step {self.step}, then saving a checkpoint and stopping "
+                    "(SIGTERM again: stop at once, without it)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
             raise Terminated()
         if self.deferring and not self._forced:

@@ -22,8 +22,9 @@ tests/hybrid_algos/train/test_inactive_fields.py enumerates the fields and flags
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 
@@ -68,9 +69,12 @@ _NO_KL_FIX = "Drop it, or give --init_kl_coef > 0."
 
 
 def _placement_rule(name: str) -> Rule:
-    return Rule(name, lambda c: c.placement is not None,
-                "--placement lays every role out by its GPU ranges, so the count and colocation flags are not read",
-                "Drop it, or drop --placement (and place the roles with the count flags).")
+    return Rule(
+        name,
+        lambda c: c.placement is not None,
+        "--placement lays every role out by its GPU ranges, so the count and colocation flags are not read",
+        "Drop it, or drop --placement (and place the roles with the count flags).",
+    )
 
 
 def _loss_has_no_dual_clip(cfg) -> bool:
@@ -82,85 +86,214 @@ def _loss_has_no_dual_clip(cfg) -> bool:
 #: The table, in the order the rules are checked (for a field with several, the first that applies speaks).
 RULES: tuple[Rule, ...] = (
     # ---- inference engine -------------------------------------------------------------------------------------
-    Rule("vllm_gpu_memory_utilization", _hf, "the built-in engine (--backend hf) has no memory pool to size: it "
-         "allocates as it generates, and the residency plan budgets what it holds",
-         "Drop it, or use --backend vllm / sglang (whose pool it sizes).", openrlhf=True),
-    Rule("enforce_eager", _hf, "the built-in engine (--backend hf) never captures CUDA graphs (it always runs eagerly)",
-         "Drop it, or use --backend vllm / sglang.", openrlhf=True),
-    Rule("enable_prefix_caching", _hf, "the built-in engine (--backend hf) has no prefix cache",
-         "Drop it, or use --backend vllm / sglang.", openrlhf=True),
-    Rule("vllm_sync_backend", lambda c: c.weight_sync == "ipc", "--weight_sync ipc hands the engines CUDA IPC "
-         "handles of the weights; no broadcast group is made", "Drop it, or use --weight_sync broadcast (or auto)."),
+    Rule(
+        "vllm_gpu_memory_utilization",
+        _hf,
+        "the built-in engine (--backend hf) has no memory pool to size: it "
+        "allocates as it generates, and the residency plan budgets what it holds",
+        "Drop it, or use --backend vllm / sglang (whose pool it sizes).",
+        openrlhf=True,
+    ),
+    Rule(
+        "enforce_eager",
+        _hf,
+        "the built-in engine (--backend hf) never captures CUDA graphs (it always runs eagerly)",
+        "Drop it, or use --backend vllm / sglang.",
+        openrlhf=True,
+    ),
+    Rule(
+        "enable_prefix_caching",
+        _hf,
+        "the built-in engine (--backend hf) has no prefix cache",
+        "Drop it, or use --backend vllm / sglang.",
+        openrlhf=True,
+    ),
+    Rule(
+        "vllm_sync_backend",
+        lambda c: c.weight_sync == "ipc",
+        "--weight_sync ipc hands the engines CUDA IPC handles of the weights; no broadcast group is made",
+        "Drop it, or use --weight_sync broadcast (or auto).",
+    ),
     # ---- placement ------------------------------------------------------------------------------------------------
     _placement_rule("colocate_all_models"),
-    Rule("colocate_actor_ref", lambda c: c.placement is None and c.colocate_all_models,
-         "--colocate_all_models (hybrid's default) already puts the reference model on the actor's GPUs",
-         "Drop it, or add --no_colocate_all_models to pair only the actor and the reference.", openrlhf=True),
+    Rule(
+        "colocate_actor_ref",
+        lambda c: c.placement is None and c.colocate_all_models,
+        "--colocate_all_models (hybrid's default) already puts the reference model on the actor's GPUs",
+        "Drop it, or add --no_colocate_all_models to pair only the actor and the reference.",
+        openrlhf=True,
+    ),
     _placement_rule("colocate_actor_ref"),
-    Rule("colocate_actor_ref", lambda c: not c.uses_reference, _NO_KL + ", so there is no reference to place",
-         _NO_KL_FIX, openrlhf=True),
-    Rule("colocate_critic_reward", lambda c: c.placement is None and c.colocate_all_models,
-         "--colocate_all_models (hybrid's default) already puts the reward model on the actor's GPUs",
-         "Drop it, or add --no_colocate_all_models to pair only the critic and the reward model.", openrlhf=True),
+    Rule(
+        "colocate_actor_ref",
+        lambda c: not c.uses_reference,
+        _NO_KL + ", so there is no reference to place",
+        _NO_KL_FIX,
+        openrlhf=True,
+    ),
+    Rule(
+        "colocate_critic_reward",
+        lambda c: c.placement is None and c.colocate_all_models,
+        "--colocate_all_models (hybrid's default) already puts the reward model on the actor's GPUs",
+        "Drop it, or add --no_colocate_all_models to pair only the critic and the reward model.",
+        openrlhf=True,
+    ),
     _placement_rule("colocate_critic_reward"),
     # ---- the critic -----------------------------------------------------------------------------------------------
-    *(Rule(name, _no_critic, _critic_reason, _CRITIC_FIX, openrlhf=True)
-      for name in ("critic_pretrain", "critic_learning_rate", "lambd", "value_clip", "critic_num_nodes",
-                   "critic_num_gpus_per_node", "colocate_critic_reward")),
+    *(
+        Rule(name, _no_critic, _critic_reason, _CRITIC_FIX, openrlhf=True)
+        for name in (
+            "critic_pretrain",
+            "critic_learning_rate",
+            "lambd",
+            "value_clip",
+            "critic_num_nodes",
+            "critic_num_gpus_per_node",
+            "colocate_critic_reward",
+        )
+    ),
     # ---- KL -------------------------------------------------------------------------------------------------------
-    *(Rule(name, lambda c: not c.uses_reference, _NO_KL, _NO_KL_FIX, openrlhf=True)
-      for name in ("kl_target", "kl_horizon", "kl_estimator", "use_kl_loss", "ref_num_nodes", "ref_num_gpus_per_node")),
-    Rule("kl_horizon", lambda c: c.kl_target is None, "the KL coefficient is fixed (no --kl_target), and only the "
-         "adaptive controller has a horizon", "Drop it, or add --kl_target to steer the coefficient.", openrlhf=True),
+    *(
+        Rule(name, lambda c: not c.uses_reference, _NO_KL, _NO_KL_FIX, openrlhf=True)
+        for name in ("kl_target", "kl_horizon", "kl_estimator", "use_kl_loss", "ref_num_nodes", "ref_num_gpus_per_node")
+    ),
+    Rule(
+        "kl_horizon",
+        lambda c: c.kl_target is None,
+        "the KL coefficient is fixed (no --kl_target), and only the adaptive controller has a horizon",
+        "Drop it, or add --kl_target to steer the coefficient.",
+        openrlhf=True,
+    ),
     # ---- reward model ---------------------------------------------------------------------------------------------
-    *(Rule(name, lambda c: c.reward_pretrain is None, "no reward model runs (no --reward_pretrain)",
-           "Drop it, or give --reward_pretrain DIR.", openrlhf=True)
-      for name in ("reward_num_nodes", "reward_num_gpus_per_node")),
+    *(
+        Rule(
+            name,
+            lambda c: c.reward_pretrain is None,
+            "no reward model runs (no --reward_pretrain)",
+            "Drop it, or give --reward_pretrain DIR.",
+            openrlhf=True,
+        )
+        for name in ("reward_num_nodes", "reward_num_gpus_per_node")
+    ),
     # ---- the policy loss ------------------------------------------------------------------------------------------
-    Rule("eps_clip", lambda c: c.eps_clip_low_high is not None, "--eps_clip_low_high gives both clip bounds",
-         "Keep one of them: --eps_clip for a symmetric clip, --eps_clip_low_high LOW HIGH for clip-higher.",
-         openrlhf=True),
-    Rule("dual_clip", _loss_has_no_dual_clip, lambda c: f"the {c.policy_loss_type} policy loss has no dual clip",
-         "Drop --dual_clip, or use --policy_loss_type ppo."),
-    Rule("min_lr_ratio", lambda c: c.lr_scheduler == "constant_with_warmup", "the learning rate stays constant "
-         "after its warm-up (--lr_scheduler constant_with_warmup, hybrid's default; OpenRLHF's is cosine)",
-         "Add --lr_scheduler cosine_with_min_lr to decay to it, or drop it."),
+    Rule(
+        "eps_clip",
+        lambda c: c.eps_clip_low_high is not None,
+        "--eps_clip_low_high gives both clip bounds",
+        "Keep one of them: --eps_clip for a symmetric clip, --eps_clip_low_high LOW HIGH for clip-higher.",
+        openrlhf=True,
+    ),
+    Rule(
+        "dual_clip",
+        _loss_has_no_dual_clip,
+        lambda c: f"the {c.policy_loss_type} policy loss has no dual clip",
+        "Drop --dual_clip, or use --policy_loss_type ppo.",
+    ),
+    Rule(
+        "min_lr_ratio",
+        lambda c: c.lr_scheduler == "constant_with_warmup",
+        "the learning rate stays constant "
+        "after its warm-up (--lr_scheduler constant_with_warmup, hybrid's default; OpenRLHF's is cosine)",
+        "Add --lr_scheduler cosine_with_min_lr to decay to it, or drop it.",
+    ),
     # ---- engine/trainer mismatch ----------------------------------------------------------------------------------
-    *(Rule(name, lambda c: not c.enable_vllm_is_correction, "the rollout correction is off "
-           "(--no_enable_vllm_is_correction)", f"Drop --{name}, or turn the correction on.")
-      for name in ("vllm_is_truncated_threshold", "use_icepop", "vllm_is_correction_type")),
+    *(
+        Rule(
+            name,
+            lambda c: not c.enable_vllm_is_correction,
+            "the rollout correction is off (--no_enable_vllm_is_correction)",
+            f"Drop --{name}, or turn the correction on.",
+        )
+        for name in ("vllm_is_truncated_threshold", "use_icepop", "vllm_is_correction_type")
+    ),
     # ---- asynchronous training ------------------------------------------------------------------------------------
-    Rule("async_max_staleness", lambda c: not c.async_train, "only an asynchronous run (--async_train) trains on "
-         "samples of older weights", "Add --async_train, or drop it.", openrlhf=True),
-    Rule("partial_rollout", lambda c: not c.async_train, "it pauses generations at a weight update, which only "
-         "happens while they run with --async_train", "Add --async_train, or drop --partial_rollout."),
+    Rule(
+        "async_max_staleness",
+        lambda c: not c.async_train,
+        "only an asynchronous run (--async_train) trains on samples of older weights",
+        "Add --async_train, or drop it.",
+        openrlhf=True,
+    ),
+    Rule(
+        "partial_rollout",
+        lambda c: not c.async_train,
+        "it pauses generations at a weight update, which only happens while they run with --async_train",
+        "Add --async_train, or drop --partial_rollout.",
+    ),
     # ---- batches --------------------------------------------------------------------------------------------------
-    *(Rule(name, lambda c: not c.use_dynamic_batch, "micro-batches hold a fixed number of samples (no "
-           "--use_dynamic_batch), so there is no token budget", "Add --use_dynamic_batch, or drop it.")
-      for name in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu")),
+    *(
+        Rule(
+            name,
+            lambda c: not c.use_dynamic_batch,
+            "micro-batches hold a fixed number of samples (no --use_dynamic_batch), so there is no token budget",
+            "Add --use_dynamic_batch, or drop it.",
+        )
+        for name in ("train_max_tokens_per_gpu", "rollout_max_tokens_per_gpu")
+    ),
     # ---- DAPO -----------------------------------------------------------------------------------------------------
-    Rule("overlong_penalty_factor", lambda c: c.overlong_buffer_len is None, "the overlong penalty applies over "
-         "the last --overlong_buffer_len tokens, and none is given", "Add --overlong_buffer_len N, or drop it.",
-         openrlhf=True),
-    *(Rule(name, lambda c: not c.dynamic_filtering, "--dynamic_filtering is off",
-           "Add --dynamic_filtering, or drop it.") for name in ("dynamic_filtering_reward_range",
-                                                                "dynamic_filtering_max_rounds")),
+    Rule(
+        "overlong_penalty_factor",
+        lambda c: c.overlong_buffer_len is None,
+        "the overlong penalty applies over the last --overlong_buffer_len tokens, and none is given",
+        "Add --overlong_buffer_len N, or drop it.",
+        openrlhf=True,
+    ),
+    *(
+        Rule(
+            name,
+            lambda c: not c.dynamic_filtering,
+            "--dynamic_filtering is off",
+            "Add --dynamic_filtering, or drop it.",
+        )
+        for name in ("dynamic_filtering_reward_range", "dynamic_filtering_max_rounds")
+    ),
     # ---- agents ---------------------------------------------------------------------------------------------------
-    *(Rule(name, lambda c: not c.uses_agent, "the run has no environment (single-turn rollouts)",
-           "Add --agent_func_path FILE.py, or drop it.")
-      for name in ("max_turns", "max_new_tokens_per_turn", "agent_timeout_s", "agent_on_error")),
+    *(
+        Rule(
+            name,
+            lambda c: not c.uses_agent,
+            "the run has no environment (single-turn rollouts)",
+            "Add --agent_func_path FILE.py, or drop it.",
+        )
+        for name in ("max_turns", "max_new_tokens_per_turn", "agent_timeout_s", "agent_on_error")
+    ),
     # ---- data -----------------------------------------------------------------------------------------------------
-    *(Rule(name, lambda c: c.prompt_data is not None, "the prompts come from --prompt_data, not a built-in task",
-           "Drop it, or drop --prompt_data to train on the built-in task.") for name in ("task", "task_length")),
-    *(Rule(name, lambda c: c.prompt_data is None, "there is no --prompt_data (the prompts are the built-in task's)",
-           "Give --prompt_data FILE, or drop it.")
-      for name in ("input_key", "label_key", "prompt_split", "prompt_data_probs", "input_template")),
-    Rule("input_template", lambda c: c.apply_chat_template, "--apply_chat_template renders the prompts with the "
-         "tokenizer's template instead", "Keep one of them.", openrlhf=True),
+    *(
+        Rule(
+            name,
+            lambda c: c.prompt_data is not None,
+            "the prompts come from --prompt_data, not a built-in task",
+            "Drop it, or drop --prompt_data to train on the built-in task.",
+        )
+        for name in ("task", "task_length")
+    ),
+    *(
+        Rule(
+            name,
+            lambda c: c.prompt_data is None,
+            "there is no --prompt_data (the prompts are the built-in task's)",
+            "Give --prompt_data FILE, or drop it.",
+        )
+        for name in ("input_key", "label_key", "prompt_split", "prompt_data_probs", "input_template")
+    ),
+    Rule(
+        "input_template",
+        lambda c: c.apply_chat_template,
+        "--apply_chat_template renders the prompts with the tokenizer's template instead",
+        "Keep one of them.",
+        openrlhf=True,
+    ),
     # ---- logging --------------------------------------------------------------------------------------------------
-    *(Rule(name, lambda c: not c.use_wandb, "nothing is logged to Weights & Biases (no --use_wandb)",
-           "Add --use_wandb (an API key, or True for the current login), or drop it.", openrlhf=True)
-      for name in ("wandb_project", "wandb_run_name")),
+    *(
+        Rule(
+            name,
+            lambda c: not c.use_wandb,
+            "nothing is logged to Weights & Biases (no --use_wandb)",
+            "Add --use_wandb (an API key, or True for the current login), or drop it.",
+            openrlhf=True,
+        )
+        for name in ("wandb_project", "wandb_run_name")
+    ),
 )
 
 
@@ -175,7 +308,8 @@ def set_fields(config: Any) -> frozenset[str]:
     given = getattr(config, "given_fields", None)
     out = set()
     for f in dataclasses.fields(config):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        # default_factory is not MISSING there (every field has a default), which mypy cannot narrow
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         value = getattr(config, f.name)
         if _same(value, default):
             continue

@@ -7,14 +7,16 @@ share is here and in :mod:`.step`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
 import shutil
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import HybridError
 from hybrid_engines.weight_sync import choose_sync
@@ -25,6 +27,15 @@ from .placement import build_plan, build_residency, check_sleep_flags
 from .profiling import profile_folder, profiled_step
 from .step import StepContext, run_step
 from .timeline import TimelineWriter
+
+if TYPE_CHECKING:
+    from hybrid_core.placement import PlacedPlan
+    from hybrid_core.residency import ResidencyOwner
+    from hybrid_engines.ray_engines import EngineGroup
+
+    from .agents import AgentRollout
+    from .async_loop import AsyncRunner
+    from .failures import Preemption
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +84,28 @@ def prepare(config: RLConfig, recipe: Any = None) -> Prepared:
 
 
 def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
+    from hybrid_core.errors import ConfigError
+    from hybrid_engines.registry import library_missing
+    from hybrid_engines.weight_sync import sync_backend_note, verify_note
+
     from .data import load_prompts, step_count
     from .model_files import check_model_folder, check_reward_head, load_tokenizer
     from .resume import find_resume_point
     from .rewards import load_reward_fn
     from .run_folder import check_writable, refuse_or_clear
-    from .tasks import task_from_config
+    from .tasks import SyntheticTask, task_from_config
     from .tiny import save_tiny_model
-
-    from hybrid_core.errors import ConfigError
-    from hybrid_engines.registry import library_missing
-    from hybrid_engines.weight_sync import sync_backend_note, verify_note
 
     config.validate()
     plan = build_plan(config, recipe)
     check_sleep_flags(config, plan)  # before any model is built: the flags against who shares a GPU
     sync = choose_sync(config, plan)  # a weight-sync path the placement cannot take fails here, before Ray
     if config.num_gpus is not None and config.num_gpus < plan.num_gpus:
-        raise ConfigError("num_gpus", f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
-                          f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.")
+        raise ConfigError(
+            "num_gpus",
+            f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {config.num_gpus}.",
+            f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.",
+        )
     missing = library_missing(config.backend)  # the engine registry knows each backend's package
     if missing:
         raise ConfigError("backend", f"--backend {config.backend}: {missing}.", "Install it, or use --backend hf.")
@@ -102,8 +116,13 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     notes.append(verify_note(config))  # a backend whose syncs cannot be verified, or verification turned off
     notes.append(config.clip_note())  # a policy loss's own clip range (GSPO's, CISPO's), said at start
     if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
-        notes.append(check_reward_head(config.reward_pretrain, random_head=config.reward_random_head,
-                                       trust_remote_code=config.trust_remote_code))
+        notes.append(
+            check_reward_head(
+                config.reward_pretrain,
+                random_head=config.reward_random_head,
+                trust_remote_code=config.trust_remote_code,
+            )
+        )
     start_lines = [f"note: {n}" for n in notes if n]
     reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn is not None else None  # imports the user's file
     agent = _load_agent(config) if config.uses_agent else None  # imports the agent file
@@ -129,43 +148,74 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     if agent is not None:
         _note_agent(config, agent, tokenizer)
     elif config.reward_fn is None:
-        reward_fn = task.reward_fn() if task is not None else None  # None: the reward model scores
+        # None: the reward model scores (a lookup task has its environment: the branch above)
+        reward_fn = task.reward_fn() if isinstance(task, SyntheticTask) else None
     if reward_fn is None and config.reward_pretrain is None and agent is None:  # an environment rewards its samples
-        raise ConfigError("reward_pretrain", "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
-                          "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.")
+        raise ConfigError(
+            "reward_pretrain",
+            "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
+            "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.",
+        )
     longest_prompt, max_new_tokens = rollout_lengths(config, prompts)
     steps_per_episode = len(prompts) // config.rollout_batch_size
     if steps_per_episode == 0:
-        raise ConfigError("rollout_batch_size", f"only {len(prompts)} prompts, fewer than one rollout batch "
-                          f"({config.rollout_batch_size}).", "Lower --rollout_batch_size or give more prompts.")
+        raise ConfigError(
+            "rollout_batch_size",
+            f"only {len(prompts)} prompts, fewer than one rollout batch ({config.rollout_batch_size}).",
+            "Lower --rollout_batch_size or give more prompts.",
+        )
     # Size the engine's context to what rollouts can reach, not to the flags' ceiling: a small model's position
     # table is often shorter than prompt_max_len + generate_max_len, and vLLM refuses a longer max_model_len.
     max_model_len = longest_prompt + max_new_tokens
     positions = _max_positions(model_path)
     if positions is not None and max_model_len > positions:
-        raise ConfigError("generate_max_len", f"prompts of up to {longest_prompt} tokens plus {max_new_tokens} new "
-                          f"tokens need {max_model_len} positions; the model has {positions}.",
-                          "Lower --generate_max_len or --prompt_max_len (prompts longer than it are truncated).")
+        raise ConfigError(
+            "generate_max_len",
+            f"prompts of up to {longest_prompt} tokens plus {max_new_tokens} new "
+            f"tokens need {max_model_len} positions; the model has {positions}.",
+            "Lower --generate_max_len or --prompt_max_len (prompts longer than it are truncated).",
+        )
     steps = step_count(config, len(prompts))  # the count and why: said at the start and by --dry-run
     total = steps.total
     start_lines.insert(0, steps.describe())
     for line in start_lines:
         log.info("%s", line)
     if config.profile_step > total:
-        raise ConfigError("profile_step", f"step {config.profile_step} is past the run's last step ({total}).",
-                          f"Profile a step from 1 to {total} (the first ones include warm-up).")
+        raise ConfigError(
+            "profile_step",
+            f"step {config.profile_step} is past the run's last step ({total}).",
+            f"Profile a step from 1 to {total} (the first ones include warm-up).",
+        )
     # What stays on each GPU, from the memory budget; a plan that cannot fit fails here, before Ray starts.
-    residency, config = build_residency(config, plan, model_path, prompt_len=longest_prompt,
-                                        generate_len=max_new_tokens, recipe=recipe)
+    residency, config = build_residency(
+        config, plan, model_path, prompt_len=longest_prompt, generate_len=max_new_tokens, recipe=recipe
+    )
     residency.check()
     from .async_rollout import async_mode
 
     mode, note = async_mode(config, plan, residency)
     if mode == "sync":  # --async_train on GPUs too small for both: synchronous turns, said in the plan's notes
         residency.notes.append(note)
-    return Prepared(config, plan, model_path, tokenizer, prompts, reward_fn, max_new_tokens, total, run_dir,
-                    max_model_len, sync, residency, resume_from, agent, mode, note,
-                    start_lines=tuple(start_lines), recipe=recipe)
+    return Prepared(
+        config,
+        plan,
+        model_path,
+        tokenizer,
+        prompts,
+        reward_fn,
+        max_new_tokens,
+        total,
+        run_dir,
+        max_model_len,
+        sync,
+        residency,
+        resume_from,
+        agent,
+        mode,
+        note,
+        start_lines=tuple(start_lines),
+        recipe=recipe,
+    )
 
 
 def _load_agent(config: RLConfig) -> Any:
@@ -178,16 +228,28 @@ def _load_agent(config: RLConfig) -> Any:
 def _note_agent(config: RLConfig, agent: Any, tokenizer: Any) -> None:
     """Log lines about how the environment's run is set up (where its prompts come from, chat templates)."""
     if config.prompt_data is None and config.agent_func_path and config.task not in ("lookup",):
-        log.info("agent %s: the prompts are the built-in %r task's; the rewards are the environment's", agent.source,
-                 config.task)
+        log.info(
+            "agent %s: the prompts are the built-in %r task's; the rewards are the environment's",
+            agent.source,
+            config.task,
+        )
     if config.backend == "vllm" and not config.enable_prefix_caching:
-        log.info("agent %s: every turn sends the whole conversation again; --enable_prefix_caching lets vLLM reuse the "
-                 "earlier turns' KV cache (bench/agent_gpu.py measures the difference)", agent.source)
-    if agent.kind == "environment" and not agent.builtin and getattr(tokenizer, "chat_template", None) \
-            and not config.apply_chat_template:
-        log.info("agent %s: the tokenizer has a chat template, but --apply_chat_template is off: prompts and the "
-                 "environment's replies go in as plain text (add --apply_chat_template to render both with it)",
-                 agent.source)
+        log.info(
+            "agent %s: every turn sends the whole conversation again; --enable_prefix_caching lets vLLM reuse the "
+            "earlier turns' KV cache (bench/agent_gpu.py measures the difference)",
+            agent.source,
+        )
+    if (
+        agent.kind == "environment"
+        and not agent.builtin
+        and getattr(tokenizer, "chat_template", None)
+        and not config.apply_chat_template
+    ):
+        log.info(
+            "agent %s: the tokenizer has a chat template, but --apply_chat_template is off: prompts and the "
+            "environment's replies go in as plain text (add --apply_chat_template to render both with it)",
+            agent.source,
+        )
 
 
 def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]:
@@ -203,7 +265,9 @@ def rollout_lengths(config: RLConfig, prompts: Sequence[Any]) -> tuple[int, int]
         from .agents import AgentSettings
 
         settings = AgentSettings.from_config(config)
-        max_new_tokens = min(config.generate_max_len, task.response_budget(settings.max_turns, settings.turn_tokens))
+        turn_tokens = settings.turn_tokens
+        assert turn_tokens is not None  # a built-in task's turns: --max_new_tokens_per_turn, else its TURN_TOKENS
+        max_new_tokens = min(config.generate_max_len, task.response_budget(settings.max_turns, turn_tokens))
     longest_prompt = min(config.prompt_max_len, max((len(p.prompt_ids) for p in prompts), default=1))
     return longest_prompt, max_new_tokens
 
@@ -255,9 +319,14 @@ def _train_prepared(config: RLConfig, prep: Prepared, callbacks: Sequence[Any]) 
 
     tag = new_tag()
     set_worker_env({RUN_TAG_ENV: tag})  # every worker, and what it starts, carries it: ended at the very end
-    cluster = connect(config.address, num_gpus=config.num_gpus if config.num_gpus is not None else
-                      (None if (config.address or os.environ.get("RAY_ADDRESS")) else prep.plan.num_gpus),
-                      temp_dir=config.ray_temp_dir, log_max_mb=config.ray_log_max_mb)
+    cluster = connect(
+        config.address,
+        num_gpus=config.num_gpus
+        if config.num_gpus is not None
+        else (None if (config.address or os.environ.get("RAY_ADDRESS")) else prep.plan.num_gpus),
+        temp_dir=config.ray_temp_dir,
+        log_max_mb=config.ray_log_max_mb,
+    )
     session = None
     watch = ClusterWatch(cluster.address)
     try:
@@ -270,23 +339,36 @@ def _train_prepared(config: RLConfig, prep: Prepared, callbacks: Sequence[Any]) 
                     session.start()
                 except HybridError as e:  # the role and GPU that failed are in e; say it was the start-up
                     raise explain("start-up", e, log_dir=session.log_dir, ckpt=session.ckpt) from e
-                _emit(callbacks, "on_start", {"plan": prep.plan, "residency": prep.residency,
-                                              "total_steps": prep.total_steps, "run_dir": prep.run_dir,
-                                              "lines": prep.start_lines,
-                                              "config": prep.config, "start_step": session.start_step})
+                _emit(
+                    callbacks,
+                    "on_start",
+                    {
+                        "plan": prep.plan,
+                        "residency": prep.residency,
+                        "total_steps": prep.total_steps,
+                        "run_dir": prep.run_dir,
+                        "lines": prep.start_lines,
+                        "config": prep.config,
+                        "start_step": session.start_step,
+                    },
+                )
                 summary = session.run(callbacks)
                 _emit(callbacks, "on_end", summary)
                 ended = True
                 return summary
             except KeyboardInterrupt as e:
                 if preemption.requested and not isinstance(e, Terminated):  # the watch's interrupt after SIGTERM
-                    raise Terminated("Ray's GCS stopped too (the signal reached Ray's processes as well), so no "
-                                     "checkpoint could be saved.") from None
+                    raise Terminated(
+                        "Ray's GCS stopped too (the signal reached Ray's processes as well), so no "
+                        "checkpoint could be saved."
+                    ) from None
                 if watch.lost:
                     steps = len(session.history) if session is not None else 0
-                    raise ClusterLost(f"Ray's GCS at {cluster.address} stopped answering after step {steps}; no "
-                                      f"Ray call can succeed without it, so the run ends. "
-                                      f"{resume_hint(CheckpointManager(config.checkpoint_dir))}") from None
+                    raise ClusterLost(
+                        f"Ray's GCS at {cluster.address} stopped answering after step {steps}; no "
+                        f"Ray call can succeed without it, so the run ends. "
+                        f"{resume_hint(CheckpointManager(config.checkpoint_dir))}"
+                    ) from None
                 raise
             finally:
                 if session is not None:  # a dead GCS makes every Ray call of the tear-down wait: none is made then
@@ -334,20 +416,25 @@ class TrainingSession:
         self.config = prep.config
         self.log_dir = os.path.join(prep.run_dir, "logs")
         self.ckpt = CheckpointManager(self.config.checkpoint_dir, self.config.max_ckpt_num)
-        self.placed = None
+        self.placed: PlacedPlan | None = None
         self.groups: list = []
-        self.engines = None
-        self.timeline = None
+        self.engines: EngineGroup | None = None
+        self.timeline: TimelineWriter | None = None
         self.engine_where: list[dict] = []  # pid and node of each engine, for stack dumps when a step fails
-        self.owner = None
+        self.owner: ResidencyOwner | None = None  # start() makes it; close() checks (see started_owner)
         self.start_step = 0
         self.history: list[dict[str, float]] = []
-        self.runner = None  # async_loop.AsyncRunner with --async_train (split, or shared GPUs that fit)
+        self.runner: AsyncRunner | None = (
+            None  # async_loop.AsyncRunner with --async_train (split, or shared GPUs that fit)
+        )
         self.restored_queue: list[dict] = []  # the generated batches a resumed asynchronous run continues with
-        self.preemption = None  # failures.Preemption (train() sets it): SIGTERM during a step waits for its end
+        self.preemption: Preemption | None = (
+            None  # failures.Preemption (train() sets it): SIGTERM during a step waits for its end
+        )
 
     # ---- set-up ----------------------------------------------------------------------------------------------------
     def start(self) -> None:
+        from hybrid_algos.kl import make_kl_controller
         from hybrid_core.placement import place
         from hybrid_core.residency import ResidencyOwner, WakeGuard
         from hybrid_core.roles import RoleGroup
@@ -357,8 +444,6 @@ class TrainingSession:
         from hybrid_engines.ray_engines import launch_engines
         from hybrid_engines.weight_sync import WeightSync
 
-        from hybrid_algos.kl import make_kl_controller
-
         from .rewards import RewardScorer
 
         cfg, prep, plan = self.config, self.prep, self.prep.plan
@@ -366,14 +451,14 @@ class TrainingSession:
         clock = _SetupClock()
         self.setup_seconds = clock.seconds
         set_worker_env({DIR_ENV: self.log_dir})  # every worker's stacks land in the run's log folder
-        self.placed = place(plan, timeout_s=timeout)
+        self.placed = placed = place(plan, timeout_s=timeout)
         os.makedirs(self.log_dir, exist_ok=True)
-        _write_json(os.path.join(self.log_dir, "placement.json"), self.placed.layout())  # which node got what
+        _write_json(os.path.join(self.log_dir, "placement.json"), placed.layout())  # which node got what
         clock.lap("placement group")
         self.turnstile = Turnstile.create(f"hybrid-turnstile-{uuid.uuid4().hex[:8]}", timeout_s=timeout)
 
         def role(name: str, cls: type):
-            return RoleGroup(name, cls, self.placed, cfg, self.log_dir, timeout_s=timeout)
+            return RoleGroup(name, cls, placed, cfg, self.log_dir, timeout_s=timeout)
 
         # One role group per worker role of the recipe (trainers and frozen models; the engines come below)
         self.roles = {spec.name: role(spec.name, spec.worker_class()) for spec in prep.recipe.workers}
@@ -391,11 +476,16 @@ class TrainingSession:
             # loopback when the whole group is on one node (every listener binds it), else rank 0's cluster address
             from hybrid_core.remote import get_all_with_timeout
 
-            ips = [w["node_ip"] for w in get_all_with_timeout(
-                [(group.name(r, "where"), w.where.remote()) for r, w in enumerate(group.workers)], timeout)]
+            ips = [
+                w["node_ip"]
+                for w in get_all_with_timeout(
+                    [(group.name(r, "where"), w.where.remote()) for r, w in enumerate(group.workers)], timeout
+                )
+            ]
             addr = rendezvous.choose(ips).host
-            port = get_all_with_timeout([(group.name(0, "free_port"), group.workers[0].free_port.remote(addr))],
-                                        timeout)[0]
+            port = get_all_with_timeout(
+                [(group.name(0, "free_port"), group.workers[0].free_port.remote(addr))], timeout
+            )[0]
             pending.append((group, "setup", (path, addr, port, prep.total_steps)))
         clock.lap("role actors started")
         self._call_all(pending)
@@ -405,15 +495,20 @@ class TrainingSession:
         # in (generate's): the engines size their KV cache from the memory they find free.
         residency = prep.residency
         self._call_all([(g, "set_residency", (residency.move(g.role, "cache") == "release",)) for g in self.groups])
-        probes = {}
+        probes: dict[int, tuple[str, Any]] = {}
         for group in self.groups:
             for rank, worker in enumerate(group.workers):
                 for gpu in plan.roles[group.role].workers[rank].gpus:
                     probes.setdefault(gpu, (f"{group.role} rank {rank}", worker))
-        self.owner = ResidencyOwner(residency, {g.role: g for g in self.groups}, turnstile=self.turnstile,
-                                    timeout_s=timeout, overlap=cfg.residency_overlap)
-        self.owner.guard = WakeGuard(probes, self.owner.holders, timeout_s=timeout)
-        self.owner.to_phase_state("generate")
+        self.owner = owner = ResidencyOwner(
+            residency,
+            {g.role: g for g in self.groups},
+            turnstile=self.turnstile,
+            timeout_s=timeout,
+            overlap=cfg.residency_overlap,
+        )
+        owner.guard = WakeGuard(probes, owner.holders, timeout_s=timeout)
+        owner.to_phase_state("generate")
         self.async_mode, self.async_note = prep.async_mode, prep.async_note
         if self.async_note:  # a fall-back to synchronous turns is also in the plan's notes (prepare)
             log.log(logging.WARNING if self.async_mode == "sync" else logging.INFO, "%s", self.async_note)
@@ -421,37 +516,70 @@ class TrainingSession:
 
         pausing = cfg.partial_rollout and self.async_mode in ("split", "shared")
         # partial rollouts: an engine takes the pause, the weight update and the resume while a generate runs
-        self.engines = launch_engines(self.placed, role="rollout", backend=cfg.backend,
-                                      engine_kwargs=self._engine_kwargs(), timeout_s=timeout,
-                                      max_concurrency=4 if pausing else 1)
-        self.engine_where = self.engines.call("where")
-        self.owner.add_role("rollout", self.engines)
+        self.engines = engines = launch_engines(
+            placed,
+            role="rollout",
+            backend=cfg.backend,
+            engine_kwargs=self._engine_kwargs(),
+            timeout_s=timeout,
+            max_concurrency=4 if pausing else 1,
+        )
+        self.engine_where = engines.call("where")
+        owner.add_role("rollout", engines)
         clock.lap("engines started")
 
-        self.weight_sync = WeightSync(prep.sync.mode, self.actor, self.engines, plan,
-                                      bucket_bytes=cfg.weight_sync_bucket_mb << 20, backend=prep.sync.group_backend,
-                                      transport=prep.sync.transport, timeout_s=timeout, verify=cfg.verify_weight_sync)
+        self.weight_sync = WeightSync(
+            prep.sync.mode,
+            self.actor,
+            engines,
+            plan,
+            bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+            backend=prep.sync.group_backend,
+            transport=prep.sync.transport,
+            timeout_s=timeout,
+            verify=cfg.verify_weight_sync,
+        )
         self.weight_sync.setup()
         clock.lap("weight sync ready")
 
         tok = prep.tokenizer
-        self.reward = RewardScorer(prep.reward_fn, lambda ids: tok.decode(ids, skip_special_tokens=False),
-                                   normalize=cfg.normalize_reward, clip_range=tuple(cfg.reward_clip_range),
-                                   name=cfg.reward_fn or f"of the {cfg.task} task", timeout_s=cfg.call_timeout_s)
+        self.reward = RewardScorer(
+            prep.reward_fn,
+            lambda ids: tok.decode(ids, skip_special_tokens=False),
+            normalize=cfg.normalize_reward,
+            clip_range=(*cfg.reward_clip_range,),  # a tuple (a --config file gives a list)
+            name=cfg.reward_fn or f"of the {cfg.task} task",
+            timeout_s=cfg.call_timeout_s,
+        )
         # Spans in wall-clock time so an outside sampler (GPU memory) can be matched to phases; kept on resume.
-        self.timeline = TimelineWriter(os.path.join(prep.run_dir, "timeline.jsonl"), append=prep.resume_from is not None)
-        kl_controller = make_kl_controller(cfg.init_kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon) \
-            if cfg.uses_reference else None
-        self.agent = None
+        self.timeline = TimelineWriter(
+            os.path.join(prep.run_dir, "timeline.jsonl"), append=prep.resume_from is not None
+        )
+        kl_controller = (
+            make_kl_controller(cfg.init_kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon)
+            if cfg.uses_reference
+            else None
+        )
+        self.agent: AgentRollout | None = None
         if prep.agent is not None:
             from .agents import AgentRollout
 
             self.agent = AgentRollout(prep.agent, cfg, tok, context_limit=_max_positions(prep.model_path))
         self.ctx = StepContext(
-            config=cfg, actor=self.actor, engines=self.engines, weight_sync=self.weight_sync, reward=self.reward,
-            residency=self.owner, pad_id=tok.pad_token_id, roles=self.roles, recipe=prep.recipe,
-            kl_controller=kl_controller, on_phases=self.timeline,
-            prompt_pool=prep.prompts, agent=self.agent)
+            config=cfg,
+            actor=self.actor,
+            engines=engines,
+            weight_sync=self.weight_sync,
+            reward=self.reward,
+            residency=owner,
+            pad_id=tok.pad_token_id,
+            roles=self.roles,
+            recipe=prep.recipe,
+            kl_controller=kl_controller,
+            on_phases=self.timeline,
+            prompt_pool=prep.prompts,
+            agent=self.agent,
+        )
         if prep.resume_from is not None:
             self._resume(prep.resume_from)
 
@@ -462,9 +590,13 @@ class TrainingSession:
         from hybrid_engines.registry import engine_spec
 
         cfg = self.config
-        plan = EnginePlan(model_path=self.prep.model_path, max_model_len=self.prep.max_model_len,
-                          shares_gpus=bool(self.prep.plan.shared_gpus("rollout")),
-                          seeded_sampling=self.seeded_sampling(), partial_rollout=cfg.partial_rollout)
+        plan = EnginePlan(
+            model_path=self.prep.model_path,
+            max_model_len=self.prep.max_model_len,
+            shares_gpus=bool(self.prep.plan.shared_gpus("rollout")),
+            seeded_sampling=self.seeded_sampling(),
+            partial_rollout=cfg.partial_rollout,
+        )
         return engine_spec(cfg.backend).engine_kwargs(cfg.engine_settings(), plan)
 
     def _call_all(self, calls) -> list:
@@ -498,11 +630,16 @@ class TrainingSession:
         cfg = self.config
         eos = self.prep.tokenizer.eos_token_id
         seeded = self.seeded_sampling()
-        return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                              max_new_tokens=self.prep.max_new_tokens, n=cfg.n_samples_per_prompt,
-                              stop_token_ids=(eos,) if eos is not None else (),
-                              seed=cfg.seed * 1_000_003 + step if seeded else None,
-                              logprobs=cfg.wants_engine_logprobs)
+        return SamplingParams(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_new_tokens=self.prep.max_new_tokens,
+            n=cfg.n_samples_per_prompt,
+            stop_token_ids=(eos,) if eos is not None else (),
+            seed=cfg.seed * 1_000_003 + step if seeded else None,
+            logprobs=cfg.wants_engine_logprobs,
+        )
 
     def prompts_for(self, step: int) -> list:
         """Step ``step``'s prompts: episode-seeded shuffles of the prompt set, so a resumed run sees the same order."""
@@ -523,36 +660,39 @@ class TrainingSession:
 
             self.runner = AsyncRunner(self, self.async_mode, self.restored_queue)
             self.runner.start()
+        owner = self.started_owner
         for step in range(self.start_step, total):
-            self.owner.tag = step
-            if self.runner is not None and self.runner.has(step):
-                one_step = lambda: self.runner.step(step)  # noqa: E731
-            else:
-                one_step = lambda: self.guarded(f"step {step + 1}", lambda: run_step(  # noqa: E731
-                    self.ctx, step, self.prompts_for(step), self.sampling(step)))[0]
+            owner.tag = step
+            # the asynchronous producer's batch of this step, if it has one
+            producer = self.runner if self.runner is not None and self.runner.has(step) else None
             if preemption is not None:  # SIGTERM from here on lets the step (and its checkpoint) finish first
                 preemption.deferring, preemption.step = True, step + 1  # (no gap between steps: off after the loop)
             try:
-                with (profiled_step(self.groups, profile_folder(self.prep.run_dir, step + 1))
-                      if step + 1 == cfg.profile_step else contextlib.nullcontext()):
-                    metrics = one_step()
+                with (
+                    profiled_step(self.groups, profile_folder(self.prep.run_dir, step + 1))
+                    if step + 1 == cfg.profile_step
+                    else contextlib.nullcontext()
+                ):
+                    metrics = self._one_step(step, producer)
                 if _refines_after(step - self.start_step):
-                    metrics.update(self.guarded("refining the residency plan",
-                                                lambda: self.refine_residency(step + 1)))
+                    refine = functools.partial(self.refine_residency, step + 1)
+                    metrics.update(self.guarded("refining the residency plan", refine))
                     self._recheck_async()
             except HybridError as error:
                 if preemption is not None and preemption.requested:  # e.g. SIGTERM reached the roles as well
                     from .failures import Terminated
 
-                    raise Terminated(f"Step {step + 1} could not finish after SIGTERM ("
-                                     f"{_first_line(error)}), so no checkpoint of it was saved.") from error
+                    raise Terminated(
+                        f"Step {step + 1} could not finish after SIGTERM ("
+                        f"{_first_line(error)}), so no checkpoint of it was saved."
+                    ) from error
                 raise
             self.history.append(metrics)
             if (step + 1) % cfg.logging_steps == 0 or step + 1 == total:
                 _emit(callbacks, "on_step", metrics)
             if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-                self.owner.tag = f"checkpoint {step + 1}"
-                self.guarded(f"the checkpoint after step {step + 1}", lambda: self.save_checkpoint(step + 1))
+                owner.tag = f"checkpoint {step + 1}"
+                self.guarded(f"the checkpoint after step {step + 1}", functools.partial(self.save_checkpoint, step + 1))
                 saved_at = step + 1
             if preemption is not None and preemption.requested:
                 self._stop_on_sigterm(step + 1, saved_at)
@@ -561,20 +701,44 @@ class TrainingSession:
         # A run that can be continued is the default: the last step gets a checkpoint unless it has one already.
         end = max(total, self.start_step)
         if cfg.final_checkpoint and saved_at != end:
-            self.owner.tag = f"checkpoint {end}"
+            owner.tag = f"checkpoint {end}"
             self.guarded(f"the checkpoint after step {end}", lambda: self.save_checkpoint(end))
-        self.owner.tag = "final"
+        owner.tag = "final"
         final = self.guarded("saving the final model", self.save_final_model)
         latest = self.ckpt.latest()
         if self.runner is not None:
             self.runner.close()
-        summary = {"steps": total, "start_step": self.start_step, "history": self.history,
-                   "async": {"mode": self.async_mode, "note": self.async_note},
-                   "setup_seconds": self.setup_seconds, "final_model": final, "run_dir": self.prep.run_dir,
-                   "plan": self.prep.plan, "residency": self.prep.residency, "residency_log": self.owner.log}
+        summary = {
+            "steps": total,
+            "start_step": self.start_step,
+            "history": self.history,
+            "async": {"mode": self.async_mode, "note": self.async_note},
+            "setup_seconds": self.setup_seconds,
+            "final_model": final,
+            "run_dir": self.prep.run_dir,
+            "plan": self.prep.plan,
+            "residency": self.prep.residency,
+            "residency_log": owner.log,
+        }
         if latest is not None:  # only folders that exist: a summary never points at nothing
             summary.update(checkpoint_dir=self.ckpt.root, last_checkpoint=latest[0])
         return summary
+
+    @property
+    def started_owner(self) -> ResidencyOwner:
+        """The residency owner that :meth:`start` made (``owner`` is None before that; :meth:`close` checks it)."""
+        if self.owner is None:
+            raise RuntimeError("TrainingSession.start() makes the residency owner: call it first")
+        return self.owner
+
+    def _one_step(self, step: int, producer: AsyncRunner | None) -> dict[str, float]:
+        """Step ``step``: on the batch ``producer`` (the asynchronous runner) made for it, else generated now."""
+        if producer is not None:
+            return producer.step(step)
+        return self.guarded(
+            f"step {step + 1}",
+            lambda: run_step(self.ctx, step, self.prompts_for(step), self.sampling(step)),
+        )[0]
 
     def _stop_on_sigterm(self, done: int, saved_at: int | None) -> None:
         """After the step SIGTERM let finish: its checkpoint (unless it has one), then :class:`~.failures.Terminated`.
@@ -582,12 +746,11 @@ class TrainingSession:
         from .failures import Terminated
 
         if saved_at != done:
-            self.owner.tag = f"checkpoint {done}"
+            self.started_owner.tag = f"checkpoint {done}"
             try:
                 self.guarded(f"the checkpoint after step {done} (on SIGTERM)", lambda: self.save_checkpoint(done))
             except HybridError as error:
-                raise Terminated(f"The checkpoint of step {done} on SIGTERM failed ({_first_line(error)}).") \
-                    from error
+                raise Terminated(f"The checkpoint of step {done} on SIGTERM failed ({_first_line(error)}).") from error
             log.warning("SIGTERM: saved the checkpoint of step %d", done)
         raise Terminated()
 
@@ -617,7 +780,8 @@ class TrainingSession:
 
         from .placement import replan
 
-        owner, guard = self.owner, self.owner.guard
+        owner = self.started_owner
+        guard = owner.guard
         plan = owner.plan
         if guard is None or not guard.enabled:
             return {}
@@ -628,15 +792,25 @@ class TrainingSession:
             if reading is None:
                 return {}
             used[gpu] = reading.total - reading.free
-        result = refine_plan(plan, used, phase=owner.phase, on_gpu=owner.on_gpu(), after_step=after_step,
-                             replan=lambda overhead: replan(self.config, plan.layout, plan.gpu_bytes,
-                                                            overhead=overhead, host=plan.host, phases=plan.phases))
+        result = refine_plan(
+            plan,
+            used,
+            phase=owner.phase,
+            on_gpu=owner.on_gpu(),
+            after_step=after_step,
+            replan=lambda overhead: replan(
+                self.config, plan.layout, plan.gpu_bytes, overhead=overhead, host=plan.host, phases=plan.phases
+            ),
+        )
         metrics = {"residency/overhead_gib": result.largest / 2**30, "residency/replanned": float(result.changed)}
         if not result.replanned:
             return metrics
         refined = result.plan
-        trims = [(g, "set_residency", (refined.move(g.role, "cache") == "release",)) for g in self.groups
-                 if refined.move(g.role, "cache") != plan.move(g.role, "cache")]
+        trims = [
+            (g, "set_residency", (refined.move(g.role, "cache") == "release",))
+            for g in self.groups
+            if refined.move(g.role, "cache") != plan.move(g.role, "cache")
+        ]
         if trims:  # a role that now trims its allocator cache after each phase (or keeps it) is told so
             self._call_all(trims)
         owner.plan = self.prep.residency = refined
@@ -676,8 +850,13 @@ class TrainingSession:
             request_dump(where["pid"], where.get("node_ip"))
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, "stacks-index.txt"), "a") as f:  # which pid is which engine
-            f.write("".join(f"{time.strftime('%H:%M:%S')} rollout engine {r}: pid {w['pid']} on {w.get('node_ip')} "
-                            f"-> stacks-pid{w['pid']}.txt\n" for r, w in enumerate(self.engine_where)))
+            f.write(
+                "".join(
+                    f"{time.strftime('%H:%M:%S')} rollout engine {r}: pid {w['pid']} on {w.get('node_ip')} "
+                    f"-> stacks-pid{w['pid']}.txt\n"
+                    for r, w in enumerate(self.engine_where)
+                )
+            )
         time.sleep(0.5)  # the signal handlers write asynchronously
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
@@ -686,18 +865,23 @@ class TrainingSession:
         from .resume import essentials
 
         kl = self.ctx.kl_controller
-        return {"next_step": next_step, "kl": kl.state_dict() if kl is not None else None,
-                "reward_norm": self.reward.state_dict(), "history": self.history, "config": self.config.to_dict(),
-                "essentials": essentials(self.config),
-                # batches generated ahead of the trainer (asynchronous training): a resumed run trains on them
-                "async_queue": self.runner.state(next_step) if self.runner is not None else []}
+        return {
+            "next_step": next_step,
+            "kl": kl.state_dict() if kl is not None else None,
+            "reward_norm": self.reward.state_dict(),
+            "history": self.history,
+            "config": self.config.to_dict(),
+            "essentials": essentials(self.config),
+            # batches generated ahead of the trainer (asynchronous training): a resumed run trains on them
+            "async_queue": self.runner.state(next_step) if self.runner is not None else [],
+        }
 
     def save_checkpoint(self, next_step: int) -> str:
         def save_roles(folder: str) -> None:
             for group in (self.actor, self.critic):
                 if group is not None:
                     # DeepSpeed saves from the GPU
-                    self.owner.to_phase_state(_train_phase(self.prep.recipe, group.role))
+                    self.started_owner.to_phase_state(_train_phase(self.prep.recipe, group.role))
                     group.call("save_checkpoint", os.path.join(folder, group.role), "state")
 
         return self.ckpt.save(next_step, save_roles, self.driver_state(next_step))
@@ -707,7 +891,9 @@ class TrainingSession:
         path, state = point.path, point.state
         for group in (self.actor, self.critic):
             if group is not None:
-                self.owner.to_phase_state(_train_phase(self.prep.recipe, group.role))  # DeepSpeed loads into the GPU
+                self.started_owner.to_phase_state(
+                    _train_phase(self.prep.recipe, group.role)
+                )  # DeepSpeed loads into the GPU
                 group.call("load_checkpoint", os.path.join(path, group.role), "state")
         if self.ctx.kl_controller is not None and state["kl"] is not None:
             self.ctx.kl_controller.load_state_dict(state["kl"])
@@ -720,11 +906,14 @@ class TrainingSession:
         drop_steps_from(os.path.join(self.prep.run_dir, "timeline.jsonl"), self.start_step)
         self.restored_queue = list(state.get("async_queue") or [])
         if self.restored_queue and not self.config.async_train:
-            log.warning("the checkpoint holds %d batches generated ahead (--async_train); this run is synchronous "
-                        "and generates them again", len(self.restored_queue))
+            log.warning(
+                "the checkpoint holds %d batches generated ahead (--async_train); this run is synchronous "
+                "and generates them again",
+                len(self.restored_queue),
+            )
         # The engines still hold the pretrained weights: give them the restored actor's. The first step's phases
         # then move everything where the plan wants it, as after any sync.
-        self.owner.to_phase_state("sync")
+        self.started_owner.to_phase_state("sync")
         self.weight_sync.sync(wake_engines=False)
         log.info("resumed from %s at step %d", path, self.start_step)
 
@@ -735,14 +924,16 @@ class TrainingSession:
         final = os.path.join(self.prep.run_dir, "final")
         tmp = f"{final}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            self.owner.to_phase_state("actor_train")  # the actor's weights on its GPUs: it saves from there
+            self.started_owner.to_phase_state("actor_train")  # the actor's weights on its GPUs: it saves from there
             self.actor.call("save_pretrained", tmp, self.prep.model_path)
         except BaseException as error:
             shutil.rmtree(tmp, ignore_errors=True)  # an interrupted or failed save leaves nothing half-written
             if isinstance(error, Exception) and out_of_space(error, self.prep.run_dir):
-                raise CheckpointError(f"no space left on device: the final model did not fit in {self.prep.run_dir}. "
-                                      "Fix: free disk space (or keep fewer checkpoints: --max_ckpt_num), then "
-                                      "--resume to save it.") from error
+                raise CheckpointError(
+                    f"no space left on device: the final model did not fit in {self.prep.run_dir}. "
+                    "Fix: free disk space (or keep fewer checkpoints: --max_ckpt_num), then "
+                    "--resume to save it."
+                ) from error
             raise
         if os.path.exists(final):
             shutil.rmtree(final)
@@ -759,12 +950,14 @@ class TrainingSession:
             self.runner.close()
         if self.timeline is not None:
             self.timeline.close()
-        if getattr(self, "agent", None) is not None:  # the environments' event loop: a local thread
-            self.agent.close()
+        agent = getattr(self, "agent", None)
+        if agent is not None:  # the environments' event loop: a local thread
+            agent.close()
         if cluster_lost:  # every Ray call would wait out its timeout: Ray's shutdown ends the local processes
             return
-        if getattr(self, "owner", None) is not None:
-            self.owner.release_turn_quietly()
+        owner = getattr(self, "owner", None)
+        if owner is not None:
+            owner.release_turn_quietly()
         if getattr(self, "weight_sync", None) is not None:
             try:
                 self.weight_sync.close()

@@ -41,16 +41,21 @@ def has_content(path: str) -> bool:
     """Whether ``path`` holds anything to lose: a non-empty file, or a folder with such a file somewhere in it."""
     if os.path.isfile(path) or os.path.islink(path):
         return os.path.islink(path) or os.path.getsize(path) > 0
-    for _, _, files in os.walk(path):
-        if files:
-            return True
-    return False
+    return any(files for _, _, files in os.walk(path))
 
 
 def _write(run_dir: str, items: list[str]) -> None:
     path = os.path.join(run_dir, MARKS)
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"written_by": "hybrid", "note": "items of this folder written by hybrid runs: --overwrite deletes "
-                   "these and nothing else", "updated": time.time(), "items": items}, f, indent=1)
+        json.dump(
+            {
+                "written_by": "hybrid",
+                "note": "items of this folder written by hybrid runs: --overwrite deletes these and nothing else",
+                "updated": time.time(),
+                "items": items,
+            },
+            f,
+            indent=1,
+        )
     os.replace(tmp, path)

@@ -10,19 +10,28 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal, overload
 
 from hybrid_core.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tiktoken.model")
 
 
+@overload
+def read_json(field: str, path: str, *, required: Literal[True] = ...) -> dict[str, Any]: ...
+@overload
+def read_json(field: str, path: str, *, required: bool) -> dict[str, Any] | None: ...
+
+
 def read_json(field: str, path: str, *, required: bool = True) -> dict[str, Any] | None:
     """A JSON file of a model folder; a ConfigError names ``field``, the file and where it is broken."""
     if not os.path.exists(path):
         if required:
-            raise ConfigError(field, f"{os.path.dirname(path)} has no {os.path.basename(path)}.",
-                              "Give a Hugging Face model folder (config.json, weights and tokenizer files).")
+            raise ConfigError(
+                field,
+                f"{os.path.dirname(path)} has no {os.path.basename(path)}.",
+                "Give a Hugging Face model folder (config.json, weights and tokenizer files).",
+            )
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -30,13 +39,19 @@ def read_json(field: str, path: str, *, required: bool = True) -> dict[str, Any]
     except UnicodeDecodeError:
         raise ConfigError(field, f"{path} is not UTF-8 text.", "Restore the file from the model's source.") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(field, f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).",
-                          "Restore the file from the model's source (it may be truncated or edited by hand).") from None
+        raise ConfigError(
+            field,
+            f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).",
+            "Restore the file from the model's source (it may be truncated or edited by hand).",
+        ) from None
     except OSError as e:
         raise ConfigError(field, f"{path} cannot be read ({e.strerror}).", "Check the file's permissions.") from None
     if not isinstance(value, dict):
-        raise ConfigError(field, f"{path} holds a JSON {type(value).__name__}, not an object.",
-                          "Restore the file from the model's source.")
+        raise ConfigError(
+            field,
+            f"{path} holds a JSON {type(value).__name__}, not an object.",
+            "Restore the file from the model's source.",
+        )
     return value
 
 
@@ -44,19 +59,28 @@ def check_model_folder(field: str, path: str, *, trust_remote_code: bool) -> Non
     """``config.json`` reads, transformers knows the architecture, and shipped code is only run when allowed."""
     config = read_json(field, os.path.join(path, "config.json"))
     tokenizer_config = read_json(field, os.path.join(path, "tokenizer_config.json"), required=False) or {}
-    shipped = [f"{name}: auto_map" for name, cfg in (("config.json", config), ("tokenizer_config.json", tokenizer_config))
-               if cfg.get("auto_map")]
+    shipped = [
+        f"{name}: auto_map"
+        for name, cfg in (("config.json", config), ("tokenizer_config.json", tokenizer_config))
+        if cfg.get("auto_map")
+    ]
     if shipped and not trust_remote_code:
-        raise ConfigError("trust_remote_code", f"{path} ships its own Python code ({', '.join(shipped)}), which "
-                          "runs only with --trust_remote_code.", "Read that code, then add --trust_remote_code; or "
-                          "use a model whose architecture transformers has built in.")
+        raise ConfigError(
+            "trust_remote_code",
+            f"{path} ships its own Python code ({', '.join(shipped)}), which runs only with --trust_remote_code.",
+            "Read that code, then add --trust_remote_code; or "
+            "use a model whose architecture transformers has built in.",
+        )
     model_type = config.get("model_type")
     if not shipped:
         from transformers import CONFIG_MAPPING, __version__
 
         if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-            raise ConfigError(field, f"{path}/config.json has model_type {model_type!r}, which transformers "
-                              f"{__version__} does not know.", "Upgrade transformers, or check the model folder.")
+            raise ConfigError(
+                field,
+                f"{path}/config.json has model_type {model_type!r}, which transformers {__version__} does not know.",
+                "Upgrade transformers, or check the model folder.",
+            )
 
 
 def check_reward_head(path: str, *, random_head: bool, trust_remote_code: bool) -> str | None:
@@ -71,23 +95,28 @@ def check_reward_head(path: str, *, random_head: bool, trust_remote_code: bool) 
         return None
     missing = [n for n in head if n not in names]
     if not missing:
-        return f"--reward_random_head: not used: {path} has its reward head ({', '.join(head)})." if random_head \
-            else None
+        return (
+            f"--reward_random_head: not used: {path} has its reward head ({', '.join(head)})." if random_head else None
+        )
     config = read_json("reward_pretrain", os.path.join(path, "config.json")) or {}
     architectures = ", ".join(a for a in config.get("architectures") or () if isinstance(a, str)) or "no architectures"
     what = "a causal LM" if architectures.endswith("ForCausalLM") else "a model"
     heads = {*_HEAD_LIKE, *(n.split(".")[0] for n in missing)}
     others = sorted(n for n in names if n.split(".")[0] in heads)  # e.g. lm_head.weight, or value_head.weight
     instead = f"; it has {', '.join(others[:4])}" if others else ""
-    problem = (f"{path} holds {what} ({architectures}): its weights have no reward head ({', '.join(missing)} "
-               f"missing{instead})")
+    problem = (
+        f"{path} holds {what} ({architectures}): its weights have no reward head ({', '.join(missing)} "
+        f"missing{instead})"
+    )
     if random_head:
         return f"--reward_random_head: {problem}; the head is initialised at random (its rewards are noise)."
-    raise ConfigError("reward_pretrain", f"{problem}; the reward model would score with a random head (rewards "
-                      "that are noise).",
-                      "Give a reward model: a sequence-classification folder with its trained head (OpenRLHF's "
-                      "train_rm saves one, value_head_prefix 'score'), or use a rule reward (--reward_fn); or pass "
-                      "--reward_random_head to score with a randomly initialised head (tests and benchmarks only).")
+    raise ConfigError(
+        "reward_pretrain",
+        f"{problem}; the reward model would score with a random head (rewards that are noise).",
+        "Give a reward model: a sequence-classification folder with its trained head (OpenRLHF's "
+        "train_rm saves one, value_head_prefix 'score'), or use a rule reward (--reward_fn); or pass "
+        "--reward_random_head to score with a randomly initialised head (tests and benchmarks only).",
+    )
 
 
 #: First parts of weight names that are a model's head, not its backbone: named when the reward head is missing.
@@ -146,8 +175,11 @@ def _safetensors_names(path: str) -> set[str]:
                 raise ValueError(f"header of {length} bytes")
             header = json.loads(f.read(length))
     except (OSError, ValueError, struct.error) as e:
-        raise ConfigError("reward_pretrain", f"{path} is not a readable safetensors file ({e}).",
-                          "Restore the weights from the model's source (the file may be truncated).") from None
+        raise ConfigError(
+            "reward_pretrain",
+            f"{path} is not a readable safetensors file ({e}).",
+            "Restore the weights from the model's source (the file may be truncated).",
+        ) from None
     return {k for k in header if k != "__metadata__"}
 
 
@@ -159,10 +191,17 @@ def load_tokenizer(field: str, path: str, *, trust_remote_code: bool) -> Any:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises OSError, ValueError, TypeError, KeyError... for unreadable folders
         present = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(path, f))]
-        problem = (f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])}, ...)." if not present
-                   else f"the tokenizer in {path} cannot be loaded: {type(e).__name__}: {_first_line(e)}")
-        raise ConfigError(field, problem, "Copy the tokenizer files of the model (tokenizer.json, "
-                          "tokenizer_config.json, special_tokens_map.json) into the folder.") from None
+        problem = (
+            f"{path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES[:4])}, ...)."
+            if not present
+            else f"the tokenizer in {path} cannot be loaded: {type(e).__name__}: {_first_line(e)}"
+        )
+        raise ConfigError(
+            field,
+            problem,
+            "Copy the tokenizer files of the model (tokenizer.json, "
+            "tokenizer_config.json, special_tokens_map.json) into the folder.",
+        ) from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -63,8 +64,9 @@ class ModelInputs:
     shape: tuple[int, int]  # (B, R)
 
 
-def model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int, *,
-                 packed: bool = False) -> ModelInputs:
+def model_inputs(
+    sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int, *, packed: bool = False
+) -> ModelInputs:
     """The forward's inputs for ``[B, P+R]`` sequences, padded as they are or packed into one row."""
     B, T = sequences.shape
     R, P = response_len, sequences.shape[1] - response_len
@@ -74,8 +76,9 @@ def model_inputs(sequences: torch.Tensor, attention_mask: torch.Tensor, response
     targets = sequences[:, P:][rows, cols]
     if not packed:
         positions = rows * T + (P - 1 + cols)
-        return ModelInputs(sequences, attention_mask, position_ids_from_mask(attention_mask), positions, targets,
-                           rows, cols, (B, R))
+        return ModelInputs(
+            sequences, attention_mask, position_ids_from_mask(attention_mask), positions, targets, rows, cols, (B, R)
+        )
     lengths = valid.sum(-1)
     if bool((valid[:, :P].sum(-1) == 0).any()):
         raise ValueError("packing needs a prompt token before every response (a row has an empty prompt)")
@@ -134,8 +137,9 @@ def _apply_transform(logits: torch.Tensor, steps: tuple) -> torch.Tensor:
     return logits
 
 
-def _score_chunk(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, raw: bool,
-                 transform: tuple) -> tuple[torch.Tensor, ...]:
+def _score_chunk(
+    head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool, raw: bool, transform: tuple
+) -> tuple[torch.Tensor, ...]:
     logits = _apply_transform(head(hidden).float(), transform)
     out = []
     tempered = logits / temperature if temperature != 1.0 else logits
@@ -144,26 +148,34 @@ def _score_chunk(head, hidden: torch.Tensor, targets: torch.Tensor, temperature:
     if entropy:
         out.append(lse - (torch.softmax(tempered, dim=-1) * tempered).sum(-1))
     if raw:
-        out.append(out[0] if temperature == 1.0 else
-                   logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+        out.append(
+            out[0]
+            if temperature == 1.0
+            else logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+        )
     return tuple(out)
 
 
-def chunked_token_scores(head: torch.nn.Module, hidden: torch.Tensor, req: TokenScoresRequest,
-                         transform: tuple = ()) -> tuple[torch.Tensor, ...]:
+def chunked_token_scores(
+    head: torch.nn.Module, hidden: torch.Tensor, req: TokenScoresRequest, transform: tuple = ()
+) -> tuple[torch.Tensor, ...]:
     """``(logprobs, [entropy], [raw logprobs])`` of ``req.targets`` from ``hidden`` ``[M, H]``, a chunk at a time."""
     weight = getattr(head, "weight", None)
     # ZeRO-3 partitions the weight (its local shape is empty); the full shape is kept in ds_shape
-    vocab = int(weight.ds_shape[0]) if hasattr(weight, "ds_shape") else int(weight.shape[0]) if weight is not None \
-        else 32000
+    vocab = (
+        32000 if weight is None else int(weight.ds_shape[0]) if hasattr(weight, "ds_shape") else int(weight.shape[0])
+    )
     chunk = max(1, req.chunk_bytes // (4 * vocab))
     checkpoint = torch.is_grad_enabled() and hidden.requires_grad
     parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, hidden.shape[0], chunk):
         h, t = hidden[start : start + chunk], req.targets[start : start + chunk]
         if checkpoint:  # recompute this chunk's logits in the backward pass instead of keeping them
-            parts.append(torch.utils.checkpoint.checkpoint(_score_chunk, head, h, t, req.temperature, req.entropy,
-                                                           req.raw, transform, use_reentrant=False))
+            parts.append(
+                torch.utils.checkpoint.checkpoint(
+                    _score_chunk, head, h, t, req.temperature, req.entropy, req.raw, transform, use_reentrant=False
+                )
+            )
         else:
             parts.append(_score_chunk(head, h, t, req.temperature, req.entropy, req.raw, transform))
     n = 1 + req.entropy + req.raw
@@ -217,11 +229,20 @@ def _chunked_matches_full(model, hf, inputs: ModelInputs, temperature: float) ->
     try:
         with torch.no_grad():
             req = TokenScoresRequest(keep, targets, temperature)
-            mine = model(input_ids=inputs.input_ids[:1], attention_mask=_first(inputs.attention_mask),
-                         position_ids=inputs.position_ids[:1], token_scores=req)[0]
+            mine = model(
+                input_ids=inputs.input_ids[:1],
+                attention_mask=_first(inputs.attention_mask),
+                position_ids=inputs.position_ids[:1],
+                token_scores=req,
+            )[0]
             try:
-                out = model(input_ids=inputs.input_ids[:1], attention_mask=_first(inputs.attention_mask),
-                            position_ids=inputs.position_ids[:1], use_cache=False, logits_to_keep=keep)
+                out = model(
+                    input_ids=inputs.input_ids[:1],
+                    attention_mask=_first(inputs.attention_mask),
+                    position_ids=inputs.position_ids[:1],
+                    use_cache=False,
+                    logits_to_keep=keep,
+                )
             except TypeError:
                 return True
             logits = out.logits[0].float() / temperature
@@ -230,8 +251,11 @@ def _chunked_matches_full(model, hf, inputs: ModelInputs, temperature: float) ->
         hf.train(was_training)
     ok = bool(torch.allclose(mine, theirs, rtol=1e-3, atol=1e-3))
     if not ok:
-        log.warning("%s: chunked log-probs differ from the model's own logits (an output transform this code does "
-                    "not know); computing full logits for this model", type(hf).__name__)
+        log.warning(
+            "%s: chunked log-probs differ from the model's own logits (an output transform this code does "
+            "not know); computing full logits for this model",
+            type(hf).__name__,
+        )
     return ok
 
 
@@ -249,10 +273,25 @@ class TokenScores:
     entropy: torch.Tensor | None = None
     raw_logprobs: torch.Tensor | None = None
 
+    def raw(self) -> torch.Tensor:
+        """``raw_logprobs``, of a forward that was asked for them (``raw=True``)."""
+        if self.raw_logprobs is None:
+            raise RuntimeError("no temperature-1 log-probs: the forward was not asked for them (raw=True)")
+        return self.raw_logprobs
 
-def response_token_scores(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                          response_len: int, *, temperature: float = 1.0, entropy: bool = False, raw: bool = False,
-                          packed: bool = False, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> TokenScores:
+
+def response_token_scores(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    raw: bool = False,
+    packed: bool = False,
+    chunk_bytes: int = LOGITS_CHUNK_BYTES,
+) -> TokenScores:
     """Log-probs (and entropy, raw log-probs) of the response tokens under ``model`` (a transformers causal LM
     or a DeepSpeed engine holding one), in float32, without full-vocabulary logits for the micro-batch."""
     inputs = model_inputs(sequences, attention_mask, response_len, packed=packed)
@@ -266,84 +305,155 @@ def response_token_scores(model: torch.nn.Module, sequences: torch.Tensor, atten
         out = _full_logits_scores(model, inputs, temperature, entropy, raw)
     else:
         req = TokenScoresRequest(inputs.positions, inputs.targets, temperature, entropy, raw, chunk_bytes)
-        out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
-                    position_ids=inputs.position_ids, token_scores=req)
+        out = model(
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask,
+            position_ids=inputs.position_ids,
+            token_scores=req,
+        )
     out = [_scatter(x, inputs) for x in out]
     return TokenScores(out[0], out[1] if entropy else None, out[-1] if raw else None)
 
 
 def _full_logits_scores(model, inputs: ModelInputs, temperature: float, entropy: bool, raw: bool):
     """The fallback for models with an unknown output transform: full logits, then the same reductions."""
-    out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
-                use_cache=False)
+    out = model(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+    )
     logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, inputs.positions)
     return _score_chunk(lambda h: h, logits, inputs.targets, temperature, entropy, raw, ())
 
 
-def response_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,
-                      response_len: int, *, temperature: float = 1.0, return_entropy: bool = False,
-                      packed: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+@overload
+def response_logprobs(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    temperature: float = ...,
+    return_entropy: Literal[False] = ...,
+    packed: bool = ...,
+) -> torch.Tensor: ...
+@overload
+def response_logprobs(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    temperature: float = ...,
+    return_entropy: Literal[True],
+    packed: bool = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    packed: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities ``[B, R]`` of the response tokens (the last ``response_len`` columns) under ``model``.
 
     Logits are divided by the sampling temperature, so the ratio in the PPO loss compares the distribution the
     samples were drawn from (temperature 0, greedy, is scored at 1). Float32, in chunks (see the module
     docstring); 0 at padding.
     """
-    scores = response_token_scores(model, sequences, attention_mask, response_len, temperature=temperature,
-                                   entropy=return_entropy, packed=packed)
+    scores = response_token_scores(
+        model, sequences, attention_mask, response_len, temperature=temperature, entropy=return_entropy, packed=packed
+    )
     return (scores.logprobs, scores.entropy) if return_entropy else scores.logprobs
 
 
-def response_values(critic: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int,
-                    *, packed: bool = False) -> torch.Tensor:
+def response_values(
+    critic: torch.nn.Module,
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    packed: bool = False,
+) -> torch.Tensor:
     """Per-token values ``[B, R]``: the critic's estimate at the state before each response token (0 at padding)."""
     inputs = model_inputs(sequences, attention_mask, response_len, packed=packed)
     if packed:
         install_packed_attention(_unwrap(critic))
-    out = critic(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, position_ids=inputs.position_ids,
-                 use_cache=False)
+    out = critic(
+        input_ids=inputs.input_ids,
+        attention_mask=inputs.attention_mask,
+        position_ids=inputs.position_ids,
+        use_cache=False,
+    )
     values = out.logits[..., 0].reshape(-1).index_select(0, inputs.positions).float()
     return _scatter(values, inputs)
 
 
-def sequence_scores(reward_model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(
+    reward_model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """One scalar per sequence from a sequence-classification reward model, read at the last real token."""
-    out = reward_model(input_ids=sequences, attention_mask=attention_mask,
-                       position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+    out = reward_model(
+        input_ids=sequences,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    )
     return out.logits[:, 0].float()
 
 
-def load_causal_lm(path: str, *, dtype: torch.dtype, attn_implementation: str | None = None,
-                   gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
+def load_causal_lm(
+    path: str,
+    *,
+    dtype: torch.dtype,
+    attn_implementation: str | None = None,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                 trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     return install_token_scores(model)
 
 
-def load_critic(path: str, *, dtype: torch.dtype, attn_implementation: str | None = None,
-                gradient_checkpointing: bool = False, trust_remote_code: bool = False) -> torch.nn.Module:
+def load_critic(
+    path: str,
+    *,
+    dtype: torch.dtype,
+    attn_implementation: str | None = None,
+    gradient_checkpointing: bool = False,
+    trust_remote_code: bool = False,
+) -> torch.nn.Module:
     """A value model: the backbone of ``path`` with a one-output token head (new head when ``path`` is a policy)."""
     from transformers import AutoModelForTokenClassification
 
-    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                            attn_implementation=attn_implementation,
-                                                            trust_remote_code=trust_remote_code)
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def load_reward_model(path: str, *, dtype: torch.dtype, attn_implementation: str | None = None,
-                      trust_remote_code: bool = False) -> torch.nn.Module:
+def load_reward_model(
+    path: str, *, dtype: torch.dtype, attn_implementation: str | None = None, trust_remote_code: bool = False
+) -> torch.nn.Module:
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                               trust_remote_code=trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
     if model.config.pad_token_id is None:
         raise ValueError(f"reward model at {path} has no pad_token_id; it cannot find the last token of a batch.")
     return model.eval().requires_grad_(False)

@@ -27,6 +27,7 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,8 +80,10 @@ def segments_from_position_ids(position_ids: torch.Tensor) -> Segments:
     starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     idx = starts.reshape(-1).nonzero().reshape(-1).tolist()  # the one host sync, cached on the tensor below
     total = pos.numel()
-    return Segments(torch.tensor([*idx, total], dtype=torch.int32, device=pos.device),
-                    tuple(b - a for a, b in zip(idx, [*idx[1:], total])))
+    return Segments(
+        torch.tensor([*idx, total], dtype=torch.int32, device=pos.device),
+        tuple(b - a for a, b in zip(idx, [*idx[1:], total])),
+    )
 
 
 def attach_segments(position_ids: torch.Tensor, segments: Segments) -> torch.Tensor:
@@ -107,8 +110,9 @@ def _varlen_fn():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def varlen_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float,
-                       sliding_window: int | None) -> str | None:
+def varlen_unsupported(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, sliding_window: int | None
+) -> str | None:
     """Why the varlen kernel cannot run this call (None: it can)."""
     fn, params = _varlen_fn()
     if fn is None:
@@ -133,8 +137,9 @@ def varlen_unsupported(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return None
 
 
-def varlen_attention(query, key, value, segments: Segments, scaling: float | None,
-                     sliding_window: int | None) -> torch.Tensor:
+def varlen_attention(
+    query, key, value, segments: Segments, scaling: float | None, sliding_window: int | None
+) -> torch.Tensor:
     """``[B, H, N, D]`` in (one flattened packed row), ``[B, N, H, D]`` out: one varlen flash call."""
     fn, params = _varlen_fn()
     B, Hq, N, D = query.shape
@@ -142,7 +147,7 @@ def varlen_attention(query, key, value, segments: Segments, scaling: float | Non
     q = query.transpose(1, 2).reshape(B * N, Hq, D).contiguous()
     k = key.transpose(1, 2).reshape(B * N, Hkv, D).contiguous()
     v = value.transpose(1, 2).reshape(B * N, Hkv, D).contiguous()
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if Hq != Hkv:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
@@ -162,11 +167,12 @@ def varlen_attention(query, key, value, segments: Segments, scaling: float | Non
     return out.reshape(B, N, Hq, D)
 
 
-def segment_attention(query, key, value, segments: Segments, scaling: float | None, dropout: float,
-                      sliding_window: int | None) -> torch.Tensor:
+def segment_attention(
+    query, key, value, segments: Segments, scaling: float | None, dropout: float, sliding_window: int | None
+) -> torch.Tensor:
     """``[B, H, N, D]`` in, ``[B, N, H, D]`` out: causal SDPA over each sample on its own (a mask of one sample's
     length only when a sliding window is shorter than it)."""
-    B, Hq, N, D = query.shape
+    B, Hq, N, _ = query.shape
     flat = lambda t: t if B == 1 else t.transpose(0, 1).reshape(1, t.shape[1], B * N, t.shape[-1])  # noqa: E731
     q, k, v = flat(query), flat(key), flat(value)
     gqa = {"enable_gqa": True} if k.shape[1] != Hq else {}
@@ -179,17 +185,33 @@ def segment_attention(query, key, value, segments: Segments, scaling: float | No
             i = torch.arange(n, device=q.device)
             mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - int(sliding_window))
             causal = False
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, sl], k[:, :, sl], v[:, :, sl], attn_mask=mask, dropout_p=dropout, is_causal=causal,
-            scale=scaling, **gqa))
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, sl],
+                k[:, :, sl],
+                v[:, :, sl],
+                attn_mask=mask,
+                dropout_p=dropout,
+                is_causal=causal,
+                scale=scaling,
+                **gqa,
+            )
+        )
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
     return out.transpose(1, 2).reshape(B, N, Hq, value.shape[-1])
 
 
 # ---- the function transformers calls ----------------------------------------------------------------------------
-def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             **kwargs) -> tuple[torch.Tensor, None]:
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: ``query`` ``[B, Hq, N, D]``, ``key`` / ``value`` ``[B, Hkv, N, D]``;
     returns ``([B, N, Hq, D], None)`` as its sdpa does."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -200,20 +222,26 @@ def packed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     # a mask (padded rows), decoding against a cache, no positions, or a bidirectional module: not a packed forward
     if attention_mask is not None or position_ids is None or not causal or query.shape[2] != key.shape[2]:
         CALLS["sdpa"] += 1
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if kwargs.get("softcap") is not None:
-        raise ValueError(f"--packing_samples: {type(module).__name__} soft-caps its attention logits "
-                         f"(softcap={kwargs['softcap']}), which the packed attention does not do; train this model "
-                         "without --packing_samples, or with --flash_attn and the flash-attn package")
+        raise ValueError(
+            f"--packing_samples: {type(module).__name__} soft-caps its attention logits "
+            f"(softcap={kwargs['softcap']}), which the packed attention does not do; train this model "
+            "without --packing_samples, or with --flash_attn and the flash-attn package"
+        )
     segments = segments_of(position_ids)
     if len(segments.lengths) == query.shape[0]:  # one sample per row: plain causal attention
         CALLS["sdpa"] += 1
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
     sliding_window = kwargs.get("sliding_window")
     chosen = mode()
-    why_not = varlen_unsupported(query, key, value, dropout, sliding_window) if chosen in ("auto", "varlen") \
+    why_not = (
+        varlen_unsupported(query, key, value, dropout, sliding_window)
+        if chosen in ("auto", "varlen")
         else f"{ENV}={chosen}"
+    )
     if chosen == "varlen" and why_not:
         raise RuntimeError(f"{ENV}=varlen: {why_not}; use {ENV}=auto (falls back to a loop over the samples)")
     if not why_not:
@@ -253,15 +281,21 @@ def install(model: torch.nn.Module) -> str:
         return current
     if current != "sdpa":
         if not getattr(model, "_hybrid_packed_note", False):
-            log.info("%s uses %s attention: packed rows go through transformers' own %s path", type(model).__name__,
-                     current, current)
+            log.info(
+                "%s uses %s attention: packed rows go through transformers' own %s path",
+                type(model).__name__,
+                current,
+                current,
+            )
             model._hybrid_packed_note = True
         return current
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
-        raise ValueError(f"--packing_samples: {type(model).__name__} soft-caps its attention logits "
-                         f"(attn_logit_softcapping={softcap}), which the packed attention does not do; train it "
-                         "without --packing_samples, or with --flash_attn and the flash-attn package")
+        raise ValueError(
+            f"--packing_samples: {type(model).__name__} soft-caps its attention logits "
+            f"(attn_logit_softcapping={softcap}), which the packed attention does not do; train it "
+            "without --packing_samples, or with --flash_attn and the flash-attn package"
+        )
     register()
     config._attn_implementation = NAME
     return NAME

@@ -15,8 +15,17 @@ from typing import Any
 
 from hybrid_core.errors import ConfigError
 from hybrid_core.placement import PlacementPlan, PlacementSpec
-from hybrid_core.residency import (GiB, HostBudget, ModelShape, ResidencyPlan, Workload, build_layout, local_budget,
-                                   model_shape, plan_residency)
+from hybrid_core.residency import (
+    GiB,
+    HostBudget,
+    ModelShape,
+    ResidencyPlan,
+    Workload,
+    build_layout,
+    local_budget,
+    model_shape,
+    plan_residency,
+)
 from hybrid_core.residency.planner import check_sleepers
 
 from .config import RLConfig
@@ -34,12 +43,18 @@ def build_plan(cfg: RLConfig, recipe: Recipe | None = None) -> PlacementPlan:
         roles = {role: rng for role, rng in cfg.placement.items() if _role_used(recipe, role)}
         stray = [role for role in roles if not recipe.has(role)]
         if stray:
-            raise ConfigError(f"placement.{stray[0]}", f"the {recipe.name} recipe has no role {stray[0]!r} (its roles: "
-                              f"{', '.join(r.name for r in recipe.roles)}).", "Give GPU ranges to those roles only.")
-        return PlacementSpec.from_ranges(roles, tp={"rollout": cfg.vllm_tensor_parallel_size},
-                                         gpus_per_node=cfg.gpus_per_node).plan()
+            raise ConfigError(
+                f"placement.{stray[0]}",
+                f"the {recipe.name} recipe has no role {stray[0]!r} (its roles: "
+                f"{', '.join(r.name for r in recipe.roles)}).",
+                "Give GPU ranges to those roles only.",
+            )
+        return PlacementSpec.from_ranges(
+            roles, tp={"rollout": cfg.vllm_tensor_parallel_size}, gpus_per_node=cfg.gpus_per_node
+        ).plan()
     return PlacementSpec.from_counts(
-        actor_num_nodes=cfg.actor_num_nodes, actor_num_gpus_per_node=cfg.actor_num_gpus_per_node,
+        actor_num_nodes=cfg.actor_num_nodes,
+        actor_num_gpus_per_node=cfg.actor_num_gpus_per_node,
         critic_num_nodes=cfg.critic_num_nodes,
         critic_num_gpus_per_node=cfg.critic_num_gpus_per_node if recipe.has("critic") else 0,
         ref_num_nodes=cfg.ref_num_nodes,
@@ -48,8 +63,10 @@ def build_plan(cfg: RLConfig, recipe: Recipe | None = None) -> PlacementPlan:
         reward_num_gpus_per_node=cfg.reward_num_gpus_per_node if recipe.has("reward") else 0,
         vllm_num_engines=cfg.vllm_num_engines or cfg.actor_world_size,
         vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size if cfg.vllm_num_engines else 1,
-        colocate_all_models=cfg.colocate_all_models, colocate_actor_ref=cfg.colocate_actor_ref,
-        colocate_critic_reward=cfg.colocate_critic_reward, gpus_per_node=cfg.gpus_per_node,
+        colocate_all_models=cfg.colocate_all_models,
+        colocate_actor_ref=cfg.colocate_actor_ref,
+        colocate_critic_reward=cfg.colocate_critic_reward,
+        gpus_per_node=cfg.gpus_per_node,
         engines_on_actor=cfg.vllm_num_engines == 0,
     ).plan()
 
@@ -85,9 +102,17 @@ def host_memory(cfg: RLConfig, gpus_per_node: int | None = None) -> HostBudget:
     return local_budget(gpus_per_node)
 
 
-def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | None, *, prompt_len: int,
-                    generate_len: int, gpu_bytes: float | None = None,
-                    host: HostBudget | None = None, recipe: Recipe | None = None) -> tuple[ResidencyPlan, RLConfig]:
+def build_residency(
+    cfg: RLConfig,
+    placement: PlacementPlan,
+    model_path: str | None,
+    *,
+    prompt_len: int,
+    generate_len: int,
+    gpu_bytes: float | None = None,
+    host: HostBudget | None = None,
+    recipe: Recipe | None = None,
+) -> tuple[ResidencyPlan, RLConfig]:
     """The residency plan for this run, and the config the roles are built with (the planner may keep an optimizer
     in host memory: then ``adam_offload`` is on). ``prompt_len`` + ``generate_len``: the longest sequence. ``host``:
     each node's host memory (default: :func:`host_memory`); ``plan.check()`` refuses a plan that overfills it.
@@ -115,13 +140,17 @@ def build_residency(cfg: RLConfig, placement: PlacementPlan, model_path: str | N
             kept = kept if kept.fits() and not _cpu_adam(kept) else None
         if kept is None:
             cfg = demoted
-            notes.append("--zero_stage 3 with one rank per trainer partitions nothing: running ZeRO-1 (the same bytes "
-                         "per GPU, without ZeRO-3's per-layer gather and release)")
+            notes.append(
+                "--zero_stage 3 with one rank per trainer partitions nothing: running ZeRO-1 (the same bytes "
+                "per GPU, without ZeRO-3's per-layer gather and release)"
+            )
         else:
             plan = kept
-            notes.append("--zero_stage 3 with one rank per trainer: kept, although it partitions nothing (ZeRO-1 "
-                         "would keep the optimizer in host memory: its step holds a flat copy of all the gradients "
-                         "at once, ZeRO-3's one sub-group at a time)")
+            notes.append(
+                "--zero_stage 3 with one rank per trainer: kept, although it partitions nothing (ZeRO-1 "
+                "would keep the optimizer in host memory: its step holds a flat copy of all the gradients "
+                "at once, ZeRO-3's one sub-group at a time)"
+            )
     if plan is None:
         plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
     if cfg.bf16_master_weights:
@@ -138,10 +167,12 @@ def bf16_update_note(cfg: RLConfig) -> str:
     """What bf16 master weights cost in precision, with this run's learning rate."""
     rates = [cfg.actor_learning_rate] + ([cfg.critic_learning_rate] if cfg.uses_critic else [])
     lr = min(rates)
-    return (f"--bf16_master_weights: the optimizer updates the weights in bf16, so a step smaller than half of bf16's "
-            f"spacing at a weight (1/512 to 1/256 of its magnitude) is rounded away; Adam's steps are about the "
-            f"learning rate ({lr:g}), so weights above ~{256 * lr:.1e}-{512 * lr:.1e} in magnitude barely move (as "
-            "in any pure-bf16 trainer). The default fp32 master weights keep every step.")
+    return (
+        f"--bf16_master_weights: the optimizer updates the weights in bf16, so a step smaller than half of bf16's "
+        f"spacing at a weight (1/512 to 1/256 of its magnitude) is rounded away; Adam's steps are about the "
+        f"learning rate ({lr:g}), so weights above ~{256 * lr:.1e}-{512 * lr:.1e} in magnitude barely move (as "
+        "in any pure-bf16 trainer). The default fp32 master weights keep every step."
+    )
 
 
 def _cpu_adam(plan: ResidencyPlan) -> bool:
@@ -151,13 +182,15 @@ def _cpu_adam(plan: ResidencyPlan) -> bool:
 
 def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe: Recipe) -> ResidencyPlan:
     phases = recipe.residency_phases()
-    layout = build_layout(placement, shapes, workload(cfg, prompt_len, generate_len), gpu_bytes, kinds=recipe.kinds,
-                          phases=phases)
+    layout = build_layout(
+        placement, shapes, workload(cfg, prompt_len, generate_len), gpu_bytes, kinds=recipe.kinds, phases=phases
+    )
     return replan(cfg, layout, gpu_bytes, host=host, phases=phases)
 
 
-def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None, host: HostBudget | None = None,
-           phases=None) -> ResidencyPlan:
+def replan(
+    cfg: RLConfig, layout, gpu_bytes: float, overhead=None, host: HostBudget | None = None, phases=None
+) -> ResidencyPlan:
     """The plan for a sized layout under this config's residency settings (``overhead``: bytes measured per GPU
     beyond the model, by a run's first step; ``host``: each node's host memory, shown and checked by the plan;
     ``phases``: the step, default the config's recipe's -- a refinement passes the plan's own)."""
@@ -171,10 +204,20 @@ def replan(cfg: RLConfig, layout, gpu_bytes: float, overhead=None, host: HostBud
     sleeping = sleeping_roles(cfg, present, shared)
 
     def plan(pins):
-        return plan_residency(layout, gpu_bytes, phases=phases, mode=settings["mode"], pins=pins, sleep_roles=sleeping,
-                              engine_sleep_level=settings["engine_sleep_level"],
-                              usable=cfg.gpu_memory_usable, allow_host=cfg.zero_stage >= 1, overhead=overhead,
-                              sleep_fields=SLEEP_FLAGS, host=host)
+        return plan_residency(
+            layout,
+            gpu_bytes,
+            phases=phases,
+            mode=settings["mode"],
+            pins=pins,
+            sleep_roles=sleeping,
+            engine_sleep_level=settings["engine_sleep_level"],
+            usable=cfg.gpu_memory_usable,
+            allow_host=cfg.zero_stage >= 1,
+            overhead=overhead,
+            sleep_fields=SLEEP_FLAGS,
+            host=host,
+        )
 
     # --async_train on shared GPUs: first the plan that keeps the engines next to the trainer in every phase (they
     # then generate while it trains); where that does not fit, the usual plan (synchronous turns: async_rollout.py)
@@ -207,8 +250,13 @@ def check_sleep_flags(cfg: RLConfig, placement: PlacementPlan) -> None:
 
 
 #: The setting that asks each role to sleep (named by the planner's errors).
-SLEEP_FLAGS = {"rollout": "vllm_enable_sleep", "actor": "deepspeed_enable_sleep", "critic": "deepspeed_enable_sleep",
-               "reference": "ref_reward_offload", "reward": "ref_reward_offload"}
+SLEEP_FLAGS = {
+    "rollout": "vllm_enable_sleep",
+    "actor": "deepspeed_enable_sleep",
+    "critic": "deepspeed_enable_sleep",
+    "reference": "ref_reward_offload",
+    "reward": "ref_reward_offload",
+}
 
 
 def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
@@ -219,17 +267,25 @@ def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
     # an update of some trainer spans several micro-batches (ZeRO-2's CPU Adam then buffers gradients in host memory)
     ranks = min([cfg.actor_world_size] + ([cfg.critic_world_size] if cfg.uses_critic else []))
     accumulates = cfg.use_dynamic_batch or cfg.train_batch_size > cfg.micro_train_batch_size * ranks
-    return Workload(bf16=cfg.bf16, zero_stage=cfg.zero_stage, adam_offload=cfg.adam_offload,
-                    bf16_master_weights=cfg.bf16_master_weights, bf16_optimizer_states=cfg.bf16_optimizer_states,
-                    gradient_accumulation=accumulates,
-                    gradient_checkpointing=cfg.gradient_checkpointing,
-                    micro_train_batch_size=cfg.micro_train_batch_size,
-                    micro_rollout_batch_size=cfg.micro_rollout_batch_size, prompt_len=prompt_len,
-                    generate_len=generate_len, rollout_samples=cfg.samples_per_step,
-                    engine_pool=bool(getattr(engine_spec(cfg.backend), "MEMORY_POOL", False)),
-                    engine_memory_fraction=cfg.vllm_gpu_memory_utilization,
-                    sync_bucket_bytes=cfg.weight_sync_bucket_mb << 20, context_bytes=cfg.gpu_context_gb * GiB,
-                    logits_chunk_bytes=LOGITS_CHUNK_BYTES)
+    return Workload(
+        bf16=cfg.bf16,
+        zero_stage=cfg.zero_stage,
+        adam_offload=cfg.adam_offload,
+        bf16_master_weights=cfg.bf16_master_weights,
+        bf16_optimizer_states=cfg.bf16_optimizer_states,
+        gradient_accumulation=accumulates,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        micro_train_batch_size=cfg.micro_train_batch_size,
+        micro_rollout_batch_size=cfg.micro_rollout_batch_size,
+        prompt_len=prompt_len,
+        generate_len=generate_len,
+        rollout_samples=cfg.samples_per_step,
+        engine_pool=bool(getattr(engine_spec(cfg.backend), "MEMORY_POOL", False)),
+        engine_memory_fraction=cfg.vllm_gpu_memory_utilization,
+        sync_bucket_bytes=cfg.weight_sync_bucket_mb << 20,
+        context_bytes=cfg.gpu_context_gb * GiB,
+        logits_chunk_bytes=LOGITS_CHUNK_BYTES,
+    )
 
 
 def hf_config(path: str | None, cfg: RLConfig) -> Any:
@@ -243,8 +299,9 @@ def hf_config(path: str | None, cfg: RLConfig) -> Any:
     return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
 
 
-def role_models(cfg: RLConfig, roles: list[str], model_path: str | None = None,
-                recipe: Recipe | None = None) -> dict[str, ModelShape]:
+def role_models(
+    cfg: RLConfig, roles: list[str], model_path: str | None = None, recipe: Recipe | None = None
+) -> dict[str, ModelShape]:
     """The model shape of each role: of the folder its recipe entry loads (``RoleSpec.model``; the engines: the
     policy's), with a value head where the entry says so (critic, reward model)."""
     recipe = recipe or recipe_for(cfg)
@@ -253,6 +310,7 @@ def role_models(cfg: RLConfig, roles: list[str], model_path: str | None = None,
     for role in roles:
         spec = recipe.role(role)
         source = policy_path if spec.kind == "engine" else spec.model_folder(cfg, policy_path)
-        out[role] = model_shape(hf_config(source, cfg), value_head=spec.value_head,
-                                trust_remote_code=cfg.trust_remote_code)
+        out[role] = model_shape(
+            hf_config(source, cfg), value_head=spec.value_head, trust_remote_code=cfg.trust_remote_code
+        )
     return out

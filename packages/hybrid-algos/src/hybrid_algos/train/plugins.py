@@ -25,6 +25,7 @@ filesystem they all see (else the worker's error says so); a module name must be
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -32,8 +33,9 @@ import json
 import os
 import sys
 import types
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 
@@ -83,10 +85,11 @@ def prepare(value: str | None) -> list[Plugin]:
 
 def registered_here(loaded: Sequence[Plugin] = ()) -> list[Plugin]:
     """The modules outside hybrid that registered a loss or estimator in this process, as workers import them."""
-    from hybrid_algos import (get_advantage_estimator, get_policy_loss, list_advantage_estimators,
-                              list_policy_losses)
+    from hybrid_algos import get_advantage_estimator, get_policy_loss, list_advantage_estimators, list_policy_losses
 
-    entries = [("policy loss", n, get_policy_loss(n).fn) for n in list_policy_losses(False)]
+    entries: list[tuple[str, str, Callable[..., Any]]] = [
+        ("policy loss", n, get_policy_loss(n).fn) for n in list_policy_losses(False)
+    ]
     entries += [("advantage estimator", n, get_advantage_estimator(n).fn) for n in list_advantage_estimators(False)]
     known = {p.module for p in loaded}
     found: dict[str, Plugin] = {}
@@ -97,9 +100,12 @@ def registered_here(loaded: Sequence[Plugin] = ()) -> list[Plugin]:
         module = sys.modules.get(defined_in)
         file = getattr(module, "__file__", None)
         if not file or not os.path.isfile(file):
-            raise PluginError(FIELD, f"the {kind} {name!r} was registered in {defined_in!r}, which has no file the "
-                              "Ray workers could import (an interactive session or a notebook?).",
-                              "Put it in a .py file and name it: --plugins FILE.py.")
+            raise PluginError(
+                FIELD,
+                f"the {kind} {name!r} was registered in {defined_in!r}, which has no file the "
+                "Ray workers could import (an interactive session or a notebook?).",
+                "Put it in a .py file and name it: --plugins FILE.py.",
+            )
         file = os.path.abspath(file)
         if defined_in == "__main__":
             found[defined_in] = Plugin(DRIVER_SCRIPT, file, by_name=False)
@@ -113,21 +119,27 @@ def import_in_worker(where: str = "this worker", environ: Mapping[str, str] | No
     worker in errors."""
     raw = (os.environ if environ is None else environ).get(ENV) or ""
     names = []
-    for module, file, by_name in (json.loads(raw) if raw else []):
+    for module, file, by_name in json.loads(raw) if raw else []:
         names.append(module)
         if module in sys.modules:
             continue
         if by_name and _findable(module):
-            _guarded(lambda: importlib.import_module(module), module, where)
+            _guarded(functools.partial(importlib.import_module, module), module, where)
             continue
         if file is None:
-            raise PluginError(FIELD, f"{where}: cannot import module {module!r} (on this node).",
-                              "Install it on every node, or add its folder to PYTHONPATH (forwarded to the workers).")
+            raise PluginError(
+                FIELD,
+                f"{where}: cannot import module {module!r} (on this node).",
+                "Install it on every node, or add its folder to PYTHONPATH (forwarded to the workers).",
+            )
         if not os.path.isfile(file):
-            raise PluginError(FIELD, f"{where}: no file at {file} on this node (the driver imported it).",
-                              "Put the file on a filesystem every node sees, or install it as a package and name the "
-                              "module: --plugins my_pkg.losses.")
-        _guarded(lambda: _run_file(module, file), file, where)
+            raise PluginError(
+                FIELD,
+                f"{where}: no file at {file} on this node (the driver imported it).",
+                "Put the file on a filesystem every node sees, or install it as a package and name the "
+                "module: --plugins my_pkg.losses.",
+            )
+        _guarded(functools.partial(_run_file, module, file), file, where)
     return names
 
 
@@ -150,8 +162,11 @@ def _load_one(spec: str) -> Plugin:
     if not all(part.isidentifier() for part in spec.split(".")):
         raise PluginError(FIELD, f"{spec!r} is neither a .py file nor a module name.", _FIX)
     if not _findable(spec):
-        raise PluginError(FIELD, f"cannot find module {spec!r}.",
-                          "Make it importable (PYTHONPATH, which the workers get too) or give its .py file.")
+        raise PluginError(
+            FIELD,
+            f"cannot find module {spec!r}.",
+            "Make it importable (PYTHONPATH, which the workers get too) or give its .py file.",
+        )
     module = _guarded(lambda: importlib.import_module(spec), spec, None)
     file = getattr(module, "__file__", None)
     return Plugin(spec, os.path.abspath(file) if file else None, by_name=True)
@@ -194,5 +209,6 @@ def _guarded(run: Callable[[], Any], what: str, where: str | None) -> Any:
         raise
     except Exception as e:  # ImportError, SyntaxError, anything the file raises at import time
         at = f"{where}: " if where else ""
-        raise PluginError(FIELD, f"{at}importing {what!r} failed: {type(e).__name__}: {_message(e)}"
-                          f"{_user_frame(e)}.", _import_fix(e)) from None
+        raise PluginError(
+            FIELD, f"{at}importing {what!r} failed: {type(e).__name__}: {_message(e)}{_user_frame(e)}.", _import_fix(e)
+        ) from None

@@ -13,8 +13,9 @@ import cProfile
 import io
 import os
 import pstats
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -73,7 +74,10 @@ class WorkerProfiler:
         sections = []
         if torch.cuda.is_available():
             sections.append(("by device time (self)", "self_cuda_time_total"))
-        sections += [("by host time (total, with callees)", "cpu_time_total"), ("by host time (self)", "self_cpu_time_total")]
+        sections += [
+            ("by host time (total, with callees)", "cpu_time_total"),
+            ("by host time (self)", "self_cpu_time_total"),
+        ]
         path = os.path.join(folder, f"{name}.txt")
         with open(path, "w") as f:
             for title, key in sections:

@@ -41,7 +41,7 @@ class RoleSpec:
     name: str
     kind: str
     worker: Any = None
-    model: Sequence[str] | Callable[[Any, str], str | None] = (POLICY,)
+    model: Sequence[str] | Callable[[Any, str | None], str | None] = (POLICY,)
     value_head: bool = False
     when: Callable[[Any], bool] | None = None
 
@@ -49,8 +49,14 @@ class RoleSpec:
         if self.kind not in KIND_STATES:
             raise ValueError(f"role {self.name}: kind {self.kind!r} is not one of {', '.join(KIND_STATES)}")
         if (self.worker is None) != (self.kind == "engine"):
-            raise ValueError(f"role {self.name}: a {self.kind} " + ("has no worker class (the engines are launched "
-                             "by hybrid-engines)" if self.kind == "engine" else "needs a worker class"))
+            raise ValueError(
+                f"role {self.name}: a {self.kind} "
+                + (
+                    "has no worker class (the engines are launched by hybrid-engines)"
+                    if self.kind == "engine"
+                    else "needs a worker class"
+                )
+            )
 
     def worker_class(self) -> type:
         if not isinstance(self.worker, str):
@@ -114,8 +120,9 @@ class Recipe:
         for p in self.phases:
             unknown = sorted({*([] if p.driver else [p.role]), *p.needs} - set(names))  # a driver phase may lack it
             if unknown:
-                raise ValueError(f"recipe {self.name}, phase {p.name}: no role {', '.join(unknown)} "
-                                 f"(roles: {', '.join(names)})")
+                raise ValueError(
+                    f"recipe {self.name}, phase {p.name}: no role {', '.join(unknown)} (roles: {', '.join(names)})"
+                )
         check_phases(tuple(p.residency_phase() for p in self.phases), self.kinds)
 
     # ---- what a run of this recipe has -------------------------------------------------------------------------
@@ -128,8 +135,13 @@ class Recipe:
         for p in self.phases:
             if p.role not in names and not p.driver:
                 continue
-            phases.append(replace(p, needs={r: s for r, s in p.needs.items() if r in names},
-                                  holds={k: v for k, v in p.holds.items() if k[0] in names}))
+            phases.append(
+                replace(
+                    p,
+                    needs={r: s for r, s in p.needs.items() if r in names},
+                    holds={k: v for k, v in p.holds.items() if k[0] in names},
+                )
+            )
         return replace(self, roles=kept, phases=tuple(phases))
 
     def has(self, role: str) -> bool:

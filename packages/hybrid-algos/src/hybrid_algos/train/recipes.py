@@ -25,12 +25,24 @@ from .recipe import POLICY, PhaseSpec, Recipe, RoleSpec
 WORKERS = "hybrid_algos.train.workers"
 
 ACTOR = RoleSpec("actor", "trainer", f"{WORKERS}.policy:PolicyWorker")
-CRITIC = RoleSpec("critic", "trainer", f"{WORKERS}.critic:CriticWorker",
-                  model=("critic_pretrain", "reward_pretrain", POLICY), value_head=True)
-REFERENCE = RoleSpec("reference", "frozen", f"{WORKERS}.frozen:ReferenceWorker",
-                     when=lambda config: config.uses_reference)
-REWARD_MODEL = RoleSpec("reward", "frozen", f"{WORKERS}.frozen:RewardModelWorker", model=("reward_pretrain",),
-                        value_head=True, when=lambda config: config.reward_pretrain is not None)
+CRITIC = RoleSpec(
+    "critic",
+    "trainer",
+    f"{WORKERS}.critic:CriticWorker",
+    model=("critic_pretrain", "reward_pretrain", POLICY),
+    value_head=True,
+)
+REFERENCE = RoleSpec(
+    "reference", "frozen", f"{WORKERS}.frozen:ReferenceWorker", when=lambda config: config.uses_reference
+)
+REWARD_MODEL = RoleSpec(
+    "reward",
+    "frozen",
+    f"{WORKERS}.frozen:RewardModelWorker",
+    model=("reward_pretrain",),
+    value_head=True,
+    when=lambda config: config.reward_pretrain is not None,
+)
 ROLLOUT = RoleSpec("rollout", "engine")
 
 GENERATE = PhaseSpec("generate", "rollout", {"rollout": ("weights", "kv_cache")}, work=("generate",))
@@ -42,14 +54,23 @@ CRITIC_VALUES = PhaseSpec("critic_infer", "critic", {"critic": ("params",)}, wor
 ACTOR_TRAIN = PhaseSpec("actor_train", "actor", {"actor": ("params", "grads", "optimizer")}, work=("train", "infer"))
 #: the one moment two roles share the GPU on purpose: the actor's weights stream into the engines' weights, which
 #: must then stay until the next generate (a discard would lose them)
-SYNC = PhaseSpec("sync", "actor", {"actor": ("params",), "rollout": ("weights",)}, work=("sync",),
-                 holds={("rollout", "weights"): "generate"})
+SYNC = PhaseSpec(
+    "sync",
+    "actor",
+    {"actor": ("params",), "rollout": ("weights",)},
+    work=("sync",),
+    holds={("rollout", "weights"): "generate"},
+)
 CRITIC_TRAIN = PhaseSpec("critic_train", "critic", {"critic": ("params", "grads", "optimizer")}, work=("train",))
 
-PPO = Recipe("ppo", (ACTOR, CRITIC, REFERENCE, REWARD_MODEL, ROLLOUT),
-             (GENERATE, REWARD, REFERENCE_LOGPROBS, CRITIC_VALUES, ACTOR_TRAIN, SYNC, CRITIC_TRAIN))
-GRPO = Recipe("grpo", (ACTOR, REFERENCE, REWARD_MODEL, ROLLOUT),
-              (GENERATE, REWARD, REFERENCE_LOGPROBS, ACTOR_TRAIN, SYNC))
+PPO = Recipe(
+    "ppo",
+    (ACTOR, CRITIC, REFERENCE, REWARD_MODEL, ROLLOUT),
+    (GENERATE, REWARD, REFERENCE_LOGPROBS, CRITIC_VALUES, ACTOR_TRAIN, SYNC, CRITIC_TRAIN),
+)
+GRPO = Recipe(
+    "grpo", (ACTOR, REFERENCE, REWARD_MODEL, ROLLOUT), (GENERATE, REWARD, REFERENCE_LOGPROBS, ACTOR_TRAIN, SYNC)
+)
 REINFORCE_PP = Recipe("reinforce++", GRPO.roles, GRPO.phases)
 
 #: name -> recipe

@@ -10,15 +10,19 @@ become :data:`REDACTED`, and every other occurrence of those values in any strin
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 REDACTED = "<redacted>"
 
 #: ``--use_wandb`` values that only switch W&B on (its key then comes from ``wandb login`` / WANDB_API_KEY).
 SWITCH_VALUES = {"true", "1", "yes", "on", "false", "0", "no", "off", ""}
 #: Setting names whose values are credentials (``use_wandb`` is handled apart: it may be only a switch).
-_SECRET_NAME = re.compile(r"(^|_)(api_?key|secret|password|passwd|access_token|auth_token|hf_token|wandb_key|"
-                          r"credentials?)($|_)", re.IGNORECASE)
+_SECRET_NAME = re.compile(
+    r"(^|_)(api_?key|secret|password|passwd|access_token|auth_token|hf_token|wandb_key|"
+    r"credentials?)($|_)",
+    re.IGNORECASE,
+)
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)([^/\s@]+)(@)", re.IGNORECASE)
 _URL_QUERY_SECRET = re.compile(r"([?&](?:api_?key|key|token|access_token|secret|password)=)([^&\s#]+)", re.IGNORECASE)
 #: The values seen so far (a process writes several files of one run): also taken out of free text.
@@ -67,9 +71,9 @@ def redact(value: Any, secrets: Iterable[str] = ()) -> Any:
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
-            if k == "use_wandb" and is_wandb_key(v):
-                out[k] = REDACTED
-            elif isinstance(k, str) and secret_name(k) and isinstance(v, str) and v:
+            if (k == "use_wandb" and is_wandb_key(v)) or (
+                isinstance(k, str) and secret_name(k) and isinstance(v, str) and v
+            ):
                 out[k] = REDACTED
             else:
                 out[k] = redact(v, secrets)

@@ -24,7 +24,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from hybrid_core.errors import ConfigError, HybridError
@@ -47,12 +48,18 @@ def check_openrlhf_reward(spec: str) -> None:
         for url in split_urls(spec):
             parsed = urlparse(url)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
-                raise ConfigError("reward_fn", f"{url!r} is not an http(s) URL.",
-                                  "Give reward servers as http://HOST:PORT/PATH, separated by commas.")
+                raise ConfigError(
+                    "reward_fn",
+                    f"{url!r} is not an http(s) URL.",
+                    "Give reward servers as http://HOST:PORT/PATH, separated by commas.",
+                )
         return
     if not os.path.isfile(spec):
-        raise ConfigError("reward_fn", f"no reward file at {spec!r}.",
-                          f"Give a Python file that defines {FUNCTION}(queries, prompts, labels).")
+        raise ConfigError(
+            "reward_fn",
+            f"no reward file at {spec!r}.",
+            f"Give a Python file that defines {FUNCTION}(queries, prompts, labels).",
+        )
 
 
 def load_openrlhf_reward(spec: str) -> Callable[..., list[float]]:
@@ -82,14 +89,18 @@ class RewardFile:
         loader_spec.loader.exec_module(module)
         fn = getattr(module, FUNCTION, None)
         if not callable(fn):
-            raise ConfigError("reward_fn", f"{path!r} defines no {FUNCTION}(queries, prompts, labels), which "
-                              "OpenRLHF's reward files (--remote_rm_url FILE.py) provide.",
-                              f"Define {FUNCTION} in it, or name another function: --reward_fn {path}:NAME "
-                              "(hybrid's signature: fn(prompts, completions, **kw)).")
+            raise ConfigError(
+                "reward_fn",
+                f"{path!r} defines no {FUNCTION}(queries, prompts, labels), which "
+                "OpenRLHF's reward files (--remote_rm_url FILE.py) provide.",
+                f"Define {FUNCTION} in it, or name another function: --reward_fn {path}:NAME "
+                "(hybrid's signature: fn(prompts, completions, **kw)).",
+            )
         self.fn = fn
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], *, labels: Sequence[Any] = (),
-                 **_: Any) -> list[float]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], *, labels: Sequence[Any] = (), **_: Any
+    ) -> list[float]:
         labels = list(labels) or [None] * len(prompts)
         result = self.fn(_queries(prompts, completions), list(prompts), labels)
         return scores_of(result, len(prompts), f"{FUNCTION} in {self.path}")
@@ -103,14 +114,17 @@ class HttpReward:
 
     def __init__(self, urls: Sequence[str], *, timeout_s: float = 60.0, tries: int = 5, backoff_s: float = 1.0):
         if not urls:
-            raise ConfigError("reward_fn", "no reward server URL given.", "E.g. --reward_fn http://HOST:5000/get_reward.")
+            raise ConfigError(
+                "reward_fn", "no reward server URL given.", "E.g. --reward_fn http://HOST:5000/get_reward."
+            )
         self.urls = list(urls)
         self.timeout_s = timeout_s
         self.tries = tries
         self.backoff_s = backoff_s
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], *, labels: Sequence[Any] = (),
-                 **_: Any) -> list[float]:
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], *, labels: Sequence[Any] = (), **_: Any
+    ) -> list[float]:
         queries = _queries(prompts, completions)
         labels = list(labels) or [None] * len(queries)
         size = -(-len(queries) // len(self.urls))
@@ -124,8 +138,9 @@ class HttpReward:
         body = json.dumps(payload).encode("utf-8")
         last = ""
         for attempt in range(1, self.tries + 1):
-            request = urllib.request.Request(url, data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                url, data=body, method="POST", headers={"Content-Type": "application/json"}
+            )
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     text = response.read().decode("utf-8", errors="replace")
@@ -136,22 +151,29 @@ class HttpReward:
                     break
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
                 reason = getattr(e, "reason", e)
-                last = (f"no answer within {self.timeout_s:g} s" if isinstance(reason, TimeoutError)
-                        or "timed out" in str(reason) else f"{type(reason).__name__}: {reason}")
+                last = (
+                    f"no answer within {self.timeout_s:g} s"
+                    if isinstance(reason, TimeoutError) or "timed out" in str(reason)
+                    else f"{type(reason).__name__}: {reason}"
+                )
             else:
                 try:
                     answer = json.loads(text)
                 except json.JSONDecodeError:
-                    raise RewardServerError(f"reward server {url} answered something that is not JSON: "
-                                            f"{text[:200]!r}. It must answer {{\"rewards\": [...]}}, one score per "
-                                            "query.") from None
+                    raise RewardServerError(
+                        f"reward server {url} answered something that is not JSON: "
+                        f'{text[:200]!r}. It must answer {{"rewards": [...]}}, one score per '
+                        "query."
+                    ) from None
                 return scores_of(answer, len(payload["query"]), f"reward server {url}")
             if attempt < self.tries:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
-        raise RewardServerError(f"reward server {url} failed {attempt} time(s); last: {last}. Check that it runs and "
-                                "answers POST requests of {\"query\", \"prompts\", \"labels\"} with {\"rewards\": [...]} "
-                                f"(e.g. curl -X POST {url} -H 'Content-Type: application/json' "
-                                "-d '{\"query\": [\"x\"], \"prompts\": [\"x\"], \"labels\": [null]}').")
+        raise RewardServerError(
+            f"reward server {url} failed {attempt} time(s); last: {last}. Check that it runs and "
+            'answers POST requests of {"query", "prompts", "labels"} with {"rewards": [...]} '
+            f"(e.g. curl -X POST {url} -H 'Content-Type: application/json' "
+            '-d \'{"query": ["x"], "prompts": ["x"], "labels": [null]}\').'
+        )
 
     def __repr__(self) -> str:
         return f"HttpReward({', '.join(self.urls)})"
@@ -170,8 +192,10 @@ def _ask_all(ask: Callable[[str, dict], list[float]], payloads: Sequence[tuple[s
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             results[i] = ("error", e)
 
-    threads = [threading.Thread(target=one, args=(i, url, payload), name=f"hybrid-reward-server-{i}", daemon=True)
-               for i, (url, payload) in enumerate(payloads)]
+    threads = [
+        threading.Thread(target=one, args=(i, url, payload), name=f"hybrid-reward-server-{i}", daemon=True)
+        for i, (url, payload) in enumerate(payloads)
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -23,10 +23,32 @@ log = logging.getLogger(__name__)
 #: Must match between the run that wrote a checkpoint and the run that loads it.
 ESSENTIALS = ("algorithm", "uses_critic", "actor_world_size", "critic_world_size", "zero_stage", "tiny_model")
 #: Different from the checkpoint's: allowed, but said.
-NOTED = ("actor_learning_rate", "critic_learning_rate", "init_kl_coef", "kl_estimator", "use_kl_loss",
-         "n_samples_per_prompt", "rollout_batch_size", "train_batch_size", "max_epochs", "temperature", "seed",
-         "pretrain", "reward_pretrain", "reward_fn", "prompt_data", "task", "task_length", "bf16", "max_steps",
-         "lr_scheduler", "min_lr_ratio", "lr_warmup_ratio", "bf16_master_weights", "bf16_optimizer_states")
+NOTED = (
+    "actor_learning_rate",
+    "critic_learning_rate",
+    "init_kl_coef",
+    "kl_estimator",
+    "use_kl_loss",
+    "n_samples_per_prompt",
+    "rollout_batch_size",
+    "train_batch_size",
+    "max_epochs",
+    "temperature",
+    "seed",
+    "pretrain",
+    "reward_pretrain",
+    "reward_fn",
+    "prompt_data",
+    "task",
+    "task_length",
+    "bf16",
+    "max_steps",
+    "lr_scheduler",
+    "min_lr_ratio",
+    "lr_warmup_ratio",
+    "bf16_master_weights",
+    "bf16_optimizer_states",
+)
 
 
 @dataclass(frozen=True)
@@ -38,10 +60,15 @@ class ResumePoint:
 
 def essentials(config: Any) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it (plain data, compared on resume)."""
-    return {"algorithm": config.algorithm, "advantage_estimator": config.advantage_estimator,
-            "uses_critic": config.uses_critic, "actor_world_size": config.actor_world_size,
-            "critic_world_size": config.critic_world_size if config.uses_critic else 0,
-            "zero_stage": config.zero_stage, "tiny_model": dict(config.tiny_model) if config.pretrain is None else None}
+    return {
+        "algorithm": config.algorithm,
+        "advantage_estimator": config.advantage_estimator,
+        "uses_critic": config.uses_critic,
+        "actor_world_size": config.actor_world_size,
+        "critic_world_size": config.critic_world_size if config.uses_critic else 0,
+        "zero_stage": config.zero_stage,
+        "tiny_model": dict(config.tiny_model) if config.pretrain is None else None,
+    }
 
 
 def find_resume_point(config: Any, ckpt: CheckpointManager) -> ResumePoint | None:
@@ -52,16 +79,24 @@ def find_resume_point(config: Any, ckpt: CheckpointManager) -> ResumePoint | Non
     try:
         found = ckpt.resume_point(trusted=config.trust_checkpoint)
     except UnsafeCheckpoint as e:
-        raise ConfigError("resume", str(e) + ".", "Resume from a checkpoint you wrote, or start a fresh run (a new "
-                          "--save_path, or --overwrite).") from None
+        raise ConfigError(
+            "resume",
+            str(e) + ".",
+            "Resume from a checkpoint you wrote, or start a fresh run (a new --save_path, or --overwrite).",
+        ) from None
     except CheckpointError as e:
-        raise ConfigError("resume", str(e) + ".", "Point --ckpt_path at another run's checkpoints, or start a fresh "
-                          "run (a new --save_path, or --overwrite).") from None
+        raise ConfigError(
+            "resume",
+            str(e) + ".",
+            "Point --ckpt_path at another run's checkpoints, or start a fresh run (a new --save_path, or --overwrite).",
+        ) from None
     if found is None:
         if config.resume:
-            raise ConfigError("resume", f"no complete checkpoint under {ckpt.root}.",
-                              "Drop --resume to start fresh, or point --ckpt_path (or --save_path) at the run to "
-                              "continue.")
+            raise ConfigError(
+                "resume",
+                f"no complete checkpoint under {ckpt.root}.",
+                "Drop --resume to start fresh, or point --ckpt_path (or --save_path) at the run to continue.",
+            )
         log.info("--resume_if_exists: no checkpoint under %s, starting fresh", ckpt.root)
         return None
     path, step, state = found
@@ -75,22 +110,36 @@ def check_compatible(config: Any, state: dict[str, Any], path: str) -> None:
     mine = essentials(config)
     for key in ESSENTIALS:
         if key in saved and saved[key] != mine[key]:
-            raise ConfigError("resume", f"the checkpoint {path} was written by {_describe(saved)}, and this is "
-                              f"{_describe(mine)} ({key}: {saved[key]!r} there, {mine[key]!r} here).",
-                              f"Continue it with the same command and layout (hybrid {saved.get('algorithm', '?')} "
-                              "... --resume), or start this run in a fresh --save_path.")
+            raise ConfigError(
+                "resume",
+                f"the checkpoint {path} was written by {_describe(saved)}, and this is "
+                f"{_describe(mine)} ({key}: {saved[key]!r} there, {mine[key]!r} here).",
+                f"Continue it with the same command and layout (hybrid {saved.get('algorithm', '?')} "
+                "... --resume), or start this run in a fresh --save_path.",
+            )
     old = state.get("config") or {}
-    changed = [f"{k} {old[k]!r} -> {getattr(config, k)!r}" for k in NOTED
-               if k in old and _plain(old[k]) != _plain(getattr(config, k))]
+    changed = [
+        f"{k} {old[k]!r} -> {getattr(config, k)!r}"
+        for k in NOTED
+        if k in old and _plain(old[k]) != _plain(getattr(config, k))
+    ]
     if changed:
         log.warning("resuming %s with settings changed since it was saved: %s", path, "; ".join(changed))
     # The schedule is rebuilt from this run's settings and continued at the saved update: a decaying schedule over a
     # different number of steps puts the rate somewhere else than where the saved run left it.
-    if (getattr(config, "lr_scheduler", None) == "cosine_with_min_lr" and "max_steps" in old
-            and old["max_steps"] != getattr(config, "max_steps", None)):
-        log.warning("resuming %s with --max_steps %s (was %s): the cosine decay is spread over the new length from "
-                    "here on, so the learning rate moves up or down at the resumed step. Keep --max_steps to continue "
-                    "the saved schedule exactly.", path, getattr(config, "max_steps", None), old["max_steps"])
+    if (
+        getattr(config, "lr_scheduler", None) == "cosine_with_min_lr"
+        and "max_steps" in old
+        and old["max_steps"] != getattr(config, "max_steps", None)
+    ):
+        log.warning(
+            "resuming %s with --max_steps %s (was %s): the cosine decay is spread over the new length from "
+            "here on, so the learning rate moves up or down at the resumed step. Keep --max_steps to continue "
+            "the saved schedule exactly.",
+            path,
+            getattr(config, "max_steps", None),
+            old["max_steps"],
+        )
 
 
 def _essentials_of_old(config: dict[str, Any]) -> dict[str, Any]:
@@ -99,7 +148,8 @@ def _essentials_of_old(config: dict[str, Any]) -> dict[str, Any]:
         return {}
     estimator = config.get("advantage_estimator")
     out: dict[str, Any] = {"uses_critic": estimator == "gae"}
-    algorithm = {"gae": "ppo", "group_norm": "grpo", "grpo": "grpo", "reinforce": "reinforce"}.get(estimator)
+    algorithms: dict[Any, str] = {"gae": "ppo", "group_norm": "grpo", "grpo": "grpo", "reinforce": "reinforce"}
+    algorithm = algorithms.get(estimator)
     if algorithm:
         out["algorithm"] = algorithm
     if "zero_stage" in config:
@@ -109,8 +159,11 @@ def _essentials_of_old(config: dict[str, Any]) -> dict[str, Any]:
 
 def _describe(e: dict[str, Any]) -> str:
     critic = "with a critic" if e.get("uses_critic") else "no critic"
-    layout = f", {e['actor_world_size']} actor GPU(s), ZeRO-{e['zero_stage']}" if "zero_stage" in e and \
-        "actor_world_size" in e else ""
+    layout = (
+        f", {e['actor_world_size']} actor GPU(s), ZeRO-{e['zero_stage']}"
+        if "zero_stage" in e and "actor_world_size" in e
+        else ""
+    )
     return f"`hybrid {e.get('algorithm', '?')}` ({e.get('advantage_estimator', 'its estimator')}, {critic}{layout})"
 
 
@@ -153,6 +206,5 @@ def drop_steps_from(path: str, start_step: int) -> int:
     dropped = len(data[offset:].splitlines())
     if offset < len(data):
         os.truncate(path, offset)
-        log.info("%s: dropped %d line(s) of steps from %d on (done again after the resume)", path, dropped,
-                 start_step)
+        log.info("%s: dropped %d line(s) of steps from %d on (done again after the resume)", path, dropped, start_step)
     return dropped

@@ -21,7 +21,8 @@ import os
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import torch
 
@@ -52,7 +53,7 @@ _user_code = threading.local()  # .pid: set in a thread running a reward functio
 _os_exit = os._exit
 
 
-def _exit_or_refuse(status: int) -> None:
+def _exit_or_refuse(status: int) -> NoReturn:
     """``os._exit`` while reward functions run: from their thread it raises :class:`ExitCalled` -- the driver would
     end at once, with that status (0: the run looks complete) and no word of why; from any other thread, or from a
     process the function forked (multiprocessing's children end with ``os._exit``), it exits as always."""
@@ -74,8 +75,11 @@ def load_reward_fn(spec: str) -> Callable[..., list[float]]:
         if module_name.endswith(".py") or os.path.isfile(module_name):
             loader_spec = importlib.util.spec_from_file_location(f"hybrid_reward_{abs(hash(module_name))}", module_name)
             if loader_spec is None or loader_spec.loader is None:
-                raise ConfigError("reward_fn", f"cannot load {module_name!r} as a Python file.",
-                                  "Give a .py file or an importable module: --reward_fn path/to/file.py:function.")
+                raise ConfigError(
+                    "reward_fn",
+                    f"cannot load {module_name!r} as a Python file.",
+                    "Give a .py file or an importable module: --reward_fn path/to/file.py:function.",
+                )
             module = importlib.util.module_from_spec(loader_spec)
             loader_spec.loader.exec_module(module)
         else:
@@ -83,17 +87,23 @@ def load_reward_fn(spec: str) -> Callable[..., list[float]]:
     except ConfigError:
         raise
     except Exception as e:  # the user's module itself fails: ImportError, SyntaxError, anything at import time
-        raise ConfigError("reward_fn", f"importing {module_name!r} failed: {type(e).__name__}: {_message(e)}"
-                          f"{_user_frame(e, module_name)}.", _import_fix(e)) from None
+        raise ConfigError(
+            "reward_fn",
+            f"importing {module_name!r} failed: {type(e).__name__}: {_message(e)}{_user_frame(e, module_name)}.",
+            _import_fix(e),
+        ) from None
     fn = getattr(module, func_name, None)
     if not callable(fn):
-        raise ConfigError("reward_fn", f"{module_name!r} has no function {func_name!r}.",
-                          f"Define it there ({CALL_SHAPE}), or name another: --reward_fn {module_name}:NAME.")
+        raise ConfigError(
+            "reward_fn",
+            f"{module_name!r} has no function {func_name!r}.",
+            f"Define it there ({CALL_SHAPE}), or name another: --reward_fn {module_name}:NAME.",
+        )
     return fn
 
 
 def _import_fix(e: Exception) -> str:
-    if isinstance(e, ImportError) and getattr(e, "name", None):
+    if isinstance(e, ImportError) and e.name:
         return f"Install the package it imports (pip install {e.name.split('.')[0]}) or fix the import."
     if isinstance(e, SyntaxError):
         return "Fix the syntax error."
@@ -103,9 +113,16 @@ def _import_fix(e: Exception) -> str:
 class RewardScorer:
     """Scores completions with a reward function; normalises (running mean/std) and clips like OpenRLHF."""
 
-    def __init__(self, fn: Callable[..., list[float]] | None, decode: Callable[[Sequence[int]], str], *,
-                 normalize: bool = False, clip_range: tuple[float, float] = (-10.0, 10.0), name: str | None = None,
-                 timeout_s: float = 600.0):
+    def __init__(
+        self,
+        fn: Callable[..., list[float]] | None,
+        decode: Callable[[Sequence[int]], str],
+        *,
+        normalize: bool = False,
+        clip_range: tuple[float, float] = (-10.0, 10.0),
+        name: str | None = None,
+        timeout_s: float = 600.0,
+    ):
         self.fn = fn
         self.decode = decode
         self.normalize_rewards = normalize
@@ -134,11 +151,14 @@ class RewardScorer:
 
         timeout_s, limit = effective_timeout(self.timeout_s)
         result: dict[str, Any] = {}
+        fn = self.fn
 
         def call() -> None:
             _user_code.pid = os.getpid()
             try:
-                result["value"] = self.fn(*args, **kwargs)
+                if fn is None:  # score() is called only with a function (else the reward model scores)
+                    raise TypeError("no reward function to call")
+                result["value"] = fn(*args, **kwargs)
             except BaseException as e:  # reported from the driver's thread
                 result["error"] = e
 
@@ -147,23 +167,29 @@ class RewardScorer:
         worker.start()
         worker.join(timeout_s)
         if worker.is_alive():
-            frame = sys._current_frames().get(worker.ident)
+            frame = sys._current_frames().get(worker.ident) if worker.ident is not None else None
             where = _frame_place(frame) if frame is not None else "unknown"
             raise RewardTimeout(f"the reward function {self.name} did not return {limit} (it was at {where}).")
         if "error" in result:
             e = result["error"]
             if isinstance(e, ExitCalled):
-                raise RewardError(f"the reward function {self.name} called os._exit({e.status!r}){_user_frame(e)}, "
-                                  f"which would end the whole run at once with status {e.status!r} (0 reads as a "
-                                  "completed run), without its checkpoint or summary. It must return the scores; to "
-                                  "stop the run, raise an exception.") from None
+                raise RewardError(
+                    f"the reward function {self.name} called os._exit({e.status!r}){_user_frame(e)}, "
+                    f"which would end the whole run at once with status {e.status!r} (0 reads as a "
+                    "completed run), without its checkpoint or summary. It must return the scores; to "
+                    "stop the run, raise an exception."
+                ) from None
             hint = ""
             if isinstance(e, ValueError) and "signal only works in main thread" in str(e):
-                hint = (" It uses signals (e.g. a timeout based on signal.alarm), which work only in a program's main "
-                        "thread; hybrid calls reward functions in a thread of their own to enforce --step_timeout_s: "
-                        "turn the function's own signal-based timeout off.")
-            raise RewardError(f"the reward function {self.name} raised {type(e).__name__}: {_message(e)}"
-                              f"{_user_frame(e)}.{hint} It is called as {CALL_SHAPE}.") from e
+                hint = (
+                    " It uses signals (e.g. a timeout based on signal.alarm), which work only in a program's main "
+                    "thread; hybrid calls reward functions in a thread of their own to enforce --step_timeout_s: "
+                    "turn the function's own signal-based timeout off."
+                )
+            raise RewardError(
+                f"the reward function {self.name} raised {type(e).__name__}: {_message(e)}"
+                f"{_user_frame(e)}.{hint} It is called as {CALL_SHAPE}."
+            ) from e
         return result.get("value")
 
     def _check(self, values: Any, expected: int) -> torch.Tensor:
@@ -172,25 +198,32 @@ class RewardScorer:
         if values is None:
             raise RewardError(f"the reward function {self.name} returned None. {fix}")
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-            raise RewardError(f"the reward function {self.name} returned a {type(values).__name__} "
-                              f"({_short_repr(values)}), not one score per completion. {fix}")
+            raise RewardError(
+                f"the reward function {self.name} returned a {type(values).__name__} "
+                f"({_short_repr(values)}), not one score per completion. {fix}"
+            )
         if isinstance(values, torch.Tensor):
             values = values.detach().flatten().tolist()
         elif hasattr(values, "tolist"):  # numpy
             values = values.tolist()
         if len(values) != expected:
-            raise RewardError(f"the reward function {self.name} returned {len(values)} scores for {expected} "
-                              f"completions. {fix}")
+            raise RewardError(
+                f"the reward function {self.name} returned {len(values)} scores for {expected} completions. {fix}"
+            )
         bad = [(i, v) for i, v in enumerate(values) if isinstance(v, (str, bytes)) or not _is_number(v)]
         if bad:
             shown = ", ".join(f"{i}: {_short_repr(v)}" for i, v in bad[:5])
-            raise RewardError(f"the reward function {self.name} returned values that are not numbers at "
-                              f"{len(bad)} position(s) ({shown}). {fix}")
+            raise RewardError(
+                f"the reward function {self.name} returned values that are not numbers at "
+                f"{len(bad)} position(s) ({shown}). {fix}"
+            )
         scores = torch.tensor([float(v) for v in values], dtype=torch.float32)
         if not torch.isfinite(scores).all():
             positions = [i for i, v in enumerate(scores.tolist()) if not math.isfinite(v)]
-            raise RewardError(f"the reward function {self.name} returned non-finite scores at positions "
-                              f"{positions[:10]}; return a finite float for every completion.")
+            raise RewardError(
+                f"the reward function {self.name} returned non-finite scores at positions "
+                f"{positions[:10]}; return a finite float for every completion."
+            )
         return scores
 
     def normalize(self, scores: torch.Tensor) -> torch.Tensor:
@@ -242,7 +275,7 @@ def _frame_place(frame: Any) -> str:
     stack = traceback.extract_stack(frame)
     here = os.path.abspath(__file__)
     calls = [i for i, f in enumerate(stack) if os.path.abspath(f.filename) == here and f.name == "call"]
-    user = stack[calls[-1] + 1:] if calls and calls[-1] + 1 < len(stack) else stack[-1:]
+    user = stack[calls[-1] + 1 :] if calls and calls[-1] + 1 < len(stack) else stack[-1:]
     places = [f"{f.filename}:{f.lineno} in {f.name}" for f in (user[0], user[-1])]
     return places[0] if places[0] == places[1] else f"{places[0]}, inside {places[1]}"
 

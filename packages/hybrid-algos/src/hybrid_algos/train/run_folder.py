@@ -69,8 +69,13 @@ def previous_run(run_dir: str, ckpt: CheckpointManager) -> list[str]:
 def foreign_items(run_dir: str) -> list[str]:
     """Items with content at names a run would replace that no run of hybrid claimed: someone else's files."""
     mine = marks.claimed(run_dir)
-    return [name for name in REPLACED if name not in mine and os.path.lexists(os.path.join(run_dir, name))
-            and marks.has_content(os.path.join(run_dir, name))]
+    return [
+        name
+        for name in REPLACED
+        if name not in mine
+        and os.path.lexists(os.path.join(run_dir, name))
+        and marks.has_content(os.path.join(run_dir, name))
+    ]
 
 
 def refuse_or_clear(run_dir: str, ckpt: CheckpointManager, *, overwrite: bool, resuming: bool) -> None:
@@ -85,18 +90,25 @@ def refuse_or_clear(run_dir: str, ckpt: CheckpointManager, *, overwrite: bool, r
     foreign = foreign_items(run_dir)
     if foreign:
         shown = ", ".join(f"{n}/" if os.path.isdir(os.path.join(run_dir, n)) else n for n in foreign)
-        raise ConfigError("save_path", f"{run_dir} holds {shown}, which no hybrid run wrote (the folder's marker "
-                          f"{marks.MARKS} does not list {'it' if len(foreign) == 1 else 'them'}); a run there would "
-                          "replace " + ("it" if len(foreign) == 1 else "them") +
-                          (", and --overwrite deletes only what a run of hybrid wrote." if overwrite else "."),
-                          f"Move {'it' if len(foreign) == 1 else 'them'} out of the folder, or start the run in "
-                          f"another folder (--save_path {_fresh_name(run_dir)}).")
+        raise ConfigError(
+            "save_path",
+            f"{run_dir} holds {shown}, which no hybrid run wrote (the folder's marker "
+            f"{marks.MARKS} does not list {'it' if len(foreign) == 1 else 'them'}); a run there would "
+            "replace "
+            + ("it" if len(foreign) == 1 else "them")
+            + (", and --overwrite deletes only what a run of hybrid wrote." if overwrite else "."),
+            f"Move {'it' if len(foreign) == 1 else 'them'} out of the folder, or start the run in "
+            f"another folder (--save_path {_fresh_name(run_dir)}).",
+        )
     found = previous_run(run_dir, ckpt)
     mine = [n for n in RUN_FILES if marks.is_claimed(run_dir, n) and os.path.lexists(os.path.join(run_dir, n))]
     if found and not overwrite:
-        raise ConfigError("save_path", f"{run_dir} already holds a run ({', '.join(found)}); a new run there would "
-                          "overwrite it.", f"Continue it with --resume, start the new run in a fresh folder "
-                          f"(--save_path {_fresh_name(run_dir)}), or pass --overwrite to delete the old run first.")
+        raise ConfigError(
+            "save_path",
+            f"{run_dir} already holds a run ({', '.join(found)}); a new run there would overwrite it.",
+            f"Continue it with --resume, start the new run in a fresh folder "
+            f"(--save_path {_fresh_name(run_dir)}), or pass --overwrite to delete the old run first.",
+        )
     if found or overwrite:
         for name in mine:
             _remove(os.path.join(run_dir, name))

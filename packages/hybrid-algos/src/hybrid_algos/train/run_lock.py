@@ -95,11 +95,18 @@ class RunLock:
     def mine(self) -> dict[str, Any]:
         from .redact import redact_argv
 
-        return {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id(), "pid_ns": _pid_namespace(),
-                "process_start": process_start(os.getpid()), "started": time.time(), "token": self.token,
-                "command": " ".join(redact_argv(sys.argv))[:300]}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "boot_id": _boot_id(),
+            "pid_ns": _pid_namespace(),
+            "process_start": process_start(os.getpid()),
+            "started": time.time(),
+            "token": self.token,
+            "command": " ".join(redact_argv(sys.argv))[:300],
+        }
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         for _ in range(5):  # another process may take a stale lock between our look and our try
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -114,8 +121,11 @@ class RunLock:
             self._beat = threading.Thread(target=self._heartbeat, name="hybrid-run-lock", daemon=True)
             self._beat.start()
             return self
-        raise ConfigError(self.field, f"{self.folder} is being taken by other runs right now ({self.path} keeps "
-                          "reappearing).", f"Start one run per folder, or give this one another --{self.field}.")
+        raise ConfigError(
+            self.field,
+            f"{self.folder} is being taken by other runs right now ({self.path} keeps reappearing).",
+            f"Start one run per folder, or give this one another --{self.field}.",
+        )
 
     def _clear_if_stale(self) -> None:
         """Refuse a live owner; remove the lock of one that is gone (only that lock, never a newer one)."""
@@ -125,12 +135,19 @@ class RunLock:
         verdict = self._owner_gone(owner, age)
         if verdict is None:
             what = describe(owner) if owner else f"its lock {self.path} is being written"
-            raise ConfigError(self.field, f"{self.folder} is in use by another run: {what}. Two runs in one folder "
-                              "would overwrite each other's metrics and checkpoints.",
-                              f"Wait for that run to end (or stop it), or give this run another --{self.field}. "
-                              f"If that run is gone for sure, delete {self.path}.")
-        log.warning("%s: removing the lock of a run that is gone (%s: %s)", self.folder,
-                    describe(owner) if owner else "an unreadable lock", verdict)
+            raise ConfigError(
+                self.field,
+                f"{self.folder} is in use by another run: {what}. Two runs in one folder "
+                "would overwrite each other's metrics and checkpoints.",
+                f"Wait for that run to end (or stop it), or give this run another --{self.field}. "
+                f"If that run is gone for sure, delete {self.path}.",
+            )
+        log.warning(
+            "%s: removing the lock of a run that is gone (%s: %s)",
+            self.folder,
+            describe(owner) if owner else "an unreadable lock",
+            verdict,
+        )
         aside = f"{self.path}.stale-{uuid.uuid4().hex[:8]}"
         try:
             os.rename(self.path, aside)  # atomic: of two runs clearing it, one succeeds
@@ -161,8 +178,11 @@ class RunLock:
         """Why the lock's owner is gone, or None when it may be alive."""
         if owner is None:
             return f"unreadable and {age:.0f} s old" if age > _BEING_WRITTEN_S else None
-        same_machine = (owner.get("host") == socket.gethostname() and owner.get("boot_id") == _boot_id()
-                        and owner.get("pid_ns") == _pid_namespace())
+        same_machine = (
+            owner.get("host") == socket.gethostname()
+            and owner.get("boot_id") == _boot_id()
+            and owner.get("pid_ns") == _pid_namespace()
+        )
         if same_machine:
             pid = owner.get("pid")
             if not isinstance(pid, int) or not _pid_alive(pid):
@@ -215,7 +235,7 @@ class RunLocks:
             lock.release()
         self.locks = []
 
-    def __enter__(self) -> "RunLocks":
+    def __enter__(self) -> RunLocks:
         return self
 
     def __exit__(self, *exc: Any) -> None:

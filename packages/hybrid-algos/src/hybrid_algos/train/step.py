@@ -23,8 +23,9 @@ rollout it reads and extends -- and is registered by name (``@phase("teacher_log
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -61,12 +62,16 @@ class StepContext:
             self.recipe = recipe_for(self.config)
         first = self.recipe.phases[0] if self.recipe.phases else None
         if first is None or first.function != "generate":
-            raise ValueError(f"recipe {self.recipe.name}: a step starts with its rollout (a phase that runs "
-                             f"'generate'), not {first.function if first else 'nothing'!r}")
+            raise ValueError(
+                f"recipe {self.recipe.name}: a step starts with its rollout (a phase that runs "
+                f"'generate'), not {first.function if first else 'nothing'!r}"
+            )
         unknown = [p.function for p in self.recipe.phases[1:] if p.function not in PHASES]
         if unknown:
-            raise ValueError(f"recipe {self.recipe.name}: no phase function {', '.join(map(repr, unknown))} in "
-                             f"step.PHASES ({', '.join(PHASES)}); register it with @phase(name)")
+            raise ValueError(
+                f"recipe {self.recipe.name}: no phase function {', '.join(map(repr, unknown))} in "
+                f"step.PHASES ({', '.join(PHASES)}); register it with @phase(name)"
+            )
 
     def role(self, name: str) -> Any | None:
         """The role group ``name``, or None when this run has no such role."""
@@ -112,11 +117,13 @@ PHASES: dict[str, Callable[[StepContext, StepState], None]] = {}
 
 def phase(name: str) -> Callable:
     """Register a phase function under ``name`` (the ``run`` of the recipe phases that call it)."""
+
     def register(fn: Callable[[StepContext, StepState], None]) -> Callable[[StepContext, StepState], None]:
         if name in PHASES and PHASES[name] is not fn:
             raise ValueError(f"a phase function {name!r} is registered already")
         PHASES[name] = fn
         return fn
+
     return register
 
 
@@ -132,14 +139,22 @@ def run_step(ctx: StepContext, step: int, prompts: list, sampling) -> tuple[dict
     return train_on(ctx, step, sampled, sampling, timer, t0)
 
 
-def train_on(ctx: StepContext, step: int, sampled, sampling, timer: PhaseTimer, t0: float,
-             sync: Callable[[], Any] | None = None) -> tuple[dict[str, float], Rollout]:
+def train_on(
+    ctx: StepContext, step: int, sampled, sampling, timer: PhaseTimer, t0: float, sync: Callable[[], Any] | None = None
+) -> tuple[dict[str, float], Rollout]:
     """Every phase of the step after generation (rewards, inference, the update, the weight sync: the recipe's
     phases after its first, in order). Asynchronous training (:mod:`.async_rollout`) calls it on a batch generated
     earlier, with its own ``sync`` (the weight update at the boundary between batches)."""
     cfg = ctx.config
-    state = StepState(step, sampled, sampling, timer, sampled.rollout(ctx.pad_id), sync=sync,
-                      kl_coef=ctx.kl_controller.value if ctx.kl_controller is not None else 0.0)
+    state = StepState(
+        step,
+        sampled,
+        sampling,
+        timer,
+        sampled.rollout(ctx.pad_id),
+        sync=sync,
+        kl_coef=ctx.kl_controller.value if ctx.kl_controller is not None else 0.0,
+    )
     # multi-turn samples: the environment's tokens are masked out of the rollout
     ctx.enter(ctx.after(ctx.recipe.phases[0].name), timer)  # what leaves the GPUs now goes while the driver scores
     for spec in ctx.recipe.phases[1:]:
@@ -184,7 +199,7 @@ def _reward(ctx: StepContext, s: StepState) -> None:
 @phase("reference")
 def _reference_logprobs(ctx: StepContext, s: StepState) -> None:
     """The reference model's log-probs of the rollout's tokens (the KL term's other side)."""
-    ref = ctx.role("reference")
+    ref = ctx.roles["reference"]  # the phase is in the step only with the role
     with s.timer.phase("infer"):
         logprobs = ref.call_sharded("logprobs", s.rollout.split(ref.world_size))
         s.rollout = s.rollout.with_(ref_logprobs=torch.cat(logprobs))
@@ -192,7 +207,7 @@ def _reference_logprobs(ctx: StepContext, s: StepState) -> None:
 
 @phase("critic_infer")
 def _critic_values(ctx: StepContext, s: StepState) -> None:
-    critic = ctx.role("critic")
+    critic = ctx.roles["critic"]  # the phase is in the step only with the role
     with s.timer.phase("infer"):
         values = critic.call_sharded("values", s.rollout.split(critic.world_size))
         s.rollout = s.rollout.with_(values=torch.cat(values))
@@ -221,7 +236,7 @@ def _sync(ctx: StepContext, s: StepState) -> None:
 
 @phase("critic_train")
 def _critic_train(ctx: StepContext, s: StepState) -> None:
-    critic = ctx.role("critic")
+    critic = ctx.roles["critic"]  # the phase is in the step only with the role
     with s.timer.phase("train"):
         s.critic_stats = critic.call_sharded("train", s.rollout.split(critic.world_size), s.step)
 
@@ -231,9 +246,15 @@ def _mean_dicts(dicts: list[dict]) -> dict[str, float]:
     return {k: sum(d[k] for d in dicts if k in d) / sum(1 for d in dicts if k in d) for k in keys}
 
 
-def _metrics(step, rollout: Rollout, adv_stats, actor_stats, critic_stats, timer: PhaseTimer, kl_coef) -> dict[str, float]:
+def _metrics(
+    step, rollout: Rollout, adv_stats, actor_stats, critic_stats, timer: PhaseTimer, kl_coef
+) -> dict[str, float]:
     mask = rollout.action_mask
-    metrics: dict[str, float] = {"step": step, "response_len": rollout.response_lengths.float().mean().item(), "kl_coef": kl_coef}
+    metrics: dict[str, float] = {
+        "step": step,
+        "response_len": rollout.response_lengths.float().mean().item(),
+        "kl_coef": kl_coef,
+    }
     actor = _mean_dicts(actor_stats)
     if rollout.ref_logprobs is None:
         metrics["kl"] = metrics["kl_seq"] = 0.0

@@ -12,8 +12,9 @@ prompts are here too (:class:`LookupTask`); its environment, which scores the an
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .tiny import SPECIAL_TOKENS
 

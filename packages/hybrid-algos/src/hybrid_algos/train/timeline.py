@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class TimelineWriter:
     def __init__(self, path: str, *, append: bool = False):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "a" if append else "w", encoding="utf-8")
+        # open for the writer's life (every step appends; close() ends it): no `with` block fits
+        self._file = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
 
     def __call__(self, step: int, spans: Sequence[tuple[str, float, float]]) -> None:
-        self._file.write(json.dumps({"step": step, "spans": [[p, round(a, 6), round(b, 6)] for p, a, b in spans]}) + "\n")
+        self._file.write(
+            json.dumps({"step": step, "spans": [[p, round(a, 6), round(b, 6)] for p, a, b in spans]}) + "\n"
+        )
         self._file.flush()
 
     def close(self) -> None:

@@ -24,9 +24,18 @@ def tiny_model_config(num_symbols: int = 8, **overrides: Any):
 
     vocab = tiny_vocab(num_symbols)
     settings = dict(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, rms_norm_eps=1e-6,
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
     )
     settings.update(overrides)
     return LlamaConfig(**settings)
@@ -40,8 +49,15 @@ def build_tiny_tokenizer(num_symbols: int = 8):
     vocab = {tok: i for i, tok in enumerate(tiny_vocab(num_symbols))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   sep_token="<sep>", unk_token="<pad>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        sep_token="<sep>",
+        unk_token="<pad>",
+        padding_side="left",
+    )
 
 
 def save_tiny_model(path: str, *, num_symbols: int = 8, seed: int = 0, **overrides: Any) -> str:

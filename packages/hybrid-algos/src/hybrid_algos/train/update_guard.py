@@ -42,7 +42,8 @@ class UpdateGuard:
                     f"{self.role} rank {self.rank}, step {step + 1}: {len(bad)} of {losses.numel()} micro-batch "
                     f"losses of this update are {bad[0]}; the update was not applied, and nothing of this step is "
                     "saved (the last checkpoint holds the weights before it). Look for NaN/inf rewards or "
-                    "advantages, lower the learning rate, or keep --max_norm on; then --resume.")
+                    "advantages, lower the learning rate, or keep --max_norm on; then --resume."
+                )
         engine.step()
         if boundary:
             norm = engine.get_global_grad_norm()
@@ -52,4 +53,5 @@ class UpdateGuard:
                     f"{float(norm)} though every loss was finite (a backward pass overflowed); the weights after it "
                     "are not trusted and nothing of this step is saved: the last checkpoint holds the weights before "
                     "it. "
-                    "Lower the learning rate or the sequence length, then --resume.")
+                    "Lower the learning rate or the sequence length, then --resume."
+                )

@@ -9,4 +9,12 @@ from .host_buffers import HostBuffer, can_pin_memory
 from .protocol import Sleepable, StateMover
 from .torch_offload import AsleepError, StateOffloader
 
-__all__ = ["AsleepError", "DeepSpeedOffloader", "HostBuffer", "Sleepable", "StateMover", "StateOffloader", "can_pin_memory"]
+__all__ = [
+    "AsleepError",
+    "DeepSpeedOffloader",
+    "HostBuffer",
+    "Sleepable",
+    "StateMover",
+    "StateOffloader",
+    "can_pin_memory",
+]

@@ -40,18 +40,18 @@ class ChunkedCopier:
         """Queue ``host[host_offset:] <- src`` (``src`` a 1-D uint8 device tensor)."""
         with self._on_side_stream():
             for dst, pos in host.pieces(host_offset, src.numel()):
-                self._chunks(dst, src[pos:pos + dst.numel()])
+                self._chunks(dst, src[pos : pos + dst.numel()])
 
     def to_device(self, host: HostBuffer, host_offset: int, dst: torch.Tensor) -> None:
         """Queue ``dst <- host[host_offset:host_offset + dst.numel()]``."""
         with self._on_side_stream():
             for src, pos in host.pieces(host_offset, dst.numel()):
-                self._chunks(dst[pos:pos + src.numel()], src)
+                self._chunks(dst[pos : pos + src.numel()], src)
 
     def _chunks(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         step = self.chunk_bytes
         for lo in range(0, src.numel(), step):
-            dst[lo:lo + step].copy_(src[lo:lo + step], non_blocking=True)
+            dst[lo : lo + step].copy_(src[lo : lo + step], non_blocking=True)
 
     def finish(self) -> None:
         """Block until every queued chunk is done."""

@@ -21,8 +21,14 @@ from ..stats import TransferStats
 from .host_buffers import resolve_pin_memory
 
 # ZeRO optimizer attributes holding the device state that offload_states moves (stage 3, then stages 1/2).
-_STATE_ATTRS = ("fp32_partitioned_groups_flat", "lp_param_buffer", "grad_partitions_flat_buffer",
-                "single_partition_of_fp32_groups", "bit16_groups_flat", "averaged_gradients")
+_STATE_ATTRS = (
+    "fp32_partitioned_groups_flat",
+    "lp_param_buffer",
+    "grad_partitions_flat_buffer",
+    "single_partition_of_fp32_groups",
+    "bit16_groups_flat",
+    "averaged_gradients",
+)
 #: Our state names -> DeepSpeed's OffloadStateTypeEnum values, and the attributes holding each (for byte counts).
 STATE_TYPES = {
     "params": ("lp_params",),
@@ -46,12 +52,18 @@ class DeepSpeedOffloader:
     def __init__(self, engine: Any, *, pin_memory: bool | None = None, include: Iterable[Any] | None = None):
         stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
         if stage not in (1, 2, 3) or not hasattr(engine, "offload_states"):
-            raise ConfigError("zero_stage", f"DeepSpeed can only offload/reload states with ZeRO 1-3 (got {stage}).",
-                              "Use zero_optimization.stage 1, 2 or 3, or StateOffloader for a plain torch role.")
+            raise ConfigError(
+                "zero_stage",
+                f"DeepSpeed can only offload/reload states with ZeRO 1-3 (got {stage}).",
+                "Use zero_optimization.stage 1, 2 or 3, or StateOffloader for a plain torch role.",
+            )
         if getattr(engine, "client_optimizer", None) is not None:
-            raise ConfigError("optimizer", "DeepSpeed's offload_states only moves its own optimizer's states, but the "
-                              "engine was given a client optimizer.",
-                              'Declare the optimizer in the DeepSpeed config ({"optimizer": {"type": "AdamW", ...}}).')
+            raise ConfigError(
+                "optimizer",
+                "DeepSpeed's offload_states only moves its own optimizer's states, but the "
+                "engine was given a client optimizer.",
+                'Declare the optimizer in the DeepSpeed config ({"optimizer": {"type": "AdamW", ...}}).',
+            )
         self.engine = engine
         self.pin_memory = resolve_pin_memory(pin_memory)
         self.include = list(include) if include is not None else None
@@ -75,8 +87,9 @@ class DeepSpeedOffloader:
         self._bytes = _state_bytes(self.engine.optimizer)
         _sync(self.engine)
         start = time.perf_counter()
-        self.engine.offload_states(include=self.include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory,
-                                   non_blocking=False)
+        self.engine.offload_states(
+            include=self.include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory, non_blocking=False
+        )
         _sync(self.engine)
         self._asleep = True
         return TransferStats(self._bytes, time.perf_counter() - start, "deepspeed sleep")
@@ -106,8 +119,9 @@ class DeepSpeedOffloader:
         moved = {s: _state_bytes(self.engine.optimizer, only=s) for s in todo}
         _sync(self.engine)
         start = time.perf_counter()
-        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory,
-                                   non_blocking=False)
+        self.engine.offload_states(
+            include=include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory, non_blocking=False
+        )
         _sync(self.engine)
         self._away.update(moved)
         self._asleep = True

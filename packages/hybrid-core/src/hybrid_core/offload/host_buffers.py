@@ -57,22 +57,24 @@ class HostBuffer:
         start = time.perf_counter()
         self.pinned = pin_memory
         self.segments: list[torch.Tensor] = [
-            torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in segment_sizes(nbytes)]
+            torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in segment_sizes(nbytes)
+        ]
         self.capacity = sum(s.numel() for s in self.segments)
         self.alloc_seconds = time.perf_counter() - start
 
     def pieces(self, offset: int, nbytes: int) -> Iterator[tuple[torch.Tensor, int]]:
         """``(host view, position within the requested range)`` pairs covering ``[offset, offset + nbytes)``."""
         if offset < 0 or offset + nbytes > self.capacity:
-            raise IndexError(f"host range [{offset}, {offset + nbytes}) is outside the buffer "
-                             f"(capacity {self.capacity})")
+            raise IndexError(
+                f"host range [{offset}, {offset + nbytes}) is outside the buffer (capacity {self.capacity})"
+            )
         seg_start = 0
         done = 0
         for seg in self.segments:
             seg_end = seg_start + seg.numel()
             lo, hi = max(offset + done, seg_start), min(offset + nbytes, seg_end)
             if lo < hi:
-                yield seg[lo - seg_start:hi - seg_start], lo - offset
+                yield seg[lo - seg_start : hi - seg_start], lo - offset
                 done = hi - offset
             if done == nbytes:
                 return

@@ -73,12 +73,19 @@ class StateOffloader:
     the first step) gets host memory at its first sleep.
     """
 
-    def __init__(self, module: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, *,
-                 pin_memory: bool | None = None, chunk_bytes: int = 256 << 20,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        pin_memory: bool | None = None,
+        chunk_bytes: int = 256 << 20,
+        device: torch.device | str | None = None,
+    ):
         if module is None and optimizer is None:
-            raise ConfigError("StateOffloader", "got neither a module nor an optimizer.",
-                              "Pass the module, the optimizer, or both.")
+            raise ConfigError(
+                "StateOffloader", "got neither a module nor an optimizer.", "Pass the module, the optimizer, or both."
+            )
         if chunk_bytes <= 0:
             raise ConfigError("chunk_bytes", f"must be positive, got {chunk_bytes}.", "Use e.g. 256 << 20.")
         self.module, self.optimizer = module, optimizer
@@ -228,8 +235,9 @@ class StateOffloader:
                 moved += n
         return moved
 
-    def _restore_regions(self, dtype: torch.dtype, regions: list[Region]
-                         ) -> tuple[_Group, list[Region], torch.UntypedStorage | None]:
+    def _restore_regions(
+        self, dtype: torch.dtype, regions: list[Region]
+    ) -> tuple[_Group, list[Region], torch.UntypedStorage | None]:
         """After a per-region sleep: regions go into one new flat buffer, except those of storages that something
         else also references, which are restored in place. Queues the copies; returns the new group."""
         host = self._host.buffers[dtype]
@@ -260,8 +268,11 @@ class StateOffloader:
             homes.insert(0, _Home(flat, total, [(0, total)]))
         shift = 0 if flat is not None else 1  # without a flat buffer the kept homes are numbered from 0
         signature = frozenset((id(v.tensor), (dtype, home - shift), v.start, v.shape, v.stride) for v, home in sig)
-        signature |= frozenset((id(v.tensor), (dtype, 0), r.offset + v.start - r.start, v.shape, v.stride)
-                               for r in flat_regions for v in r.views)
+        signature |= frozenset(
+            (id(v.tensor), (dtype, 0), r.offset + v.start - r.start, v.shape, v.stride)
+            for r in flat_regions
+            for v in r.views
+        )
         return _Group(homes, signature), flat_regions, flat
 
     def _empty_cache(self) -> None:
@@ -324,6 +335,7 @@ def _first_param_device(module: torch.nn.Module | None, optimizer: torch.optim.O
     if optimizer is not None:
         params += [p for g in optimizer.param_groups for p in g["params"]]
     if not params:
-        raise ConfigError("module", "has no parameters, so the device to offload from is unknown.",
-                          "Pass device=... explicitly.")
+        raise ConfigError(
+            "module", "has no parameters, so the device to offload from is unknown.", "Pass device=... explicitly."
+        )
     return params[0].device

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 
-def tracked_tensors(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None,
-                    device: torch.device) -> list[torch.Tensor]:
+def tracked_tensors(
+    module: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None, device: torch.device
+) -> list[torch.Tensor]:
     """Every distinct tensor object of the role on ``device``, in a stable order (params, buffers, grads, state)."""
     out: list[torch.Tensor] = []
     seen: set[int] = set()
@@ -107,8 +108,9 @@ def group_regions(tensors: Iterable[torch.Tensor]) -> dict[torch.dtype, list[Reg
                 regions[-1].end = max(regions[-1].end, hi)
                 regions[-1].views.append(TensorView.of(t))
             else:
-                regions.append(Region(storage_of[key], lo, hi, [TensorView.of(t)],
-                                      storage_nbytes=storage_of[key].nbytes()))
+                regions.append(
+                    Region(storage_of[key], lo, hi, [TensorView.of(t)], storage_nbytes=storage_of[key].nbytes())
+                )
         groups.setdefault(ts[0].dtype, []).extend(regions)
     return groups
 

@@ -15,6 +15,13 @@ from .ray_groups import PlacedPlan, place
 from .spec import PlacementSpec
 
 __all__ = [
-    "COUNT_FIELDS", "PlacedPlan", "PlacementPlan", "PlacementSpec", "RolePlacement", "WorkerSlot",
-    "format_gpus", "parse_gpu_range", "place",
+    "COUNT_FIELDS",
+    "PlacedPlan",
+    "PlacementPlan",
+    "PlacementSpec",
+    "RolePlacement",
+    "WorkerSlot",
+    "format_gpus",
+    "parse_gpu_range",
+    "place",
 ]

@@ -12,17 +12,26 @@ def cluster_size(cluster_gpus: int | None, gpus_per_node: int | None, num_nodes:
     if num_nodes is not None:
         require_int(num_nodes, "num_nodes", minimum=1)
         if gpus_per_node is None:
-            raise PlacementError("num_nodes", "num_nodes needs gpus_per_node to size the cluster.",
-                                 "Also give gpus_per_node (GPUs on each node).")
+            raise PlacementError(
+                "num_nodes",
+                "num_nodes needs gpus_per_node to size the cluster.",
+                "Also give gpus_per_node (GPUs on each node).",
+            )
     if cluster_gpus is not None:
         require_int(cluster_gpus, "cluster_gpus", minimum=1)
         if num_nodes is not None and gpus_per_node is not None and cluster_gpus != num_nodes * gpus_per_node:
-            raise PlacementError("cluster_gpus", f"cluster_gpus = {cluster_gpus} but num_nodes x gpus_per_node = "
-                                 f"{num_nodes} x {gpus_per_node} = {num_nodes * gpus_per_node}.",
-                                 "Give either cluster_gpus or num_nodes and gpus_per_node.")
+            raise PlacementError(
+                "cluster_gpus",
+                f"cluster_gpus = {cluster_gpus} but num_nodes x gpus_per_node = "
+                f"{num_nodes} x {gpus_per_node} = {num_nodes * gpus_per_node}.",
+                "Give either cluster_gpus or num_nodes and gpus_per_node.",
+            )
         if gpus_per_node is not None and cluster_gpus % gpus_per_node:
-            raise PlacementError("cluster_gpus", f"{cluster_gpus} GPUs do not fill whole nodes of {gpus_per_node}.",
-                                 "Make cluster_gpus a multiple of gpus_per_node.")
+            raise PlacementError(
+                "cluster_gpus",
+                f"{cluster_gpus} GPUs do not fill whole nodes of {gpus_per_node}.",
+                "Make cluster_gpus a multiple of gpus_per_node.",
+            )
         return cluster_gpus
     if num_nodes is not None:
         return num_nodes * gpus_per_node  # type: ignore[operator]

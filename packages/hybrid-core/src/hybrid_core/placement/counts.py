@@ -28,9 +28,18 @@ from .checks import cluster_size, require_int
 #: The keyword arguments of :func:`spec_fields_from_counts` that mirror OpenRLHF flags (handy to copy from an argparse
 #: namespace: ``{k: getattr(args, k) for k in COUNT_FIELDS}``).
 COUNT_FIELDS = (
-    "actor_num_nodes", "actor_num_gpus_per_node", "critic_num_nodes", "critic_num_gpus_per_node",
-    "ref_num_nodes", "ref_num_gpus_per_node", "reward_num_nodes", "reward_num_gpus_per_node",
-    "vllm_num_engines", "vllm_tensor_parallel_size", "colocate_all_models", "colocate_actor_ref",
+    "actor_num_nodes",
+    "actor_num_gpus_per_node",
+    "critic_num_nodes",
+    "critic_num_gpus_per_node",
+    "ref_num_nodes",
+    "ref_num_gpus_per_node",
+    "reward_num_nodes",
+    "reward_num_gpus_per_node",
+    "vllm_num_engines",
+    "vllm_tensor_parallel_size",
+    "colocate_all_models",
+    "colocate_actor_ref",
     "colocate_critic_reward",
 )
 
@@ -74,8 +83,11 @@ def spec_fields_from_counts(
     """
     if gpus_per_node is None and num_nodes is None:
         gpus_per_node = _node_size_from_roles(
-            (actor_num_nodes, actor_num_gpus_per_node), (critic_num_nodes, critic_num_gpus_per_node),
-            (ref_num_nodes, ref_num_gpus_per_node), (reward_num_nodes, reward_num_gpus_per_node))
+            (actor_num_nodes, actor_num_gpus_per_node),
+            (critic_num_nodes, critic_num_gpus_per_node),
+            (ref_num_nodes, ref_num_gpus_per_node),
+            (reward_num_nodes, reward_num_gpus_per_node),
+        )
     cluster_gpus = cluster_size(cluster_gpus, gpus_per_node, num_nodes)  # checks gpus_per_node before it is used
     sizes = {
         "actor": _role_size("actor", actor_num_nodes, actor_num_gpus_per_node, gpus_per_node),
@@ -86,21 +98,38 @@ def spec_fields_from_counts(
     require_int(vllm_num_engines, "vllm_num_engines", minimum=0)
     tp = require_int(vllm_tensor_parallel_size, "vllm_tensor_parallel_size", minimum=1)
     if gpus_per_node is not None and tp > gpus_per_node:
-        raise PlacementError("vllm_tensor_parallel_size", f"an engine of {tp} GPUs does not fit on a node of "
-                             f"{gpus_per_node} GPUs (tensor parallelism stays within a node).",
-                             f"Use --vllm_tensor_parallel_size <= {gpus_per_node}.")
+        raise PlacementError(
+            "vllm_tensor_parallel_size",
+            f"an engine of {tp} GPUs does not fit on a node of "
+            f"{gpus_per_node} GPUs (tensor parallelism stays within a node).",
+            f"Use --vllm_tensor_parallel_size <= {gpus_per_node}.",
+        )
     sizes["rollout"] = vllm_num_engines * tp
-    for flag, value in (("colocate_all_models", colocate_all_models), ("colocate_actor_ref", colocate_actor_ref),
-                        ("colocate_critic_reward", colocate_critic_reward), ("engines_on_actor", engines_on_actor)):
+    for flag, value in (
+        ("colocate_all_models", colocate_all_models),
+        ("colocate_actor_ref", colocate_actor_ref),
+        ("colocate_critic_reward", colocate_critic_reward),
+        ("engines_on_actor", engines_on_actor),
+    ):
         if not isinstance(value, bool):
             raise PlacementError(flag, f"expected true or false, got {value!r}.", f"Set {flag} to True or False.")
     if sizes["actor"] == 0:
-        raise PlacementError("actor_num_gpus_per_node", "the actor has no GPUs (actor_num_nodes x "
-                             f"actor_num_gpus_per_node = {actor_num_nodes} x {actor_num_gpus_per_node}).",
-                             "Give the actor at least one GPU, e.g. --actor_num_gpus_per_node 1.")
+        raise PlacementError(
+            "actor_num_gpus_per_node",
+            "the actor has no GPUs (actor_num_nodes x "
+            f"actor_num_gpus_per_node = {actor_num_nodes} x {actor_num_gpus_per_node}).",
+            "Give the actor at least one GPU, e.g. --actor_num_gpus_per_node 1.",
+        )
 
-    gpus = _lay_out(sizes, tp, vllm_num_engines, colocate_all_models or engines_on_actor, colocate_actor_ref,
-                    colocate_critic_reward, engines_only=engines_on_actor and not colocate_all_models)
+    gpus = _lay_out(
+        sizes,
+        tp,
+        vllm_num_engines,
+        colocate_all_models or engines_on_actor,
+        colocate_actor_ref,
+        colocate_critic_reward,
+        engines_only=engines_on_actor and not colocate_all_models,
+    )
     gpu_fields = {role: _COUNT_FLAGS[role][1] for role in _COUNT_FLAGS}
     gpu_fields["rollout"] = "vllm_num_engines"
     return dict(
@@ -118,32 +147,50 @@ def _role_size(role: str, nodes: int, per_node: int, gpus_per_node: int | None) 
     require_int(nodes, nodes_flag, minimum=0)
     require_int(per_node, per_node_flag, minimum=0)
     if gpus_per_node is not None and per_node > gpus_per_node:
-        raise PlacementError(per_node_flag, f"{per_node} GPUs per node, but the cluster's nodes have "
-                             f"{gpus_per_node}.", f"Use more nodes ({nodes_flag}) with at most {gpus_per_node} "
-                             "GPUs each.")
+        raise PlacementError(
+            per_node_flag,
+            f"{per_node} GPUs per node, but the cluster's nodes have {gpus_per_node}.",
+            f"Use more nodes ({nodes_flag}) with at most {gpus_per_node} GPUs each.",
+        )
     return nodes * per_node
 
 
 def _node_size_from_roles(*roles: tuple[int, int]) -> int | None:
     """GPUs per node as the multi-node roles imply it (the largest of their GPUs per node), else None."""
-    sizes = [per_node for nodes, per_node in roles
-             if isinstance(nodes, int) and isinstance(per_node, int) and nodes > 1 and per_node > 0]
+    sizes = [
+        per_node
+        for nodes, per_node in roles
+        if isinstance(nodes, int) and isinstance(per_node, int) and nodes > 1 and per_node > 0
+    ]
     return max(sizes) if sizes else None
 
 
-def _lay_out(sizes: dict[str, int], tp: int, engines: int, colocate_all: bool, colocate_actor_ref: bool,
-             colocate_critic_reward: bool, engines_only: bool = False) -> dict[str, tuple[int, ...]]:
+def _lay_out(
+    sizes: dict[str, int],
+    tp: int,
+    engines: int,
+    colocate_all: bool,
+    colocate_actor_ref: bool,
+    colocate_critic_reward: bool,
+    engines_only: bool = False,
+) -> dict[str, tuple[int, ...]]:
     """Role -> GPUs: colocated roles reuse a host role's GPUs, the others get the next free block.
     ``engines_only``: only the engines go on the actor's GPUs (the other roles as without colocation)."""
     if engines_only:
-        gpus = _lay_out(sizes, tp, engines, False, colocate_actor_ref, colocate_critic_reward)
+        laid = _lay_out(sizes, tp, engines, False, colocate_actor_ref, colocate_critic_reward)
         if sizes["rollout"] != sizes["actor"]:
-            raise PlacementError("vllm_num_engines", f"engines on the actor's GPUs must be one per actor GPU "
-                                 f"({sizes['actor']}), got {engines} x {tp}.", f"Use {sizes['actor']} engines of 1 GPU.")
-        rollout = gpus.pop("rollout")  # its own block: give it back and shift the roles after it down
-        shifted = {r: tuple(g - len(rollout) if g > rollout[-1] else g for g in gs) for r, gs in gpus.items()}
-        return {"actor": shifted["actor"], "rollout": shifted["actor"],
-                **{r: g for r, g in shifted.items() if r != "actor"}}
+            raise PlacementError(
+                "vllm_num_engines",
+                f"engines on the actor's GPUs must be one per actor GPU ({sizes['actor']}), got {engines} x {tp}.",
+                f"Use {sizes['actor']} engines of 1 GPU.",
+            )
+        rollout = laid.pop("rollout")  # its own block: give it back and shift the roles after it down
+        shifted = {r: tuple(g - len(rollout) if g > rollout[-1] else g for g in gs) for r, gs in laid.items()}
+        return {
+            "actor": shifted["actor"],
+            "rollout": shifted["actor"],
+            **{r: g for r, g in shifted.items() if r != "actor"},
+        }
     gpus: dict[str, tuple[int, ...]] = {}
     next_free = 0
 
@@ -156,18 +203,21 @@ def _lay_out(sizes: dict[str, int], tp: int, engines: int, colocate_all: bool, c
     def on_host(role: str, host: str, flag: str) -> tuple[int, ...]:
         nodes_flag, per_node_flag = _COUNT_FLAGS[role]
         if sizes[role] > sizes[host]:
-            raise PlacementError(per_node_flag, f"--{flag} puts the {role} on the {host}'s GPUs, but the {role} asks "
-                                 f"for {sizes[role]} GPUs and the {host} has {sizes[host]}.",
-                                 f"Give the {role} at most {sizes[host]} GPUs ({nodes_flag} x {per_node_flag}), "
-                                 f"or drop --{flag}.")
+            raise PlacementError(
+                per_node_flag,
+                f"--{flag} puts the {role} on the {host}'s GPUs, but the {role} asks "
+                f"for {sizes[role]} GPUs and the {host} has {sizes[host]}.",
+                f"Give the {role} at most {sizes[host]} GPUs ({nodes_flag} x {per_node_flag}), or drop --{flag}.",
+            )
         return gpus[host][: sizes[role]]
 
     gpus["actor"] = new_block(sizes["actor"])
     if sizes["rollout"]:
         if colocate_all:
             if sizes["rollout"] != sizes["actor"]:
-                raise PlacementError("vllm_num_engines", _engines_problem(sizes["actor"], engines, tp),
-                                     _engines_fix(sizes["actor"], tp))
+                raise PlacementError(
+                    "vllm_num_engines", _engines_problem(sizes["actor"], engines, tp), _engines_fix(sizes["actor"], tp)
+                )
             gpus["rollout"] = gpus["actor"]
         else:
             gpus["rollout"] = new_block(sizes["rollout"])
@@ -178,40 +228,55 @@ def _lay_out(sizes: dict[str, int], tp: int, engines: int, colocate_all: bool, c
             gpus["critic"] = new_block(sizes["critic"])
     if sizes["reference"]:
         if colocate_all or colocate_actor_ref:
-            gpus["reference"] = on_host("reference", "actor",
-                                        "colocate_all_models" if colocate_all else "colocate_actor_ref")
+            gpus["reference"] = on_host(
+                "reference", "actor", "colocate_all_models" if colocate_all else "colocate_actor_ref"
+            )
         else:
             gpus["reference"] = new_block(sizes["reference"])
     elif colocate_actor_ref and not colocate_all:
-        raise PlacementError("colocate_actor_ref", "there is no reference model to colocate (ref_num_nodes x "
-                             "ref_num_gpus_per_node = 0).", "Drop --colocate_actor_ref, or give the reference GPUs.")
+        raise PlacementError(
+            "colocate_actor_ref",
+            "there is no reference model to colocate (ref_num_nodes x ref_num_gpus_per_node = 0).",
+            "Drop --colocate_actor_ref, or give the reference GPUs.",
+        )
     if sizes["reward"]:
         if colocate_all:
             gpus["reward"] = on_host("reward", "actor", "colocate_all_models")
         elif colocate_critic_reward:
             if "critic" not in gpus:
-                raise PlacementError("colocate_critic_reward", "there is no critic to colocate the reward model with "
-                                     "(critic_num_nodes x critic_num_gpus_per_node = 0).",
-                                     "Drop --colocate_critic_reward, or give the critic GPUs.")
+                raise PlacementError(
+                    "colocate_critic_reward",
+                    "there is no critic to colocate the reward model with "
+                    "(critic_num_nodes x critic_num_gpus_per_node = 0).",
+                    "Drop --colocate_critic_reward, or give the critic GPUs.",
+                )
             gpus["reward"] = on_host("reward", "critic", "colocate_critic_reward")
         else:
             gpus["reward"] = new_block(sizes["reward"])
     elif colocate_critic_reward and not colocate_all:
-        raise PlacementError("colocate_critic_reward", "there is no reward model to colocate (reward_num_nodes x "
-                             "reward_num_gpus_per_node = 0).", "Drop --colocate_critic_reward, or give the reward "
-                             "model GPUs.")
+        raise PlacementError(
+            "colocate_critic_reward",
+            "there is no reward model to colocate (reward_num_nodes x reward_num_gpus_per_node = 0).",
+            "Drop --colocate_critic_reward, or give the reward model GPUs.",
+        )
     return gpus
 
 
 def _engines_problem(actor_gpus: int, engines: int, tp: int) -> str:
-    return (f"--colocate_all_models puts the engines on the actor's GPUs, so actor_num_nodes x "
-            f"actor_num_gpus_per_node (= {actor_gpus}) must equal vllm_num_engines x vllm_tensor_parallel_size "
-            f"(= {engines} x {tp} = {engines * tp}).")
+    return (
+        f"--colocate_all_models puts the engines on the actor's GPUs, so actor_num_nodes x "
+        f"actor_num_gpus_per_node (= {actor_gpus}) must equal vllm_num_engines x vllm_tensor_parallel_size "
+        f"(= {engines} x {tp} = {engines * tp})."
+    )
 
 
 def _engines_fix(actor_gpus: int, tp: int) -> str:
     if actor_gpus % tp == 0:
-        return (f"Use --vllm_num_engines {actor_gpus // tp} with --vllm_tensor_parallel_size {tp}, or change the "
-                f"actor's GPUs to vllm_num_engines x vllm_tensor_parallel_size.")
-    return (f"{actor_gpus} actor GPUs cannot hold engines of {tp} GPUs: pick a --vllm_tensor_parallel_size that "
-            f"divides {actor_gpus}, or change the actor's GPUs to vllm_num_engines x vllm_tensor_parallel_size.")
+        return (
+            f"Use --vllm_num_engines {actor_gpus // tp} with --vllm_tensor_parallel_size {tp}, or change the "
+            f"actor's GPUs to vllm_num_engines x vllm_tensor_parallel_size."
+        )
+    return (
+        f"{actor_gpus} actor GPUs cannot hold engines of {tp} GPUs: pick a --vllm_tensor_parallel_size that "
+        f"divides {actor_gpus}, or change the actor's GPUs to vllm_num_engines x vllm_tensor_parallel_size."
+    )

@@ -104,8 +104,10 @@ class PlacementPlan:
             "num_gpus": self.num_gpus,
             "gpus_per_node": self.gpus_per_node,
             "roles": {
-                name: {"tp": r.tp,
-                       "workers": [{"rank": w.rank, "gpus": list(w.gpus), "num_gpus": w.num_gpus} for w in r.workers]}
+                name: {
+                    "tp": r.tp,
+                    "workers": [{"rank": w.rank, "gpus": list(w.gpus), "num_gpus": w.num_gpus} for w in r.workers],
+                }
                 for name, r in self.roles.items()
             },
         }
@@ -152,8 +154,10 @@ def _gpu_table(plan: PlacementPlan) -> list[str]:
 
 def _role_summary(plan: PlacementPlan) -> list[str]:
     headers = ["role", "workers", "tp", "GPUs", "fraction", "shares"]
-    rows = [[name, str(role.world_size), str(role.tp), format_gpus(role.gpus), _fraction_span(role),
-             _sharing(plan, name)] for name, role in plan.roles.items()]
+    rows = [
+        [name, str(role.world_size), str(role.tp), format_gpus(role.gpus), _fraction_span(role), _sharing(plan, name)]
+        for name, role in plan.roles.items()
+    ]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [headers, *rows]]
 

@@ -37,8 +37,9 @@ def parse_gpu_range(value: GpuRange, field: str) -> tuple[int, ...]:
     seen: set[int] = set()
     repeated = sorted({g for g in items if g in seen or seen.add(g)})  # type: ignore[func-returns-value]
     if repeated:
-        raise PlacementError(field, f"{value!r} lists {describe_gpus(repeated)} twice.",
-                             "List each GPU once, e.g. '0-3,6'.")
+        raise PlacementError(
+            field, f"{value!r} lists {describe_gpus(repeated)} twice.", "List each GPU once, e.g. '0-3,6'."
+        )
     return tuple(sorted(items))
 
 
@@ -76,12 +77,14 @@ def _parse_string(text: str, field: str) -> list[int]:
     for part in text.split(","):
         match = _ITEM.match(part)
         if match is None:
-            raise PlacementError(field, f"cannot read {part.strip()!r} in {text!r} as a GPU index or range.",
-                                 _RANGE_FIX)
+            raise PlacementError(
+                field, f"cannot read {part.strip()!r} in {text!r} as a GPU index or range.", _RANGE_FIX
+            )
         start, end = int(match.group(1)), int(match.group(2) if match.group(2) is not None else match.group(1))
         if end < start:
-            raise PlacementError(field, f"the range {part.strip()!r} runs backwards.",
-                                 f"Write it low-high: '{end}-{start}'.")
+            raise PlacementError(
+                field, f"the range {part.strip()!r} runs backwards.", f"Write it low-high: '{end}-{start}'."
+            )
         items.extend(range(start, end + 1))
     return items
 

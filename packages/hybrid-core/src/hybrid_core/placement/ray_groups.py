@@ -90,14 +90,19 @@ class PlacedPlan:
         ips = {n["NodeID"]: n.get("NodeManagerAddress", "") for n in ray.nodes()}
         nodes: dict[str, dict[str, Any]] = {}
         for gpu, device in enumerate(self.devices):
-            entry = nodes.setdefault(device.node_id, {"ip": ips.get(device.node_id, ""), "plan_gpus": [],
-                                                      "bundles": [], "device_ids": []})
+            entry = nodes.setdefault(
+                device.node_id, {"ip": ips.get(device.node_id, ""), "plan_gpus": [], "bundles": [], "device_ids": []}
+            )
             entry["plan_gpus"].append(gpu)
             entry["bundles"].append(device.bundle_index)
             entry["device_ids"].append(device.gpu_id)
-        roles = {name: [{"rank": w.rank, "plan_gpus": list(w.gpus),
-                         "nodes": sorted({self.devices[g].node_id for g in w.gpus})} for w in role.workers]
-                 for name, role in self.plan.roles.items()}
+        roles = {
+            name: [
+                {"rank": w.rank, "plan_gpus": list(w.gpus), "nodes": sorted({self.devices[g].node_id for g in w.gpus})}
+                for w in role.workers
+            ]
+            for name, role in self.plan.roles.items()
+        }
         return {"gpus_per_node": self.plan.gpus_per_node, "nodes": nodes, "roles": roles}
 
     def remove(self) -> None:
@@ -116,8 +121,9 @@ class PlacedPlan:
         self.remove()
 
 
-def place(plan: PlacementPlan, timeout_s: float = 60, *, cpus_per_gpu: float | None = None,
-          name: str = "") -> PlacedPlan:
+def place(
+    plan: PlacementPlan, timeout_s: float = 60, *, cpus_per_gpu: float | None = None, name: str = ""
+) -> PlacedPlan:
     """Reserve the plan's GPUs as one placement group and map plan GPUs to devices.
 
     ``cpus_per_gpu``: CPUs per bundle (shared by the workers on that GPU like the GPU itself); default
@@ -128,13 +134,16 @@ def place(plan: PlacementPlan, timeout_s: float = 60, *, cpus_per_gpu: float | N
     from ray.util.placement_group import placement_group, remove_placement_group
 
     if not ray.is_initialized():
-        raise ConfigError("ray", "Ray is not running.",
-                          "Call hybrid_core.cluster.connect() (or ray.init) before placing a plan.")
+        raise ConfigError(
+            "ray", "Ray is not running.", "Call hybrid_core.cluster.connect() (or ray.init) before placing a plan."
+        )
     total_gpus = ray.cluster_resources().get("GPU", 0)
     if total_gpus < plan.num_gpus:
-        raise PlacementError("num_gpus", f"the plan needs {plan.num_gpus} GPUs but the Ray cluster has "
-                             f"{total_gpus:g}.", "Shrink the plan (share GPUs between roles, fewer GPUs per role) "
-                             "or add nodes to the cluster.")
+        raise PlacementError(
+            "num_gpus",
+            f"the plan needs {plan.num_gpus} GPUs but the Ray cluster has {total_gpus:g}.",
+            "Shrink the plan (share GPUs between roles, fewer GPUs per role) or add nodes to the cluster.",
+        )
     if cpus_per_gpu is None:
         free_cpus = ray.available_resources().get("CPU", 0.0)
         cpus_per_gpu = min(1.0, math.floor(100 * free_cpus / plan.num_gpus) / 100)
@@ -146,10 +155,13 @@ def place(plan: PlacementPlan, timeout_s: float = 60, *, cpus_per_gpu: float | N
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             free = ray.available_resources().get("GPU", 0)
-            raise PlacementError("num_gpus", f"the placement group of {plan.num_gpus} GPU bundles "
-                                 f"({bundle}) was not ready within {timeout_s:g} s; the cluster has {free:g} of "
-                                 f"{total_gpus:g} GPUs free.", "Free GPUs held by other jobs or actors, lower "
-                                 "cpus_per_gpu if CPUs are short, or raise the timeout.")
+            raise PlacementError(
+                "num_gpus",
+                f"the placement group of {plan.num_gpus} GPU bundles "
+                f"({bundle}) was not ready within {timeout_s:g} s; the cluster has {free:g} of "
+                f"{total_gpus:g} GPUs free.",
+                "Free GPUs held by other jobs or actors, lower cpus_per_gpu if CPUs are short, or raise the timeout.",
+            )
         devices = _discover_devices(pg, plan.num_gpus, timeout_s)
         _check_engines_on_one_node(plan, devices)
         _check_plan_nodes(plan, devices)
@@ -164,14 +176,19 @@ def _discover_devices(pg: Any, num_bundles: int, timeout_s: float) -> tuple[GpuD
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     probe = _probe_task()
-    refs = [probe.options(num_gpus=1 / _RAY_STEP, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
-            for i in range(num_bundles)]
+    refs = [
+        probe.options(num_gpus=1 / _RAY_STEP, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
+        for i in range(num_bundles)
+    ]
     answers = get_with_timeout(refs, timeout_s, "placement: asking each bundle for its GPU id")
     found = []
     for index, (node_id, gpu_ids) in enumerate(answers):
         if len(gpu_ids) != 1:
-            raise PlacementError("num_gpus", f"bundle {index} reports GPU ids {gpu_ids}, expected exactly one.",
-                                 "Check the node's CUDA_VISIBLE_DEVICES / Ray GPU resources.")
+            raise PlacementError(
+                "num_gpus",
+                f"bundle {index} reports GPU ids {gpu_ids}, expected exactly one.",
+                "Check the node's CUDA_VISIBLE_DEVICES / Ray GPU resources.",
+            )
         found.append(GpuDevice(index, node_id, _as_id(gpu_ids[0])))
     return order_devices(found)
 
@@ -190,11 +207,13 @@ def _check_engines_on_one_node(plan: PlacementPlan, devices: tuple[GpuDevice, ..
         for worker in role.workers:
             nodes = {devices[g].node_id for g in worker.gpus}
             if len(nodes) > 1:
-                raise PlacementError(f"{name}.tp", f"{name} engine {worker.rank} (plan GPU "
-                                     f"{format_gpus(worker.gpus)}) landed on {len(nodes)} nodes: the cluster's "
-                                     "free GPUs are split across nodes at that point.",
-                                     "Free whole nodes for the job, or align the role's GPUs to node boundaries "
-                                     "(gpus_per_node).")
+                raise PlacementError(
+                    f"{name}.tp",
+                    f"{name} engine {worker.rank} (plan GPU "
+                    f"{format_gpus(worker.gpus)}) landed on {len(nodes)} nodes: the cluster's "
+                    "free GPUs are split across nodes at that point.",
+                    "Free whole nodes for the job, or align the role's GPUs to node boundaries (gpus_per_node).",
+                )
 
 
 def _check_plan_nodes(plan: PlacementPlan, devices: tuple[GpuDevice, ...]) -> None:
@@ -205,11 +224,14 @@ def _check_plan_nodes(plan: PlacementPlan, devices: tuple[GpuDevice, ...]) -> No
         gpus = range(start, min(start + plan.gpus_per_node, plan.num_gpus))
         nodes = sorted({devices[g].node_id for g in gpus})
         if len(nodes) > 1:
-            raise PlacementError("gpus_per_node", f"plan node {start // plan.gpus_per_node} (plan GPUs "
-                                 f"{format_gpus(tuple(gpus))}) landed on {len(nodes)} nodes "
-                                 f"({', '.join(n[:8] for n in nodes)}): the cluster's free GPUs do not come in nodes "
-                                 f"of {plan.gpus_per_node}.", "Give --gpus_per_node the GPUs each node really has "
-                                 "free (or free whole nodes for the job).")
+            raise PlacementError(
+                "gpus_per_node",
+                f"plan node {start // plan.gpus_per_node} (plan GPUs "
+                f"{format_gpus(tuple(gpus))}) landed on {len(nodes)} nodes "
+                f"({', '.join(n[:8] for n in nodes)}): the cluster's free GPUs do not come in nodes "
+                f"of {plan.gpus_per_node}.",
+                "Give --gpus_per_node the GPUs each node really has free (or free whole nodes for the job).",
+            )
 
 
 _probe: Any = None  # the Ray remote function, made once

@@ -17,8 +17,9 @@ Neither needs Ray: every error is raised before anything is scheduled.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import PlacementError
 from .checks import cluster_size, require_int
@@ -85,23 +86,31 @@ class PlacementSpec:
         ``field_prefix`` is how errors spell a role's setting (``placement.actor``).
         """
         if not isinstance(ranges, Mapping) or not ranges:
-            raise PlacementError(field_prefix, "no roles given.",
-                                 "Give each role a GPU range, e.g. {'actor': '0-7', 'rollout': '0-7'}.")
+            raise PlacementError(
+                field_prefix, "no roles given.", "Give each role a GPU range, e.g. {'actor': '0-7', 'rollout': '0-7'}."
+            )
         gpus: dict[str, tuple[int, ...]] = {}
         for role, value in ranges.items():
             if not isinstance(role, str) or not role.strip():
-                raise PlacementError(field_prefix, f"role names must be non-empty strings, got {role!r}.",
-                                     "Name each role, e.g. {'actor': '0-7'}.")
+                raise PlacementError(
+                    field_prefix,
+                    f"role names must be non-empty strings, got {role!r}.",
+                    "Name each role, e.g. {'actor': '0-7'}.",
+                )
             gpus[role] = parse_gpu_range(value, f"{field_prefix}.{role}")
         tp = dict(tp or {})
         for role, size in tp.items():
             if role not in gpus:
-                raise PlacementError(f"tp.{role}", f"{role!r} has no GPU range.",
-                                     f"Use one of the roles given: {', '.join(gpus)}.")
+                raise PlacementError(
+                    f"tp.{role}", f"{role!r} has no GPU range.", f"Use one of the roles given: {', '.join(gpus)}."
+                )
             require_int(size, f"tp.{role}", minimum=1)
         cluster_gpus = cluster_size(cluster_gpus, gpus_per_node, num_nodes)
         return cls(
-            gpus=gpus, tp=tp, cluster_gpus=cluster_gpus, gpus_per_node=gpus_per_node,
+            gpus=gpus,
+            tp=tp,
+            cluster_gpus=cluster_gpus,
+            gpus_per_node=gpus_per_node,
             gpu_fields={role: f"{field_prefix}.{role}" for role in gpus},
             tp_fields={role: f"tp.{role}" for role in gpus},
         )
@@ -131,8 +140,10 @@ def build_plan(spec: PlacementSpec) -> PlacementPlan:
 
     roles: dict[str, RolePlacement] = {}
     for role, role_chunks in chunks.items():
-        workers = [WorkerSlot(rank, chunk, min(_fraction(len(residents[g])) for g in chunk))
-                   for rank, chunk in enumerate(role_chunks)]
+        workers = [
+            WorkerSlot(rank, chunk, min(_fraction(len(residents[g])) for g in chunk))
+            for rank, chunk in enumerate(role_chunks)
+        ]
         roles[role] = RolePlacement(role=role, workers=workers, tp=spec.tp_of(role))
     return PlacementPlan(num_gpus=num_gpus, roles=roles, gpus_per_node=spec.gpus_per_node)
 
@@ -153,7 +164,8 @@ def _check_cluster(spec: PlacementSpec, num_gpus: int) -> None:
                 f"{role} would use {describe_gpus(outside)}, outside the cluster's {spec.cluster_gpus} GPUs "
                 f"(0-{spec.cluster_gpus - 1}); the plan needs {num_gpus} GPUs ({needed}).",
                 f"Fit every role into GPUs 0-{spec.cluster_gpus - 1} (share GPUs between roles, or give them fewer), "
-                "or run on a cluster with more GPUs.")
+                "or run on a cluster with more GPUs.",
+            )
 
 
 def _check_no_idle_gpus(spec: PlacementSpec, num_gpus: int) -> None:
@@ -162,10 +174,13 @@ def _check_no_idle_gpus(spec: PlacementSpec, num_gpus: int) -> None:
     idle = sorted(set(range(num_gpus)) - used)
     if idle:
         fields = ", ".join(dict.fromkeys(spec.gpu_field(r) for r in spec.gpus))
-        raise PlacementError(fields, f"no role uses {describe_gpus(idle)}, but the placement group would "
-                             f"reserve GPUs 0-{num_gpus - 1} and leave it idle.",
-                             "Number the GPUs from 0 without gaps: plan GPUs are positions in the job's placement "
-                             "group, not physical device ids.")
+        raise PlacementError(
+            fields,
+            f"no role uses {describe_gpus(idle)}, but the placement group would "
+            f"reserve GPUs 0-{num_gpus - 1} and leave it idle.",
+            "Number the GPUs from 0 without gaps: plan GPUs are positions in the job's placement "
+            "group, not physical device ids.",
+        )
 
 
 def _engine_chunks(spec: PlacementSpec, role: str) -> list[tuple[int, ...]]:
@@ -173,21 +188,33 @@ def _engine_chunks(spec: PlacementSpec, role: str) -> list[tuple[int, ...]]:
     gpus, tp = spec.gpus[role], spec.tp_of(role)
     field = spec.tp_field(role)
     if len(gpus) % tp:
-        raise PlacementError(field, f"{role} has {len(gpus)} GPUs ({format_gpus(gpus)}), which do not split into "
-                             f"engines of tensor-parallel size {tp}.",
-                             f"Give {role} a multiple of {tp} GPUs ({spec.gpu_field(role)}), or a tensor-parallel "
-                             f"size that divides {len(gpus)}.")
+        raise PlacementError(
+            field,
+            f"{role} has {len(gpus)} GPUs ({format_gpus(gpus)}), which do not split into "
+            f"engines of tensor-parallel size {tp}.",
+            f"Give {role} a multiple of {tp} GPUs ({spec.gpu_field(role)}), or a tensor-parallel "
+            f"size that divides {len(gpus)}.",
+        )
     if spec.gpus_per_node is not None and tp > spec.gpus_per_node:
-        raise PlacementError(field, f"an engine of {tp} GPUs does not fit on a node of {spec.gpus_per_node} GPUs.",
-                             f"Use a tensor-parallel size of at most {spec.gpus_per_node}.")
-    chunks = [gpus[i:i + tp] for i in range(0, len(gpus), tp)]
+        raise PlacementError(
+            field,
+            f"an engine of {tp} GPUs does not fit on a node of {spec.gpus_per_node} GPUs.",
+            f"Use a tensor-parallel size of at most {spec.gpus_per_node}.",
+        )
+    chunks = [gpus[i : i + tp] for i in range(0, len(gpus), tp)]
     for rank, chunk in enumerate(chunks):
         if chunk[-1] - chunk[0] != tp - 1:
-            raise PlacementError(field, f"{role} engine {rank} would get {describe_gpus(chunk)}, which are not "
-                                 "consecutive (a tensor-parallel engine needs neighbouring GPUs).",
-                                 f"Give {role} ranges made of consecutive runs of {tp} GPUs ({spec.gpu_field(role)}).")
+            raise PlacementError(
+                field,
+                f"{role} engine {rank} would get {describe_gpus(chunk)}, which are not "
+                "consecutive (a tensor-parallel engine needs neighbouring GPUs).",
+                f"Give {role} ranges made of consecutive runs of {tp} GPUs ({spec.gpu_field(role)}).",
+            )
         if spec.gpus_per_node and chunk[0] // spec.gpus_per_node != chunk[-1] // spec.gpus_per_node:
-            raise PlacementError(field, f"{role} engine {rank} would span {describe_gpus(chunk)}, across a node "
-                                 f"boundary (nodes of {spec.gpus_per_node} GPUs).",
-                                 f"Start {role}'s GPUs ({spec.gpu_field(role)}) at a multiple of {tp} within a node.")
+            raise PlacementError(
+                field,
+                f"{role} engine {rank} would span {describe_gpus(chunk)}, across a node "
+                f"boundary (nodes of {spec.gpus_per_node} GPUs).",
+                f"Start {role}'s GPUs ({spec.gpu_field(role)}) at a multiple of {tp} within a node.",
+            )
     return chunks

@@ -25,8 +25,9 @@ memory monitor keeps (it kills a worker above 95 % of the total in use).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import PlacementError
 from .memory import CPU_ADAM, GiB, GpuShare
@@ -84,8 +85,13 @@ class HostUse:
         return self.states + self.process_bytes
 
 
-def host_use(layout: Mapping[int, tuple[GpuShare, ...]], moves: Mapping[tuple[str, str], str],
-             gpus_per_node: int | None = None, *, driver: bool = True) -> dict[int, HostUse]:
+def host_use(
+    layout: Mapping[int, tuple[GpuShare, ...]],
+    moves: Mapping[tuple[str, str], str],
+    gpus_per_node: int | None = None,
+    *,
+    driver: bool = True,
+) -> dict[int, HostUse]:
     """Node -> what its host memory holds: offloaded states x workers, CPU Adam's partitions, one process per worker
     (and the driver on node 0 unless ``driver`` is off). A pure function of the layout and the moves."""
     nodes: dict[int, HostUse] = {}
@@ -94,8 +100,11 @@ def host_use(layout: Mapping[int, tuple[GpuShare, ...]], moves: Mapping[tuple[st
         use = nodes.setdefault(node, HostUse(node))
         for share in shares:
             size, n = share.size, share.workers
-            held = {state: nbytes for state, nbytes in size.states.items()
-                    if nbytes and moves.get((size.role, state), "resident") == "offload"}
+            held = {
+                state: nbytes
+                for state, nbytes in size.states.items()
+                if nbytes and moves.get((size.role, state), "resident") == "offload"
+            }
             held.update(size.host)  # kept there for the whole run (CPU Adam with --adam_offload)
             if moves.get((size.role, "optimizer")) == "host" and CPU_ADAM not in size.host:
                 held[CPU_ADAM] = size.host_optimizer  # the planner keeps the optimizer there
@@ -143,27 +152,42 @@ def ray_kill_threshold(environ: Mapping[str, str] | None = None) -> float:
         return 0.95
 
 
-def local_budget(gpus_per_node: int | None = None, *, meminfo: str = "/proc/meminfo",
-                 environ: Mapping[str, str] | None = None) -> HostBudget:
+def local_budget(
+    gpus_per_node: int | None = None, *, meminfo: str = "/proc/meminfo", environ: Mapping[str, str] | None = None
+) -> HostBudget:
     """The default budget: what this machine has available now, less the share of its memory that Ray's memory
     monitor never lets workers use (it kills one above ``threshold x MemTotal`` in use: the 7B run of 2026-11-24
     was killed at 95 % with 4 GiB still free)."""
     found = available_memory(meminfo)
     if found is None:
-        reason = f"this machine's available memory could not be read ({meminfo} has no MemAvailable)" \
-            if os.path.exists(meminfo) else f"this machine's available memory is unknown (no {meminfo})"
+        reason = (
+            f"this machine's available memory could not be read ({meminfo} has no MemAvailable)"
+            if os.path.exists(meminfo)
+            else f"this machine's available memory is unknown (no {meminfo})"
+        )
         return HostBudget(None, reason, gpus_per_node, local=True)
     total, threshold = total_memory(meminfo), ray_kill_threshold(environ)
     if total is None or threshold >= 1.0:
         return HostBudget(found, "MemAvailable of this machine", gpus_per_node, local=True)
     reserve = (1.0 - threshold) * total
-    return HostBudget(max(0.0, found - reserve), f"MemAvailable of this machine less the {reserve / GiB:.1f} GiB Ray's "
-                      f"memory monitor keeps (it kills workers above {threshold:.0%} of MemTotal)", gpus_per_node,
-                      local=True)
+    return HostBudget(
+        max(0.0, found - reserve),
+        f"MemAvailable of this machine less the {reserve / GiB:.1f} GiB Ray's "
+        f"memory monitor keeps (it kills workers above {threshold:.0%} of MemTotal)",
+        gpus_per_node,
+        local=True,
+    )
 
 
-def planning_budget(gpus_per_node: int | None, node_gpus: int, local_gpus: int, *, runs_here: bool = False,
-                    meminfo: str = "/proc/meminfo", environ: Mapping[str, str] | None = None) -> HostBudget:
+def planning_budget(
+    gpus_per_node: int | None,
+    node_gpus: int,
+    local_gpus: int,
+    *,
+    runs_here: bool = False,
+    meminfo: str = "/proc/meminfo",
+    environ: Mapping[str, str] | None = None,
+) -> HostBudget:
     """The budget a dry-run checks a plan against when ``--host_memory_gb`` is not given.
 
     A dry-run plans for the run's nodes, which are often not the machine it runs on (a laptop checking a 64-GPU
@@ -173,8 +197,12 @@ def planning_budget(gpus_per_node: int | None, node_gpus: int, local_gpus: int, 
     each node's host memory (:func:`render_host`, :func:`host_notes`), for ``--host_memory_gb`` to check."""
     if runs_here or local_gpus >= node_gpus:
         return local_budget(gpus_per_node, meminfo=meminfo, environ=environ)
-    return HostBudget(None, f"a dry-run plans for the run's nodes, and this machine has {local_gpus} of the "
-                      f"{node_gpus} GPUs one of them uses, so its memory says nothing about theirs", gpus_per_node)
+    return HostBudget(
+        None,
+        f"a dry-run plans for the run's nodes, and this machine has {local_gpus} of the "
+        f"{node_gpus} GPUs one of them uses, so its memory says nothing about theirs",
+        gpus_per_node,
+    )
 
 
 # ---- the check, the notes and the lines --------------------------------------------------------------------------
@@ -188,14 +216,18 @@ def check_host(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> None:
         if not refused(use, budget.bytes):
             continue
         parts = ", ".join(f"{_item(role, item)} {v / GiB:.1f}" for (role, item), v in _largest(use)[:4])
-        over = (f"the plan keeps {use.states / GiB:.1f} GiB in host memory > {budget.bytes / GiB:.1f} GiB available "
-                f"({budget.source}): {parts} GiB; the {use.processes} processes need about "
-                f"{use.process_bytes / GiB:.0f} GiB more (an estimate)" if use.states > budget.bytes else
-                f"the plan keeps {use.states / GiB:.1f} GiB in host memory ({parts} GiB) and its {use.processes} "
-                f"processes need about {use.process_bytes / GiB:.0f} GiB more (an estimate): "
-                f"{use.total / GiB:.1f} GiB > {budget.bytes / GiB:.1f} GiB available ({budget.source})")
-        raise PlacementError("host_memory_gb", f"node {node}: {over}. The run would be killed for memory at start-up.",
-                             _fix(use, budget))
+        over = (
+            f"the plan keeps {use.states / GiB:.1f} GiB in host memory > {budget.bytes / GiB:.1f} GiB available "
+            f"({budget.source}): {parts} GiB; the {use.processes} processes need about "
+            f"{use.process_bytes / GiB:.0f} GiB more (an estimate)"
+            if use.states > budget.bytes
+            else f"the plan keeps {use.states / GiB:.1f} GiB in host memory ({parts} GiB) and its {use.processes} "
+            f"processes need about {use.process_bytes / GiB:.0f} GiB more (an estimate): "
+            f"{use.total / GiB:.1f} GiB > {budget.bytes / GiB:.1f} GiB available ({budget.source})"
+        )
+        raise PlacementError(
+            "host_memory_gb", f"node {node}: {over}. The run would be killed for memory at start-up.", _fix(use, budget)
+        )
 
 
 def host_notes(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> list[str]:
@@ -205,23 +237,32 @@ def host_notes(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> list[s
     notes = []
     if budget.bytes is None:
         most = max((u.states for u in uses.values()), default=0.0)
-        notes.append(f"host memory not checked: {budget.source} (the plan keeps up to {most / GiB:.1f} GiB of states "
-                     "in one node's host memory); set --host_memory_gb to check it")
+        notes.append(
+            f"host memory not checked: {budget.source} (the plan keeps up to {most / GiB:.1f} GiB of states "
+            "in one node's host memory); set --host_memory_gb to check it"
+        )
         return notes
     if budget.local and len(uses) > 1:
         others = sorted(uses)[1:]
         which = f"node {others[0]} is" if len(others) == 1 else f"nodes {_span(others)} are"
-        notes.append(f"host memory: {which} assumed to have as much available as this machine "
-                     f"({budget.bytes / GiB:.1f} GiB); set --host_memory_gb if they differ")
+        notes.append(
+            f"host memory: {which} assumed to have as much available as this machine "
+            f"({budget.bytes / GiB:.1f} GiB); set --host_memory_gb if they differ"
+        )
     for node, use in sorted(uses.items()):
         if use.states <= budget.bytes < use.total / NEAR_FULL:
-            less = ("keep fewer states there (--residency_pins)" if use.states > use.process_bytes else
-                    "run fewer worker processes per node (each role on a GPU is a process)")
-            notes.append(f"host (node {node}): {use.states / GiB:.1f} GiB of states + ~{use.process_bytes / GiB:.0f} "
-                         f"GiB for {use.processes} processes (an estimate) = {use.total / GiB:.1f} GiB, "
-                         + ("more than" if use.total > budget.bytes else f"over {NEAR_FULL:.0%} of")
-                         + f" the {budget.bytes / GiB:.1f} GiB available ({budget.source}): the "
-                         f"run may be killed for memory; free host memory, or {less}")
+            less = (
+                "keep fewer states there (--residency_pins)"
+                if use.states > use.process_bytes
+                else "run fewer worker processes per node (each role on a GPU is a process)"
+            )
+            notes.append(
+                f"host (node {node}): {use.states / GiB:.1f} GiB of states + ~{use.process_bytes / GiB:.0f} "
+                f"GiB for {use.processes} processes (an estimate) = {use.total / GiB:.1f} GiB, "
+                + ("more than" if use.total > budget.bytes else f"over {NEAR_FULL:.0%} of")
+                + f" the {budget.bytes / GiB:.1f} GiB available ({budget.source}): the "
+                f"run may be killed for memory; free host memory, or {less}"
+            )
     return notes
 
 
@@ -244,7 +285,7 @@ def verdict(use: HostUse, capacity: float) -> str:
 
 def render_host(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> list[str]:
     """One line per group of nodes holding the same: what is in host memory against what is available."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[int, int, int], list[int]] = {}
     for node, use in sorted(uses.items()):
         groups.setdefault((round(use.optimizer), round(use.offloaded), use.processes), []).append(node)
     lines = []
@@ -256,22 +297,32 @@ def render_host(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> list[
         else:
             flag = verdict(use, budget.bytes)
             capacity, source = f"of {budget.bytes / GiB:.1f} GiB available, {flag}", f"; available: {budget.source}"
-        lines.append(f"host ({where}): {use.total / GiB:.1f} GiB {capacity}: optimizer (CPU Adam) "
-                     f"{use.optimizer / GiB:.1f}, offloaded {use.offloaded / GiB:.1f}, processes "
-                     f"~{use.process_bytes / GiB:.0f} ({use.processes} x {PROCESS_BYTES / GiB:g} GiB, estimated)"
-                     + source)
+        lines.append(
+            f"host ({where}): {use.total / GiB:.1f} GiB {capacity}: optimizer (CPU Adam) "
+            f"{use.optimizer / GiB:.1f}, offloaded {use.offloaded / GiB:.1f}, processes "
+            f"~{use.process_bytes / GiB:.0f} ({use.processes} x {PROCESS_BYTES / GiB:g} GiB, estimated)" + source
+        )
     return lines
 
 
 def host_dict(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> dict[str, Any]:
     """The numbers of :func:`render_host` for ``residency.json`` (bytes)."""
     return {
-        "available": budget.bytes if budget else None, "source": budget.source if budget else None,
+        "available": budget.bytes if budget else None,
+        "source": budget.source if budget else None,
         "process_bytes_estimate": PROCESS_BYTES,
-        "nodes": {str(node): {"optimizer_cpu_adam": u.optimizer, "offloaded": u.offloaded, "states": u.states,
-                              "processes": u.processes, "process_bytes": u.process_bytes, "total": u.total,
-                              "items": {f"{role}.{item}": v for (role, item), v in u.items.items()}}
-                  for node, u in sorted(uses.items())},
+        "nodes": {
+            str(node): {
+                "optimizer_cpu_adam": u.optimizer,
+                "offloaded": u.offloaded,
+                "states": u.states,
+                "processes": u.processes,
+                "process_bytes": u.process_bytes,
+                "total": u.total,
+                "items": {f"{role}.{item}": v for (role, item), v in u.items.items()},
+            }
+            for node, u in sorted(uses.items())
+        },
     }
 
 
@@ -286,23 +337,29 @@ def _item(role: str, item: str) -> str:
 def _fix(use: HostUse, budget: HostBudget) -> str:
     (role, item), _ = _largest(use)[0]
     if item == CPU_ADAM:
-        fix = (f"The {role}'s optimizer is in host memory (CPU Adam: 18 bytes per parameter of each rank's ZeRO "
-               "partition, 10 in bf16). Give it room on the GPUs so it stays there: more GPUs for the role with "
-               "--zero_stage 3 (each rank holds 1/N of the states) or larger GPUs, and no --adam_offload; or keep it "
-               "in bf16, if not already (--bf16_master_weights --bf16_optimizer_states: 6 bytes per parameter on the "
-               "GPU instead of 12, 10 in host memory); or spread its ranks over more nodes (a node holds only its own "
-               "ranks' partitions; ZeRO-0 would keep the whole optimizer on every rank).")
+        fix = (
+            f"The {role}'s optimizer is in host memory (CPU Adam: 18 bytes per parameter of each rank's ZeRO "
+            "partition, 10 in bf16). Give it room on the GPUs so it stays there: more GPUs for the role with "
+            "--zero_stage 3 (each rank holds 1/N of the states) or larger GPUs, and no --adam_offload; or keep it "
+            "in bf16, if not already (--bf16_master_weights --bf16_optimizer_states: 6 bytes per parameter on the "
+            "GPU instead of 12, 10 in host memory); or spread its ranks over more nodes (a node holds only its own "
+            "ranks' partitions; ZeRO-0 would keep the whole optimizer on every rank)."
+        )
     elif role == "rollout" and item == "weights":
-        fix = ("Let the engines drop their weights instead of backing them up to host (--residency_pins "
-               "rollout.weights=discard, or --engine_sleep_level 2: the sync refills them after each update).")
+        fix = (
+            "Let the engines drop their weights instead of backing them up to host (--residency_pins "
+            "rollout.weights=discard, or --engine_sleep_level 2: the sync refills them after each update)."
+        )
     else:
-        fix = (f"Keep fewer states in host memory: --residency_pins {role}.{item}=resident where the GPU has room, "
-               "or colocate fewer roles on the GPUs.")
+        fix = (
+            f"Keep fewer states in host memory: --residency_pins {role}.{item}=resident where the GPU has room, "
+            "or colocate fewer roles on the GPUs."
+        )
     more = " (they are not this machine? say how much they have with --host_memory_gb N)" if budget.local else ""
     return f"{fix} Or run on nodes with more host memory{more}."
 
 
-def _span(nodes) -> str:
+def _span(nodes: Iterable[int]) -> str:
     from ..placement.ranges import format_gpus
 
     return format_gpus(nodes)

@@ -60,7 +60,8 @@ Frozen models (kind ``frozen``: a reference, a reward model), per GPU: params = 
     one forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8), and
     when sharded the 2 layers' weights ZeRO-3 gathers (as for a trainer).
 Engines (kind ``engine``), per GPU of an engine of TP GPUs:
-    engines with a pool (vLLM, SGLang: their class says ``MEMORY_POOL``) pre-allocate ``engine_memory_fraction x GPU memory`` (their pool): weights = 2P/TP (bf16) and the
+    engines with a pool (vLLM, SGLang: their class says ``MEMORY_POOL``) pre-allocate
+                 ``engine_memory_fraction x GPU memory`` (their pool): weights = 2P/TP (bf16) and the
                  KV cache = the rest of the pool; nothing else grows while they generate.
     hf (built-in): weights = b P / TP; while it generates, the KV cache of its share of the rollout
                  (ceil(samples / engines) sequences of S tokens, 2 L kv b / TP per token) + the last logits.
@@ -79,8 +80,9 @@ working memory of a role is counted in each phase that names it, for that phase'
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import ConfigError
 from .steps import KIND_STATES, WORK_KINDS, Phase
@@ -141,8 +143,16 @@ def model_shape(hf_config: Any, *, value_head: bool = False, trust_remote_code: 
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
-    return ModelShape(count_params(hf_config, value_head=value_head, trust_remote_code=trust_remote_code), hidden, cfg.num_hidden_layers, kv_heads,
-                      head_dim, inter, cfg.vocab_size, value_head)
+    return ModelShape(
+        count_params(hf_config, value_head=value_head, trust_remote_code=trust_remote_code),
+        hidden,
+        cfg.num_hidden_layers,
+        kv_heads,
+        head_dim,
+        inter,
+        cfg.vocab_size,
+        value_head,
+    )
 
 
 def count_params(hf_config: Any, *, value_head: bool = False, trust_remote_code: bool = False) -> int:
@@ -166,13 +176,17 @@ def _count_params(hf_config: Any, value_head: bool, trust_remote_code: bool) -> 
     try:
         from transformers import AutoModel, AutoModelForCausalLM
     except ImportError as e:  # hybrid-core does not depend on transformers; the training loop does
-        raise ConfigError("model", "sizing a model from its config needs transformers.",
-                          "pip install transformers") from e
+        raise ConfigError(
+            "model", "sizing a model from its config needs transformers.", "pip install transformers"
+        ) from e
     auto = AutoModel if value_head else AutoModelForCausalLM
     with torch.device("meta"):
-        model = auto.from_config(hf_config, trust_remote_code=trust_remote_code) if trust_remote_code \
+        model = (
+            auto.from_config(hf_config, trust_remote_code=trust_remote_code)
+            if trust_remote_code
             else auto.from_config(hf_config)
-    n = sum(p.numel() for p in model.parameters())
+        )
+    n = int(sum(p.numel() for p in model.parameters()))  # int: torch is untyped here (Any)
     return n + (hf_config.hidden_size + 1 if value_head else 0)
 
 
@@ -264,8 +278,17 @@ class GpuShare:
         return self.size.role
 
 
-def size_role(role: str, shape: ModelShape, work: Workload, *, kind: str, phases: Sequence[Phase], ranks: int, tp: int,
-              gpu_bytes: float) -> RoleSize:
+def size_role(
+    role: str,
+    shape: ModelShape,
+    work: Workload,
+    *,
+    kind: str,
+    phases: Sequence[Phase],
+    ranks: int,
+    tp: int,
+    gpu_bytes: float,
+) -> RoleSize:
     """The bytes one worker of ``role`` (a ``kind`` of :data:`~.steps.KIND_STATES`; ``ranks`` workers of ``tp`` GPUs
     each) holds on one of its GPUs. Its working memory is counted in each of ``phases`` that names it, for the work
     the phase declares (``Phase.work``: the largest of its kinds of work, which run one after another)."""
@@ -280,17 +303,27 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, kind: str, phases
         shards = frozen_shards(z, ranks=n)
         gather = {"zero3_gather": 2 * shape.layer_params * b} if shards > 1 else {}
         sized = {"infer": {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather}}
-        size = RoleSize(role, kind, {"params": b * shape.num_params / shards}, _working(role, kind, phases, sized),
-                        work.context_bytes)
+        size = RoleSize(
+            role,
+            kind,
+            {"params": b * shape.num_params / shards},
+            _working(role, kind, phases, sized),
+            work.context_bytes,
+        )
         return _with_cache(size)
     part = shape.num_params / (n if z >= 1 else 1)  # parameters of the rank's optimizer partition
-    states = {"params": b * shape.num_params / (n if z == 3 else 1),
-              "grads": b * shape.num_params / (n if z >= 2 else 1),
-              "optimizer": work.optimizer_bytes * part}
+    states = {
+        "params": b * shape.num_params / (n if z == 3 else 1),
+        "grads": b * shape.num_params / (n if z >= 2 else 1),
+        "optimizer": work.optimizer_bytes * part,
+    }
     gather = {"zero3_gather": 2 * shape.layer_params * b} if z == 3 else {}
     tokens = work.micro_train_batch_size * seq
-    saved = (shape.num_layers * shape.hidden_size + shape.layer_activation_values if work.gradient_checkpointing
-             else shape.num_layers * shape.layer_activation_values)
+    saved = (
+        shape.num_layers * shape.hidden_size + shape.layer_activation_values
+        if work.gradient_checkpointing
+        else shape.num_layers * shape.layer_activation_values
+    )
     # DeepSpeed's own buffers: the gradient reduce bucket (reduce_bucket_size elements of the model dtype, capped at
     # 5e8 as the training loop configures it) and, for the optimizer step, the flat gradient partition in the master
     # dtype (or, with CPU Adam under ZeRO-1/2, a GPU staging buffer of the largest parameter).
@@ -302,16 +335,28 @@ def size_role(role: str, shape: ModelShape, work: Workload, *, kind: str, phases
     if work.adam_offload and z in (1, 2):
         ds_buffers["offload_grad_staging"] = b * shape.largest_param
     train = {"activations": tokens * saved * b, "logits": _logits(shape, work, tokens), **gather, **ds_buffers}
-    sized = {"train": train,
-             "infer": {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather},
-             "sync": {"sync_bucket": _bucket(work, shape), **gather}}
+    sized = {
+        "train": train,
+        "infer": {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather},
+        "sync": {"sync_bucket": _bucket(work, shape), **gather},
+    }
     cpu_adam = cpu_adam_bytes(shape, work, ranks=n)
-    return _with_cache(RoleSize(role, kind, states, _working(role, kind, phases, sized), work.context_bytes,
-                                host={CPU_ADAM: cpu_adam} if work.adam_offload else {}, host_optimizer=cpu_adam))
+    return _with_cache(
+        RoleSize(
+            role,
+            kind,
+            states,
+            _working(role, kind, phases, sized),
+            work.context_bytes,
+            host={CPU_ADAM: cpu_adam} if work.adam_offload else {},
+            host_optimizer=cpu_adam,
+        )
+    )
 
 
-def _working(role: str, kind: str, phases: Sequence[Phase], sized: dict[str, dict[str, float]]
-             ) -> dict[str, dict[str, float]]:
+def _working(
+    role: str, kind: str, phases: Sequence[Phase], sized: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
     """Phase -> the role's working memory there: of the phase's kinds of work, the largest (they run one after
     another, e.g. the old-log-prob pass and the PPO epochs of one phase). Work a role's kind cannot do is a
     ValueError naming the phase; work that needs no memory of its own (an engine with a pool generating) adds none."""
@@ -321,8 +366,10 @@ def _working(role: str, kind: str, phases: Sequence[Phase], sized: dict[str, dic
             continue
         bad = [w for w in phase.work if w not in WORK_KINDS[kind]]
         if bad:
-            raise ValueError(f"phase {phase.name}: {role} (kind {kind}) cannot {', '.join(bad)} "
-                             f"(it can {', '.join(WORK_KINDS[kind])})")
+            raise ValueError(
+                f"phase {phase.name}: {role} (kind {kind}) cannot {', '.join(bad)} "
+                f"(it can {', '.join(WORK_KINDS[kind])})"
+            )
         options = [sized[w] for w in phase.work if sized.get(w)]
         if options:
             out[phase.name] = max(options, key=lambda d: sum(d.values()))
@@ -355,8 +402,10 @@ def _with_cache(size: RoleSize) -> RoleSize:
 
 def _forward(shape: ModelShape, work: Workload, tokens: int) -> dict[str, float]:
     """Working memory of a forward pass without gradients: one layer's activations at a time, plus the logits."""
-    return {"activations": tokens * shape.layer_activation_values * work.bytes_per_value,
-            "logits": _logits(shape, work, tokens)}
+    return {
+        "activations": tokens * shape.layer_activation_values * work.bytes_per_value,
+        "logits": _logits(shape, work, tokens),
+    }
 
 
 def _logits(shape: ModelShape, work: Workload, tokens: int) -> float:
@@ -367,8 +416,9 @@ def _logits(shape: ModelShape, work: Workload, tokens: int) -> float:
     return tokens * shape.vocab_size * (work.bytes_per_value + 8)
 
 
-def _engine(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int, gpu_bytes: float
-            ) -> tuple[dict[str, float], frozenset[str], dict[str, dict[str, float]]]:
+def _engine(
+    role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int, gpu_bytes: float
+) -> tuple[dict[str, float], frozenset[str], dict[str, dict[str, float]]]:
     """An engine's states, the states whose bytes are exact (a pool), and its working memory per kind of work."""
     seq = work.seq_len
     bucket = _bucket(work, shape)
@@ -381,16 +431,25 @@ def _engine(role: str, shape: ModelShape, work: Workload, *, ranks: int, tp: int
                 f"an engine's share of the GPU ({work.engine_memory_fraction} x {gpu_bytes / GiB:.1f} GiB = "
                 f"{pool / GiB:.1f} GiB) cannot hold its weights ({weights / GiB:.1f} GiB per GPU at TP {tp}) plus "
                 f"the KV cache of one {seq}-token sequence.",
-                "Raise --vllm_gpu_memory_utilization or --vllm_tensor_parallel_size.")
-        return ({"weights": weights, "kv_cache": pool - weights}, frozenset({"weights", "kv_cache"}),
-                {"sync": {"sync_bucket": bucket}})
+                "Raise --vllm_gpu_memory_utilization or --vllm_tensor_parallel_size.",
+            )
+        return (
+            {"weights": weights, "kv_cache": pool - weights},
+            frozenset({"weights", "kv_cache"}),
+            {"sync": {"sync_bucket": bucket}},
+        )
     b = work.bytes_per_value
     sequences = math.ceil(work.rollout_samples / max(ranks, 1))
-    generate = {"kv_cache": sequences * seq * shape.kv_bytes_per_token(b) / tp,
-                "logits": sequences * shape.vocab_size * 4.0}
+    generate = {
+        "kv_cache": sequences * seq * shape.kv_bytes_per_token(b) / tp,
+        "logits": sequences * shape.vocab_size * 4.0,
+    }
     # The built-in engine allocates its KV cache per generate call and frees it after: working memory, no pool.
-    return ({"weights": b * shape.num_params / tp, "kv_cache": 0.0}, frozenset(),
-            {"generate": generate, "sync": {"sync_bucket": bucket}})
+    return (
+        {"weights": b * shape.num_params / tp, "kv_cache": 0.0},
+        frozenset(),
+        {"generate": generate, "sync": {"sync_bucket": bucket}},
+    )
 
 
 def _bucket(work: Workload, shape: ModelShape) -> float:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from ..remote import get_all_with_timeout
 from ..stats import PhaseTimer
@@ -39,7 +40,9 @@ class RoleHandle(Protocol):
     """What the owner needs from a role: its GPUs, and asynchronous calls that move states off and back on."""
 
     role: str
-    gpus: list[int]
+
+    @property
+    def gpus(self) -> list[int]: ...  # read-only: an engine group's is a property
 
     def offload(self, states: Sequence[str], moves: Mapping[str, str]) -> list[tuple[str, Any]]: ...
 
@@ -60,8 +63,16 @@ class _Pending:
 
 
 class ResidencyOwner:
-    def __init__(self, plan: ResidencyPlan, handles: Mapping[str, RoleHandle], *, turnstile: Any = None,
-                 guard: WakeGuard | None = None, timeout_s: float = 600.0, overlap: bool = True):
+    def __init__(
+        self,
+        plan: ResidencyPlan,
+        handles: Mapping[str, RoleHandle],
+        *,
+        turnstile: Any = None,
+        guard: WakeGuard | None = None,
+        timeout_s: float = 600.0,
+        overlap: bool = True,
+    ):
         self.plan = plan
         self.handles = dict(handles)
         self.turnstile = turnstile
@@ -154,8 +165,11 @@ class ResidencyOwner:
             if role not in self.handles:
                 out[role] = set(self._states(role))
                 continue
-            out[role] = set(self.resident.get(role, ())) | self._arriving(role) | {
-                s for p in self.pending if p.role == role and p.direction == "off" for s in p.states}
+            out[role] = (
+                set(self.resident.get(role, ()))
+                | self._arriving(role)
+                | {s for p in self.pending if p.role == role and p.direction == "off" for s in p.states}
+            )
         return out
 
     def held_at_most(self, gpu: int) -> float:
@@ -181,8 +195,11 @@ class ResidencyOwner:
             if self.overlap:  # what the next phase needs and may stay beside this one is not sent away and back
                 want |= self._early(role, phase)
             gone = tuple(s for s in self._states(role) if s in have and s not in want)
-            back = tuple(s for s in self._states(role) if s in want and s not in have and
-                         s in self.plan.resident_states(role, phase))
+            back = tuple(
+                s
+                for s in self._states(role)
+                if s in want and s not in have and s in self.plan.resident_states(role, phase)
+            )
             if gone:
                 leaving[role] = gone
             if back:
@@ -208,8 +225,11 @@ class ResidencyOwner:
         try:
             results = get_all_with_timeout(handle.reload(states), self.timeout_s)
         except Exception as error:
-            explained = (self.guard.explain_wake_failure(role, what, handle.gpus, need, error)
-                         if self.guard is not None else None)
+            explained = (
+                self.guard.explain_wake_failure(role, what, handle.gpus, need, error)
+                if self.guard is not None
+                else None
+            )
             if explained is None:
                 raise
             raise explained from error
@@ -239,14 +259,16 @@ class ResidencyOwner:
             extra = self._need(role, states)
             if not all(self.plan.fits_phase(g, phase, extra.get(g, 0.0)) for g in self.handles[role].gpus):
                 continue
-            if self.guard is not None and not self.guard.has_room(role, "+".join(states), self.handles[role].gpus,
-                                                                  extra):
+            if self.guard is not None and not self.guard.has_room(
+                role, "+".join(states), self.handles[role].gpus, extra
+            ):
                 continue
             refs = self.handles[role].reload(states)
             self.pending.append(_Pending(role, "on", states, refs, self.tag, self.phase))
 
-    def _transition_from(self, phase: str, nxt: str):
-        leaving, coming = {}, {}
+    def _transition_from(self, phase: str, nxt: str) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+        leaving: dict[str, tuple[str, ...]] = {}
+        coming: dict[str, tuple[str, ...]] = {}
         for role in self.handles:
             want = set(self.plan.resident_states(role, nxt))
             have = self.resident[role] | self._arriving(role)
@@ -278,8 +300,12 @@ class ResidencyOwner:
         if not leaving:
             return True
         for gpu, shares in self.plan.layout.items():
-            extra = sum(share.size.states.get(s, 0.0) * share.workers for share in shares for (r, s) in leaving
-                        if r == share.role)
+            extra = sum(
+                share.size.states.get(s, 0.0) * share.workers
+                for share in shares
+                for (r, s) in leaving
+                if r == share.role
+            )
             if not self.plan.fits_phase(gpu, phase, extra):
                 return False
         return True
@@ -294,20 +320,39 @@ class ResidencyOwner:
         waited = time.perf_counter() - start
         i = 0
         for p in done:
-            part = results[i:i + len(p.refs)]
+            part = results[i : i + len(p.refs)]
             i += len(p.refs)
             if p.direction == "on":
                 self.resident[p.role].update(p.states)
             self._record(p.role, p.direction, p.states, part, waited, waited=True, tag=p.tag, phase=p.phase)
             waited = 0.0  # the wall time of a joint wait is counted once
 
-    def _record(self, role: str, direction: str, states: tuple[str, ...], results: list, seconds: float, *,
-                waited: bool, tag: Any = None, phase: str | None = None) -> None:
+    def _record(
+        self,
+        role: str,
+        direction: str,
+        states: tuple[str, ...],
+        results: list[Any],
+        seconds: float,
+        *,
+        waited: bool,
+        tag: Any = None,
+        phase: str | None = None,
+    ) -> None:
         """Account one finished move; the log files it under the step and phase in which it started."""
         moved = sum(_bytes_of(r) for r in results)
         if len(self.log) < self.log_limit:
-            self.log.append({"event": "move", "tag": self.tag if tag is None else tag, "phase": phase or self.phase,
-                             "role": role, "direction": direction, "states": list(states), "bytes": moved})
+            self.log.append(
+                {
+                    "event": "move",
+                    "tag": self.tag if tag is None else tag,
+                    "phase": phase or self.phase,
+                    "role": role,
+                    "direction": direction,
+                    "states": list(states),
+                    "bytes": moved,
+                }
+            )
         self.moved_bytes[(role, direction)] = moved
         if self.timer is not None:
             phase = "wake" if direction == "on" else "sleep"
@@ -348,8 +393,11 @@ class ResidencyOwner:
         for shares in self.plan.layout.values():
             for share in shares:
                 if share.role == role:
-                    return [s for s, b in share.size.states.items()
-                            if (b or tracked(s)) and s != "cache" and self.plan.move(role, s) != "host"]
+                    return [
+                        s
+                        for s, b in share.size.states.items()
+                        if (b or tracked(s)) and s != "cache" and self.plan.move(role, s) != "host"
+                    ]
         return []
 
     def _need(self, role: str, states: Sequence[str]) -> dict[int, float]:

@@ -7,8 +7,9 @@ of each GPU in each phase against its capacity, how many bytes move per step, an
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import PlacementError
 from .host import HostBudget, HostUse, check_host, host_dict, host_notes, host_use, render_host
@@ -115,8 +116,11 @@ class ResidencyPlan:
 
     def worst(self) -> tuple[int, str, float]:
         """(gpu, phase, bytes) of the fullest GPU in its fullest phase (fullest against its capacity)."""
-        return max(((g, p.name, self.peak(g, p.name)) for g in self.layout for p in self.phases),
-                   key=lambda t: self.load(t[0], t[1]), default=(0, "", 0.0))
+        return max(
+            ((g, p.name, self.peak(g, p.name)) for g in self.layout for p in self.phases),
+            key=lambda t: self.load(t[0], t[1]),
+            default=(0, "", 0.0),
+        )
 
     def fits(self) -> bool:
         return all(self.fits_phase(g, p.name) for g in self.layout for p in self.phases)
@@ -129,15 +133,25 @@ class ResidencyPlan:
             check_host(self.host, self.host_use())
             return
         items = self.breakdown(gpu, phase)
-        parts = ", ".join(f"{role} {item} {v / GiB:.1f}" for (role, item), v in
-                          sorted(items.items(), key=lambda kv: -kv[1]) if v >= 0.05 * GiB)
+        parts = ", ".join(
+            f"{role} {item} {v / GiB:.1f}"
+            for (role, item), v in sorted(items.items(), key=lambda kv: -kv[1])
+            if v >= 0.05 * GiB
+        )
         raise PlacementError(
-            "residency", f"GPU {gpu}, phase {phase}: {total / GiB:.1f} GiB needed > {self.capacity / GiB:.1f} GiB "
-            f"usable of {self.gpu_bytes / GiB:.1f} GiB ({parts} GiB).", _fix_for(self, items))
+            "residency",
+            f"GPU {gpu}, phase {phase}: {total / GiB:.1f} GiB needed > {self.capacity / GiB:.1f} GiB "
+            f"usable of {self.gpu_bytes / GiB:.1f} GiB ({parts} GiB).",
+            _fix_for(self, items),
+        )
 
     def _exact_bytes(self, gpu: int, phase: str) -> float:
-        return sum(share.size.states[s] * share.workers for share in self.layout[gpu] for s in share.size.exact
-                   if self.present(share.role, s, phase))
+        return sum(
+            share.size.states[s] * share.workers
+            for share in self.layout[gpu]
+            for s in share.size.exact
+            if self.present(share.role, s, phase)
+        )
 
     def bytes_moved(self, gpu: int) -> float:
         """Bytes that cross PCIe on ``gpu`` per step (offloads and reloads; discards and releases move none)."""
@@ -168,15 +182,17 @@ class ResidencyPlan:
 
     def render(self) -> str:
         """Per phase and per group of identical GPUs: what is resident, the predicted peak vs the capacity."""
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple[tuple[str, int], ...], list[int]] = {}
         for gpu, shares in self.layout.items():
             groups.setdefault(tuple((s.role, s.workers) for s in shares), []).append(gpu)
         lines = [f"residency ({self.mode}): " + "; ".join(self.describe_moves())]
         counted_shown = False
         for key, gpus in groups.items():
             gpu = gpus[0]
-            lines.append(f"GPU {_span(gpus)} ({', '.join(r for r, _ in key)}), {self.gpu_bytes / GiB:.1f} GiB each, "
-                         f"usable {self.capacity / GiB:.1f}; moved per step {self.bytes_moved(gpu) / GiB:.2f} GiB")
+            lines.append(
+                f"GPU {_span(gpus)} ({', '.join(r for r, _ in key)}), {self.gpu_bytes / GiB:.1f} GiB each, "
+                f"usable {self.capacity / GiB:.1f}; moved per step {self.bytes_moved(gpu) / GiB:.2f} GiB"
+            )
             for phase in self.phases:
                 resident = []
                 for share in self.layout[gpu]:
@@ -191,19 +207,25 @@ class ResidencyPlan:
                 counted_shown = counted_shown or bool(counted_text)
                 seen = self.measured.get((gpu, phase.name))
                 seen_text = f", measured {seen / GiB:.2f}" if seen else ""
-                lines.append(f"  {phase.name:<13} peak {peak / GiB:7.2f} GiB{counted_text} {flag:<4}{seen_text}  "
-                             f"resident: {' '.join(resident) or '-'}")
+                lines.append(
+                    f"  {phase.name:<13} peak {peak / GiB:7.2f} GiB{counted_text} {flag:<4}{seen_text}  "
+                    f"resident: {' '.join(resident) or '-'}"
+                )
         if counted_shown:
-            lines.append(f"  counted: what the ok / OVER beside it is for, held against the usable "
-                         f"{self.capacity / GiB:.1f} GiB: the peak with the engines' pre-allocated pools (exact sizes) "
-                         f"at {self.usable:.0%}, as the safety margin is for estimates only")
+            lines.append(
+                f"  counted: what the ok / OVER beside it is for, held against the usable "
+                f"{self.capacity / GiB:.1f} GiB: the peak with the engines' pre-allocated pools (exact sizes) "
+                f"at {self.usable:.0%}, as the safety margin is for estimates only"
+            )
         lines.extend(render_host(self.host, self.host_use()))
         lines.extend(f"note: {n}" for n in self.all_notes())
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "mode": self.mode, "gpu_bytes": self.gpu_bytes, "capacity": self.capacity,
+            "mode": self.mode,
+            "gpu_bytes": self.gpu_bytes,
+            "capacity": self.capacity,
             "moves": {f"{r}.{s}": m for (r, s), m in self.moves.items()},
             "peaks": {str(g): {p.name: self.peak(g, p.name) for p in self.phases} for g in self.layout},
             "overhead": {str(g): v for g, v in self.overhead.items()},
@@ -229,8 +251,8 @@ def _fix_for(plan: ResidencyPlan, items: Mapping[tuple[str, str], float]) -> str
     if plan.mode == "auto":
         return {
             "optimizer": f"Use more GPUs for the {role} or --zero_stage 3 across several GPUs (moving the optimizer "
-                         "state off the GPU between phases was not enough), or a bf16 optimizer state if not already "
-                         "(--bf16_master_weights --bf16_optimizer_states: 6 bytes per parameter instead of 12).",
+            "state off the GPU between phases was not enough), or a bf16 optimizer state if not already "
+            "(--bf16_master_weights --bf16_optimizer_states: 6 bytes per parameter instead of 12).",
             "activations": "Use --gradient_checkpointing or a smaller micro batch size.",
             "logits": "Use a smaller micro batch size (logits are micro batch x length x vocabulary).",
             "kv_cache": "Lower --vllm_gpu_memory_utilization (the engine's pool).",
@@ -238,7 +260,7 @@ def _fix_for(plan: ResidencyPlan, items: Mapping[tuple[str, str], float]) -> str
         }.get(item, f"Give the roles more GPUs, or smaller models / batches ({role} {item} is the largest item).")
     return {
         "optimizer": f"Use --residency auto (the planner moves what does not fit), --adam_offload, or more GPUs for "
-                     f"the {role}.",
+        f"the {role}.",
         "kv_cache": "Lower --vllm_gpu_memory_utilization, or let the engines sleep (--vllm_enable_sleep).",
         "weights": "Let colocated roles sleep (--deepspeed_enable_sleep / --vllm_enable_sleep), or --residency auto.",
     }.get(item, "Use --residency auto, give the roles more GPUs, or let colocated roles sleep.")

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -45,16 +46,33 @@ MOVE_COST = 64 << 20
 HOST_COST = 1 << 60
 
 
-def build_layout(placement: Any, shapes: Mapping[str, ModelShape], work: Workload, gpu_bytes: float, *,
-                 kinds: Mapping[str, str], phases: tuple[Phase, ...]) -> dict[int, tuple[GpuShare, ...]]:
+def build_layout(
+    placement: Any,
+    shapes: Mapping[str, ModelShape],
+    work: Workload,
+    gpu_bytes: float,
+    *,
+    kinds: Mapping[str, str],
+    phases: tuple[Phase, ...],
+) -> dict[int, tuple[GpuShare, ...]]:
     """GPU -> the roles on it (from a :class:`~hybrid_core.placement.PlacementPlan`), sized by the memory model:
     ``kinds`` says each role's kind, ``phases`` the step (each role's working memory is counted where it works)."""
     missing = sorted(set(placement.roles) - set(kinds))
     if missing:
         raise ValueError(f"no kind given for role(s) {', '.join(missing)} (kinds: trainer, frozen, engine)")
-    sizes = {role: size_role(role, shapes[role], work, kind=kinds[role], phases=phases, ranks=len(rp.workers),
-                             tp=rp.tp, gpu_bytes=gpu_bytes)
-             for role, rp in placement.roles.items()}
+    sizes = {
+        role: size_role(
+            role,
+            shapes[role],
+            work,
+            kind=kinds[role],
+            phases=phases,
+            ranks=len(rp.workers),
+            tp=rp.tp,
+            gpu_bytes=gpu_bytes,
+        )
+        for role, rp in placement.roles.items()
+    }
     layout: dict[int, list[GpuShare]] = {}
     for role, rp in placement.roles.items():
         count: dict[int, int] = {}
@@ -66,19 +84,26 @@ def build_layout(placement: Any, shapes: Mapping[str, ModelShape], work: Workloa
     return {g: tuple(shares) for g, shares in sorted(layout.items())}
 
 
-def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float, *, phases: Iterable[Phase],
-                   mode: str = "auto",
-                   pins: Mapping[tuple[str, str], Any] | None = None, sleep_roles: Iterable[str] = (),
-                   engine_sleep_level: int = 1,
-                   usable: float = DEFAULT_USABLE, allow_host: bool = True,
-                   overhead: Mapping[int, float] | None = None,
-                   sleep_fields: Mapping[str, str] | None = None,
-                   host: HostBudget | None = None) -> ResidencyPlan:
+def plan_residency(
+    layout: Mapping[int, tuple[GpuShare, ...]],
+    gpu_bytes: float,
+    *,
+    phases: Iterable[Phase],
+    mode: str = "auto",
+    pins: Mapping[tuple[str, str], Any] | None = None,
+    sleep_roles: Iterable[str] = (),
+    engine_sleep_level: int = 1,
+    usable: float = DEFAULT_USABLE,
+    allow_host: bool = True,
+    overhead: Mapping[int, float] | None = None,
+    sleep_fields: Mapping[str, str] | None = None,
+    host: HostBudget | None = None,
+) -> ResidencyPlan:
     """The residency plan for ``layout`` on GPUs of ``gpu_bytes`` (see the module docstring). ``phases``: the step,
     in order (:class:`~.steps.Phase`; those whose working role is not in ``layout`` are skipped). ``overhead``: GPU ->
-    bytes measured beyond the model (a run's refinements after steps 1, 2, 4, 8, ...), held in every phase. ``sleep_fields``:
-    role -> the user's setting that asked it to sleep (named by the error when such a role shares no GPU). ``host``:
-    each node's host memory (the plan shows and checks what it keeps there, see :mod:`.host`)."""
+    bytes measured beyond the model (a run's refinements after steps 1, 2, 4, 8, ...), held in every phase.
+    ``sleep_fields``: role -> the user's setting that asked it to sleep (named by the error when such a role shares
+    no GPU). ``host``: each node's host memory (the plan shows and checks what it keeps there, see :mod:`.host`)."""
     if mode not in MODES:
         raise ConfigError("residency", f"unknown mode {mode!r}.", f"Use one of: {', '.join(MODES)}.")
     if not 0 < usable <= 1:
@@ -96,24 +121,32 @@ def plan_residency(layout: Mapping[int, tuple[GpuShare, ...]], gpu_bytes: float,
     notes: list[str] = []
     overhead = {g: float(v) for g, v in (overhead or {}).items() if v}
     if mode != "auto":
-        moves = {key: options[0] for key, options in choices.items()}
-        return ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes, overhead=overhead,
-                             host=host)
+        fixed = {key: options[0] for key, options in choices.items()}
+        return ResidencyPlan(
+            mode, phases, fixed, dict(layout), gpu_bytes, capacity, notes, overhead=overhead, host=host
+        )
     moves = _cheapest_fit(layout, phases, choices, capacity, gpu_bytes, overhead)
     if moves is None:  # nothing fits: return the plan that moves the most, so the error shows the smallest peak
         moves = {key: _most_moving(options) for key, options in choices.items()}
         notes.append("no plan fits the GPUs; this one moves everything it can")
     plan = ResidencyPlan(mode, phases, moves, dict(layout), gpu_bytes, capacity, notes, overhead=overhead, host=host)
-    for (role, state), move in moves.items():
+    for (role, _state), move in moves.items():
         if move == "host":
-            plan.notes.append(f"{role}'s optimizer state stays in host memory (CPU Adam): it does not fit on the "
-                              "GPU in any plan")
+            plan.notes.append(
+                f"{role}'s optimizer state stays in host memory (CPU Adam): it does not fit on the GPU in any plan"
+            )
     return plan
 
 
 # ---- the search ----------------------------------------------------------------------------------------------------
-def _cheapest_fit(layout, phases, choices: dict[tuple[str, str], tuple[str, ...]], capacity: float,
-                  gpu_bytes: float, overhead: Mapping[int, float]) -> dict[tuple[str, str], str] | None:
+def _cheapest_fit(
+    layout: Mapping[int, tuple[GpuShare, ...]],
+    phases: tuple[Phase, ...],
+    choices: dict[tuple[str, str], tuple[str, ...]],
+    capacity: float,
+    gpu_bytes: float,
+    overhead: Mapping[int, float],
+) -> dict[tuple[str, str], str] | None:
     keys = list(choices)
     groups = _gpu_groups(layout, overhead)  # identical GPUs are checked once
     columns = [(g, p.name) for g in groups for p in phases]
@@ -141,7 +174,7 @@ def _cheapest_fit(layout, phases, choices: dict[tuple[str, str], tuple[str, ...]
             return moves
         for k in range(len(keys)):
             if index[k] + 1 < len(choices[keys[k]]):
-                nxt = index[:k] + (index[k] + 1,) + index[k + 1:]
+                nxt = (*index[:k], index[k] + 1, *index[k + 1 :])
                 if nxt not in seen:
                     seen.add(nxt)
                     step = costs[k][index[k] + 1] - costs[k][index[k]]
@@ -151,20 +184,23 @@ def _cheapest_fit(layout, phases, choices: dict[tuple[str, str], tuple[str, ...]
 
 def consistent(moves: Mapping[tuple[str, str], str]) -> bool:
     """Engines free their KV cache whenever their weights leave (no engine can hold a KV cache without weights)."""
-    return all(moves.get((role, "kv_cache"), "release") != "resident"
-               for (role, state), move in moves.items() if state == "weights" and move != "resident")
+    return all(
+        moves.get((role, "kv_cache"), "release") != "resident"
+        for (role, state), move in moves.items()
+        if state == "weights" and move != "resident"
+    )
 
 
-def _gpu_groups(layout, overhead: Mapping[int, float] | None = None) -> list[int]:
+def _gpu_groups(layout: Mapping[int, tuple[GpuShare, ...]], overhead: Mapping[int, float] | None = None) -> list[int]:
     """One GPU per group of GPUs that hold the same roles with the same sizes (and the same measured overhead)."""
-    seen: dict[tuple, int] = {}
+    seen: dict[tuple[Any, ...], int] = {}
     for gpu, shares in layout.items():
-        key = tuple((s.role, s.workers, id(s.size)) for s in shares) + ((overhead or {}).get(gpu, 0.0),)
+        key = (*((s.role, s.workers, id(s.size)) for s in shares), (overhead or {}).get(gpu, 0.0))
         seen.setdefault(key, gpu)
     return list(seen.values())
 
 
-def _base_bytes(layout, gpu: int, phase: Phase) -> float:
+def _base_bytes(layout: Mapping[int, tuple[GpuShare, ...]], gpu: int, phase: Phase) -> float:
     """What a GPU holds in a phase whatever the plan: contexts and the working memory of the roles at work."""
     total = 0.0
     for share in layout[gpu]:
@@ -174,7 +210,15 @@ def _base_bytes(layout, gpu: int, phase: Phase) -> float:
     return total
 
 
-def _state_bytes(layout, gpu: int, phase: str, key: tuple[str, str], move: str, phases, usable: float) -> float:
+def _state_bytes(
+    layout: Mapping[int, tuple[GpuShare, ...]],
+    gpu: int,
+    phase: str,
+    key: tuple[str, str],
+    move: str,
+    phases: tuple[Phase, ...],
+    usable: float,
+) -> float:
     """A state's bytes on ``gpu`` in ``phase`` under ``move``, as the capacity counts them (see ResidencyPlan.load)."""
     role, state = key
     plan = ResidencyPlan("auto", phases, {key: move}, dict(layout), 0.0, 0.0)
@@ -185,21 +229,29 @@ def _state_bytes(layout, gpu: int, phase: str, key: tuple[str, str], move: str, 
         if plan.present(role, state, phase):
             scale = usable if state in share.size.exact else 1.0
             total += share.size.states.get(state, 0.0) * share.workers * scale
-        elif state == "cache" and move == "resident" and share.size.working.get(phase) and \
-                any(p.name == phase and role in p.needs for p in phases):
+        elif (
+            state == "cache"
+            and move == "resident"
+            and share.size.working.get(phase)
+            and any(p.name == phase and role in p.needs for p in phases)
+        ):
             # working again while the allocator still holds its largest working set (see ResidencyPlan.breakdown)
             total += max(share.size.states["cache"] - share.size.working_total(phase), 0.0) * share.workers
     return total
 
 
-def _move_cost(layout, phases, key: tuple[str, str], move: str) -> float:
+def _move_cost(
+    layout: Mapping[int, tuple[GpuShare, ...]], phases: tuple[Phase, ...], key: tuple[str, str], move: str
+) -> float:
     role, state = key
     if move == "resident":
         return 0.0
     if move == "host":
         return float(HOST_COST)
-    nbytes = max((s.size.states.get(state, 0.0) * s.workers for shares in layout.values() for s in shares
-                  if s.role == role), default=0.0)
+    nbytes = max(
+        (s.size.states.get(state, 0.0) * s.workers for shares in layout.values() for s in shares if s.role == role),
+        default=0.0,
+    )
     if move == "offload":
         plan = ResidencyPlan("auto", phases, {key: move}, dict(layout), 0.0, 0.0)
         present = frozenset(p.name for p in phases if plan.present(role, state, p.name))
@@ -220,8 +272,16 @@ def _most_moving(options: tuple[str, ...]) -> str:
 
 
 # ---- what may move -------------------------------------------------------------------------------------------------
-def _choices(layout, phases, mode: str, pins, sleep_roles: set[str], shared: set[str], engine_sleep_level: int,
-             allow_host: bool) -> dict[tuple[str, str], tuple[str, ...]]:
+def _choices(
+    layout: Mapping[int, tuple[GpuShare, ...]],
+    phases: tuple[Phase, ...],
+    mode: str,
+    pins: Mapping[tuple[str, str], Any],
+    sleep_roles: set[str],
+    shared: set[str],
+    engine_sleep_level: int,
+    allow_host: bool,
+) -> dict[tuple[str, str], tuple[str, ...]]:
     """For each (role, state) with bytes on a GPU: the moves allowed (exactly one, except in auto mode)."""
     out: dict[tuple[str, str], tuple[str, ...]] = {}
     for shares in layout.values():
@@ -254,37 +314,56 @@ def sleep_move(state: str, engine_sleep_level: int = 1) -> str:
     return "release" if state in ("kv_cache", "cache") else "offload"
 
 
-def check_sleepers(sleep_roles: Iterable[str], shared: Iterable[str],
-                   sleep_fields: Mapping[str, str] | None = None) -> None:
+def check_sleepers(
+    sleep_roles: Iterable[str], shared: Iterable[str], sleep_fields: Mapping[str, str] | None = None
+) -> None:
     """A role asked to sleep must share a GPU: alone, sleeping frees memory for nobody. ``sleep_fields``: role -> the
     setting that asked (named by the error)."""
     lonely = sorted(set(sleep_roles) - set(shared))
     if lonely:
         fields = dict.fromkeys((sleep_fields or {}).get(r, "residency") for r in lonely)
-        raise ConfigError(" / ".join(fields), f"{', '.join(lonely)} shares no GPU with another role, so sleeping "
-                          "would free memory for nobody and only cost a reload per step.",
-                          f"Drop {' / '.join('--' + f for f in fields)}, or colocate it with another role "
-                          "(--colocate_all_models, or overlapping --placement ranges).")
+        raise ConfigError(
+            " / ".join(fields),
+            f"{', '.join(lonely)} shares no GPU with another role, so sleeping "
+            "would free memory for nobody and only cost a reload per step.",
+            f"Drop {' / '.join('--' + f for f in fields)}, or colocate it with another role "
+            "(--colocate_all_models, or overlapping --placement ranges).",
+        )
 
 
-def _shared_roles(layout) -> set[str]:
+def _shared_roles(layout: Mapping[int, tuple[GpuShare, ...]]) -> set[str]:
     return {s.role for shares in layout.values() if len({x.role for x in shares}) > 1 for s in shares}
 
 
-def _check_pins(pins: Mapping[tuple[str, str], Any], layout) -> None:
+def _check_pins(pins: Mapping[tuple[str, str], Any], layout: Mapping[int, tuple[GpuShare, ...]]) -> None:
     roles = {s.role: s.size for shares in layout.values() for s in shares}
     for (role, state), pinned in pins.items():
         if role not in roles:
-            raise ConfigError("residency", f"{role}.{state}: there is no role {role!r} in this run "
-                              f"(roles: {', '.join(roles)}).", "Pin states of the roles the run has.")
+            raise ConfigError(
+                "residency",
+                f"{role}.{state}: there is no role {role!r} in this run (roles: {', '.join(roles)}).",
+                "Pin states of the roles the run has.",
+            )
         if state not in roles[role].states:
-            raise ConfigError("residency", f"{role}.{state}: a {roles[role].kind} has no state {state!r} "
-                              f"(it has {', '.join(roles[role].states)}).")
+            raise ConfigError(
+                "residency",
+                f"{role}.{state}: a {roles[role].kind} has no state {state!r} "
+                f"(it has {', '.join(roles[role].states)}).",
+            )
         for move in (pinned,) if isinstance(pinned, str) else pinned:
             if move not in STATE_MOVES[state]:
-                raise ConfigError("residency", f"{role}.{state}={move}: {state} can only be "
-                                  f"{', '.join(STATE_MOVES[state])}.")
+                raise ConfigError(
+                    "residency", f"{role}.{state}={move}: {state} can only be {', '.join(STATE_MOVES[state])}."
+                )
 
 
-__all__ = ["DEFAULT_USABLE", "MODES", "build_layout", "check_sleepers", "consistent", "plan_cost", "plan_residency",
-           "sleep_move"]
+__all__ = [
+    "DEFAULT_USABLE",
+    "MODES",
+    "build_layout",
+    "check_sleepers",
+    "consistent",
+    "plan_cost",
+    "plan_residency",
+    "sleep_move",
+]

@@ -23,8 +23,8 @@ not counted twice), and a refined plan that does not fit stops the run with the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 from ..errors import PlacementError
 from .memory import GiB
@@ -53,8 +53,9 @@ class Refinement:
         return max(self.overhead.values(), default=0.0)
 
 
-def held(plan: ResidencyPlan, gpu: int, phase: str,
-         on_gpu: Mapping[str, Iterable[str]]) -> dict[tuple[str, str], float]:
+def held(
+    plan: ResidencyPlan, gpu: int, phase: str, on_gpu: Mapping[str, Iterable[str]]
+) -> dict[tuple[str, str], float]:
     """(role, item) -> bytes the memory model counts on ``gpu`` once ``phase`` has run and every move has landed.
 
     ``on_gpu``: role -> the states on its GPUs (the owner's record, :meth:`~.owner.ResidencyOwner.on_gpu`; a role it
@@ -77,17 +78,26 @@ def held(plan: ResidencyPlan, gpu: int, phase: str,
     return items
 
 
-def measured_overhead(plan: ResidencyPlan, used: Mapping[int, float], phase: str,
-                      on_gpu: Mapping[str, Iterable[str]]) -> dict[int, float]:
+def measured_overhead(
+    plan: ResidencyPlan, used: Mapping[int, float], phase: str, on_gpu: Mapping[str, Iterable[str]]
+) -> dict[int, float]:
     """GPU -> bytes in use beyond what the model counts (``used``: total - free per GPU), never below the plan's
     overhead from an earlier reading (memory reserved once may be reserved again at a later peak)."""
-    return {gpu: max(used[gpu] - sum(held(plan, gpu, phase, on_gpu).values()), plan.overhead.get(gpu, 0.0), 0.0)
-            for gpu in used}
+    return {
+        gpu: max(used[gpu] - sum(held(plan, gpu, phase, on_gpu).values()), plan.overhead.get(gpu, 0.0), 0.0)
+        for gpu in used
+    }
 
 
-def refine_plan(plan: ResidencyPlan, used: Mapping[int, float], *, phase: str | None,
-                on_gpu: Mapping[str, Iterable[str]], replan: Callable[[dict[int, float]], ResidencyPlan],
-                after_step: int) -> Refinement:
+def refine_plan(
+    plan: ResidencyPlan,
+    used: Mapping[int, float],
+    *,
+    phase: str | None,
+    on_gpu: Mapping[str, Iterable[str]],
+    replan: Callable[[dict[int, float]], ResidencyPlan],
+    after_step: int,
+) -> Refinement:
     """Measure the overhead (:func:`measured_overhead`) and, when it grew, make the plan again with it (``replan``:
     overhead -> plan, the run's planner with its settings). Raises a :class:`PlacementError` with the readings and the
     refined plan's numbers when no plan fits with the overhead. ``phase``: the phase run last (None: the step's
@@ -101,30 +111,49 @@ def refine_plan(plan: ResidencyPlan, used: Mapping[int, float], *, phase: str | 
     try:
         refined.check()
     except PlacementError as error:
-        raise PlacementError(error.field, f"{_reading(plan, used, phase, on_gpu, overhead, after_step)}; with it in "
-                             f"every phase no plan fits: {error.problem}",
-                             f"{error.fix or ''} Or free the GPUs of other processes (the reading counts every "
-                             "process on the GPU).".strip()) from error
+        raise PlacementError(
+            error.field,
+            f"{_reading(plan, used, phase, on_gpu, overhead, after_step)}; with it in "
+            f"every phase no plan fits: {error.problem}",
+            f"{error.fix or ''} Or free the GPUs of other processes (the reading counts every "
+            "process on the GPU).".strip(),
+        ) from error
     changed = refined.moves != plan.moves
     refined.notes = [n for n in plan.notes if not n.startswith(NOTE)] + [
         f"{NOTE} {after_step}: measured {max(overhead.values()) / GiB:.2f} GiB per GPU beyond the model"
-        + ("; the moves changed" if changed else "")]
+        + ("; the moves changed" if changed else "")
+    ]
     if changed:
-        log.warning("residency plan changed after step %d (%.2f GiB beyond the model):\n%s", after_step,
-                    max(overhead.values()) / GiB, refined.render())
+        log.warning(
+            "residency plan changed after step %d (%.2f GiB beyond the model):\n%s",
+            after_step,
+            max(overhead.values()) / GiB,
+            refined.render(),
+        )
     return Refinement(overhead, refined, replanned=True, changed=changed)
 
 
-def _reading(plan: ResidencyPlan, used: Mapping[int, float], phase: str, on_gpu: Mapping[str, Iterable[str]],
-             overhead: Mapping[int, float], after_step: int) -> str:
+def _reading(
+    plan: ResidencyPlan,
+    used: Mapping[int, float],
+    phase: str,
+    on_gpu: Mapping[str, Iterable[str]],
+    overhead: Mapping[int, float],
+    after_step: int,
+) -> str:
     """The reading behind the largest overhead, in words: in use, counted (by what), the difference."""
     gpu = max(overhead, key=lambda g: overhead[g])
     items = held(plan, gpu, phase, on_gpu)
     counted = sum(items.values())
-    parts = ", ".join(f"{role} {item} {v / GiB:.1f}" for (role, item), v in
-                      sorted(items.items(), key=lambda kv: -kv[1]) if v >= 0.05 * GiB)
+    parts = ", ".join(
+        f"{role} {item} {v / GiB:.1f}"
+        for (role, item), v in sorted(items.items(), key=lambda kv: -kv[1])
+        if v >= 0.05 * GiB
+    )
     beyond = f"{overhead[gpu] / GiB:.2f} GiB beyond the model"
     if overhead[gpu] > used[gpu] - counted + (1 << 20):
         beyond = f"{(used[gpu] - counted) / GiB:.2f} GiB beyond the model ({beyond} at an earlier reading, kept)"
-    return (f"after step {after_step}, GPU {gpu} had {used[gpu] / GiB:.2f} GiB in use where the model counts "
-            f"{counted / GiB:.2f} GiB ({parts} GiB): {beyond}")
+    return (
+        f"after step {after_step}, GPU {gpu} had {used[gpu] / GiB:.2f} GiB in use where the model counts "
+        f"{counted / GiB:.2f} GiB ({parts} GiB): {beyond}"
+    )

@@ -90,16 +90,22 @@ def check_phases(phases: tuple[Phase, ...], kinds: Mapping[str, str]) -> None:
                 continue  # a role this run does not have: the phase is skipped, or the planner never sees it
             wrong = [s for s in states if s not in KIND_STATES[kind]]
             if wrong:
-                raise ValueError(f"phase {p.name}: {role} (kind {kind}) has no state {', '.join(wrong)} "
-                                 f"(it has {', '.join(KIND_STATES[kind])})")
+                raise ValueError(
+                    f"phase {p.name}: {role} (kind {kind}) has no state {', '.join(wrong)} "
+                    f"(it has {', '.join(KIND_STATES[kind])})"
+                )
             bad = [w for w in p.work if w not in WORK_KINDS[kind]]
             if bad:
-                raise ValueError(f"phase {p.name}: {role} (kind {kind}) cannot {', '.join(bad)} "
-                                 f"(it can {', '.join(WORK_KINDS[kind])})")
+                raise ValueError(
+                    f"phase {p.name}: {role} (kind {kind}) cannot {', '.join(bad)} "
+                    f"(it can {', '.join(WORK_KINDS[kind])})"
+                )
         for (role, state), end in p.holds.items():
             if role in kinds and end not in names:
-                raise ValueError(f"phase {p.name} holds {role}.{state} until {end!r}, which is no phase of the step "
-                                 f"({', '.join(names)})")
+                raise ValueError(
+                    f"phase {p.name} holds {role}.{state} until {end!r}, which is no phase of the step "
+                    f"({', '.join(names)})"
+                )
 
 
 def needed_in(phases: tuple[Phase, ...], role: str, state: str) -> frozenset[str]:

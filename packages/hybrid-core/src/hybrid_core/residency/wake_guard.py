@@ -14,7 +14,8 @@ fresh reading: :meth:`WakeGuard.explain_wake_failure`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..gpu_memory import GpuMemory, check_room, is_out_of_memory, room_error
 from ..remote import get_with_timeout
@@ -26,16 +27,22 @@ class WakeGuard:
     """``probes``: plan GPU -> (name, a worker handle with ``gpu_memory()``); ``holders(gpu)``: role -> bytes it
     holds there now (the owner's bookkeeping)."""
 
-    def __init__(self, probes: Mapping[int, tuple[str, Any]], holders: Callable[[int], dict[str, int | None]], *,
-                 timeout_s: float = 60.0):
+    def __init__(
+        self,
+        probes: Mapping[int, tuple[str, Any]],
+        holders: Callable[[int], dict[str, int | None]],
+        *,
+        timeout_s: float = 60.0,
+    ):
         self.probes = dict(probes)
         self.holders = holders
         self.timeout_s = timeout_s
         self.enabled = bool(self.probes)
         self.woke: dict[tuple[str, str], dict[int, int]] = {}  # (role, what) -> GPU -> bytes its last wake took
 
-    def before_wake(self, role: str, what: str, gpus: list[int], need: Mapping[int, float]
-                    ) -> dict[int, GpuMemory] | None:
+    def before_wake(
+        self, role: str, what: str, gpus: list[int], need: Mapping[int, float]
+    ) -> dict[int, GpuMemory] | None:
         """Raise ``GpuMemoryError`` if a GPU of ``role`` lacks room for ``what``; returns the readings, for
         :meth:`after_wake`. ``need``: GPU -> bytes the plan expects the wake to take (a measured wake wins)."""
         if not self.enabled:
@@ -73,8 +80,9 @@ class WakeGuard:
                 taken[gpu] = max(reading.free - now.free, 0)
         self.woke[(role, what)] = taken
 
-    def explain_wake_failure(self, role: str, what: str, gpus: list[int], need: Mapping[int, float],
-                             error: BaseException) -> Exception | None:
+    def explain_wake_failure(
+        self, role: str, what: str, gpus: list[int], need: Mapping[int, float], error: BaseException
+    ) -> Exception | None:
         """The guard's error for a wake of ``role`` that ran out of memory (None: not a memory failure, or no
         reading to explain it with; the caller re-raises the original)."""
         if not self.enabled or not is_out_of_memory(error):
@@ -85,8 +93,14 @@ class WakeGuard:
             except Exception:  # the reading failing must not hide the wake's own error
                 return None
             if memory is not None:
-                return room_error(role, gpu, self.need(role, what, gpu, need), memory,
-                                  awake=self._others(role, gpu), failed=_oom_line(error))
+                return room_error(
+                    role,
+                    gpu,
+                    self.need(role, what, gpu, need),
+                    memory,
+                    awake=self._others(role, gpu),
+                    failed=_oom_line(error),
+                )
         return None
 
     def read(self, gpu: int) -> GpuMemory | None:

@@ -14,13 +14,13 @@
 from .buckets import Bucket, Piece, plan_buckets
 from .group import SyncGroup, create_sync_group
 from .ipc import (
-                  IpcBucket,
-                  IpcBucketSender,
-                  IpcHandle,
-                  engine_group_callbacks,
-                  load_ipc_bucket,
-                  open_ipc_bucket,
-                  release_ipc_mappings,
+    IpcBucket,
+    IpcBucketSender,
+    IpcHandle,
+    engine_group_callbacks,
+    load_ipc_bucket,
+    open_ipc_bucket,
+    release_ipc_mappings,
 )
 from .meta import TensorMeta
 from .receiver import WeightReceiver
@@ -28,7 +28,24 @@ from .sampling import VerifyPolicy
 from .sender import DEFAULT_BUCKET_BYTES, WeightSender
 from .verify import checksum, checksum_path
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "IpcBucket", "IpcBucketSender", "IpcHandle", "Piece", "SyncGroup",
-           "TensorMeta", "VerifyPolicy", "WeightReceiver", "WeightSender", "checksum", "checksum_path",
-           "create_sync_group", "engine_group_callbacks",
-           "load_ipc_bucket", "open_ipc_bucket", "plan_buckets", "release_ipc_mappings"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "IpcBucket",
+    "IpcBucketSender",
+    "IpcHandle",
+    "Piece",
+    "SyncGroup",
+    "TensorMeta",
+    "VerifyPolicy",
+    "WeightReceiver",
+    "WeightSender",
+    "checksum",
+    "checksum_path",
+    "create_sync_group",
+    "engine_group_callbacks",
+    "load_ipc_bucket",
+    "open_ipc_bucket",
+    "plan_buckets",
+    "release_ipc_mappings",
+]

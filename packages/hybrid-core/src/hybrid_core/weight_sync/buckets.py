@@ -65,8 +65,12 @@ def used_bytes(pieces: list[Piece]) -> int:
 
 def layout_digest(index: int, pieces: list[Piece]) -> int:
     """A signed 64-bit digest of a bucket's layout (process-independent, unlike ``hash``)."""
-    text = repr([(index, p.index, p.meta.name, p.meta.dtype, p.meta.shape, p.bucket_offset, p.tensor_offset, p.nbytes)
-                 for p in pieces])
+    text = repr(
+        [
+            (index, p.index, p.meta.name, p.meta.dtype, p.meta.shape, p.bucket_offset, p.tensor_offset, p.nbytes)
+            for p in pieces
+        ]
+    )
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
@@ -133,5 +137,8 @@ def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int, *, split_large:
 
 def check_bucket_bytes(bucket_bytes: int) -> None:
     if not isinstance(bucket_bytes, int) or bucket_bytes < MIN_BUCKET_BYTES:
-        raise ConfigError("bucket_bytes", f"must be an int of at least {MIN_BUCKET_BYTES}, got {bucket_bytes!r}.",
-                          "Use e.g. 512 << 20 (weight_sync_bucket_mb=512).")
+        raise ConfigError(
+            "bucket_bytes",
+            f"must be an int of at least {MIN_BUCKET_BYTES}, got {bucket_bytes!r}.",
+            "Use e.g. 512 << 20 (weight_sync_bucket_mb=512).",
+        )

@@ -70,8 +70,10 @@ class SyncGroup:
     # ---- internals -------------------------------------------------------------------------------------------------
     def _check_usable(self, what: str) -> None:
         if self.broken:
-            raise RoleFailure(f"weight-sync group (rank {self.rank}/{self.world_size}): cannot run {what}: the "
-                              f"group is unusable ({self.broken}); create a new one.")
+            raise RoleFailure(
+                f"weight-sync group (rank {self.rank}/{self.world_size}): cannot run {what}: the "
+                f"group is unusable ({self.broken}); create a new one."
+            )
 
     def _failure(self, what: str, error: BaseException) -> Exception:
         text = _first_line(error)
@@ -97,8 +99,10 @@ class PendingWork:
                 if time.monotonic() > self.deadline:
                     g.broken = f"{self.what} timed out"
                     g.close()
-                    raise RemoteTimeout(f"weight-sync group rank {g.rank}/{g.world_size} (nccl): {self.what}: not done "
-                                        f"within {g.timeout_s:g} s; the communicator was aborted.")
+                    raise RemoteTimeout(
+                        f"weight-sync group rank {g.rank}/{g.world_size} (nccl): {self.what}: not done "
+                        f"within {g.timeout_s:g} s; the communicator was aborted."
+                    )
                 time.sleep(0.00005)
             return
         try:
@@ -107,9 +111,17 @@ class PendingWork:
             raise g._failure(self.what, e) from e
 
 
-def create_sync_group(master_address: str, master_port: int, rank: int, world_size: int, *, backend: str = "gloo",
-                      timeout_s: float = 600.0, device: torch.device | str | None = None,
-                      group_name: str = GROUP_NAME) -> SyncGroup:
+def create_sync_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    device: torch.device | str | None = None,
+    group_name: str = GROUP_NAME,
+) -> SyncGroup:
     """Join (rank 0: host) a weight-sync group of ``world_size`` processes; every rank must call this.
 
     ``backend``: "nccl" (buffers on ``device``, a CUDA device) or "gloo" (buffers on the CPU). Returns once every rank
@@ -119,8 +131,11 @@ def create_sync_group(master_address: str, master_port: int, rank: int, world_si
     if backend == "nccl":
         on = torch.device(device if device is not None else "cuda")
         if on.type != "cuda":
-            raise ConfigError("device", f"the nccl backend needs a CUDA device, got {on}.",
-                              'Pass device="cuda:N" or use backend="gloo".')
+            raise ConfigError(
+                "device",
+                f"the nccl backend needs a CUDA device, got {on}.",
+                'Pass device="cuda:N" or use backend="gloo".',
+            )
         if on.index is None:
             on = torch.device("cuda", torch.cuda.current_device())
     else:
@@ -132,8 +147,9 @@ def create_sync_group(master_address: str, master_port: int, rank: int, world_si
     if backend == "nccl":
         rendezvous.use_interface(bind)  # NCCL's sockets (a process's first NCCL group fixes them); gloo's: below
     try:
-        store = rendezvous.open_store(master_address, master_port, world_size, is_master=(rank == 0),
-                                      timeout=timeout, what=where)
+        store = rendezvous.open_store(
+            master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, what=where
+        )
         prefixed = dist.PrefixStore(group_name, store)
         if backend == "nccl":
             pg = _nccl_backend(prefixed, rank, world_size, timeout, group_name)
@@ -148,13 +164,17 @@ def create_sync_group(master_address: str, master_port: int, rank: int, world_si
     hello = torch.tensor([world_size], dtype=torch.int64, device=on)
     group.broadcast(hello, what="join handshake").wait()  # also builds the NCCL communicator now, not in the first sync
     if int(hello.item()) != world_size:
-        raise ConfigError("world_size", f"rank 0 declared world_size {int(hello.item())}, this rank {world_size}.",
-                          "Give every rank of the weight-sync group the same world_size (1 + engine workers).")
+        raise ConfigError(
+            "world_size",
+            f"rank 0 declared world_size {int(hello.item())}, this rank {world_size}.",
+            "Give every rank of the weight-sync group the same world_size (1 + engine workers).",
+        )
     try:  # the group formed: the store stops listening once every rank is done with it
         store.close_when_formed(rank, world_size, key=f"{group_name}/formed")
     except (RuntimeError, TimeoutError) as e:
-        raise RemoteTimeout(f"{where}: not every rank finished joining within {timeout_s:g} s "
-                            f"({_first_line(e)})") from e
+        raise RemoteTimeout(
+            f"{where}: not every rank finished joining within {timeout_s:g} s ({_first_line(e)})"
+        ) from e
     return group
 
 
@@ -184,15 +204,20 @@ def _nccl_backend(store: Any, rank: int, world_size: int, timeout: timedelta, gr
 
 def _validate(master_port: int, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
     if backend not in ("gloo", "nccl"):
-        raise ConfigError("backend", f"must be 'gloo' or 'nccl', got {backend!r}.",
-                          "Use nccl between GPUs, gloo on CPU.")
+        raise ConfigError(
+            "backend", f"must be 'gloo' or 'nccl', got {backend!r}.", "Use nccl between GPUs, gloo on CPU."
+        )
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError("world_size", f"must be >= 1, got {world_size!r}.", "Use 1 + the number of engine workers.")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigError("rank", f"must be in [0, {world_size}), got {rank!r}.",
-                          "Rank 0 is the trainer's sender; engine workers take 1..world_size-1.")
+        raise ConfigError(
+            "rank",
+            f"must be in [0, {world_size}), got {rank!r}.",
+            "Rank 0 is the trainer's sender; engine workers take 1..world_size-1.",
+        )
     if not 0 < master_port < 65536:
-        raise ConfigError("master_port", f"must be a TCP port, got {master_port!r}.",
-                          "Use a free port of rank 0's host.")
+        raise ConfigError(
+            "master_port", f"must be a TCP port, got {master_port!r}.", "Use a free port of rank 0's host."
+        )
     if not timeout_s > 0:
         raise ConfigError("timeout_s", f"must be positive, got {timeout_s!r}.", "Use e.g. 600.")

@@ -82,8 +82,13 @@ class IpcBucketSender:
     :class:`~hybrid_core.weight_sync.sender.WeightSender`: a policy, a mode name, True or False).
     """
 
-    def __init__(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None, *,
-                 verify: bool | str | VerifyPolicy = True):
+    def __init__(
+        self,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str | None = None,
+        *,
+        verify: bool | str | VerifyPolicy = True,
+    ):
         check_bucket_bytes(bucket_bytes)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
@@ -91,14 +96,21 @@ class IpcBucketSender:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type not in ("cuda", "cpu"):
-            raise ConfigError("device", f"IPC buckets need a CUDA or CPU device, got {self.device}.",
-                              "Pass the trainer's CUDA device.")
+            raise ConfigError(
+                "device",
+                f"IPC buckets need a CUDA or CPU device, got {self.device}.",
+                "Pass the trainer's CUDA device.",
+            )
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self._slots: list[_SharedBuffer] = []
         self._sends = 0  # checked sends so far (a mode name's sync number)
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], deliver: Callable[[IpcBucket], Any],
-             wait: Callable[[Any], None]) -> TransferStats:
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        deliver: Callable[[IpcBucket], Any],
+        wait: Callable[[Any], None],
+    ) -> TransferStats:
         """For each packed bucket call ``deliver(bucket)`` (returns e.g. Ray refs) and, before reusing its buffer or
         returning, ``wait(what deliver returned)``. At most two buckets are in flight."""
         start = time.perf_counter()
@@ -118,8 +130,9 @@ class IpcBucketSender:
                 payload += meta.nbytes
                 (piece,) = packer.add(meta)
                 if pieces and piece.bucket != pieces[0].bucket:
-                    inflight[pieces[0].bucket % 2] = deliver(self._bucket(self._slots[pieces[0].bucket % 2], pieces,
-                                                                          checked))
+                    inflight[pieces[0].bucket % 2] = deliver(
+                        self._bucket(self._slots[pieces[0].bucket % 2], pieces, checked)
+                    )
                     pieces, checked = [], []
                 slot = piece.bucket % 2
                 if not pieces and inflight[slot] is not None:  # opening a bucket: the engine must be done with it
@@ -132,13 +145,15 @@ class IpcBucketSender:
                     alone.release()
                     continue
                 buf = self._slots[slot].tensor
-                buf[piece.bucket_offset:piece.bucket_offset + piece.nbytes].copy_(
-                    tensor_bytes(tensor), non_blocking=self.device.type == "cuda")  # a host bucket is read at once
+                buf[piece.bucket_offset : piece.bucket_offset + piece.nbytes].copy_(
+                    tensor_bytes(tensor), non_blocking=self.device.type == "cuda"
+                )  # a host bucket is read at once
                 pieces.append(piece)
                 checked.append(rotation.take(piece.nbytes))
             if pieces:
-                inflight[pieces[0].bucket % 2] = deliver(self._bucket(self._slots[pieces[0].bucket % 2], pieces,
-                                                                      checked, last=True))
+                inflight[pieces[0].bucket % 2] = deliver(
+                    self._bucket(self._slots[pieces[0].bucket % 2], pieces, checked, last=True)
+                )
             else:  # nothing pending (empty stream, or it ended with an oversize tensor): a bare end marker
                 wait(deliver(IpcBucket(packer.bucket + int(packer.filled), None, (), last=True)))
             for refs in inflight:
@@ -146,8 +161,15 @@ class IpcBucketSender:
                     wait(refs)
         return TransferStats(payload, time.perf_counter() - start, "weight sync ipc")
 
-    def _bucket(self, buffer: _SharedBuffer, pieces: list[Piece], checked: list[bool], *, last: bool = False,
-                reusable: bool = True) -> IpcBucket:
+    def _bucket(
+        self,
+        buffer: _SharedBuffer,
+        pieces: list[Piece],
+        checked: list[bool],
+        *,
+        last: bool = False,
+        reusable: bool = True,
+    ) -> IpcBucket:
         chosen = [p for p, c in zip(pieces, checked) if c]
         sums = bucket_checksums(buffer.tensor, chosen) if chosen else None
         return _bucket(buffer, pieces, last=last, reusable=reusable, sums=sums, checked=checked)
@@ -164,9 +186,13 @@ class IpcBucketSender:
             pass
 
 
-def engine_group_callbacks(peers: Sequence[int], submit: Callable[[list[IpcBucket]], Any],
-                           wait_submitted: Callable[[Any], None], *, group: Any = None
-                           ) -> tuple[Callable[[IpcBucket], Any], Callable[[Any], None]]:
+def engine_group_callbacks(
+    peers: Sequence[int],
+    submit: Callable[[list[IpcBucket]], Any],
+    wait_submitted: Callable[[Any], None],
+    *,
+    group: Any = None,
+) -> tuple[Callable[[IpcBucket], Any], Callable[[Any], None]]:
     """``deliver``/``wait`` for :meth:`IpcBucketSender.send` when one engine spans the GPUs of trainer ranks ``peers``.
 
     Every rank of ``group`` (torch.distributed; the trainer's own group by default) must call ``send`` with the same
@@ -209,12 +235,15 @@ def open_ipc_bucket(bucket: IpcBucket) -> list[tuple[str, torch.Tensor]]:
             _MAPPED[key] = buf
             while len(_MAPPED) > _MAX_MAPPED:
                 _MAPPED.pop(next(iter(_MAPPED)))
-    return [(meta.name, buf[offset:offset + meta.nbytes].view(meta.torch_dtype).view(meta.shape))
-            for meta, offset in bucket.entries]
+    return [
+        (meta.name, buf[offset : offset + meta.nbytes].view(meta.torch_dtype).view(meta.shape))
+        for meta, offset in bucket.entries
+    ]
 
 
-def load_ipc_bucket(bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Tensor]]], None],
-                    read_back: ReadBack | None = None) -> TransferStats:
+def load_ipc_bucket(
+    bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Tensor]]], None], read_back: ReadBack | None = None
+) -> TransferStats:
     """Receiver side in one call: map, ``load(pairs)`` (which copies), wait for the copies, check them against the
     bucket's checksums (over ``read_back(name)``, the engine's tensor filled for ``name``, where it gives one; else
     over the mapped bytes); after the last bucket of a sync (or a mismatch), unmap everything."""
@@ -240,12 +269,15 @@ def load_ipc_bucket(bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Ten
     return TransferStats(bucket.nbytes, time.perf_counter() - start, "weight sync ipc")
 
 
-def _verify(bucket: IpcBucket, expected: Sequence[int | None], pairs: list[tuple[str, torch.Tensor]],
-            read_back: ReadBack | None) -> None:
+def _verify(
+    bucket: IpcBucket, expected: Sequence[int | None], pairs: list[tuple[str, torch.Tensor]], read_back: ReadBack | None
+) -> None:
     actual, checks, sent = [], [], []
     if len(expected) != len(pairs):
-        raise WeightSyncMismatch(f"weight sync verify: IPC receiver: {len(expected)} checksums for {len(pairs)} "
-                                 f"tensors in bucket {bucket.index}. Fix: {FIX}")
+        raise WeightSyncMismatch(
+            f"weight sync verify: IPC receiver: {len(expected)} checksums for {len(pairs)} "
+            f"tensors in bucket {bucket.index}. Fix: {FIX}"
+        )
     for (name, tensor), (meta, _), want in zip(pairs, bucket.entries, expected):
         if want is None:  # not checked in this sync (sampling.py)
             continue
@@ -307,23 +339,36 @@ class _SharedBuffer:
         self.tensor = None
 
 
-def _bucket(buffer: _SharedBuffer, pieces: list[Piece], *, last: bool = False, reusable: bool = True,
-            sums: torch.Tensor | None = None, checked: Sequence[bool] = ()) -> IpcBucket:
+def _bucket(
+    buffer: _SharedBuffer,
+    pieces: list[Piece],
+    *,
+    last: bool = False,
+    reusable: bool = True,
+    sums: torch.Tensor | None = None,
+    checked: Sequence[bool] = (),
+) -> IpcBucket:
     if buffer.tensor.device.type == "cuda":
         torch.cuda.current_stream(buffer.tensor.device).synchronize()  # the other process cannot see our stream
     checksums = None
     if sums is not None:
         values = iter(sums.tolist())
         checksums = tuple(next(values) if c else None for c in checked)
-    return IpcBucket(pieces[0].bucket, buffer.handle(), tuple((p.meta, p.bucket_offset) for p in pieces), last=last,
-                     reusable=reusable, checksums=checksums)
+    return IpcBucket(
+        pieces[0].bucket,
+        buffer.handle(),
+        tuple((p.meta, p.bucket_offset) for p in pieces),
+        last=last,
+        reusable=reusable,
+        checksums=checksums,
+    )
 
 
 def _map(handle: IpcHandle) -> torch.Tensor:
     if handle.kind == "shm":
         return torch.from_file(handle.payload, shared=True, size=handle.nbytes, dtype=torch.uint8)
     if handle.kind != "cuda":
-        raise ConfigError("IpcHandle.kind", f"unknown kind {handle.kind!r}.", 'Use buckets from IpcBucketSender.')
+        raise ConfigError("IpcHandle.kind", f"unknown kind {handle.kind!r}.", "Use buckets from IpcBucketSender.")
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = list(handle.payload)
@@ -335,8 +380,11 @@ def _local_device_index(device_uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if str(torch.cuda.get_device_properties(i).uuid) == device_uuid:
             return i
-    raise ConfigError("weight_sync", f"this process does not see the sender's GPU (uuid {device_uuid}), so CUDA IPC "
-                      "cannot work.", "Colocate the engine on the trainer's GPU, or use the broadcast path.")
+    raise ConfigError(
+        "weight_sync",
+        f"this process does not see the sender's GPU (uuid {device_uuid}), so CUDA IPC cannot work.",
+        "Colocate the engine on the trainer's GPU, or use the broadcast path.",
+    )
 
 
 def _shm_dir() -> str:

@@ -30,8 +30,11 @@ class TensorMeta:
     def torch_dtype(self) -> torch.dtype:
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
-            raise ConfigError("TensorMeta.dtype", f"{self.dtype!r} (tensor {self.name!r}) is not a torch dtype name.",
-                              'Use names such as "bfloat16", "float32" (TensorMeta.of(name, tensor) does this).')
+            raise ConfigError(
+                "TensorMeta.dtype",
+                f"{self.dtype!r} (tensor {self.name!r}) is not a torch dtype name.",
+                'Use names such as "bfloat16", "float32" (TensorMeta.of(name, tensor) does this).',
+            )
         return dtype
 
     @property

@@ -41,12 +41,16 @@ class WeightReceiver:
     them (e.g. ``param.copy_(tensor)``) before it returns.
     """
 
-    def __init__(self, group: SyncGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self, group: SyncGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str | None = None
+    ):
         check_bucket_bytes(bucket_bytes)
         if group.rank == 0:
-            raise ConfigError("rank", "rank 0 of the sync group is the sender, not a receiver.",
-                              "Engine workers join with ranks 1..world_size-1.")
+            raise ConfigError(
+                "rank",
+                "rank 0 of the sync group is the sender, not a receiver.",
+                "Engine workers join with ranks 1..world_size-1.",
+            )
         self.group, self.bucket_bytes = group, bucket_bytes
         self.device = torch.device(device) if device is not None else group.device
         self._buffers: list[torch.Tensor] = []
@@ -94,7 +98,7 @@ class WeightReceiver:
                         slots += 1
                 if faults.corrupt_due("receiver", "bucket", g.rank):  # HYBRID_FAULT=receiver:bucket:corrupt (tests)
                     p = bucket.pieces[0]
-                    corrupt(buf[p.bucket_offset:p.bucket_offset + p.nbytes])
+                    corrupt(buf[p.bucket_offset : p.bucket_offset + p.nbytes])
                 ready = self._unpack(buf, bucket, staging)
                 if ready:
                     load([(name, tensor) for _, name, tensor in ready])
@@ -112,18 +116,27 @@ class WeightReceiver:
             self._compare(sent, actual, checks)
         return TransferStats(sum(m.nbytes for m in metas), time.perf_counter() - start, "weight sync")
 
-    def _compare(self, sent: list[torch.Tensor], actual: list[torch.Tensor],
-                 checks: list[tuple[Piece, bool, int]]) -> None:
+    def _compare(
+        self, sent: list[torch.Tensor], actual: list[torch.Tensor], checks: list[tuple[Piece, bool, int]]
+    ) -> None:
         """One host read of what the sender sent and of what was checked, then the comparison."""
         flat = torch.cat(sent).tolist() if sent else []
         if len(checks) != len(flat):
-            raise WeightSyncMismatch(f"weight sync verify: weight-sync rank {self.group.rank}: {len(flat)} checksums "
-                                     f"sent, {len(checks)} pieces checked. Fix: {FIX}")
+            raise WeightSyncMismatch(
+                f"weight sync verify: weight-sync rank {self.group.rank}: {len(flat)} checksums "
+                f"sent, {len(checks)} pieces checked. Fix: {FIX}"
+            )
         expected = [flat[slot] for _, _, slot in checks]
-        named = [PieceCheck(p.meta.name, p.bucket, p.tensor_offset, p.nbytes, p.meta.nbytes, engine)
-                 for p, engine, _ in checks]
-        compare(expected, torch.stack(actual) if actual else torch.zeros(0, dtype=torch.int64), named,
-                f"weight-sync rank {self.group.rank}")
+        named = [
+            PieceCheck(p.meta.name, p.bucket, p.tensor_offset, p.nbytes, p.meta.nbytes, engine)
+            for p, engine, _ in checks
+        ]
+        compare(
+            expected,
+            torch.stack(actual) if actual else torch.zeros(0, dtype=torch.int64),
+            named,
+            f"weight-sync rank {self.group.rank}",
+        )
 
     def _post(self, plan: list[Bucket], i: int) -> tuple[list[PendingWork], torch.Tensor | None]:
         """Receive bucket ``i``'s header, check it against the plan, then post its payload and checksums (nothing
@@ -140,27 +153,28 @@ class WeightReceiver:
         if expected is None:
             return [], None
         buf = self._buffers[expected.index % 2]
-        works = [g.broadcast(buf[:expected.nbytes], what=f"weight sync bucket {expected.index}")]
+        works = [g.broadcast(buf[: expected.nbytes], what=f"weight sync bucket {expected.index}")]
         sums = None
         if checked:
             sums = torch.empty(2 * checked, dtype=torch.int64, device=g.device)
             works.append(g.broadcast(sums, what=f"weight sync bucket {expected.index} checksums"))
         return works, sums
 
-    def _unpack(self, buf: torch.Tensor, bucket: Bucket, staging: dict[int, torch.Tensor]
-                ) -> list[tuple[int, str, torch.Tensor]]:
+    def _unpack(
+        self, buf: torch.Tensor, bucket: Bucket, staging: dict[int, torch.Tensor]
+    ) -> list[tuple[int, str, torch.Tensor]]:
         """The tensors this bucket completes, as ``(index in the stream, name, tensor)``."""
         ready: list[tuple[int, str, torch.Tensor]] = []
         async_ok = buf.device.type == "cuda" and self.device.type == "cuda"
         for p in bucket.pieces:
-            data = buf[p.bucket_offset:p.bucket_offset + p.nbytes]
+            data = buf[p.bucket_offset : p.bucket_offset + p.nbytes]
             if p.whole:
                 ready.append((p.index, p.meta.name, _as(data, p.meta)))
                 continue
             whole = staging.get(p.index)
             if whole is None:
                 whole = staging[p.index] = torch.empty(p.meta.nbytes, dtype=torch.uint8, device=self.device)
-            whole[p.tensor_offset:p.tensor_offset + p.nbytes].copy_(data, non_blocking=async_ok)
+            whole[p.tensor_offset : p.tensor_offset + p.nbytes].copy_(data, non_blocking=async_ok)
             if p.completes:
                 ready.append((p.index, p.meta.name, _as(staging.pop(p.index), p.meta)))
         return ready

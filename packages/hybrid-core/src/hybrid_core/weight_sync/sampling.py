@@ -43,19 +43,21 @@ class VerifyPolicy:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ConfigError("verify_weight_sync", f"{self.mode!r} is not one of {', '.join(MODES)}.",
-                              "Use --verify_weight_sync full, sampled (the default) or off.")
+            raise ConfigError(
+                "verify_weight_sync",
+                f"{self.mode!r} is not one of {', '.join(MODES)}.",
+                "Use --verify_weight_sync full, sampled (the default) or off.",
+            )
         if self.period < 1 or self.sync < 0:
-            raise ConfigError("verify_weight_sync", f"period {self.period} and sync {self.sync} must be >= 1 and >= 0.",
-                              "Build it with as_policy(mode, sync).")
+            raise ConfigError(
+                "verify_weight_sync",
+                f"period {self.period} and sync {self.sync} must be >= 1 and >= 0.",
+                "Build it with as_policy(mode, sync).",
+            )
 
     @property
     def active(self) -> bool:
         return self.mode != "off"
-
-    @property
-    def checks_all(self) -> bool:
-        return self.mode == "full" or (self.mode == "sampled" and self.sync == 0)
 
 
 def as_policy(verify: bool | str | VerifyPolicy | None, sync: int = 0) -> VerifyPolicy:
@@ -77,8 +79,11 @@ def mode_of(value: bool | str | None) -> str:
     if value is False or value is None:
         return "off"
     if value not in MODES:
-        raise ConfigError("verify_weight_sync", f"{value!r} is not one of {', '.join(MODES)}.",
-                          "Use --verify_weight_sync full, sampled (the default) or off.")
+        raise ConfigError(
+            "verify_weight_sync",
+            f"{value!r} is not one of {', '.join(MODES)}.",
+            "Use --verify_weight_sync full, sampled (the default) or off.",
+        )
     return str(value)
 
 

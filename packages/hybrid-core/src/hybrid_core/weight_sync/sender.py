@@ -37,12 +37,16 @@ class WeightSender:
     then this sender numbers its own sends, the first checked in full); True (every piece) or False.
     """
 
-    def __init__(self, group: SyncGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                 verify: bool | str | VerifyPolicy = True):
+    def __init__(
+        self, group: SyncGroup, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, verify: bool | str | VerifyPolicy = True
+    ):
         check_bucket_bytes(bucket_bytes)
         if group.rank != 0:
-            raise ConfigError("rank", f"the weight sender must be rank 0 of the sync group, this is rank {group.rank}.",
-                              "Create the sender on the trainer's rank 0; engine workers use WeightReceiver.")
+            raise ConfigError(
+                "rank",
+                f"the weight sender must be rank 0 of the sync group, this is rank {group.rank}.",
+                "Create the sender on the trainer's rank 0; engine workers use WeightReceiver.",
+            )
         self.group, self.bucket_bytes, self.verify = group, bucket_bytes, verify
         self._buffers: list[torch.Tensor] = []
         self._sends = 0  # checked sends so far (a mode name's sync number)
@@ -53,8 +57,9 @@ class WeightSender:
         policy = as_policy(self.verify, self._sends)
         self._sends += policy.active
         rotation = Rotation(policy)
-        g.broadcast(handshake_tensor(self.bucket_bytes, g.device, verify=policy.active),
-                    what="weight sync handshake").wait()
+        g.broadcast(
+            handshake_tensor(self.bucket_bytes, g.device, verify=policy.active), what="weight sync handshake"
+        ).wait()
         if not self._buffers:
             self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=g.device) for _ in range(2)]
         start = time.perf_counter()
@@ -78,8 +83,9 @@ class WeightSender:
                             work.wait()
                         inflight[piece.bucket % 2] = []
                     buf = self._buffers[piece.bucket % 2]
-                    buf[piece.bucket_offset:piece.bucket_offset + piece.nbytes].copy_(
-                        src[piece.tensor_offset:piece.tensor_offset + piece.nbytes], non_blocking=on_device)
+                    buf[piece.bucket_offset : piece.bucket_offset + piece.nbytes].copy_(
+                        src[piece.tensor_offset : piece.tensor_offset + piece.nbytes], non_blocking=on_device
+                    )
                     if rotation.take(piece.nbytes):
                         checked.append(len(pieces))
                     pieces.append(piece)
@@ -99,10 +105,11 @@ class WeightSender:
         the payload is on the wire)."""
         index = pieces[0].bucket
         g = self.group
-        header = g.broadcast(header_tensor(index, pieces, g.device, len(checked)),
-                             what=f"weight sync bucket {index} header")
+        header = g.broadcast(
+            header_tensor(index, pieces, g.device, len(checked)), what=f"weight sync bucket {index} header"
+        )
         buf = self._buffers[index % 2]
-        works = [header, g.broadcast(buf[:used_bytes(pieces)], what=f"weight sync bucket {index}")]
+        works = [header, g.broadcast(buf[: used_bytes(pieces)], what=f"weight sync bucket {index}")]
         if checked:
             sums = bucket_checksums(buf, [pieces[i] for i in checked])
             which = torch.tensor(checked, dtype=torch.int64).to(g.device, non_blocking=True)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,8 +58,10 @@ FAST_MIN_ROWS = 17  # torch._int_mm's limit: more than 16 rows (its k = ROW and 
 SMALL = FAST_MIN_ROWS * ROW  # shorter pieces (and tails) are summed by the definition over a cached G
 _SIZES = (1, 2, 4, 8)
 ReadBack = Callable[[str], "torch.Tensor | None"]
-FIX = ("A byte changed between the trainer and the engine's parameters (the transport, the engine's loading code, "
-       "or the hardware): report it with the run's logs. --verify_weight_sync off turns this check off (not advised).")
+FIX = (
+    "A byte changed between the trainer and the engine's parameters (the transport, the engine's loading code, "
+    "or the hardware): report it with the run's logs. --verify_weight_sync off turns this check off (not advised)."
+)
 _log = logging.getLogger(__name__)
 
 
@@ -75,10 +78,10 @@ def _wrap(v: int) -> int:
 
 
 # ---- constant tables, per device and word size ---------------------------------------------------------------------
-_TABLES: dict[tuple, torch.Tensor] = {}
+_TABLES: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
-def _table(key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+def _table(key: tuple[Any, ...], build: Callable[[], torch.Tensor]) -> torch.Tensor:
     t = _TABLES.get(key)
     if t is None:
         t = _TABLES[key] = build()
@@ -92,6 +95,7 @@ def _columns(s: int) -> int:
 def _w_matrix(device: torch.device, s: int, column_major: bool = False) -> torch.Tensor:
     """W_s [ROW, ncols] int8: for byte column c (lane i = c % s, word index q = c // s in the row), column i is 1,
     column s + i is q % 128, column 2s + i is q // 128 (q < ROW / s <= 4096: two base-128 digits); the rest 0."""
+
     def build() -> torch.Tensor:
         c = torch.arange(ROW)
         i, q = c % s, c // s
@@ -101,6 +105,7 @@ def _w_matrix(device: torch.device, s: int, column_major: bool = False) -> torch
         w[c, 2 * s + i] = (q // 128).to(torch.int8)
         w = w.to(device)
         return w.t().contiguous().t() if column_major else w
+
     return _table(("W", device, s, column_major), build)
 
 
@@ -118,17 +123,20 @@ def _row_weights(device: torch.device, s: int, rows: int) -> torch.Tensor:
         alpha[i], beta[i] = _wrap(256**i * 2 * (ROW // s)), 256**i
         beta[s + i], beta[2 * s + i] = _wrap(2 * 256**i), _wrap(256 * 256**i)
     r = torch.arange(size, dtype=torch.int64, device=device).unsqueeze(1)
-    table = r * torch.tensor(alpha, dtype=torch.int64, device=device) + torch.tensor(beta, dtype=torch.int64,
-                                                                                    device=device)
+    table = r * torch.tensor(alpha, dtype=torch.int64, device=device) + torch.tensor(
+        beta, dtype=torch.int64, device=device
+    )
     _TABLES[("R", device, s)] = table
     return table[:rows]
 
 
 def _g(device: torch.device, s: int) -> tuple[torch.Tensor, torch.Tensor]:
     """G(p) for p < SMALL, and the lane factor 256**(p % s) (G(p + start) = G(p) + 2 * start / s * lane(p))."""
+
     def build_g() -> torch.Tensor:
         p = torch.arange(SMALL, dtype=torch.int64)
         return ((2 * (p // s) + 1) * _lane(s, p)).to(device)
+
     return _table(("G", device, s), build_g), _table(("L", device, s), lambda: _lane(s, torch.arange(SMALL)).to(device))
 
 
@@ -157,10 +165,10 @@ def _m_reduce(block: torch.Tensor, s: int) -> torch.Tensor:
     q = torch.arange(ROW // s, dtype=torch.int32, device=block.device).view(1, -1, 1)
     lo, hi = q % 128, q // 128
     for r0 in range(0, rows, 4096):
-        part = block[r0:r0 + 4096].view(-1, ROW // s, s)
-        m[r0:r0 + 4096, :s] = part.sum(1, dtype=torch.int64)
-        m[r0:r0 + 4096, s:2 * s] = (part * lo).sum(1, dtype=torch.int64)
-        m[r0:r0 + 4096, 2 * s:3 * s] = (part * hi).sum(1, dtype=torch.int64)
+        part = block[r0 : r0 + 4096].view(-1, ROW // s, s)
+        m[r0 : r0 + 4096, :s] = part.sum(1, dtype=torch.int64)
+        m[r0 : r0 + 4096, s : 2 * s] = (part * lo).sum(1, dtype=torch.int64)
+        m[r0 : r0 + 4096, 2 * s : 3 * s] = (part * hi).sum(1, dtype=torch.int64)
     return m
 
 
@@ -188,14 +196,19 @@ def _self_test(device: torch.device) -> str:
     for column_major in (False, True):
         _COLUMN_MAJOR[device] = column_major
         try:
-            if all(_combine(_m_int_mm(block, s), s) == _combine(_m_reduce(block, s), s) == _definition(data, s)
-                   for s in _SIZES):
+            if all(
+                _combine(_m_int_mm(block, s), s) == _combine(_m_reduce(block, s), s) == _definition(data, s)
+                for s in _SIZES
+            ):
                 return "int_mm"
             why = "it disagrees with the definition"
         except Exception as e:  # missing on this build, or refused for this device/layout
             why = f"{type(e).__name__}: {e}"
-    _log.warning("weight sync verify: torch._int_mm cannot be used on %s (%s); checksums use reductions (slower, "
-                 "same values)", device, why)
+    _log.warning(
+        "weight sync verify: torch._int_mm cannot be used on %s (%s); checksums use reductions (slower, same values)",
+        device,
+        why,
+    )
     return "reduce"
 
 
@@ -206,7 +219,7 @@ def _combine(m: torch.Tensor, s: int) -> int:
 def _definition(data: torch.Tensor, s: int) -> int:
     """The definition over a cached G, SMALL bytes at a time (no matrix involved: what the self-test compares with;
     the tests compare it with Python integers)."""
-    return _wrap(sum(int(_direct(data[i:i + SMALL], s, i)) for i in range(0, data.numel(), SMALL)))
+    return _wrap(sum(int(_direct(data[i : i + SMALL], s, i)) for i in range(0, data.numel(), SMALL)))
 
 
 def checksum(data: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
@@ -221,7 +234,7 @@ def checksum(data: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
     if n < SMALL:
         return _direct(b, itemsize) if n else torch.zeros((), dtype=torch.int64, device=b.device)
     rows = n // ROW
-    block = b[:rows * ROW].view(rows, ROW)
+    block = b[: rows * ROW].view(rows, ROW)
     path = checksum_path(b.device)
     if path == "int_mm" and block.data_ptr() % 16:
         path = "reduce"  # cuBLAS wants aligned rows; a view at an odd offset takes the other path
@@ -230,21 +243,26 @@ def checksum(data: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
     except Exception as e:
         if path == "reduce":
             raise
-        _log.warning("weight sync verify: torch._int_mm failed on %s (%s: %s); using reductions from now on",
-                     b.device, type(e).__name__, e)
+        _log.warning(
+            "weight sync verify: torch._int_mm failed on %s (%s: %s); using reductions from now on",
+            b.device,
+            type(e).__name__,
+            e,
+        )
         _PATH[b.device] = "reduce"
         m = _m_reduce(block, itemsize)
     total = (m * _row_weights(b.device, itemsize, rows)).sum()
     if n > rows * ROW:
-        total = total + _direct(b[rows * ROW:], itemsize, rows * ROW)
+        total = total + _direct(b[rows * ROW :], itemsize, rows * ROW)
     return total
 
 
-def piece_checksum(buffer: torch.Tensor, offset: int, meta: TensorMeta, tensor_offset: int,
-                   nbytes: int) -> torch.Tensor:
+def piece_checksum(
+    buffer: torch.Tensor, offset: int, meta: TensorMeta, tensor_offset: int, nbytes: int
+) -> torch.Tensor:
     """The checksum of the piece at ``buffer[offset:offset + nbytes]`` (bytes ``tensor_offset``.. of ``meta``'s
     tensor)."""
-    return checksum(buffer[offset:offset + nbytes], word_size(meta, tensor_offset, nbytes))
+    return checksum(buffer[offset : offset + nbytes], word_size(meta, tensor_offset, nbytes))
 
 
 def bucket_checksums(buffer: torch.Tensor, pieces: Sequence[Piece]) -> torch.Tensor:
@@ -255,15 +273,20 @@ def bucket_checksums(buffer: torch.Tensor, pieces: Sequence[Piece]) -> torch.Ten
     return torch.stack([piece_checksum(buffer, p.bucket_offset, p.meta, p.tensor_offset, p.nbytes) for p in pieces])
 
 
-def loaded_bytes(name: str, received: torch.Tensor, meta: TensorMeta, read_back: ReadBack | None
-                 ) -> tuple[torch.Tensor, bool]:
+def loaded_bytes(
+    name: str, received: torch.Tensor, meta: TensorMeta, read_back: ReadBack | None
+) -> tuple[torch.Tensor, bool]:
     """The bytes to check for a tensor after its load: the engine's own tensor of that name when ``read_back`` gives
     one of the sent dtype and size (what the engine really holds), else the bytes that arrived. Also says which."""
     from .wire import tensor_bytes
 
     target = read_back(name) if read_back is not None else None
-    if (target is not None and target.dtype == meta.torch_dtype and target.numel() == meta.numel
-            and target.is_contiguous()):
+    if (
+        target is not None
+        and target.dtype == meta.torch_dtype
+        and target.numel() == meta.numel
+        and target.is_contiguous()
+    ):
         return tensor_bytes(target), True
     if target is not None and target.numel() == meta.numel:  # loaded with a cast: the load must equal the cast
         same = _same_bits(target, received.to(target.dtype))
@@ -298,16 +321,21 @@ class PieceCheck:
     read_back: bool
 
     def describe(self) -> str:
-        part = "" if self.nbytes == self.total_bytes else \
-            f" bytes {self.tensor_offset}-{self.tensor_offset + self.nbytes} of {self.total_bytes}"
+        part = (
+            ""
+            if self.nbytes == self.total_bytes
+            else f" bytes {self.tensor_offset}-{self.tensor_offset + self.nbytes} of {self.total_bytes}"
+        )
         how = "the engine's parameter" if self.read_back else "the bytes received"
         return f"{self.name}{part} (bucket {self.bucket}, checked in {how})"
 
 
 def mismatch_error(where: str, bad: Sequence[PieceCheck], checked: int) -> WeightSyncMismatch:
     shown = "; ".join(c.describe() for c in bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
-    return WeightSyncMismatch(f"weight sync verify: {where}: {len(bad)} of {checked} tensor piece(s) differ from what "
-                              f"the trainer sent: {shown}. Fix: {FIX}")
+    return WeightSyncMismatch(
+        f"weight sync verify: {where}: {len(bad)} of {checked} tensor piece(s) differ from what "
+        f"the trainer sent: {shown}. Fix: {FIX}"
+    )
 
 
 def compare(expected: Sequence[int], actual: torch.Tensor, checks: Sequence[PieceCheck], where: str) -> None:
@@ -315,8 +343,9 @@ def compare(expected: Sequence[int], actual: torch.Tensor, checks: Sequence[Piec
     got = actual.tolist() if actual.numel() else []
     bad = [c for c, e, a in zip(checks, expected, got) if e != a]
     if len(got) != len(expected):
-        raise WeightSyncMismatch(f"weight sync verify: {where}: {len(expected)} checksums sent, {len(got)} checked. "
-                                 f"Fix: {FIX}")
+        raise WeightSyncMismatch(
+            f"weight sync verify: {where}: {len(expected)} checksums sent, {len(got)} checked. Fix: {FIX}"
+        )
     if bad:
         raise mismatch_error(where, bad, len(checks))
 
@@ -326,7 +355,7 @@ def corrupt(data: torch.Tensor) -> None:
     with a tolerance would see)."""
     if data.numel():
         mid = data.numel() // 2
-        data[mid:mid + 1].bitwise_xor_(1)
+        data[mid : mid + 1].bitwise_xor_(1)
 
 
 def as_mismatch(error: BaseException) -> WeightSyncMismatch | None:

@@ -21,21 +21,32 @@ trainer's side), :mod:`.sglang` (SGLang's). The wire-level pieces (buckets, send
 from __future__ import annotations
 
 from .choice import (
-                     MODES,
-                     SyncChoice,
-                     SyncSettings,
-                     choose_sync,
-                     choose_sync_mode,
-                     describe_sync,
-                     group_backend,
-                     sync_backend,
-                     sync_backend_note,
-                     verify_note,
+    MODES,
+    SyncChoice,
+    SyncSettings,
+    choose_sync,
+    choose_sync_mode,
+    describe_sync,
+    group_backend,
+    sync_backend,
+    sync_backend_note,
+    verify_note,
 )
 from .driver import TrainerWeightSource, WeightSync
 from .transport import WeightTransport
 
 __all__ = [
-    "MODES", "SyncChoice", "SyncSettings", "TrainerWeightSource", "WeightSync", "WeightTransport", "choose_sync",
-    "choose_sync_mode", "describe_sync", "group_backend", "sync_backend", "sync_backend_note", "verify_note",
+    "MODES",
+    "SyncChoice",
+    "SyncSettings",
+    "TrainerWeightSource",
+    "WeightSync",
+    "WeightTransport",
+    "choose_sync",
+    "choose_sync_mode",
+    "describe_sync",
+    "group_backend",
+    "sync_backend",
+    "sync_backend_note",
+    "verify_note",
 ]

@@ -43,8 +43,9 @@ class SyncChoice:
     group_backend: str  # the broadcast group's backend here: the asked one with CUDA, gloo without (ipc: no group)
 
 
-def choose_sync(settings: SyncSettings, plan: PlacementPlan, *, trainer_role: str = "actor",
-                engine_role: str = "rollout") -> SyncChoice:
+def choose_sync(
+    settings: SyncSettings, plan: PlacementPlan, *, trainer_role: str = "actor", engine_role: str = "rollout"
+) -> SyncChoice:
     """The path, the transport and the group backend for this plan, or a :class:`ConfigError` naming why the run
     cannot sync.
 
@@ -60,32 +61,49 @@ def choose_sync(settings: SyncSettings, plan: PlacementPlan, *, trainer_role: st
     engines = plan.roles[engine_role]
     trainer_gpus = [g for w in trainer for g in w.gpus]
     engine_gpus = [g for w in engines.workers for g in w.gpus]
-    shared = (all(len(w.gpus) == 1 for w in trainer) and len(set(trainer_gpus)) == len(trainer_gpus)
-              and sorted(engine_gpus) == sorted(trainer_gpus))
+    shared = (
+        all(len(w.gpus) == 1 for w in trainer)
+        and len(set(trainer_gpus)) == len(trainer_gpus)
+        and sorted(engine_gpus) == sorted(trainer_gpus)
+    )
     refusal = getattr(cls, "placement_refusal", None)
     problem = refusal(tp=engines.tp, shares_gpus=bool(set(engine_gpus) & set(trainer_gpus))) if refusal else None
     if problem:
-        raise ConfigError("backend", f"--backend {settings.backend} cannot run this placement: {problem}.",
-                          "Use --backend vllm for this placement, or tensor-parallel size 1.")
+        raise ConfigError(
+            "backend",
+            f"--backend {settings.backend} cannot run this placement: {problem}.",
+            "Use --backend vllm for this placement, or tensor-parallel size 1.",
+        )
     if mode == "auto":
         mode = "ipc" if shared else "broadcast"
     elif mode == "ipc" and not shared:
-        raise ConfigError("weight_sync", "the ipc path needs the engines' GPUs to be exactly the actor's GPUs, "
-                          "one actor rank and one engine worker on each.", "Use --weight_sync broadcast (or auto).")
+        raise ConfigError(
+            "weight_sync",
+            "the ipc path needs the engines' GPUs to be exactly the actor's GPUs, "
+            "one actor rank and one engine worker on each.",
+            "Use --weight_sync broadcast (or auto).",
+        )
     elif mode == "broadcast" and set(engine_gpus) & set(trainer[0].gpus) and _uses_nccl(settings, cls):
-        raise ConfigError("weight_sync", "the broadcast path over NCCL puts actor rank 0 and the engine workers in "
-                          "one group, and an engine worker shares rank 0's GPU: NCCL refuses two ranks on one GPU.",
-                          "Use --weight_sync auto (ipc for colocated engines), or put the engines on their own GPUs.")
+        raise ConfigError(
+            "weight_sync",
+            "the broadcast path over NCCL puts actor rank 0 and the engine workers in "
+            "one group, and an engine worker shares rank 0's GPU: NCCL refuses two ranks on one GPU.",
+            "Use --weight_sync auto (ipc for colocated engines), or put the engines on their own GPUs.",
+        )
     transport = cls.weight_transport()
     problem = transport.refusal(mode, tp=engines.tp)
     if problem:
-        raise ConfigError("weight_sync", f"--backend {settings.backend}: {problem}.",
-                          "Use another --weight_sync path or placement, or --backend vllm.")
+        raise ConfigError(
+            "weight_sync",
+            f"--backend {settings.backend}: {problem}.",
+            "Use another --weight_sync path or placement, or --backend vllm.",
+        )
     return SyncChoice(mode, transport, sync_backend(settings))
 
 
-def choose_sync_mode(settings: SyncSettings, plan: PlacementPlan, *, trainer_role: str = "actor",
-                     engine_role: str = "rollout") -> str:
+def choose_sync_mode(
+    settings: SyncSettings, plan: PlacementPlan, *, trainer_role: str = "actor", engine_role: str = "rollout"
+) -> str:
     """The path alone (``"ipc"`` or ``"broadcast"``) of :func:`choose_sync`."""
     return choose_sync(settings, plan, trainer_role=trainer_role, engine_role=engine_role).mode
 
@@ -106,12 +124,16 @@ def sync_backend_note(settings: SyncSettings, mode: str) -> str | None:
     asked = getattr(settings, "vllm_sync_backend", None)
     if asked is None or mode != "ipc":
         return None
-    why = (f"--vllm_sync_backend {asked}: not used: the engines share the actor's GPUs, so the weights go to them by "
-           "CUDA IPC (shared memory without CUDA), with no collective group (as OpenRLHF does with "
-           "--colocate_all_models)")
+    why = (
+        f"--vllm_sync_backend {asked}: not used: the engines share the actor's GPUs, so the weights go to them by "
+        "CUDA IPC (shared memory without CUDA), with no collective group (as OpenRLHF does with "
+        "--colocate_all_models)"
+    )
     if asked == "nccl":
-        return (f"{why}; NCCL cannot hold actor rank 0 and the engine on its GPU in one group (two ranks on one GPU). "
-                "To broadcast anyway: --weight_sync broadcast --vllm_sync_backend gloo (through host memory, slower).")
+        return (
+            f"{why}; NCCL cannot hold actor rank 0 and the engine on its GPU in one group (two ranks on one GPU). "
+            "To broadcast anyway: --weight_sync broadcast --vllm_sync_backend gloo (through host memory, slower)."
+        )
     return f"{why}. To broadcast over {asked} anyway: --weight_sync broadcast (slower)."
 
 
@@ -119,14 +141,15 @@ def verify_note(settings: SyncSettings) -> str | None:
     """What ``verify_weight_sync`` (on by default) cannot do for this backend, said at start; None where every sync
     is checked. SGLang receives in its own code and format, with no checksums to compare."""
     if getattr(settings, "verify_weight_sync", "sampled") in (False, "off"):
-        return ("--verify_weight_sync off: the engines' weights are not checked against the trainer's after each "
-                "sync")
+        return "--verify_weight_sync off: the engines' weights are not checked against the trainer's after each sync"
     transport = engine_spec(settings.backend).weight_transport()
     if getattr(transport, "verifies", False):
         return None
-    return (f"--backend {settings.backend}: weight syncs are not verified: the engine receives them in its own code "
-            f"and format ({transport.name}), which carries no checksums; the built-in (hf) and vLLM engines are "
-            "checked after every sync")
+    return (
+        f"--backend {settings.backend}: weight syncs are not verified: the engine receives them in its own code "
+        f"and format ({transport.name}), which carries no checksums; the built-in (hf) and vLLM engines are "
+        "checked after every sync"
+    )
 
 
 def group_backend(settings: SyncSettings) -> str:

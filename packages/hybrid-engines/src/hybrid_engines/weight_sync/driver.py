@@ -9,7 +9,8 @@ workers.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import ConfigError
 from hybrid_core.remote import get_all_with_timeout
@@ -29,12 +30,26 @@ class TrainerWeightSource:
 
     _weight_group: Any = None
 
-    def init_sync_group(self, transport: WeightTransport, master_addr: str, master_port: int, world_size: int,
-                        backend: str, timeout_s: float) -> None:
+    if TYPE_CHECKING:  # for mypy only: what the worker this is mixed into provides (see the docstring)
+        rank: int
+        device: Any
+
+        def named_weights(self) -> Iterator[tuple[str, Any]]: ...
+
+    def init_sync_group(
+        self,
+        transport: WeightTransport,
+        master_addr: str,
+        master_port: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
         """Rank 0 joins the engines' weight-update group as its sender (rank 0 of that group)."""
         if self.rank == 0:
-            self._weight_group = transport.join(master_addr, master_port, world_size, backend=backend,
-                                                timeout_s=timeout_s, device=self.device)
+            self._weight_group = transport.join(
+                master_addr, master_port, world_size, backend=backend, timeout_s=timeout_s, device=self.device
+            )
 
     def send_weights(self, transport: WeightTransport, bucket_bytes: int, verify: Any = True) -> dict:
         """Broadcast the weights to every engine worker (rank 0 sends; other ranks only help gather ZeRO-3 shards);
@@ -44,18 +59,33 @@ class TrainerWeightSource:
             for _ in weights:
                 pass
             return TransferStats(0, 0.0, "sync").as_dict()
-        return transport.broadcast(self._weight_group, weights, bucket_bytes=bucket_bytes,
-                                   **_verify_kwargs(transport, verify)).as_dict()
+        return transport.broadcast(
+            self._weight_group, weights, bucket_bytes=bucket_bytes, **_verify_kwargs(transport, verify)
+        ).as_dict()
 
-    def send_weights_ipc(self, transport: WeightTransport, engine: Any, bucket_bytes: int, timeout_s: float,
-                         peers: list[int] | None = None, engine_index: int | None = None, verify: Any = True) -> dict:
+    def send_weights_ipc(
+        self,
+        transport: WeightTransport,
+        engine: Any,
+        bucket_bytes: int,
+        timeout_s: float,
+        peers: list[int] | None = None,
+        engine_index: int | None = None,
+        verify: Any = True,
+    ) -> dict:
         """Colocated: hand buckets on this rank's GPU to the engine there (``peers``: the ranks one TP engine
         spans, this one among them; ``engine_index``: that engine's number, for errors)."""
         engine_name = "rollout engine" if engine_index is None else f"rollout engine {engine_index}"
-        return transport.send_ipc(self.named_weights(), engine, bucket_bytes=bucket_bytes, device=self.device,
-                                  timeout_s=timeout_s, peers=peers,
-                                  what=f"{engine_name} (on actor rank {self.rank}'s GPU): update_weights_from_ipc",
-                                  **_verify_kwargs(transport, verify)).as_dict()
+        return transport.send_ipc(
+            self.named_weights(),
+            engine,
+            bucket_bytes=bucket_bytes,
+            device=self.device,
+            timeout_s=timeout_s,
+            peers=peers,
+            what=f"{engine_name} (on actor rank {self.rank}'s GPU): update_weights_from_ipc",
+            **_verify_kwargs(transport, verify),
+        ).as_dict()
 
     def close_sync_group(self, transport: WeightTransport) -> None:
         group, self._weight_group = self._weight_group, None
@@ -75,9 +105,21 @@ class WeightSync:
     :class:`~hybrid_core.errors.WeightSyncMismatch` naming the engine and the parameter (``verify_weight_sync``; a
     transport without checksums, SGLang's, is not checked: :func:`~hybrid_engines.weight_sync.choice.verify_note`)."""
 
-    def __init__(self, mode: str, actor: Any, engines: Any, plan: Any, *, bucket_bytes: int, backend: str,
-                 timeout_s: float, transport: WeightTransport | None = None, trainer_role: str = "actor",
-                 engine_role: str = "rollout", verify: bool | str = True):
+    def __init__(
+        self,
+        mode: str,
+        actor: Any,
+        engines: Any,
+        plan: Any,
+        *,
+        bucket_bytes: int,
+        backend: str,
+        timeout_s: float,
+        transport: WeightTransport | None = None,
+        trainer_role: str = "actor",
+        engine_role: str = "rollout",
+        verify: bool | str = True,
+    ):
         if mode not in ("ipc", "broadcast"):
             raise ConfigError("mode", f"must be 'ipc' or 'broadcast', got {mode!r}.", "Use choose_sync(...).mode.")
         self.mode, self.actor, self.engines = mode, actor, engines
@@ -112,12 +154,17 @@ class WeightSync:
         host = rendezvous.choose([info["node_ip"], *engine_ips]).host
         port = ray.get(rank0.free_port.remote(host), timeout=self.timeout_s)
         world = 1 + self.engines.num_workers
-        engine_refs = self.engines.init_weight_update_group_async(host, port, backend=self.backend,
-                                                                  timeout_s=self.timeout_s)
+        engine_refs = self.engines.init_weight_update_group_async(
+            host, port, backend=self.backend, timeout_s=self.timeout_s
+        )
         trainer_ref = rank0.init_sync_group.remote(self.transport, host, port, world, self.backend, self.timeout_s)
-        get_all_with_timeout([("actor rank 0: init weight-sync group", trainer_ref),
-                              *[(f"rollout engine {i}: init weight-sync group", r) for i, r in enumerate(engine_refs)]],
-                             self.timeout_s)
+        get_all_with_timeout(
+            [
+                ("actor rank 0: init weight-sync group", trainer_ref),
+                *[(f"rollout engine {i}: init weight-sync group", r) for i, r in enumerate(engine_refs)],
+            ],
+            self.timeout_s,
+        )
         self._joined = True
 
     def _policy(self) -> Any:
@@ -133,11 +180,21 @@ class WeightSync:
         if wake_engines:
             self.engines.wake_up(["weights"])
         if self.mode == "ipc":
-            refs = [(f"actor rank {r}: send_weights_ipc to rollout engine {self.engine_for_rank[r]}",
-                     w.send_weights_ipc.remote(self.transport, self.engines.actors[self.engine_for_rank[r]],
-                                               self.bucket_bytes, self.timeout_s, self.peers[r],
-                                               self.engine_for_rank[r], policy))
-                    for r, w in enumerate(self.actor.workers)]
+            refs = [
+                (
+                    f"actor rank {r}: send_weights_ipc to rollout engine {self.engine_for_rank[r]}",
+                    w.send_weights_ipc.remote(
+                        self.transport,
+                        self.engines.actors[self.engine_for_rank[r]],
+                        self.bucket_bytes,
+                        self.timeout_s,
+                        self.peers[r],
+                        self.engine_for_rank[r],
+                        policy,
+                    ),
+                )
+                for r, w in enumerate(self.actor.workers)
+            ]
             results = _wait_for_sync(refs, self.timeout_s)
             # the engines dropped their prefix caches with the last delivery (the protocol says so)
             return TransferStats(sum(r["bytes"] for r in results), max(r["seconds"] for r in results), "sync")
@@ -145,16 +202,21 @@ class WeightSync:
             import ray
 
             if not self._joined:
-                raise ConfigError("weight_sync", "sync() before setup(): the broadcast group does not exist yet.",
-                                  "Call WeightSync.setup() once after the engines start.")
+                raise ConfigError(
+                    "weight_sync",
+                    "sync() before setup(): the broadcast group does not exist yet.",
+                    "Call WeightSync.setup() once after the engines start.",
+                )
             metas = ray.get(self.actor.workers[0].weight_metas.remote(), timeout=self.timeout_s)
             engine_refs = self.engines.update_weights_async(metas, bucket_bytes=self.bucket_bytes)
-            actor_refs = [(f"actor rank {r}: send_weights",
-                           w.send_weights.remote(self.transport, self.bucket_bytes, policy))
-                          for r, w in enumerate(self.actor.workers)]
+            actor_refs = [
+                (f"actor rank {r}: send_weights", w.send_weights.remote(self.transport, self.bucket_bytes, policy))
+                for r, w in enumerate(self.actor.workers)
+            ]
             results = _wait_for_sync(
                 [*actor_refs, *[(f"rollout engine {i}: update_weights", r) for i, r in enumerate(engine_refs)]],
-                self.timeout_s)
+                self.timeout_s,
+            )
             stats = TransferStats(results[0]["bytes"], results[0]["seconds"], "sync")
         self.engines.reset_prefix_cache()
         return stats
@@ -164,9 +226,10 @@ class WeightSync:
         if not self._joined:
             return
         self._joined = False
-        get_all_with_timeout([("actor rank 0: close weight-sync group",
-                               self.actor.workers[0].close_sync_group.remote(self.transport))],
-                             min(self.timeout_s, 60.0))
+        get_all_with_timeout(
+            [("actor rank 0: close weight-sync group", self.actor.workers[0].close_sync_group.remote(self.transport))],
+            min(self.timeout_s, 60.0),
+        )
 
 
 def _wait_for_sync(named_refs: list, timeout_s: float) -> list:
@@ -187,4 +250,3 @@ def _wait_for_sync(named_refs: list, timeout_s: float) -> list:
 def _verify_kwargs(transport: WeightTransport, verify: Any) -> dict:
     """``verify=`` for a transport with checksums; nothing for one without (it has no such argument)."""
     return {"verify": verify} if getattr(transport, "verifies", False) else {}
-

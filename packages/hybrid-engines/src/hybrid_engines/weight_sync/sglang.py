@@ -52,7 +52,8 @@ class SGLangTransport(WeightTransport):
     name = "sglang"
     wire: ClassVar[dict[str, str]] = {
         "broadcast": "SGLang's weight-update group, flattened buckets (update_weights_from_distributed)",
-        "ipc": "CUDA-IPC flattened buckets in SGLang's serialized form (update_weights_from_tensor)"}
+        "ipc": "CUDA-IPC flattened buckets in SGLang's serialized form (update_weights_from_tensor)",
+    }
     # One payload per TP rank, each from the trainer rank on that rank's GPU; SGLang's own TP > 1 engines take whole
     # GPUs (RayEngine), so a colocated TP > 1 engine does not exist to serve.
     ipc_max_tp = 1
@@ -60,13 +61,31 @@ class SGLangTransport(WeightTransport):
     # (hybrid_engines.weight_sync.choice.verify_note says so at start).
     verifies = False
 
-    def join(self, master_address: str, master_port: int, world_size: int, *, backend: str, timeout_s: float,
-             device: torch.device | str | None, group_name: str = GROUP_NAME) -> Any:
-        return sglang_trainer_group(master_address, master_port, world_size, group_name=group_name, backend=backend,
-                                    timeout_s=timeout_s, device=device)
+    def join(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        *,
+        backend: str,
+        timeout_s: float,
+        device: torch.device | str | None,
+        group_name: str = GROUP_NAME,
+    ) -> Any:
+        return sglang_trainer_group(
+            master_address,
+            master_port,
+            world_size,
+            group_name=group_name,
+            backend=backend,
+            timeout_s=timeout_s,
+            device=device,
+        )
 
-    def broadcast(self, group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                  bucket_bytes: int) -> TransferStats:
+    # no verify=: SGLang's format has no checksums (verifies = False), so callers pass none (driver._verify_kwargs)
+    def broadcast(  # type: ignore[override]
+        self, group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int
+    ) -> TransferStats:
         return send_to_sglang(group, named_tensors, bucket_bytes)
 
     def close_group(self, group: Any) -> None:
@@ -101,7 +120,8 @@ class _BucketCutter:
 
 def sglang_bucket_plan(metas: Iterable[Any], bucket_bytes: int) -> list[list[Any]]:
     """The ``TensorMeta`` lists of the buckets, in order (the engine and :func:`send_to_sglang` cut alike)."""
-    cutter, buckets = _BucketCutter(bucket_bytes), []
+    cutter = _BucketCutter(bucket_bytes)
+    buckets: list[list[Any]] = []
     for meta in metas:
         if cutter.opens_bucket(meta):
             buckets.append([])
@@ -114,8 +134,16 @@ def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
 
 
-def sglang_trainer_group(master_address: str, master_port: int, world_size: int, *, group_name: str,
-                         backend: str = "nccl", timeout_s: float = 600.0, device: torch.device | str | None = None):
+def sglang_trainer_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    *,
+    group_name: str,
+    backend: str = "nccl",
+    timeout_s: float = 600.0,
+    device: torch.device | str | None = None,
+):
     """Rank 0 (the trainer) of the group SGLang's ``init_weights_update_group`` joins, built the way SGLang's
     ``init_custom_process_group`` builds it (same rendezvous, store prefix and torch helper), returned as a
     hybrid-core ``SyncGroup`` so every broadcast has a deadline."""
@@ -125,8 +153,9 @@ def sglang_trainer_group(master_address: str, master_port: int, world_size: int,
     from hybrid_core.weight_sync import SyncGroup
 
     if backend not in ("nccl", "gloo"):
-        raise ConfigError("backend", f"must be 'nccl' or 'gloo', got {backend!r}.",
-                          "Use nccl between GPUs, gloo on CPU.")
+        raise ConfigError(
+            "backend", f"must be 'nccl' or 'gloo', got {backend!r}.", "Use nccl between GPUs, gloo on CPU."
+        )
     if backend == "nccl":
         device = torch.device(device if device is not None else "cuda")
         if device.index is None:
@@ -141,11 +170,18 @@ def sglang_trainer_group(master_address: str, master_port: int, world_size: int,
         from hybrid_core import rendezvous as meeting
 
         meeting.use_interface(meeting.bind_address(master_address))
-        store = meeting.open_store(master_address, master_port, world_size, is_master=True, timeout=timeout,
-                                   what=where)
+        store = meeting.open_store(master_address, master_port, world_size, is_master=True, timeout=timeout, what=where)
         rank, size = 0, world_size
-        pg, _ = _new_process_group_helper(size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                          group_name=group_name, backend_options=None, timeout=timeout)
+        pg, _ = _new_process_group_helper(
+            size,
+            rank,
+            [],
+            Backend(backend),
+            PrefixStore(group_name, store),
+            group_name=group_name,
+            backend_options=None,
+            timeout=timeout,
+        )
     except (RuntimeError, TimeoutError) as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if isinstance(e, TimeoutError) or "timeout" in text.lower() or "timed out" in text.lower():
@@ -162,7 +198,8 @@ def send_to_sglang(group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]
     buckets (one on the wire, one being packed) are held. Each broadcast waits under the group's deadline."""
     from hybrid_core.weight_sync import TensorMeta
 
-    cutter, current = _BucketCutter(bucket_bytes), []
+    cutter = _BucketCutter(bucket_bytes)
+    current: list[torch.Tensor] = []
     start, nbytes, index, pending = time.perf_counter(), 0, 0, None
     on_device = group.device.type == "cuda"
 
@@ -222,9 +259,17 @@ def serialize_bucket(bucket: Any) -> bytes:
 
     import torch.multiprocessing as tmp
 
-    metadata = [SimpleNamespace(name=meta.name, shape=torch.Size(meta.shape), dtype=meta.torch_dtype, start_idx=offset,
-                                end_idx=offset + meta.nbytes, numel=meta.nbytes)
-                for meta, offset in bucket.entries]
+    metadata = [
+        SimpleNamespace(
+            name=meta.name,
+            shape=torch.Size(meta.shape),
+            dtype=meta.torch_dtype,
+            start_idx=offset,
+            end_idx=offset + meta.nbytes,
+            numel=meta.nbytes,
+        )
+        for meta, offset in bucket.entries
+    ]
     flat = _shared_tensor(bucket.handle)
     buf = io.BytesIO()
     strategy = tmp.get_sharing_strategy()

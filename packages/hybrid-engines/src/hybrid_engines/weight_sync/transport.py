@@ -36,8 +36,10 @@ class WeightTransport:
     #: short name, printed by ``--dry-run`` next to the sync path
     name = "hybrid"
     #: what each path puts on the wire (``--dry-run`` prints it)
-    wire: ClassVar[dict[str, str]] = {"broadcast": "hybrid-core buckets: handshake, layout header, payload",
-                                      "ipc": "hybrid-core CUDA-IPC buckets"}
+    wire: ClassVar[dict[str, str]] = {
+        "broadcast": "hybrid-core buckets: handshake, layout header, payload",
+        "ipc": "hybrid-core CUDA-IPC buckets",
+    }
     #: the largest tensor-parallel size the IPC path serves (None: any; a TP > 1 engine gets one bucket per GPU)
     ipc_max_tp: int | None = None
     #: the receivers check every sync against the sender's checksums (``broadcast``/``send_ipc`` take ``verify=``)
@@ -46,24 +48,41 @@ class WeightTransport:
     def refusal(self, mode: str, *, tp: int) -> str | None:
         """Why this transport cannot take ``mode`` ("ipc" / "broadcast") to engines of tensor-parallel size ``tp``."""
         if mode == "ipc" and self.ipc_max_tp is not None and tp > self.ipc_max_tp:
-            return (f"the {self.name} IPC path serves engines of TP <= {self.ipc_max_tp}, and these engines have "
-                    f"TP {tp}")
+            return f"the {self.name} IPC path serves engines of TP <= {self.ipc_max_tp}, and these engines have TP {tp}"
         return None
 
     def describe(self, mode: str) -> str:
         return f"{mode} ({self.wire[mode]})"
 
     # ---- broadcast: the trainer's rank 0 ---------------------------------------------------------------------------
-    def join(self, master_address: str, master_port: int, world_size: int, *, backend: str, timeout_s: float,
-             device: torch.device | str | None, group_name: str = GROUP_NAME) -> Any:
+    def join(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        *,
+        backend: str,
+        timeout_s: float,
+        device: torch.device | str | None,
+        group_name: str = GROUP_NAME,
+    ) -> Any:
         """Join the engines' weight-update group as rank 0 (the engines join at the same time)."""
         from hybrid_core.weight_sync import create_sync_group
 
-        return create_sync_group(master_address, master_port, 0, world_size, backend=backend, timeout_s=timeout_s,
-                                 device=device, group_name=group_name)
+        return create_sync_group(
+            master_address,
+            master_port,
+            0,
+            world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+            device=device,
+            group_name=group_name,
+        )
 
-    def broadcast(self, group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                  bucket_bytes: int, verify: bool = True) -> TransferStats:
+    def broadcast(
+        self, group: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int, verify: bool = True
+    ) -> TransferStats:
         """Stream ``named_tensors`` to every engine worker (which run ``update_weights`` with their metas);
         ``verify``: with checksums the engines check."""
         from hybrid_core.weight_sync import WeightSender
@@ -84,9 +103,18 @@ class WeightTransport:
         ``IpcBucket`` per GPU of the engine (one for TP = 1). hybrid-core engines take the bucket (list) itself."""
         return buckets[0] if len(buckets) == 1 else list(buckets)
 
-    def send_ipc(self, named_tensors: Iterable[tuple[str, torch.Tensor]], engine: Any, *, bucket_bytes: int,
-                 device: torch.device | str | None, timeout_s: float, peers: Sequence[int] | None = None,
-                 what: str = "rollout engine: update_weights_from_ipc", verify: bool = True) -> TransferStats:
+    def send_ipc(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        engine: Any,
+        *,
+        bucket_bytes: int,
+        device: torch.device | str | None,
+        timeout_s: float,
+        peers: Sequence[int] | None = None,
+        what: str = "rollout engine: update_weights_from_ipc",
+        verify: bool = True,
+    ) -> TransferStats:
         """Hand ``named_tensors`` to ``engine`` (a Ray actor on this rank's GPU) bucket by bucket.
 
         ``peers``: the trainer ranks whose GPUs one tensor-parallel engine spans (this rank among them, all calling
@@ -115,6 +143,7 @@ class WeightTransport:
         if peers is not None and len(peers) > 1:
             deliver, wait = engine_group_callbacks(peers, submit, wait)
         else:
+
             def deliver(bucket):
                 return submit([bucket])
 

@@ -18,5 +18,17 @@ from .loader import AgentSpec, builtin_agent, load_agent
 from .lookup import LookupEnvironment
 from .rollout import AgentBatch, AgentRollout, AgentSettings, summarize
 
-__all__ = ["AgentBatch", "AgentError", "AgentRollout", "AgentSettings", "AgentSpec", "Environment",
-           "LookupEnvironment", "LookupTask", "StepResult", "builtin_agent", "load_agent", "summarize"]
+__all__ = [
+    "AgentBatch",
+    "AgentError",
+    "AgentRollout",
+    "AgentSettings",
+    "AgentSpec",
+    "Environment",
+    "LookupEnvironment",
+    "LookupTask",
+    "StepResult",
+    "builtin_agent",
+    "load_agent",
+    "summarize",
+]

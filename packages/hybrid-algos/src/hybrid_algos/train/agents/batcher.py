@@ -64,8 +64,9 @@ class _Request:
 class TurnBatcher:
     """Gathers the generation requests of ``live`` samples (see the module docstring)."""
 
-    def __init__(self, engines: Any, params: SamplingParams, *, context_limit: int | None = None,
-                 clock=time.perf_counter):
+    def __init__(
+        self, engines: Any, params: SamplingParams, *, context_limit: int | None = None, clock=time.perf_counter
+    ):
         self.engines, self.params, self.context_limit, self.clock = engines, params, context_limit, clock
         self.live = 0
         self.flushes: list[Flush] = []
@@ -94,8 +95,9 @@ class TurnBatcher:
         p = self.params
         return TurnSampling(p.temperature, p.top_p, p.top_k, p.min_new_tokens)
 
-    async def generate(self, context: list[int], cap: int, sampling: TurnSampling | None = None, *,
-                       sample: int | None = None) -> GenerationOutput:
+    async def generate(
+        self, context: list[int], cap: int, sampling: TurnSampling | None = None, *, sample: int | None = None
+    ) -> GenerationOutput:
         """The next turn of one sample: at most ``cap`` new tokens after ``context``. ``sample``: the sample's index
         in the step, which orders the batch (without it, arrival does, and timing may change the results)."""
         if cap < 1:
@@ -103,8 +105,9 @@ class TurnBatcher:
         if self.context_limit is not None:
             cap = min(cap, self.context_limit - len(context))
             if cap < 1:
-                raise ValueError(f"the context ({len(context)} tokens) fills the model's {self.context_limit} "
-                                 "positions")
+                raise ValueError(
+                    f"the context ({len(context)} tokens) fills the model's {self.context_limit} positions"
+                )
         future = asyncio.get_running_loop().create_future()
         self._arrivals += 1
         key = (self._arrivals if sample is None else sample, self._arrivals)
@@ -149,9 +152,15 @@ class TurnBatcher:
         for sampling, members in groups.items():
             for part, cap in self._parts(batch, members):
                 params = dataclasses.replace(
-                    self.params, n=1, max_new_tokens=cap, temperature=sampling.temperature, top_p=sampling.top_p,
-                    top_k=sampling.top_k, min_new_tokens=min(sampling.min_new_tokens, cap),
-                    seed=_call_seed(self.params.seed, index, call))
+                    self.params,
+                    n=1,
+                    max_new_tokens=cap,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                    min_new_tokens=min(sampling.min_new_tokens, cap),
+                    seed=_call_seed(self.params.seed, index, call),
+                )
                 call += 1
                 results = self.engines.generate([batch[i].context for i in part], params)
                 for i, samples in zip(part, results):
@@ -172,11 +181,13 @@ class TurnBatcher:
 def _cut(out: GenerationOutput, cap: int) -> GenerationOutput:
     if len(out.token_ids) <= cap:
         return out
-    return dataclasses.replace(out, token_ids=list(out.token_ids[:cap]),
-                               logprobs=list(out.logprobs[:cap]) if out.logprobs is not None else None,
-                               weight_versions=(list(out.weight_versions[:cap]) if out.weight_versions is not None
-                                                else None),
-                               finish_reason="length")
+    return dataclasses.replace(
+        out,
+        token_ids=list(out.token_ids[:cap]),
+        logprobs=list(out.logprobs[:cap]) if out.logprobs is not None else None,
+        weight_versions=(list(out.weight_versions[:cap]) if out.weight_versions is not None else None),
+        finish_reason="length",
+    )
 
 
 def _call_seed(seed: int | None, flush: int, call: int) -> int | None:

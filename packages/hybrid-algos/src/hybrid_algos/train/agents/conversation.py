@@ -8,8 +8,9 @@ environment tokens are attended to but get no loss, no KL and no mismatch-correc
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from hybrid_engines.protocol import GenerationOutput
 
@@ -47,20 +48,31 @@ class Conversation:
 
     def output(self) -> GenerationOutput:
         versions = self.versions if self.versions and min(self.versions) >= 0 else None
-        return GenerationOutput(self.prompt_ids, self.response, self.logprobs, self.finish_reason,
-                                weight_versions=versions,
-                                extra={"action_mask": self.action_mask, "agent_failed": self.failed is not None,
-                                       "agent_reward": self.reward, "agent_score": self.score, "turns": self.turns})
+        return GenerationOutput(
+            self.prompt_ids,
+            self.response,
+            self.logprobs,
+            self.finish_reason,
+            weight_versions=versions,
+            extra={
+                "action_mask": self.action_mask,
+                "agent_failed": self.failed is not None,
+                "agent_reward": self.reward,
+                "agent_score": self.score,
+                "turns": self.turns,
+            },
+        )
 
-    def add_turn(self, tokens: Sequence[int], logprobs: Sequence[float] | None,
-                 versions: Sequence[int] | None = None) -> None:
+    def add_turn(
+        self, tokens: Sequence[int], logprobs: Sequence[float] | None, versions: Sequence[int] | None = None
+    ) -> None:
         """A model turn; ``versions``: the engine's weight version per token (turns of one sample can straddle a
         weight update under --partial_rollout, and the staleness bound counts the oldest)."""
         self.response += list(tokens)
         self.action_mask += [1] * len(tokens)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
         known = versions is not None and len(versions) == len(tokens)
-        self.versions += [int(v) for v in versions] if known else [-1] * len(tokens)
+        self.versions += [int(v) for v in versions] if versions is not None and known else [-1] * len(tokens)
 
     def add_feedback(self, tokens: Sequence[int]) -> None:
         self.response += list(tokens)
@@ -84,8 +96,9 @@ def from_openrlhf(result: Any, generations: Sequence[Any], budget: int) -> Conve
     last = 0
     for a, b in ranges:
         if not last <= a <= b <= len(tokens):
-            raise ShapeError(f"action_ranges {ranges} are not ordered, disjoint spans of the {len(tokens)} "
-                             "observation_tokens")
+            raise ShapeError(
+                f"action_ranges {ranges} are not ordered, disjoint spans of the {len(tokens)} observation_tokens"
+            )
         last = b
     start = ranges[0][0] if ranges else len(tokens)
     if start == 0:
@@ -95,14 +108,14 @@ def from_openrlhf(result: Any, generations: Sequence[Any], budget: int) -> Conve
     given = result.get("rollout_log_probs")
     conv.versions = [-1] * (len(tokens) - start)  # -1: an action the engine did not produce as given
     for a, b in ranges:
-        conv.action_mask[a - start:b - start] = [1] * (b - a)
+        conv.action_mask[a - start : b - start] = [1] * (b - a)
         g = by_start.get(a)
         if g is not None and g.token_ids[: b - a] == tokens[a:b]:
-            conv.logprobs[a - start:b - start] = g.logprobs[: b - a]
+            conv.logprobs[a - start : b - start] = g.logprobs[: b - a]
             if g.versions is not None:
-                conv.versions[a - start:b - start] = g.versions[: b - a]
+                conv.versions[a - start : b - start] = g.versions[: b - a]
         elif given is not None and len(given) == len(tokens):
-            conv.logprobs[a - start:b - start] = [float(x) for x in given[a:b]]
+            conv.logprobs[a - start : b - start] = [float(x) for x in given[a:b]]
     last = -1  # environment tokens: the version of the action before them
     for i, model in enumerate(conv.action_mask):
         last = conv.versions[i] if model else last
@@ -119,8 +132,11 @@ def from_openrlhf(result: Any, generations: Sequence[Any], budget: int) -> Conve
     if len(conv.response) > budget:
         conv.overflow_tokens = len(conv.response) - budget
         cut_actions = sum(conv.action_mask[budget:])
-        conv.response, conv.action_mask, conv.logprobs = (conv.response[:budget], conv.action_mask[:budget],
-                                                          conv.logprobs[:budget])
+        conv.response, conv.action_mask, conv.logprobs = (
+            conv.response[:budget],
+            conv.action_mask[:budget],
+            conv.logprobs[:budget],
+        )
         conv.versions = conv.versions[:budget]
         if cut_actions:
             conv.finish_reason = "length"

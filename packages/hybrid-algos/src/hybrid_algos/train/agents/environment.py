@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass
@@ -49,8 +50,10 @@ class Environment(Protocol):
     def step(self, action: str) -> Any: ...
 
 
-STEP_SHAPE = ("a StepResult(feedback=str, reward=float, done=bool), a (feedback, reward, done) tuple, or a dict "
-              "with 'feedback', 'reward' and 'done' (and optionally 'info')")
+STEP_SHAPE = (
+    "a StepResult(feedback=str, reward=float, done=bool), a (feedback, reward, done) tuple, or a dict "
+    "with 'feedback', 'reward' and 'done' (and optionally 'info')"
+)
 
 
 class ShapeError(ValueError):
@@ -61,8 +64,10 @@ def require_keys(value: Mapping, keys: Sequence[str], what: str, expected: str =
     """A :class:`ShapeError` naming the keys of ``keys`` that the dict ``what`` returned lacks (and the ones it has)."""
     missing = [k for k in keys if k not in value]
     if missing:
-        raise ShapeError(f"{what} returned a dict without {', '.join(map(repr, missing))} (keys: "
-                         f"{sorted(map(str, value))}){'; it must return ' + expected if expected else ''}")
+        raise ShapeError(
+            f"{what} returned a dict without {', '.join(map(repr, missing))} (keys: "
+            f"{sorted(map(str, value))}){'; it must return ' + expected if expected else ''}"
+        )
 
 
 def as_number(value: Any, what: str) -> float:
@@ -122,19 +127,27 @@ def coerce_step(value: Any) -> StepResult:
         unknown = sorted(set(map(str, value)) - {"feedback", "reward", "done", "info", "role"})
         if unknown:
             raise ShapeError(f"step returned unknown keys {unknown}; it must return {STEP_SHAPE}")
-        result = StepResult(value["feedback"], value["reward"], value["done"], value.get("info") or {},
-                            value.get("role", "user"))
+        result = StepResult(
+            value["feedback"], value["reward"], value["done"], value.get("info") or {}, value.get("role", "user")
+        )
     else:
         raise ShapeError(f"step returned a {type(value).__name__} ({_short(value)}); it must return {STEP_SHAPE}")
-    return StepResult(as_text(result.feedback, "feedback"), as_number(result.reward, "reward"),
-                      as_bool(result.done, "done"), numbers_of(result.info, "info"), as_text(result.role, "role"))
+    return StepResult(
+        as_text(result.feedback, "feedback"),
+        as_number(result.reward, "reward"),
+        as_bool(result.done, "done"),
+        numbers_of(result.info, "info"),
+        as_text(result.role, "role"),
+    )
 
 
 def coerce_reset(value: Any) -> str | None:
     if value is None or isinstance(value, str):
         return value
-    raise ShapeError(f"reset returned a {type(value).__name__} ({_short(value)}); it must return the first message "
-                     "as a str, or None to keep the prompt")
+    raise ShapeError(
+        f"reset returned a {type(value).__name__} ({_short(value)}); it must return the first message "
+        "as a str, or None to keep the prompt"
+    )
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -15,8 +15,9 @@ import contextvars
 import functools
 import inspect
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from hybrid_core.errors import HybridError
 
@@ -65,8 +66,12 @@ class Guard:
 
     def fail(self, state: SampleState, what: str, problem: str, fix: str, cause: BaseException | None = None):
         """Raise the error for ``what`` (e.g. ``"AgentInstance.step"``) going wrong in ``state``'s sample."""
-        hint = ("; or pass --agent_on_error end_sample to end such samples (reward 0, left out of the loss) and keep "
-                "training" if self.on_error == "raise" else "")
+        hint = (
+            "; or pass --agent_on_error end_sample to end such samples (reward 0, left out of the loss) and keep "
+            "training"
+            if self.on_error == "raise"
+            else ""
+        )
         message = f"agent {self.source}: {what} {problem} ({state.where()}). Fix: {fix}{hint}."
         if self.on_error == "end_sample":
             raise SampleFailed(message) from cause
@@ -87,13 +92,23 @@ class Guard:
         except (SampleFailed, AgentError):
             raise
         except asyncio.TimeoutError as e:
-            self.fail(state, what, f"did not return within --agent_timeout_s {self.timeout_s:g} s",
-                      "make it answer in time (inside async def, await I/O instead of blocking; or make it a plain "
-                      "def, which runs in a thread), or raise --agent_timeout_s", e)
+            self.fail(
+                state,
+                what,
+                f"did not return within --agent_timeout_s {self.timeout_s:g} s",
+                "make it answer in time (inside async def, await I/O instead of blocking; or make it a plain "
+                "def, which runs in a thread), or raise --agent_timeout_s",
+                e,
+            )
         except Exception as e:
             log.error("agent %s: %s raised (%s):", self.source, what, state.where(), exc_info=e)
-            self.fail(state, what, f"raised {type(e).__name__}: {e}",
-                      "fix the environment (the traceback is in the log above)", e)
+            self.fail(
+                state,
+                what,
+                f"raised {type(e).__name__}: {e}",
+                "fix the environment (the traceback is in the log above)",
+                e,
+            )
         finally:
             state.env_calls -= 1
 
@@ -102,9 +117,11 @@ class Guard:
 
 
 # ---- OpenRLHF's AgentInstance, guarded ----------------------------------------------------------------------------
-STEP_FIX = ("return a dict with 'rewards' (a number or one-element tensor), 'scores' (optional, the same), "
-            "'environment_feedback' (str), 'done' (bool), and optionally 'sampling_params' and 'extra_logs' (a dict of "
-            "numbers), as OpenRLHF's AgentInstance.step does")
+STEP_FIX = (
+    "return a dict with 'rewards' (a number or one-element tensor), 'scores' (optional, the same), "
+    "'environment_feedback' (str), 'done' (bool), and optionally 'sampling_params' and 'extra_logs' (a dict of "
+    "numbers), as OpenRLHF's AgentInstance.step does"
+)
 RESET_FIX = "return {'observation': str}, as OpenRLHF's AgentInstance.reset does"
 
 
@@ -120,7 +137,7 @@ def guard_instances(executor: Any, guard: Guard) -> None:
 def _guarded(cls: type, guard: Guard) -> type:
     import torch
 
-    class Guarded(cls):  # type: ignore[misc, valid-type]
+    class Guarded(cls):
         _hybrid_guarded = True
 
         async def reset(self, states, **kwargs):

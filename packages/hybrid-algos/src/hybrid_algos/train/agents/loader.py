@@ -17,8 +17,9 @@ import os
 import sys
 import types
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 
@@ -57,19 +58,27 @@ def check_agent_path(path: str) -> None:
     target, name, is_file = split_path(path)
     if is_file:
         if not os.path.isfile(target):
-            raise ConfigError(FIELD, f"no file at {target!r}.", "Give the path of your agent's .py file (OpenRLHF's "
-                              "AgentExecutor, or a class Environment with reset / step).")
+            raise ConfigError(
+                FIELD,
+                f"no file at {target!r}.",
+                "Give the path of your agent's .py file (OpenRLHF's "
+                "AgentExecutor, or a class Environment with reset / step).",
+            )
         return
     if name is None:
-        raise ConfigError(FIELD, f"{path!r} is neither a .py file nor module:NAME.",
-                          "E.g. --agent_func_path agent.py, agent.py:MyEnv or my_package.envs:MyEnv.")
+        raise ConfigError(
+            FIELD,
+            f"{path!r} is neither a .py file nor module:NAME.",
+            "E.g. --agent_func_path agent.py, agent.py:MyEnv or my_package.envs:MyEnv.",
+        )
     try:
         found = importlib.util.find_spec(target)
     except (ImportError, ValueError):
         found = None
     if found is None:
-        raise ConfigError(FIELD, f"cannot find module {target!r}.", "Make it importable (PYTHONPATH), or give its "
-                          ".py file.")
+        raise ConfigError(
+            FIELD, f"cannot find module {target!r}.", "Make it importable (PYTHONPATH), or give its .py file."
+        )
 
 
 def load_agent(path: str) -> AgentSpec:
@@ -88,21 +97,34 @@ def load_agent(path: str) -> AgentSpec:
     elif hasattr(module, "Environment"):
         obj, kind = module.Environment, "environment"
     else:
-        raise ConfigError(FIELD, f"{path} defines neither AgentExecutor (OpenRLHF's agent files) nor Environment "
-                          "(hybrid's interface).", "Define one of them (see hybrid_algos.train.agents), or name the "
-                          "class: --agent_func_path FILE.py:NAME.")
+        raise ConfigError(
+            FIELD,
+            f"{path} defines neither AgentExecutor (OpenRLHF's agent files) nor Environment (hybrid's interface).",
+            "Define one of them (see hybrid_algos.train.agents), or name the class: --agent_func_path FILE.py:NAME.",
+        )
     if kind == "openrlhf":
         spec = AgentSpec("openrlhf", path, executor=_make_executor(obj, path), standin=standin)
         if standin:
-            log.info("agent %s: OpenRLHF is not installed; its imports of openrlhf.utils.agent got hybrid's stand-in "
-                     "(%s), installed only while the file loaded", path, ", ".join(openrlhf_standin.NAMES))
+            log.info(
+                "agent %s: OpenRLHF is not installed; its imports of openrlhf.utils.agent got hybrid's stand-in "
+                "(%s), installed only while the file loaded",
+                path,
+                ", ".join(openrlhf_standin.NAMES),
+            )
         return spec
     if not callable(obj):
-        raise ConfigError(FIELD, f"{path}: {getattr(obj, '__name__', name)} is a {type(obj).__name__}, not a class "
-                          "or factory of environments.", "Give a class with reset(prompt, label) and step(action).")
+        raise ConfigError(
+            FIELD,
+            f"{path}: {getattr(obj, '__name__', name)} is a {type(obj).__name__}, not a class "
+            "or factory of environments.",
+            "Give a class with reset(prompt, label) and step(action).",
+        )
     if isinstance(obj, type) and not callable(getattr(obj, "step", None)):
-        raise ConfigError(FIELD, f"{path}: {obj.__name__} has no step method.",
-                          "Define step(self, action) -> StepResult (see hybrid_algos.train.agents.environment).")
+        raise ConfigError(
+            FIELD,
+            f"{path}: {obj.__name__} has no step method.",
+            "Define step(self, action) -> StepResult (see hybrid_algos.train.agents.environment).",
+        )
     return AgentSpec("environment", path, factory=obj, standin=standin)
 
 
@@ -127,7 +149,7 @@ def openrlhf_names() -> Iterator[bool]:
     saved = {k: sys.modules.get(k) for k in STANDIN_MODULES}
     package, utils = types.ModuleType("openrlhf"), types.ModuleType("openrlhf.utils")
     package.__path__, utils.__path__ = [], []  # packages with nothing else in them
-    package.utils, utils.agent = utils, openrlhf_standin
+    package.utils, utils.agent = utils, openrlhf_standin  # type: ignore[attr-defined]  # modules built here
     sys.modules.update({"openrlhf": package, "openrlhf.utils": utils, "openrlhf.utils.agent": openrlhf_standin})
     try:
         yield True
@@ -145,22 +167,32 @@ def _import(target: str, is_file: bool, path: str) -> types.ModuleType:
             return importlib.import_module(target)
         from ..plugins import run_file
 
-        return run_file(f"hybrid_agent_{uuid.uuid4().hex[:8]}", target,
-                        ConfigError(FIELD, f"cannot load {target!r} as a Python file.", "Give a .py file."))
+        return run_file(
+            f"hybrid_agent_{uuid.uuid4().hex[:8]}",
+            target,
+            ConfigError(FIELD, f"cannot load {target!r} as a Python file.", "Give a .py file."),
+        )
     except ConfigError:
         raise
     except ImportError as e:
         missing = getattr(e, "name", None) or ""
         if missing.startswith("openrlhf") or "openrlhf" in str(e):
-            raise ConfigError(FIELD, f"{path} imports something of OpenRLHF that hybrid's stand-in does not have "
-                              f"({e}); OpenRLHF is not installed, and the stand-in provides only openrlhf.utils.agent's "
-                              f"{', '.join(openrlhf_standin.NAMES)}.",
-                              "Install OpenRLHF (pip install openrlhf), or import only those names.") from e
-        raise ConfigError(FIELD, f"loading {path} failed: {type(e).__name__}: {e}.",
-                          "Install what it imports, or fix the import.") from e
+            raise ConfigError(
+                FIELD,
+                f"{path} imports something of OpenRLHF that hybrid's stand-in does not have "
+                f"({e}); OpenRLHF is not installed, and the stand-in provides only openrlhf.utils.agent's "
+                f"{', '.join(openrlhf_standin.NAMES)}.",
+                "Install OpenRLHF (pip install openrlhf), or import only those names.",
+            ) from e
+        raise ConfigError(
+            FIELD, f"loading {path} failed: {type(e).__name__}: {e}.", "Install what it imports, or fix the import."
+        ) from e
     except Exception as e:
-        raise ConfigError(FIELD, f"loading {path} raised {type(e).__name__}: {e}.",
-                          f"Fix the file (python {target} shows the traceback).") from e
+        raise ConfigError(
+            FIELD,
+            f"loading {path} raised {type(e).__name__}: {e}.",
+            f"Fix the file (python {target} shows the traceback).",
+        ) from e
 
 
 def _is_executor_class(obj: Any) -> bool:
@@ -169,13 +201,18 @@ def _is_executor_class(obj: Any) -> bool:
 
 def _make_executor(cls: Any, path: str) -> Any:
     if not _is_executor_class(cls):
-        raise ConfigError(FIELD, f"{path}: AgentExecutor must inherit from openrlhf.utils.agent's AgentExecutorBase "
-                          "(usually through MultiTurnAgentExecutor), as OpenRLHF requires.",
-                          "Write class AgentExecutor(MultiTurnAgentExecutor) with __init__ calling "
-                          "super().__init__(AgentInstance).")
+        raise ConfigError(
+            FIELD,
+            f"{path}: AgentExecutor must inherit from openrlhf.utils.agent's AgentExecutorBase "
+            "(usually through MultiTurnAgentExecutor), as OpenRLHF requires.",
+            "Write class AgentExecutor(MultiTurnAgentExecutor) with __init__ calling super().__init__(AgentInstance).",
+        )
     try:
         return cls()
     except Exception as e:
-        raise ConfigError(FIELD, f"{path}: AgentExecutor() raised {type(e).__name__}: {e}.",
-                          "OpenRLHF builds the executor with no arguments: its __init__ must take none (e.g. "
-                          "super().__init__(AgentInstance)).") from e
+        raise ConfigError(
+            FIELD,
+            f"{path}: AgentExecutor() raised {type(e).__name__}: {e}.",
+            "OpenRLHF builds the executor with no arguments: its __init__ must take none (e.g. "
+            "super().__init__(AgentInstance)).",
+        ) from e

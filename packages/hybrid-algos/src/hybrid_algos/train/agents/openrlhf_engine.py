@@ -95,15 +95,24 @@ class AgentEngine:
         self.state.turns += 1
         left = self.prompt_len + self.response_budget - len(context)
         if self.state.turns > self.max_turns:
-            raise RuntimeError(f"the executor asked for turn {self.state.turns}, more than --max_turns {self.max_turns}")
+            raise RuntimeError(
+                f"the executor asked for turn {self.state.turns}, more than --max_turns {self.max_turns}"
+            )
         cap = min(c for c in (left, self.turn_cap, _get(sampling_params, "max_tokens")) if c is not None)
         if cap < 1:
             self.state.out_of_budget = True
             return self._answer(context, [], [], "length", sampling_params)
-        out = await self.batcher.generate(context, cap, TurnSampling(
-            float(_get(sampling_params, "temperature", 1.0)), float(_get(sampling_params, "top_p", 1.0)),
-            _top_k(_get(sampling_params, "top_k", -1)), int(_get(sampling_params, "min_tokens", 0) or 0)),
-            sample=self.state.index)
+        out = await self.batcher.generate(
+            context,
+            cap,
+            TurnSampling(
+                float(_get(sampling_params, "temperature", 1.0)),
+                float(_get(sampling_params, "top_p", 1.0)),
+                _top_k(_get(sampling_params, "top_k", -1)),
+                int(_get(sampling_params, "min_tokens", 0) or 0),
+            ),
+            sample=self.state.index,
+        )
         logprobs = list(out.logprobs) if out.logprobs is not None else [0.0] * len(out.token_ids)
         versions = list(out.weight_versions) if out.weight_versions is not None else None
         self.generations.append(Generation(len(context), list(out.token_ids), logprobs, versions))
@@ -112,7 +121,9 @@ class AgentEngine:
         return self._answer(context, list(out.token_ids), logprobs, out.finish_reason, sampling_params)
 
     def _answer(self, context, tokens, logprobs, finish, sampling_params) -> RequestOutput:
-        ids = tokens[:-1] if tokens and tokens[-1] in self.renderer.stop_ids else tokens  # vLLM's text has no stop token
+        ids = (
+            tokens[:-1] if tokens and tokens[-1] in self.renderer.stop_ids else tokens
+        )  # vLLM's text has no stop token
         text = self.tokenizer.decode(ids, skip_special_tokens=bool(_get(sampling_params, "skip_special_tokens", False)))
         lps = [{t: Logprob(lp)} for t, lp in zip(tokens, logprobs)]
         completion = CompletionOutput(0, text, tokens, sum(logprobs) if logprobs else 0.0, lps, finish)

@@ -74,8 +74,11 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
         tokens = _encode(hf_tokenizer, text)
         room = max_length - (getattr(sampling_params, "max_tokens", None) or 1)
         if len(tokens) > room:  # keep the end of an overlong first observation, leaving room to generate
-            log.warning("agent: the first observation has %d tokens, more than max_length leaves (%d); its start "
-                        "is cut", len(tokens), room)
+            log.warning(
+                "agent: the first observation has %d tokens, more than max_length leaves (%d); its start is cut",
+                len(tokens),
+                room,
+            )
             tokens = tokens[-room:] if room > 0 else []
             text = hf_tokenizer.decode(tokens, skip_special_tokens=False)
         logprobs = [0.0] * len(tokens) if sampling_params.logprobs is not None else None
@@ -88,8 +91,9 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
             action = list(out.token_ids)
             truncated = out.finish_reason == "length"
             ranges.append((len(tokens), len(tokens) + len(action)))
-            result = await instance.step({"observation_text": text, "action_text": out.text, "label": label,
-                                          "sampling_params": sampling_params})
+            result = await instance.step(
+                {"observation_text": text, "action_text": out.text, "label": label, "sampling_params": sampling_params}
+            )
             reward += _item(result["rewards"])
             scores = result.get("scores", reward)
             feedback = result["environment_feedback"]
@@ -104,9 +108,19 @@ class MultiTurnAgentExecutor(AgentExecutorBase):
                 sampling_params = result["sampling_params"]
             if result["done"]:
                 break
-        return {"prompt": prompt, "label": label, "images": images, "mm_train_inputs": None, "reward": reward,
-                "scores": reward if scores is None else _item(scores), "observation_tokens": tokens,
-                "action_ranges": ranges, "rollout_log_probs": logprobs, "truncated": truncated, "extra_logs": extra}
+        return {
+            "prompt": prompt,
+            "label": label,
+            "images": images,
+            "mm_train_inputs": None,
+            "reward": reward,
+            "scores": reward if scores is None else _item(scores),
+            "observation_tokens": tokens,
+            "action_ranges": ranges,
+            "rollout_log_probs": logprobs,
+            "truncated": truncated,
+            "extra_logs": extra,
+        }
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

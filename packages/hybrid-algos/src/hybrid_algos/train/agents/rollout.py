@@ -20,8 +20,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ class AgentSettings:
     on_error: str
 
     @classmethod
-    def from_config(cls, config: Any, spec: AgentSpec | None = None) -> "AgentSettings":
+    def from_config(cls, config: Any, spec: AgentSpec | None = None) -> AgentSettings:
         from .lookup import MAX_TURNS, TURN_TOKENS
 
         builtin = spec.builtin if spec is not None else config.agent_func_path is None
@@ -103,6 +104,7 @@ class AgentRollout:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._beat = time.monotonic()
+        self._heartbeat: asyncio.Task[None] | None = None  # the loop's heartbeat task (_start_loop)
         self._broken: str | None = None
 
     # ---- the driver's side ---------------------------------------------------------------------------------------
@@ -168,7 +170,8 @@ class AgentRollout:
 
         def serve() -> None:
             asyncio.set_event_loop(loop)
-            loop.create_task(heartbeat())
+            # the loop keeps only a weak reference to its tasks: this one is kept until the loop ends
+            self._heartbeat = loop.create_task(heartbeat())
             loop.run_forever()
 
         self._beat = time.monotonic()
@@ -183,11 +186,13 @@ class AgentRollout:
         limit = self.settings.timeout_s + min(WATCHDOG_GRACE_S, self.settings.timeout_s)
         source = self.spec.source
         if now - self._beat > limit:
-            self._broken = (f"agent {source}: the environments' event loop has been blocked for {now - self._beat:.0f} "
-                            "s: a reset or step defined with async def makes a blocking call (time.sleep, requests, "
-                            "subprocess.run...). Fix: await asynchronous I/O (asyncio.sleep, aiohttp, "
-                            "asyncio.create_subprocess_exec), or make the method a plain def (hybrid then runs it in "
-                            "a thread).")
+            self._broken = (
+                f"agent {source}: the environments' event loop has been blocked for {now - self._beat:.0f} "
+                "s: a reset or step defined with async def makes a blocking call (time.sleep, requests, "
+                "subprocess.run...). Fix: await asynchronous I/O (asyncio.sleep, aiohttp, "
+                "asyncio.create_subprocess_exec), or make the method a plain def (hybrid then runs it in "
+                "a thread)."
+            )
             raise AgentError(self._broken)
         moved = (len(batcher.flushes), sum(s.turns for s in states), batcher.live)
         if moved != progress[1] or batcher.busy or any(s.env_calls for s in states):
@@ -198,23 +203,28 @@ class AgentRollout:
             task = holder.get("task")
             if task is not None:
                 loop.call_soon_threadsafe(task.cancel)
-            raise AgentError(f"agent {source}: {batcher.live} samples (e.g. {stuck}) have waited {now - progress[0]:.0f} "
-                             "s on neither the engine nor an environment call. Fix: the executor's execute must "
-                             "only await llm_engine.generate and its AgentInstance (or give what else it awaits a "
-                             "timeout).")
+            raise AgentError(
+                f"agent {source}: {batcher.live} samples (e.g. {stuck}) have waited {now - progress[0]:.0f} "
+                "s on neither the engine nor an environment call. Fix: the executor's execute must "
+                "only await llm_engine.generate and its AgentInstance (or give what else it awaits a "
+                "timeout)."
+            )
 
     # ---- the event loop's side -----------------------------------------------------------------------------------
-    async def _rollout(self, batcher: TurnBatcher, prompts: list, sampling: Any, step: int,
-                       states: list[SampleState]) -> AgentBatch:
+    async def _rollout(
+        self, batcher: TurnBatcher, prompts: list, sampling: Any, step: int, states: list[SampleState]
+    ) -> AgentBatch:
         t0 = time.perf_counter()
         n = sampling.n
         flat = [(g, prompt) for g, prompt in enumerate(prompts) for _ in range(n)]
         states += [SampleState(step, i, prompt.text) for i, (_, prompt) in enumerate(flat)]
         batcher.add_samples(len(flat))  # all at once: the first batch waits for every sample's first turn
-        tasks = [asyncio.get_running_loop().create_task(self._sample(batcher, prompt, state, sampling))
-                 for (_, prompt), state in zip(flat, states)]
+        tasks = [
+            asyncio.get_running_loop().create_task(self._sample(batcher, prompt, state, sampling))
+            for (_, prompt), state in zip(flat, states)
+        ]
         finished, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        errors = [t.exception() for t in finished if not t.cancelled() and t.exception() is not None]
+        errors = [e for t in finished if not t.cancelled() and (e := t.exception()) is not None]
         if errors:
             for t in pending:
                 t.cancel()
@@ -225,8 +235,9 @@ class AgentRollout:
             conversations[g].append(t.result())
         failures = [c.failed for group in conversations for c in group if c.failed]
         if failures and len(failures) == len(flat):
-            raise AgentError(f"agent {self.spec.source}: every sample of step {step + 1} failed; the first: "
-                             f"{failures[0]}")
+            raise AgentError(
+                f"agent {self.spec.source}: every sample of step {step + 1} failed; the first: {failures[0]}"
+            )
         return AgentBatch(conversations, list(batcher.flushes), t0, time.perf_counter(), failures)
 
     async def _sample(self, batcher: TurnBatcher, prompt: Any, state: SampleState, sampling: Any) -> Conversation:
@@ -244,11 +255,17 @@ class AgentRollout:
     async def _native_sample(self, batcher: TurnBatcher, prompt: Any, state: SampleState, budget: int) -> Conversation:
         guard, spec, settings = self.guard, self.spec, self.settings
         try:
+            assert spec.factory is not None  # kind "environment" (not "openrlhf"): the loader gave its factory
             env = spec.factory()
         except Exception as e:
             log.error("agent %s: creating the environment raised:", spec.source, exc_info=e)
-            guard.fail(state, "creating the environment", f"raised {type(e).__name__}: {e}",
-                       "the class (or factory) must build with no arguments", e)
+            guard.fail(
+                state,
+                "creating the environment",
+                f"raised {type(e).__name__}: {e}",
+                "the class (or factory) must build with no arguments",
+                e,
+            )
         try:
             first = None
             if callable(getattr(env, "reset", None)):
@@ -260,8 +277,9 @@ class AgentRollout:
             conv = Conversation(list(prompt.prompt_ids) if first is None else self.renderer.first_message(first))
             while True:
                 left = budget - len(conv.response)
-                out = await batcher.generate(conv.prompt_ids + conv.response,
-                                             min(left, settings.turn_tokens or left), sample=state.index)
+                out = await batcher.generate(
+                    conv.prompt_ids + conv.response, min(left, settings.turn_tokens or left), sample=state.index
+                )
                 state.turns = conv.turns = conv.turns + 1
                 conv.add_turn(out.token_ids, out.logprobs, out.weight_versions)
                 conv.finish_reason = out.finish_reason
@@ -287,28 +305,46 @@ class AgentRollout:
         finally:
             await _close(env, spec.source)
 
-    async def _openrlhf_sample(self, batcher: TurnBatcher, prompt: Any, state: SampleState, sampling: Any
-                               ) -> Conversation:
+    async def _openrlhf_sample(
+        self, batcher: TurnBatcher, prompt: Any, state: SampleState, sampling: Any
+    ) -> Conversation:
         settings, budget = self.settings, sampling.max_new_tokens
-        engine = AgentEngine(batcher, state, self.tokenizer, self.renderer, budget, settings.turn_tokens,
-                             max_turns=settings.max_turns)
-        params = AgentSamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                                     max_tokens=settings.turn_tokens or budget, min_tokens=sampling.min_new_tokens)
+        engine = AgentEngine(
+            batcher, state, self.tokenizer, self.renderer, budget, settings.turn_tokens, max_turns=settings.max_turns
+        )
+        params = AgentSamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=settings.turn_tokens or budget,
+            min_tokens=sampling.min_new_tokens,
+        )
         max_length = len(self.renderer.encode(prompt.text)) + budget
         try:
-            result = await self.spec.executor.execute(prompt.text, prompt.label, params, max_length, self.tokenizer,
-                                                      engine)
+            result = await self.spec.executor.execute(
+                prompt.text, prompt.label, params, max_length, self.tokenizer, engine
+            )
         except (SampleFailed, AgentError):
             raise
         except Exception as e:
             log.error("agent %s: AgentExecutor.execute raised (%s):", self.spec.source, state.where(), exc_info=e)
-            self.guard.fail(state, "AgentExecutor.execute", f"raised {type(e).__name__}: {e}",
-                            "fix the executor (the traceback is in the log above)", e)
+            self.guard.fail(
+                state,
+                "AgentExecutor.execute",
+                f"raised {type(e).__name__}: {e}",
+                "fix the executor (the traceback is in the log above)",
+                e,
+            )
         try:
             conv = from_openrlhf(result, engine.generations, budget)
         except ShapeError as e:
-            self.guard.shape(state, "AgentExecutor.execute", e, "return the dict OpenRLHF's MultiTurnAgentExecutor "
-                             "returns (observation_tokens, action_ranges, reward, scores, ...)")
+            self.guard.shape(
+                state,
+                "AgentExecutor.execute",
+                e,
+                "return the dict OpenRLHF's MultiTurnAgentExecutor "
+                "returns (observation_tokens, action_ranges, reward, scores, ...)",
+            )
         conv.hit_max_turns = state.hit_max_turns
         if state.env_done:  # OpenRLHF appends a last reply after done: cutting it ends nothing
             conv.overflow_tokens = 0
@@ -356,9 +392,13 @@ def summarize(batches: Sequence[AgentBatch]) -> dict[str, float]:
     model = sum(sum(c.action_mask) for c in convs)
     total = sum(len(c.response) for c in convs)
     m: dict[str, float] = {
-        "agent/turns": sum(c.turns for c in convs) / n, "agent/turns_max": float(max(c.turns for c in convs)),
-        "agent/model_tokens": model / n, "agent/env_tokens": (total - model) / n,
-        "agent/rollout_s": seconds, "agent/generate_s": gen_s, "agent/env_s": max(seconds - gen_s, 0.0),
+        "agent/turns": sum(c.turns for c in convs) / n,
+        "agent/turns_max": float(max(c.turns for c in convs)),
+        "agent/model_tokens": model / n,
+        "agent/env_tokens": (total - model) / n,
+        "agent/rollout_s": seconds,
+        "agent/generate_s": gen_s,
+        "agent/env_s": max(seconds - gen_s, 0.0),
         "agent/reset_s": sum(b.reset_seconds for b in batches),
         "agent/tokens_per_s": model / seconds if seconds > 0 else 0.0,
         "agent/max_turns_frac": sum(c.hit_max_turns for c in convs) / n,
@@ -382,8 +422,8 @@ def summarize(batches: Sequence[AgentBatch]) -> dict[str, float]:
         m[f"agent/turn{t}/env_tokens"] = sum(s[1] for s in segs) / len(segs)
     infos: dict[str, list[float]] = defaultdict(list)
     for c in convs:
-        for k, v in c.info.items():
-            infos[k].append(v)
+        for name, value in c.info.items():
+            infos[name].append(value)
     m.update({f"agent/info/{k}": sum(v) / len(v) for k, v in infos.items()})
     return m
 
@@ -393,12 +433,22 @@ def warn_cut_samples(batch: AgentBatch, source: str, max_turns: int, builtin: bo
     convs = [c for g in batch.conversations for c in g]
     cut = sum(c.hit_max_turns for c in convs)
     if cut and not builtin:  # the built-in task's model may call its tool until the last turn: that is its choice
-        log.warning("agent %s: %d of %d samples were not done after --max_turns %d turns and ended there (their "
-                    "reward is what their turns earned). Fix: end episodes (done=True), or raise --max_turns.",
-                    source, cut, len(convs), max_turns)
+        log.warning(
+            "agent %s: %d of %d samples were not done after --max_turns %d turns and ended there (their "
+            "reward is what their turns earned). Fix: end episodes (done=True), or raise --max_turns.",
+            source,
+            cut,
+            len(convs),
+            max_turns,
+        )
     over = [c for c in convs if c.overflow_tokens]
     if over:
-        log.warning("agent %s: in %d of %d samples the environment's reply did not fit the response budget "
-                    "(--generate_max_len, turns and replies together; %d tokens over at most); those samples ended "
-                    "there. Fix: keep replies short (cut long tool output), or raise --generate_max_len.",
-                    source, len(over), len(convs), max(c.overflow_tokens for c in over))
+        log.warning(
+            "agent %s: in %d of %d samples the environment's reply did not fit the response budget "
+            "(--generate_max_len, turns and replies together; %d tokens over at most); those samples ended "
+            "there. Fix: keep replies short (cut long tool output), or raise --generate_max_len.",
+            source,
+            len(over),
+            len(convs),
+            max(c.overflow_tokens for c in over),
+        )

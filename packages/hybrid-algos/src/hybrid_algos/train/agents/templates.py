@@ -12,7 +12,8 @@ Without a chat template a reply is its text's tokens (no special tokens added), 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hybrid_core.errors import ConfigError
 
@@ -20,9 +21,11 @@ from hybrid_core.errors import ConfigError
 #: message is ``<bos> TEXT <sep>`` (the built-in tasks' prompt format), an assistant message ``TEXT <eos>``, a tool
 #: result ``<sep> TEXT`` (the tool's answer right before the model's next turn); the assistant's turn follows with no
 #: header.
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }} <eos> "
-                      "{% elif m['role'] == 'tool' %}<sep> {{ m['content'] }} "
-                      "{% else %}<bos> {{ m['content'] }} <sep> {% endif %}{% endfor %}")
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }} <eos> "
+    "{% elif m['role'] == 'tool' %}<sep> {{ m['content'] }} "
+    "{% else %}<bos> {{ m['content'] }} <sep> {% endif %}{% endfor %}"
+)
 
 _USER, _ASSISTANT = "HYBRIDUSERTEXT", "HYBRIDASSISTANTTEXT"  # stand-ins, found again in the rendered text
 
@@ -38,8 +41,11 @@ class Renderer:
             self.stop_ids.add(tokenizer.eos_token_id)
         self._closing: dict[str, str] = {}
         if chat_template and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("apply_chat_template", "the tokenizer has no chat template to render the environment's "
-                              "messages with.", "Drop --apply_chat_template, or use a tokenizer that has one.")
+            raise ConfigError(
+                "apply_chat_template",
+                "the tokenizer has no chat template to render the environment's messages with.",
+                "Drop --apply_chat_template, or use a tokenizer that has one.",
+            )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -72,9 +78,12 @@ class Renderer:
             return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as e:
             roles = " -> ".join(m["role"] for m in messages)
-            raise ConfigError("apply_chat_template", f"the tokenizer's chat template cannot render a conversation "
-                              f"{roles}: {type(e).__name__}: {e}.", "Return the environment's replies with a role "
-                              "the template accepts (StepResult(role='user') is the default).") from e
+            raise ConfigError(
+                "apply_chat_template",
+                f"the tokenizer's chat template cannot render a conversation {roles}: {type(e).__name__}: {e}.",
+                "Return the environment's replies with a role "
+                "the template accepts (StepResult(role='user') is the default).",
+            ) from e
 
     def _base(self) -> list[dict]:
         return [{"role": "user", "content": _USER}, {"role": "assistant", "content": _ASSISTANT}]
@@ -84,20 +93,27 @@ class Renderer:
         if "" not in self._closing:
             text = self._render(self._base(), False)
             if _ASSISTANT not in text:
-                raise ConfigError("apply_chat_template", "the tokenizer's chat template drops the assistant's "
-                                  "message content, so a conversation cannot be continued with it.",
-                                  "Use a chat template that renders assistant messages.")
-            self._closing[""] = text[text.rindex(_ASSISTANT) + len(_ASSISTANT):]
+                raise ConfigError(
+                    "apply_chat_template",
+                    "the tokenizer's chat template drops the assistant's "
+                    "message content, so a conversation cannot be continued with it.",
+                    "Use a chat template that renders assistant messages.",
+                )
+            self._closing[""] = text[text.rindex(_ASSISTANT) + len(_ASSISTANT) :]
         return self._closing[""]
 
     def _message(self, text: str, role: str) -> str:
         """What the template adds for a ``role`` message after an assistant turn, with the generation prompt."""
         closing = self._assistant_closing()
-        rendered = self._render(self._base() + [{"role": role, "content": text}], True)
-        tail = rendered[rendered.rindex(_ASSISTANT) + len(_ASSISTANT):]
+        rendered = self._render([*self._base(), {"role": role, "content": text}], True)
+        tail = rendered[rendered.rindex(_ASSISTANT) + len(_ASSISTANT) :]
         if not tail.startswith(closing):
-            raise ConfigError("apply_chat_template", "the tokenizer's chat template renders an assistant turn "
-                              f"differently when a {role!r} message follows it, so the reply cannot be appended to "
-                              "the tokens the model generated.", "Use role 'user' for the environment's replies, or "
-                              "a template that renders earlier turns the same whatever follows.")
-        return tail[len(closing):]
+            raise ConfigError(
+                "apply_chat_template",
+                "the tokenizer's chat template renders an assistant turn "
+                f"differently when a {role!r} message follows it, so the reply cannot be appended to "
+                "the tokens the model generated.",
+                "Use role 'user' for the environment's replies, or "
+                "a template that renders earlier turns the same whatever follows.",
+            )
+        return tail[len(closing) :]

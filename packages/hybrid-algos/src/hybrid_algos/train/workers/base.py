@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from hybrid_core.stats import TransferStats
 
 from ..config import RLConfig
 from ..deepspeed_setup import local_device
+
+if TYPE_CHECKING:
+    from hybrid_core.offload import StateMover
 
 
 class RoleWorker:
@@ -33,9 +36,10 @@ class RoleWorker:
         self.device = local_device()
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
-        self._stack_file = open(os.path.join(log_dir, f"stacks-{role}-{rank}.txt"), "a")
+        # open for the worker's life: faulthandler writes a crash's stack into it at any time
+        self._stack_file = open(os.path.join(log_dir, f"stacks-{role}-{rank}.txt"), "a")  # noqa: SIM115
         faulthandler.enable(self._stack_file)  # a hard crash leaves its stack in the run's log folder
-        self.offloader = None  # set by subclasses: a hybrid_core StateMover (offload(states) / reload())
+        self.offloader: StateMover | None = None  # set by subclasses: offload(states) / reload()
         self.trim_cache = False  # the residency plan releases this role's allocator cache after each phase
         # The CPU threads this worker was given (Ray sets OMP_NUM_THREADS from the actor's CPUs; 1 for a share of
         # a GPU), never torch's own default (every core): a CPU run's numerics depend on the thread count, so two
@@ -52,8 +56,14 @@ class RoleWorker:
     def where(self) -> dict[str, Any]:
         import ray
 
-        return {"role": self.role, "rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "device": str(self.device)}
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "device": str(self.device),
+        }
 
     @staticmethod
     def free_port(host: str = "127.0.0.1") -> int:
@@ -80,7 +90,7 @@ class RoleWorker:
     def start_profile(self) -> None:
         from ..profiling import WorkerProfiler
 
-        self._profiler = WorkerProfiler()
+        self._profiler: WorkerProfiler | None = WorkerProfiler()
         self._profiler.start()
 
     def stop_profile(self, folder: str) -> str:

@@ -22,15 +22,31 @@ class CriticWorker(RoleWorker):
         cfg = self.config
         store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-        model = load_critic(model_path, dtype=dtype, attn_implementation=attn_implementation(cfg),
-                            gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
-        self.engine = make_engine(model, deepspeed_config(
-            zero_stage=cfg.zero_stage, bf16=cfg.bf16, micro_batch=cfg.micro_train_batch_size,
-            grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
-            lr=cfg.critic_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
-            num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload,
-            bf16_master_weights=cfg.bf16_master_weights, bf16_optimizer_states=cfg.bf16_optimizer_states,
-            **lr_schedule(cfg, total_steps)))  # the actor's schedule (--lr_warmup_ratio, --lr_scheduler)
+        model = load_critic(
+            model_path,
+            dtype=dtype,
+            attn_implementation=attn_implementation(cfg),
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        self.engine = make_engine(
+            model,
+            deepspeed_config(
+                zero_stage=cfg.zero_stage,
+                bf16=cfg.bf16,
+                micro_batch=cfg.micro_train_batch_size,
+                grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
+                lr=cfg.critic_learning_rate,
+                betas=(*cfg.adam_betas,),  # a tuple (a --config file gives a list)
+                weight_decay=cfg.l2,
+                max_norm=cfg.max_norm,
+                num_params=sum(p.numel() for p in model.parameters()),
+                adam_offload=cfg.adam_offload,
+                bf16_master_weights=cfg.bf16_master_weights,
+                bf16_optimizer_states=cfg.bf16_optimizer_states,
+                **lr_schedule(cfg, total_steps),
+            ),
+        )  # the actor's schedule (--lr_warmup_ratio, --lr_scheduler)
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
         close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
@@ -44,8 +60,9 @@ class CriticWorker(RoleWorker):
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
         for mb, index in forward_micro_batches(rollout, cfg, self.device):
             dev = mb.to(self.device)
-            v = response_values(self.engine, dev.sequences, dev.attention_mask, dev.response_len,
-                                packed=cfg.packing_samples)
+            v = response_values(
+                self.engine, dev.sequences, dev.attention_mask, dev.response_len, packed=cfg.packing_samples
+            )
             out[index, : mb.response_len] = v.cpu()
         return out
 
@@ -63,15 +80,27 @@ class CriticWorker(RoleWorker):
             order = torch.randperm(rollout.batch_size, generator=gen)
             shuffled = rollout.select(order)
             for start in range(0, shuffled.batch_size, per_update):
-                plan = train_micro_batches(shuffled.select(slice(start, start + per_update)), cfg, self.device,
-                                           mask_of=lambda r: r.action_mask, by_tokens=by_tokens)
+                plan = train_micro_batches(
+                    shuffled.select(slice(start, start + per_update)),
+                    cfg,
+                    self.device,
+                    mask_of=lambda r: r.action_mask,
+                    by_tokens=by_tokens,
+                )
                 for i, (mb, weight) in enumerate(plan):
                     mb = mb.to(self.device)
-                    values = response_values(self.engine, mb.sequences, mb.attention_mask, mb.response_len,
-                                             packed=cfg.packing_samples)
-                    loss, info = clipped_value_loss(values, mb.values, mb.returns, mb.action_mask,
-                                                    clip=cfg.value_clip, agg_mode=cfg.value_agg_mode,
-                                                    norm_len=cfg.generate_max_len)
+                    values = response_values(
+                        self.engine, mb.sequences, mb.attention_mask, mb.response_len, packed=cfg.packing_samples
+                    )
+                    loss, info = clipped_value_loss(
+                        values,
+                        mb.values,
+                        mb.returns,
+                        mb.action_mask,
+                        clip=cfg.value_clip,
+                        agg_mode=cfg.value_agg_mode,
+                        norm_len=cfg.generate_max_len,
+                    )
                     guard.add_loss(loss)
                     self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
                     self.engine.backward(loss * weight, scale_wrt_gas=False)

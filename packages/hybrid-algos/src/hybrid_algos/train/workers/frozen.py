@@ -30,8 +30,9 @@ class FrozenWorker(RoleWorker):
         """ZeRO-3 shards this role's parameters over its ranks (the memory model's rule, so the plan counts 1/N)."""
         return frozen_shards(self.config.zero_stage, ranks=self.world_size) > 1
 
-    def setup(self, model_path: str, master_addr: str | None = None, master_port: int | None = None,
-              total_steps: int = 0) -> dict[str, Any]:
+    def setup(
+        self, model_path: str, master_addr: str | None = None, master_port: int | None = None, total_steps: int = 0
+    ) -> dict[str, Any]:
         """Load the model. ``master_addr`` / ``master_port``: the role's rendezvous (as the trainers get it), used
         only when the role is sharded; ``total_steps`` is the trainers' and means nothing here."""
         if not self.sharded:
@@ -42,8 +43,10 @@ class FrozenWorker(RoleWorker):
         from .zero3_frozen import ShardOffloader, frozen_deepspeed_config, sharded_engine
 
         if master_addr is None or master_port is None:
-            raise ValueError(f"{self.role}: sharded under ZeRO-3 over {self.world_size} ranks, setup needs the "
-                             "role's rendezvous (master_addr, master_port)")
+            raise ValueError(
+                f"{self.role}: sharded under ZeRO-3 over {self.world_size} ranks, setup needs the "
+                "role's rendezvous (master_addr, master_port)"
+            )
         cfg = self.config
         store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
         config = frozen_deepspeed_config(bf16=cfg.bf16, micro_batch=cfg.micro_rollout_batch_size)
@@ -64,9 +67,12 @@ class FrozenWorker(RoleWorker):
 
 class ReferenceWorker(FrozenWorker):
     def load(self, model_path: str) -> torch.nn.Module:
-        model = load_causal_lm(model_path, dtype=_frozen_dtype(self.config),
-                               attn_implementation=attn_implementation(self.config),
-                               trust_remote_code=self.config.trust_remote_code)
+        model = load_causal_lm(
+            model_path,
+            dtype=_frozen_dtype(self.config),
+            attn_implementation=attn_implementation(self.config),
+            trust_remote_code=self.config.trust_remote_code,
+        )
         return model.eval().requires_grad_(False)
 
     @torch.no_grad()
@@ -76,17 +82,26 @@ class ReferenceWorker(FrozenWorker):
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
         for mb, index in forward_micro_batches(rollout, self.config, self.device):  # by tokens with --use_dynamic_batch
             dev = mb.to(self.device)
-            lp = response_logprobs(self.model, dev.sequences, dev.attention_mask, dev.response_len,
-                                   temperature=self.config.temperature, packed=self.config.packing_samples)
+            lp = response_logprobs(
+                self.model,
+                dev.sequences,
+                dev.attention_mask,
+                dev.response_len,
+                temperature=self.config.temperature,
+                packed=self.config.packing_samples,
+            )
             out[index, : mb.response_len] = lp.cpu()
         return out
 
 
 class RewardModelWorker(FrozenWorker):
     def load(self, model_path: str) -> torch.nn.Module:
-        return load_reward_model(model_path, dtype=_frozen_dtype(self.config),
-                                 attn_implementation=attn_implementation(self.config),
-                                 trust_remote_code=self.config.trust_remote_code)
+        return load_reward_model(
+            model_path,
+            dtype=_frozen_dtype(self.config),
+            attn_implementation=attn_implementation(self.config),
+            trust_remote_code=self.config.trust_remote_code,
+        )
 
     @torch.no_grad()
     def scores(self, rollout: Rollout) -> torch.Tensor:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -28,23 +29,41 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         cfg = self.config
         store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
         dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-        model = load_causal_lm(model_path, dtype=dtype, attn_implementation=attn_implementation(cfg),
-                               gradient_checkpointing=cfg.gradient_checkpointing, trust_remote_code=cfg.trust_remote_code)
+        model = load_causal_lm(
+            model_path,
+            dtype=dtype,
+            attn_implementation=attn_implementation(cfg),
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            trust_remote_code=cfg.trust_remote_code,
+        )
         self.model_path = model_path
-        self.engine = make_engine(model, deepspeed_config(
-            zero_stage=cfg.zero_stage, bf16=cfg.bf16, micro_batch=cfg.micro_train_batch_size,
-            grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
-            lr=cfg.actor_learning_rate, betas=tuple(cfg.adam_betas), weight_decay=cfg.l2, max_norm=cfg.max_norm,
-            num_params=sum(p.numel() for p in model.parameters()), adam_offload=cfg.adam_offload,
-            bf16_master_weights=cfg.bf16_master_weights, bf16_optimizer_states=cfg.bf16_optimizer_states,
-            **lr_schedule(cfg, total_steps)))
+        self.engine = make_engine(
+            model,
+            deepspeed_config(
+                zero_stage=cfg.zero_stage,
+                bf16=cfg.bf16,
+                micro_batch=cfg.micro_train_batch_size,
+                grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
+                lr=cfg.actor_learning_rate,
+                betas=(*cfg.adam_betas,),  # a tuple (a --config file gives a list)
+                weight_decay=cfg.l2,
+                max_norm=cfg.max_norm,
+                num_params=sum(p.numel() for p in model.parameters()),
+                adam_offload=cfg.adam_offload,
+                bf16_master_weights=cfg.bf16_master_weights,
+                bf16_optimizer_states=cfg.bf16_optimizer_states,
+                **lr_schedule(cfg, total_steps),
+            ),
+        )
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
         close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
         self._raw_old: dict[bytes, torch.Tensor] = {}
         self.freeze_gc()
-        return {"params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
-                **self.where()}
+        return {
+            "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
+            **self.where(),
+        }
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -61,12 +80,19 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
         for mb, index in forward_micro_batches(rollout, cfg, self.device):
             dev = mb.to(self.device)
-            scores = response_token_scores(self.engine, dev.sequences, dev.attention_mask, dev.response_len,
-                                           temperature=cfg.temperature, raw=need_raw, packed=cfg.packing_samples)
+            scores = response_token_scores(
+                self.engine,
+                dev.sequences,
+                dev.attention_mask,
+                dev.response_len,
+                temperature=cfg.temperature,
+                raw=need_raw,
+                packed=cfg.packing_samples,
+            )
             out[index, : mb.response_len] = scores.logprobs.cpu()
             if need_raw:
                 for row, key in enumerate(sample_keys(mb)):
-                    self._raw_old[key] = scores.raw_logprobs[row].cpu()
+                    self._raw_old[key] = scores.raw()[row].cpu()
         return out
 
     # ---- update ----------------------------------------------------------------------------------------------------
@@ -84,16 +110,20 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         """
         cfg = self.config
         if rollout.old_logprobs is None and not cfg.single_update:
-            raise ValueError("train without old_logprobs needs a single optimizer update per step (max_epochs = 1, "
-                             "train_batch_size = samples per step); after the first, the weights have moved")
+            raise ValueError(
+                "train without old_logprobs needs a single optimizer update per step (max_epochs = 1, "
+                "train_batch_size = samples per step); after the first, the weights have moved"
+            )
         self.engine.train()
         low, high = cfg.clip_range
         agg_mode = cfg.policy_agg_mode
         has_engine_logprobs = engine_logprobs_given(rollout)
         if cfg.enable_vllm_is_correction and not has_engine_logprobs and bool(rollout.action_mask.any()):
-            raise ValueError("--enable_vllm_is_correction needs the engine's log-probs of the sampled tokens, but the "
-                             "rollout has none (the engine returned no logprobs); turn it off with "
-                             "--no_enable_vllm_is_correction")
+            raise ValueError(
+                "--enable_vllm_is_correction needs the engine's log-probs of the sampled tokens, but the "
+                "rollout has none (the engine returned no logprobs); turn it off with "
+                "--no_enable_vllm_is_correction"
+            )
         need_raw = self._needs_raw_logprobs()
         guard = UpdateGuard(self.role, self.rank)  # in place of DeepSpeed's per-tensor overflow scan
         stats = DeviceMeans()  # read once at the end: a read per micro-batch would stall the backward's launch
@@ -112,9 +142,16 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                     mask = mb.loss_mask
                     need_entropy = cfg.entropy_loss_coef > 0
                     raw_now = need_raw and mb.old_logprobs is None
-                    scores = response_token_scores(self.engine, mb.sequences, mb.attention_mask, mb.response_len,
-                                                   temperature=cfg.temperature, entropy=need_entropy, raw=raw_now,
-                                                   packed=cfg.packing_samples)
+                    scores = response_token_scores(
+                        self.engine,
+                        mb.sequences,
+                        mb.attention_mask,
+                        mb.response_len,
+                        temperature=cfg.temperature,
+                        entropy=need_entropy,
+                        raw=raw_now,
+                        packed=cfg.packing_samples,
+                    )
                     logp = scores.logprobs
                     old = mb.old_logprobs
                     if old is None:  # the weights have not moved yet this step: these are the old log-probs
@@ -123,19 +160,30 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                             _add_k1_sums(kl_sums, old, mb.ref_logprobs, mb.action_mask)
                     is_weights = None
                     if has_engine_logprobs:
-                        trainer = old if not need_raw else (scores.raw_logprobs.detach() if raw_now
-                                                            else self._cached_raw_old(mb))
+                        trainer = (
+                            old if not need_raw else (scores.raw().detach() if raw_now else self._cached_raw_old(mb))
+                        )
                         low_is, high_is = cfg.correction_bounds
-                        corr = rollout_correction(trainer, mb.engine_logprobs, mask, cfg.correction_type,
-                                                  low=low_is, high=high_is)
+                        corr = rollout_correction(
+                            trainer, mb.engine_logprobs, mask, cfg.correction_type, low=low_is, high=high_is
+                        )
                         if epoch == 0:
                             mismatch.add(corr.stats)
                         if cfg.enable_vllm_is_correction:
                             is_weights = corr.weights
-                    loss, info = compute_policy_loss(cfg.policy_loss_type, logp, old, mb.advantages, mask,
-                                                     clip_low=low, clip_high=high, dual_clip=cfg.dual_clip,
-                                                     agg_mode=agg_mode, norm_len=cfg.generate_max_len,
-                                                     is_weights=is_weights)
+                    loss, info = compute_policy_loss(
+                        cfg.policy_loss_type,
+                        logp,
+                        old,
+                        mb.advantages,
+                        mask,
+                        clip_low=low,
+                        clip_high=high,
+                        dual_clip=cfg.dual_clip,
+                        agg_mode=agg_mode,
+                        norm_len=cfg.generate_max_len,
+                        is_weights=is_weights,
+                    )
                     stats.add("actor/pg_loss", loss)
                     stats.add("actor/clip_frac", info.get("clip_frac", 0.0))
                     stats.add("actor/approx_kl", info["approx_kl"])
@@ -168,8 +216,10 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         for key in sample_keys(mb.to("cpu")):
             raw = self._raw_old.get(key)
             if raw is None:
-                raise RuntimeError("actor: no temperature-1 log-probs kept for a training sample; the log-prob pass "
-                                   "must run on the same samples before train")
+                raise RuntimeError(
+                    "actor: no temperature-1 log-probs kept for a training sample; the log-prob pass "
+                    "must run on the same samples before train"
+                )
             rows.append(torch.nn.functional.pad(raw, (0, width - raw.numel())) if raw.numel() < width else raw[:width])
         return torch.stack(rows).to(self.device)
 
@@ -189,7 +239,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
 
         group: list[tuple[str, torch.nn.Parameter]] = []
         size = 0
-        for name, p in named + [("", None)]:
+        for name, p in [*named, ("", None)]:
             full = p.ds_numel * p.element_size() if p is not None else 0
             if group and (p is None or size + full > gather_bytes):
                 with deepspeed.zero.GatheredParameters([q for _, q in group], modifier_rank=None):
@@ -220,7 +270,9 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             self.save_pretrained(os.path.join(path, HF_CHECKPOINT_DIR), self.model_path)
 
     def load_checkpoint(self, path: str, tag: str) -> None:
-        load_path, _ = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        load_path, _ = self.engine.load_checkpoint(
+            path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if load_path is None:
             raise FileNotFoundError(f"actor rank {self.rank}: no DeepSpeed checkpoint {tag!r} under {path}")
 
@@ -234,8 +286,9 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             from transformers import AutoTokenizer
 
             self.engine.module.save_pretrained(path, state_dict=state)
-            AutoTokenizer.from_pretrained(tokenizer_path, trust_remote_code=self.config.trust_remote_code
-                                          ).save_pretrained(path)
+            AutoTokenizer.from_pretrained(
+                tokenizer_path, trust_remote_code=self.config.trust_remote_code
+            ).save_pretrained(path)
 
 
 def attn_implementation(cfg) -> str | None:
@@ -247,8 +300,10 @@ def attn_implementation(cfg) -> str | None:
 
     if importlib.util.find_spec("flash_attn"):
         return "flash_attention_2"
-    logging.getLogger(__name__).warning("--flash_attn: the flash-attn package is not installed; the trainers use "
-                                        "PyTorch SDPA (which has its own flash kernel) instead")
+    logging.getLogger(__name__).warning(
+        "--flash_attn: the flash-attn package is not installed; the trainers use "
+        "PyTorch SDPA (which has its own flash kernel) instead"
+    )
     return "sdpa"
 
 
@@ -256,8 +311,12 @@ def lr_schedule(cfg, total_steps: int) -> dict:
     """The learning-rate schedule's arguments of :func:`deepspeed_config`, counted in optimizer updates: linear
     warm-up over ``--lr_warmup_ratio`` of the run's updates, then constant or a cosine decay to ``--min_lr_ratio``."""
     total_updates = total_steps * (cfg.samples_per_step // cfg.train_batch_size) * cfg.max_epochs
-    return {"warmup_steps": int(cfg.lr_warmup_ratio * total_updates), "lr_scheduler": cfg.lr_scheduler,
-            "total_updates": total_updates, "min_lr_ratio": cfg.min_lr_ratio}
+    return {
+        "warmup_steps": int(cfg.lr_warmup_ratio * total_updates),
+        "lr_scheduler": cfg.lr_scheduler,
+        "total_updates": total_updates,
+        "min_lr_ratio": cfg.min_lr_ratio,
+    }
 
 
 def forward_micro_batches(rollout: Rollout, cfg, device) -> list[tuple[Rollout, torch.Tensor]]:
@@ -267,12 +326,15 @@ def forward_micro_batches(rollout: Rollout, cfg, device) -> list[tuple[Rollout, 
         mbs, index = rollout.token_micro_batches(cfg.rollout_token_budget, packed=cfg.packing_samples, device=device)
         return list(zip(mbs, index))
     size = cfg.micro_rollout_batch_size
-    return [(mb, torch.arange(i, min(i + size, rollout.batch_size)))
-            for i, mb in zip(range(0, rollout.batch_size, size), rollout.micro_batches(size))]
+    return [
+        (mb, torch.arange(i, min(i + size, rollout.batch_size)))
+        for i, mb in zip(range(0, rollout.batch_size, size), rollout.micro_batches(size))
+    ]
 
 
-def train_micro_batches(update: Rollout, cfg, device, mask_of=lambda r: r.loss_mask,
-                        by_tokens: bool | None = None) -> list[tuple[Rollout, float]]:
+def train_micro_batches(
+    update: Rollout, cfg, device, mask_of=lambda r: r.loss_mask, by_tokens: bool | None = None
+) -> list[tuple[Rollout, float]]:
     """The micro-batches of one optimizer update, each with its loss weight, in every batching mode.
 
     The weight is the micro-batch's share of the update's loss tokens (token-mean aggregation) or of its sequences
@@ -342,10 +404,16 @@ class MismatchStats:
     def result(self, device) -> dict[str, float]:
         import torch.distributed as dist
 
-        sums = (torch.zeros(len(self.MEANS) + 1, dtype=torch.float64, device=device) if self.sums is None
-                else self.sums.to(device))
-        extremes = (torch.full((2,), -torch.inf, dtype=torch.float64, device=device) if self.extremes is None
-                    else self.extremes.to(device))
+        sums = (
+            torch.zeros(len(self.MEANS) + 1, dtype=torch.float64, device=device)
+            if self.sums is None
+            else self.sums.to(device)
+        )
+        extremes = (
+            torch.full((2,), -torch.inf, dtype=torch.float64, device=device)
+            if self.extremes is None
+            else self.extremes.to(device)
+        )
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
@@ -384,7 +452,7 @@ class DeviceMeans:
         out, i = {}, 0
         for k in keys:
             n = len(self.values[k])
-            out[k] = reduce(host[i:i + n])
+            out[k] = reduce(host[i : i + n])
             i += n
         return out
 
