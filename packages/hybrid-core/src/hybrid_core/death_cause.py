@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import time
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: lines Ray writes into a worker's log itself: not the cause
@@ -27,11 +28,22 @@ def death_cause(error: BaseException) -> str:
     if "worker process has died" not in text and "unexpectedly" not in text:
         return last  # an exception in the actor: Ray's text ends with it
     pid = _pid(text)
-    line = last_log_line(pid) if pid else ""
+    line = _wait_for_last_line(pid) if pid else ""
     if line:
         return f"{line} (the last line pid {pid} wrote to stderr)"
     detail = re.search(r"Worker exit detail: ([^.]*)", text)
     return f"its process {pid or ''} exited: {detail.group(1)}".replace("  ", " ") if detail else last
+
+
+def _wait_for_last_line(pid: int, wait_s: float = 5.0) -> str:
+    """The dead process's last stderr line, waiting up to ``wait_s`` for it: Ray may report the death before the
+    worker's log file holds what the process wrote just before it exited (seen on a loaded 2-core machine)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        line = last_log_line(pid)
+        if line or time.monotonic() >= deadline:
+            return line
+        time.sleep(0.1)
 
 
 def _pid(text: str) -> int | None:
