@@ -9,7 +9,7 @@ import pytest
 
 from hybrid_cli.main import main
 from hybrid_core.placement import PlacementSpec
-from hybrid_engines.weight_sync import choose_sync_mode, describe_sync, sync_backend, sync_backend_note
+from hybrid_engines.weight_sync import choose_sync, describe_sync, sync_backend, sync_backend_note
 
 
 def _settings(vllm_sync_backend, weight_sync="auto"):
@@ -22,7 +22,7 @@ SPLIT = PlacementSpec.from_ranges({"actor": "0", "rollout": "1"}).plan()
 
 @pytest.mark.parametrize("asked", [None, "nccl", "gloo"])
 def test_the_note_says_when_an_explicit_backend_is_not_used(asked):
-    mode = choose_sync_mode(_settings(asked), COLOCATED)
+    mode = choose_sync(_settings(asked), COLOCATED).mode
     assert mode == "ipc"  # colocated engines: CUDA IPC whatever the flag (OpenRLHF's choice for nccl too)
     note = sync_backend_note(_settings(asked), mode)
     if asked is None:
@@ -35,7 +35,7 @@ def test_the_note_says_when_an_explicit_backend_is_not_used(asked):
 
 def test_split_engines_broadcast_over_the_backend_asked_for_and_say_nothing():
     for asked, group in ((None, "nccl"), ("nccl", "nccl"), ("gloo", "gloo")):
-        mode = choose_sync_mode(_settings(asked), SPLIT)
+        mode = choose_sync(_settings(asked), SPLIT).mode
         assert mode == "broadcast" and sync_backend_note(_settings(asked), mode) is None
         assert f"over {group}" in describe_sync(_settings(asked), SPLIT)
     assert sync_backend(_settings("nccl")) in ("nccl", "gloo")  # gloo only on a machine without CUDA

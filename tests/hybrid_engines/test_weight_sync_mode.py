@@ -10,7 +10,7 @@ import pytest
 from hybrid_core.errors import ConfigError
 from hybrid_core.placement import PlacementSpec
 from hybrid_engines import registry
-from hybrid_engines.weight_sync import WeightSync, choose_sync, choose_sync_mode, describe_sync
+from hybrid_engines.weight_sync import WeightSync, choose_sync, describe_sync
 from hybrid_engines.weight_sync.sglang import SGLangTransport
 from hybrid_engines.weight_sync.transport import WeightTransport
 
@@ -30,7 +30,7 @@ def split(tp=1):
 
 def test_colocated_tp2_engine_goes_by_ipc_with_both_actor_ranks_together():
     plan = colocated(tp=2)
-    assert choose_sync_mode(settings(), plan) == "ipc"
+    assert choose_sync(settings(), plan).mode == "ipc"
     sync = WeightSync("ipc", actor=None, engines=None, plan=plan, bucket_bytes=1 << 20, backend="nccl", timeout_s=5)
     assert sync.engine_for_rank == [0, 0] and sync.peers == [[0, 1], [0, 1]]
 
@@ -38,14 +38,14 @@ def test_colocated_tp2_engine_goes_by_ipc_with_both_actor_ranks_together():
 def test_colocated_tp1_engines_go_by_ipc_one_rank_each():
     plan = colocated()
     sync = WeightSync(
-        choose_sync_mode(settings("hf"), plan), None, None, plan, bucket_bytes=1 << 20, backend="gloo", timeout_s=5
+        choose_sync(settings("hf"), plan).mode, None, None, plan, bucket_bytes=1 << 20, backend="gloo", timeout_s=5
     )
     assert sync.mode == "ipc" and sync.engine_for_rank == [0, 1] and sync.peers == [[0], [1]]
 
 
 @pytest.mark.parametrize("backend", ["hf", "vllm", "sglang"])
 def test_engines_on_their_own_gpus_go_by_broadcast_in_their_engines_format(backend):
-    assert choose_sync_mode(settings(backend), split()) == "broadcast"
+    assert choose_sync(settings(backend), split()).mode == "broadcast"
     line = describe_sync(settings(backend), split())
     assert line.startswith("broadcast") and ("SGLang's weight-update group" in line) == (backend == "sglang")
 
@@ -86,35 +86,35 @@ def test_the_driver_takes_the_engines_transport_unless_given_one():
 def test_broadcast_forced_onto_colocated_engines_over_nccl_is_refused():
     for backend in ("vllm", "sglang"):
         with pytest.raises(ConfigError) as e:
-            choose_sync_mode(settings(backend, "broadcast"), colocated())
+            choose_sync(settings(backend, "broadcast"), colocated())
         assert e.value.field == "weight_sync" and "two ranks on one GPU" in str(e.value)
-    assert choose_sync_mode(settings("vllm", "broadcast", "gloo"), colocated()) == "broadcast"
+    assert choose_sync(settings("vllm", "broadcast", "gloo"), colocated()).mode == "broadcast"
 
 
 def test_ipc_forced_onto_split_engines_is_refused():
     with pytest.raises(ConfigError, match="one actor rank and one engine worker on each"):
-        choose_sync_mode(settings(weight_sync="ipc"), split())
+        choose_sync(settings(weight_sync="ipc"), split())
 
 
 def test_what_sglang_cannot_run_is_refused_before_ray():
     # SGLang's TP > 1 engines are its RayEngine: a whole GPU per scheduler, which hybrid's engine actor shares.
     for plan in (colocated(tp=2), split(tp=2)):
         with pytest.raises(ConfigError) as e:
-            choose_sync_mode(settings("sglang"), plan)
+            choose_sync(settings("sglang"), plan)
         assert e.value.field == "backend" and "RayEngine" in str(e.value)
     # its IPC path takes one payload per TP rank: nothing to refuse at TP 1
-    assert choose_sync_mode(settings("sglang"), colocated()) == "ipc"
+    assert choose_sync(settings("sglang"), colocated()).mode == "ipc"
     assert SGLangTransport().refusal("ipc", tp=2) and SGLangTransport().refusal("broadcast", tp=2) is None
     with pytest.raises(ConfigError, match="one GPU"):
-        choose_sync_mode(settings("hf"), colocated(tp=2))
+        choose_sync(settings("hf"), colocated(tp=2))
 
 
 def test_unknown_backend_and_mode_are_named():
     with pytest.raises(ConfigError) as e:
-        choose_sync_mode(settings("pigeon"), split())
+        choose_sync(settings("pigeon"), split())
     assert e.value.field == "backend" and "sglang" in e.value.fix
     with pytest.raises(ConfigError) as e:
-        choose_sync_mode(settings(weight_sync="carrier"), split())
+        choose_sync(settings(weight_sync="carrier"), split())
     assert e.value.field == "weight_sync"
 
 
@@ -125,7 +125,7 @@ def test_one_registry_line_adds_a_backend_everywhere(monkeypatch):
     monkeypatch.setitem(registry.BACKENDS, "hf2", registry.Backend("hybrid_engines.hf_engine", "HFEngine"))
     assert "hf2" in registry.backend_names()
     cfg = GRPOConfig(backend="hf2").validate()
-    assert choose_sync_mode(cfg, colocated("0")) == "ipc"
+    assert choose_sync(cfg, colocated("0")).mode == "ipc"
     with pytest.raises(ConfigError):
         GRPOConfig(backend="hf3").validate()
     monkeypatch.delitem(registry.BACKENDS, "hf2")

@@ -18,7 +18,7 @@ from hybrid_core.errors import WeightSyncMismatch
 from hybrid_core.placement import PlacementSpec
 from hybrid_core.weight_sync import TensorMeta, plan_buckets
 from hybrid_engines.ray_engines import EngineActor, EngineGroup
-from hybrid_engines.weight_sync import TrainerWeightSource, WeightSync, choose_sync_mode, verify_note
+from hybrid_engines.weight_sync import TrainerWeightSource, WeightSync, choose_sync, verify_note
 
 CONFIG = dict(
     vocab_size=64,
@@ -107,7 +107,7 @@ def test_a_corrupted_bucket_ends_the_sync_naming_the_engine_and_parameter(traine
             settings = SimpleNamespace(
                 backend="hf", weight_sync="auto", vllm_sync_backend="gloo", verify_weight_sync=True
             )
-            mode = choose_sync_mode(settings, plan)
+            mode = choose_sync(settings, plan).mode
             assert mode == ("ipc" if colocated else "broadcast")
             assert verify_note(settings) is None  # the built-in engine's syncs are all checked
             first = plans[colocated][(3 if not colocated else 2) - 1].pieces[0].meta.name

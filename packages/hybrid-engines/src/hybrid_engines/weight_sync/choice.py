@@ -101,13 +101,6 @@ def choose_sync(
     return SyncChoice(mode, transport, sync_backend(settings))
 
 
-def choose_sync_mode(
-    settings: SyncSettings, plan: PlacementPlan, *, trainer_role: str = "actor", engine_role: str = "rollout"
-) -> str:
-    """The path alone (``"ipc"`` or ``"broadcast"``) of :func:`choose_sync`."""
-    return choose_sync(settings, plan, trainer_role=trainer_role, engine_role=engine_role).mode
-
-
 def describe_sync(settings: SyncSettings, plan: PlacementPlan) -> str:
     """One line for ``--dry-run``: the path, the wire format and the group backend (raises like the chooser)."""
     choice = choose_sync(settings, plan)

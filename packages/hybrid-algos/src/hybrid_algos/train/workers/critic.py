@@ -9,12 +9,12 @@ import torch
 from hybrid_core.offload import DeepSpeedOffloader
 
 from ... import clipped_value_loss
-from ..deepspeed_setup import close_rendezvous, deepspeed_config, init_distributed, make_engine
+from ..deepspeed_setup import close_rendezvous, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_critic, response_values
 from ..update_guard import UpdateGuard
 from .base import RoleWorker
-from .policy import DeviceMeans, attn_implementation, forward_micro_batches, lr_schedule, train_micro_batches
+from .policy import DeviceMeans, attn_implementation, forward_micro_batches, train_micro_batches, trainer_config
 
 
 class CriticWorker(RoleWorker):
@@ -31,21 +31,7 @@ class CriticWorker(RoleWorker):
         )
         self.engine = make_engine(
             model,
-            deepspeed_config(
-                zero_stage=cfg.zero_stage,
-                bf16=cfg.bf16,
-                micro_batch=cfg.micro_train_batch_size,
-                grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
-                lr=cfg.critic_learning_rate,
-                betas=(*cfg.adam_betas,),  # a tuple (a --config file gives a list)
-                weight_decay=cfg.l2,
-                max_norm=cfg.max_norm,
-                num_params=sum(p.numel() for p in model.parameters()),
-                adam_offload=cfg.adam_offload,
-                bf16_master_weights=cfg.bf16_master_weights,
-                bf16_optimizer_states=cfg.bf16_optimizer_states,
-                **lr_schedule(cfg, total_steps),
-            ),
+            trainer_config(cfg, model, self.world_size, cfg.critic_learning_rate, total_steps),
         )  # the actor's schedule (--lr_warmup_ratio, --lr_scheduler)
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)

@@ -39,21 +39,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         self.model_path = model_path
         self.engine = make_engine(
             model,
-            deepspeed_config(
-                zero_stage=cfg.zero_stage,
-                bf16=cfg.bf16,
-                micro_batch=cfg.micro_train_batch_size,
-                grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * self.world_size),
-                lr=cfg.actor_learning_rate,
-                betas=(*cfg.adam_betas,),  # a tuple (a --config file gives a list)
-                weight_decay=cfg.l2,
-                max_norm=cfg.max_norm,
-                num_params=sum(p.numel() for p in model.parameters()),
-                adam_offload=cfg.adam_offload,
-                bf16_master_weights=cfg.bf16_master_weights,
-                bf16_optimizer_states=cfg.bf16_optimizer_states,
-                **lr_schedule(cfg, total_steps),
-            ),
+            trainer_config(cfg, model, self.world_size, cfg.actor_learning_rate, total_steps),
         )
         if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
             self.offloader = DeepSpeedOffloader(self.engine)
@@ -305,6 +291,26 @@ def attn_implementation(cfg) -> str | None:
         "PyTorch SDPA (which has its own flash kernel) instead"
     )
     return "sdpa"
+
+
+def trainer_config(cfg: Any, model: torch.nn.Module, world_size: int, lr: float, total_steps: int) -> dict:
+    """The DeepSpeed config of a trained role (actor, critic): the run's ZeRO, precision, batch and optimizer
+    settings with the role's own learning rate, on the actor's schedule (--lr_warmup_ratio, --lr_scheduler)."""
+    return deepspeed_config(
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+        micro_batch=cfg.micro_train_batch_size,
+        grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * world_size),
+        lr=lr,
+        betas=(*cfg.adam_betas,),  # a tuple (a --config file gives a list)
+        weight_decay=cfg.l2,
+        max_norm=cfg.max_norm,
+        num_params=sum(p.numel() for p in model.parameters()),
+        adam_offload=cfg.adam_offload,
+        bf16_master_weights=cfg.bf16_master_weights,
+        bf16_optimizer_states=cfg.bf16_optimizer_states,
+        **lr_schedule(cfg, total_steps),
+    )
 
 
 def lr_schedule(cfg, total_steps: int) -> dict:
