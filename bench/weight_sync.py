@@ -45,10 +45,16 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument("--bucket-mb", type=float, default=None, help="default 512 (GPU), 1/32 with --small")
     ap.add_argument(
-        "--rounds", type=int, default=13, help="syncs per mode: 1 warm-up, then sampled / unverified / full in turn"
+        "--rounds",
+        type=int,
+        default=None,
+        help="syncs: 1 warm-up, then sampled / unverified / full in turn (default: three rotations of the sampled "
+        "groups, the first reported apart)",
     )
     ap.add_argument("--timeout", type=float, default=300, help="seconds for any one wait")
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of a late sampled sync, both sides")
+    ap.add_argument("--verbose", action="store_true", help="print each round's split (engine, sender checksums)")
     return ap.parse_args()
 
 
@@ -97,6 +103,7 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
         torch.manual_seed(1)  # different weights than the sender's until synced
         model = build_llama(small, dev, _dtype(dev))
         params = dict(model.named_parameters())
+        busy: list[float] = []
 
         def load(pairs):
             with torch.no_grad():
@@ -107,6 +114,17 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
         while (msg := requests.get(timeout=600)) is not None:
             if msg == "fingerprint":
                 replies.put(("fingerprint", fingerprint(model)))
+            elif isinstance(msg, tuple) and msg[0] == "profile":  # --profile: the engine's side of the sampled syncs
+                if msg[1]:
+                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                    prof.__enter__()
+                else:
+                    prof.__exit__(None, None, None)
+                    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+                replies.put(("ok", None))
+            elif msg == "busy":  # seconds spent in load_ipc_bucket since the last ask (the engine's share of a sync)
+                replies.put(("busy", sum(busy)))
+                busy.clear()
             elif msg == "path":
                 replies.put(("path", _path(dev)))
             elif isinstance(msg, tuple) and msg[0] == "corrupt":
@@ -114,7 +132,9 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
                 replies.put(("ok", None))
             else:
                 try:
+                    start = time.perf_counter()
                     load_ipc_bucket(msg, load, lambda name: params.get(name))
+                    busy.append(time.perf_counter() - start)
                     replies.put(("ack", msg.index))
                 except WeightSyncMismatch as e:
                     _clear_fault()
@@ -180,6 +200,25 @@ def _check_kind(got: str, value, kind: str):
 
 
 # ---- the two modes -------------------------------------------------------------------------------------------------
+def _time_sender_checksums() -> list[float]:
+    """Time the sender's checksum calls (kernels included: a synchronize after each), for the split of the cost."""
+    from hybrid_core.weight_sync import ipc
+
+    spent: list[float] = []
+    inner = ipc.bucket_checksums
+
+    def timed(buffer, pieces):
+        start = time.perf_counter()
+        out = inner(buffer, pieces)
+        if buffer.is_cuda:
+            torch.cuda.synchronize(buffer.device)
+        spent.append(time.perf_counter() - start)
+        return out
+
+    ipc.bucket_checksums = timed
+    return spent
+
+
 def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
     from hybrid_core.weight_sync import IpcBucketSender
 
@@ -202,14 +241,46 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
                 acked.add(_reply(replies, "ack", args.timeout))
 
         rates, times = [], {mode: [] for mode in MODES}
+        engine_busy: dict[str, list[float]] = {mode: [] for mode in MODES}
+        sender_profile: list = []
+        from hybrid_core.weight_sync.sampling import PERIOD
+
+        first: dict[str, list[float]] = {mode: [] for mode in MODES}
+        warm = len(MODES) * PERIOD if args.rounds > 1 + 2 * len(MODES) * PERIOD else 0
+
+        sender_sums = _time_sender_checksums()
         for r in range(args.rounds):
             acked.clear()
             mode, sender.verify = policy(r)
+            profiling = args.profile and mode == "sampled" and len(MODES) * PERIOD < r <= len(MODES) * (PERIOD + 4)
+            if profiling:
+                requests.put(("profile", True))
+                _reply(replies, "ok", args.timeout)
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                prof.__enter__()
+            sender_sums.clear()
             start = time.perf_counter()
             stats = sender.send(model.named_parameters(), deliver, wait)
             seconds = time.perf_counter() - start
+            if profiling:
+                prof.__exit__(None, None, None)
+                sender_profile.append(prof)
+                requests.put(("profile", False))
+                _reply(replies, "ok", args.timeout)
+            requests.put("busy")
+            busy = _reply(replies, "busy", args.timeout)
+            if args.verbose:
+                print(
+                    f"round {r} {mode}: {seconds * 1e3:.2f} ms, engine {busy * 1e3:.2f} ms, sender checksums "
+                    f"{sum(sender_sums) * 1e3:.2f} ms in {len(sender_sums)} calls",
+                    flush=True,
+                )
+            # the first rotation of the sampled groups builds each group's checksum tables (once a run): apart
             if r:
-                times[mode].append(seconds)
+                (first if r <= warm else times)[mode].append(seconds)
+            if r > warm:
+                engine_busy[mode].append(busy)
+                engine_busy.setdefault(mode + " sender checksums", []).append(sum(sender_sums))
             if mode != "off":
                 rates.append(stats.bytes / seconds / 1e9)
             print(
@@ -217,6 +288,11 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
                 f"{seconds * 1e3:.1f} ms ({stats.bytes / seconds / 1e9:.1f} GB/s)",
                 flush=True,
             )
+        if sender_profile:
+            print(sender_profile[-1].key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+        for mode, values in engine_busy.items():
+            what = mode if "sender" in mode else f"{mode} engine load_ipc_bucket"
+            print(f"{what}: median {statistics.median(values) * 1e3:.2f} ms a sync", flush=True)
         requests.put("fingerprint")
         exact = _reply(replies, "fingerprint", args.timeout) == fingerprint(model)
         requests.put("path")
@@ -261,6 +337,10 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
         Row("weight sync GB/s (first sync)", rates[0], "GB/s (maps the handles)", record=False),
         *overhead_rows(times, what, args, paths),
     ]
+    if first["sampled"]:
+        pct = (statistics.mean(first["sampled"]) / statistics.mean(first["off"]) - 1) * 100
+        print(f"verify sampled, first rotation (tables built): {pct:+.2f} % (not in the rows above)", flush=True)
+        rows.append(Row("weight sync verify overhead first rotation %", pct, "% (once a run)", record=False))
 
 
 def bench_group(args, device: torch.device, rows: list[Row]) -> None:
@@ -362,21 +442,28 @@ def _path(device) -> str:
 def overhead_rows(times: dict[str, list[float]], what: str, args, paths: str) -> list[Row]:
     from hybrid_core.weight_sync.sampling import PERIOD
 
-    off = statistics.median(times["off"])
+    # The mean over whole rotations: a sampled sync checks one contiguous group, and some groups are empty (after a
+    # piece larger than a group) while others hold an embedding; what a run pays is the average.
+    n = len(times["sampled"]) // PERIOD * PERIOD or len(times["sampled"])
+    off = statistics.mean(times["off"][:n])
     rows = []
     for mode, name, how in (
-        ("sampled", "weight sync verify overhead %", f"sampled: 1/{PERIOD} of the pieces a sync"),
+        ("sampled", "weight sync verify overhead %", f"sampled: 1/{PERIOD} of the bytes a sync"),
         ("full", "weight sync verify overhead full %", "full: every piece"),
     ):
-        on = statistics.median(times[mode])
+        on = statistics.mean(times[mode][:n])
         pct = (on - off) / off * 100
-        print(f"verify {mode}: median {on * 1e3:.2f} ms vs {off * 1e3:.2f} ms unverified ({pct:+.2f} %)", flush=True)
+        print(
+            f"verify {mode}: mean {on * 1e3:.3f} ms vs {off * 1e3:.3f} ms unverified ({pct:+.2f} %); medians "
+            f"{statistics.median(times[mode][:n]) * 1e3:.3f} vs {statistics.median(times['off'][:n]) * 1e3:.3f} ms",
+            flush=True,
+        )
         rows.append(
             Row(
                 name,
                 pct,
-                f"% of the sync's time ({what}, {args.bucket_mb:g} MB, {how}; median of "
-                f"{len(times[mode])} {on * 1e3:.2f} ms vs {len(times['off'])} unverified {off * 1e3:.2f} ms; "
+                f"% of the sync's time ({what}, {args.bucket_mb:g} MB, {how}; mean of {n} syncs "
+                f"{on * 1e3:.2f} ms vs {n} unverified {off * 1e3:.2f} ms, interleaved; "
                 f"{paths}; a byte flipped in flight was caught naming the parameter)",
             )
         )
@@ -393,6 +480,10 @@ def _check_caught(mode: str, caught: str | None) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.rounds is None:
+        from hybrid_core.weight_sync.sampling import PERIOD
+
+        args.rounds = 1 + len(MODES) * (3 * PERIOD if not args.small else 2)  # GPU: 1 rotation warm, 2 measured
     if args.bucket_mb is None:
         args.bucket_mb = 1 / 32 if args.small else 512  # small: many buckets, some tensors larger than one
     if args.small:

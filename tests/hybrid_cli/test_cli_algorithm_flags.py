@@ -82,7 +82,8 @@ def test_openrlhf_names_of_the_new_features_are_flags(tmp_path):
     assert config.policy_loss_type == "gspo" and config.policy_agg_mode == "seq-mean-token-mean"
     assert config.dynamic_filtering and config.dynamic_filtering_reward_range == (0.0, 1.0)
     assert config.enable_vllm_is_correction and config.correction_bounds == (0.5, 5.0)
-    assert config.use_dynamic_batch and config.train_token_budget == 8192 and config.rollout_token_budget == 16384
+    trainer = config.trainer_settings()
+    assert trainer.dynamic_batch and trainer.train_token_budget == 8192 and trainer.rollout_token_budget == 16384
     assert config.packing_samples and config.overlong_buffer_len == 256 and not config.uses_critic
     for flag in OPENRLHF_FLAGS:  # OpenRLHF's own table maps each onto the setting that now exists
         assert rule_for(flag).kind not in ("refuse", "only"), (flag, rule_for(flag))

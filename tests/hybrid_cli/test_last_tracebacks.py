@@ -150,13 +150,14 @@ def test_wandb_is_not_checked_without_use_wandb_or_in_its_own_offline_mode(monke
 
 # ---- --ray_temp_dir under a file -------------------------------------------------------------------------------------
 def test_ray_temp_dir_under_a_file_names_the_flag_and_the_file(tmp_path):
+    from hybrid_algos.train.sections import flag_words
     from hybrid_core.cluster import make_temp_dir
 
     (tmp_path / "notes.txt").write_text("a file")
     for path in (tmp_path / "notes.txt" / "ray", tmp_path / "notes.txt"):
-        with pytest.raises(ConfigError) as e:
+        with pytest.raises(ConfigError) as e, flag_words():  # core names the setting, the run's boundary the flag
             make_temp_dir(str(path))
-        assert e.value.field == "ray_temp_dir"
+        assert e.value.field == "ray_temp_dir" and "leave --ray_temp_dir out" in str(e.value)
         assert f"cannot create the folder {str(path)!r}: {str(tmp_path / 'notes.txt')!r} is a file" in str(e.value)
     assert make_temp_dir(str(tmp_path / "ray" / "tmp")) == str(tmp_path / "ray" / "tmp")
     assert (tmp_path / "ray" / "tmp").is_dir()

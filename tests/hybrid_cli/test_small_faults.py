@@ -128,7 +128,7 @@ def test_a_host_line_over_its_capacity_never_says_tight():
     assert "host (node 0): 17.0 GiB of 13.0 GiB available, OVER:" in refused.render()
     with pytest.raises(PlacementError, match=r"17.0 GiB > 13.0 GiB available") as e:
         refused.check()
-    assert e.value.field == "host_memory_gb"
+    assert e.value.field == "residency.host_memory_gb"  # core's words (the run's boundary says the flag)
 
 
 # ---- the install hint keeps its extra --------------------------------------------------------------------------------

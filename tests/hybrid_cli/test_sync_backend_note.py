@@ -3,17 +3,15 @@ collective group; NCCL could not hold actor rank 0 and the engine on its GPU in 
 --colocate_all_models, and the run says so at the start and in --dry-run, with what to pass to broadcast anyway.
 Unset (the default), nothing is said; engines on GPUs of their own broadcast over the backend asked for."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from hybrid_cli.main import main
 from hybrid_core.placement import PlacementSpec
-from hybrid_engines.weight_sync import choose_sync, describe_sync, sync_backend, sync_backend_note
+from hybrid_engines.weight_sync import SyncSettings, choose_sync, describe_sync, sync_backend, sync_backend_note
 
 
 def _settings(vllm_sync_backend, weight_sync="auto"):
-    return SimpleNamespace(backend="vllm", weight_sync=weight_sync, vllm_sync_backend=vllm_sync_backend)
+    return SyncSettings(transport=weight_sync, group_backend=vllm_sync_backend)
 
 
 COLOCATED = PlacementSpec.from_ranges({"actor": "0-1", "rollout": "0-1"}).plan()
@@ -22,7 +20,7 @@ SPLIT = PlacementSpec.from_ranges({"actor": "0", "rollout": "1"}).plan()
 
 @pytest.mark.parametrize("asked", [None, "nccl", "gloo"])
 def test_the_note_says_when_an_explicit_backend_is_not_used(asked):
-    mode = choose_sync(_settings(asked), COLOCATED).mode
+    mode = choose_sync(_settings(asked), "vllm", COLOCATED).mode
     assert mode == "ipc"  # colocated engines: CUDA IPC whatever the flag (OpenRLHF's choice for nccl too)
     note = sync_backend_note(_settings(asked), mode)
     if asked is None:
@@ -35,9 +33,9 @@ def test_the_note_says_when_an_explicit_backend_is_not_used(asked):
 
 def test_split_engines_broadcast_over_the_backend_asked_for_and_say_nothing():
     for asked, group in ((None, "nccl"), ("nccl", "nccl"), ("gloo", "gloo")):
-        mode = choose_sync(_settings(asked), SPLIT).mode
+        mode = choose_sync(_settings(asked), "vllm", SPLIT).mode
         assert mode == "broadcast" and sync_backend_note(_settings(asked), mode) is None
-        assert f"over {group}" in describe_sync(_settings(asked), SPLIT)
+        assert f"over {group}" in describe_sync(_settings(asked), "vllm", SPLIT)
     assert sync_backend(_settings("nccl")) in ("nccl", "gloo")  # gloo only on a machine without CUDA
 
 

@@ -151,7 +151,7 @@ def test_a_port_of_another_service_is_refused_within_the_deadline():
     finally:
         server.close()
     assert time.monotonic() - start < HANG_S  # timeout_s=3 ended it; the bound only catches a hang
-    assert info.value.field == "address" and "not as a Ray cluster's GCS" in info.value.problem
+    assert info.value.field == "run.address" and "not as a Ray cluster's GCS" in info.value.problem
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from transformers import LlamaConfig
 
 from hybrid_core.placement import PlacementSpec
 from hybrid_engines.ray_engines import EngineActor, EngineGroup
-from hybrid_engines.weight_sync import TrainerWeightSource, WeightSync, choose_sync
+from hybrid_engines.weight_sync import SyncSettings, TrainerWeightSource, WeightSync, choose_sync
 from timing_bounds import HANG_S
 
 CONFIG = LlamaConfig(
@@ -116,8 +116,7 @@ def plan(colocated: bool):
 @pytest.mark.parametrize("colocated", [False, True], ids=["split-broadcast", "colocated-ipc"])
 def test_sglang_engine_gets_the_trainers_weights_through_its_own_transport(trainer, colocated, version):
     layout = plan(colocated)
-    settings = SimpleNamespace(backend="sglang", weight_sync="auto", vllm_sync_backend="gloo")
-    mode = choose_sync(settings, layout).mode
+    mode = choose_sync(SyncSettings(group_backend="gloo"), "sglang", layout).mode
     assert mode == ("ipc" if colocated else "broadcast")
     engine = ray.remote(StandInSGLangActor).remote(version)
     engines = EngineGroup("rollout", "sglang", [engine], [1], TIMEOUT)

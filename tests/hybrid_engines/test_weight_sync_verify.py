@@ -18,7 +18,7 @@ from hybrid_core.errors import WeightSyncMismatch
 from hybrid_core.placement import PlacementSpec
 from hybrid_core.weight_sync import TensorMeta, plan_buckets
 from hybrid_engines.ray_engines import EngineActor, EngineGroup
-from hybrid_engines.weight_sync import TrainerWeightSource, WeightSync, choose_sync, verify_note
+from hybrid_engines.weight_sync import SyncSettings, TrainerWeightSource, WeightSync, choose_sync, verify_note
 
 CONFIG = dict(
     vocab_size=64,
@@ -104,12 +104,10 @@ def test_a_corrupted_bucket_ends_the_sync_naming_the_engine_and_parameter(traine
     try:
         for colocated in (False, True):
             plan = layout(colocated)
-            settings = SimpleNamespace(
-                backend="hf", weight_sync="auto", vllm_sync_backend="gloo", verify_weight_sync=True
-            )
-            mode = choose_sync(settings, plan).mode
+            settings = SyncSettings(group_backend="gloo")
+            mode = choose_sync(settings, "hf", plan).mode
             assert mode == ("ipc" if colocated else "broadcast")
-            assert verify_note(settings) is None  # the built-in engine's syncs are all checked
+            assert verify_note(settings, "hf") is None  # the built-in engine's syncs are all checked
             first = plans[colocated][(3 if not colocated else 2) - 1].pieces[0].meta.name
             sync = WeightSync(
                 mode,
@@ -139,7 +137,6 @@ def test_a_corrupted_bucket_ends_the_sync_naming_the_engine_and_parameter(traine
 
 
 def test_verify_notes_say_what_is_not_checked():
-    off = SimpleNamespace(backend="hf", verify_weight_sync=False)
-    assert "not checked" in verify_note(off)
-    sglang = SimpleNamespace(backend="sglang", verify_weight_sync=True)
-    assert "not verified" in verify_note(sglang) and "sglang" in verify_note(sglang)
+    assert "not checked" in verify_note(SyncSettings(verify="off"), "hf")
+    sampled = SyncSettings()
+    assert "not verified" in verify_note(sampled, "sglang") and "sglang" in verify_note(sampled, "sglang")

@@ -59,6 +59,14 @@ def _rollout(seed: int) -> Rollout:
     return ro.with_(old_logprobs=old, advantages=adv, sample_mask=torch.rand(12, generator=g) > 0.2)
 
 
+def _plan(update: Rollout, cfg: GRPOConfig) -> list[tuple[Rollout, float]]:
+    """The actor's micro-batches of one update and their loss weights, as ``PolicyWorker.train`` plans them."""
+    by_tokens = cfg.policy_agg_mode == "token-mean"
+    return train_micro_batches(
+        update, cfg.trainer_settings(), cfg.micro_train_batch_size, torch.device("cpu"), by_tokens=by_tokens
+    )
+
+
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("packed", [False, True])
 def test_weighted_micro_batch_losses_add_up_to_the_update_loss(mode, packed):
@@ -79,11 +87,11 @@ def test_weighted_micro_batch_losses_add_up_to_the_update_loss(mode, packed):
             "ppo", r.old_logprobs + 0.1, r.old_logprobs, r.advantages, r.loss_mask, agg_mode=mode, norm_len=8
         )[0]
 
-    plan = train_micro_batches(ro, cfg, torch.device("cpu"))
+    plan = _plan(ro, cfg)
     assert len(plan) > 2 and all(w is not None for _, w in plan)
     assert sum(w * loss(mb) for mb, w in plan).item() == pytest.approx(loss(ro).item(), rel=1e-5, abs=1e-7)
     cfg_fixed = cfg.replace(use_dynamic_batch=False, train_max_tokens_per_gpu=None, micro_train_batch_size=4)
-    fixed = train_micro_batches(ro, cfg_fixed, torch.device("cpu"))
+    fixed = _plan(ro, cfg_fixed)
     assert len(fixed) == 3
     assert sum(w * loss(mb) for mb, w in fixed).item() == pytest.approx(loss(ro).item(), rel=1e-5, abs=1e-7)
 
@@ -105,7 +113,7 @@ def test_fixed_micro_batches_token_mean_is_over_the_update_not_a_mean_of_means()
         m = r.loss_mask.bool()
         return (per_token[rows, : r.response_len] * m).sum() / m.sum().clamp(min=1)
 
-    plan = train_micro_batches(ro, cfg, torch.device("cpu"))
+    plan = _plan(ro, cfg)
     rows = [torch.arange(0, 6), torch.arange(6, 12)]
     got = sum(w * loss(mb, r) for (mb, w), r in zip(plan, rows))
     whole = loss(ro, torch.arange(12))
@@ -127,7 +135,7 @@ def _two_rank_weights(rank: int, port: int, out) -> None:
             micro_train_batch_size=4,
             loss_agg_mode="token-mean",
         )
-        plan = train_micro_batches(ro, cfg, torch.device("cpu"))
+        plan = _plan(ro, cfg)
         out.put((rank, [(float(mb.loss_mask.sum()), w) for mb, w in plan], float(ro.loss_mask.sum())))
     finally:
         dist.destroy_process_group()

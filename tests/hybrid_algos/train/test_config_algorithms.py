@@ -125,8 +125,9 @@ def test_accepted_settings():
     GRPOConfig(policy_loss_type="cispo", eps_clip_low_high=(1.0, 0.28)).validate()  # CISPO: no lower bound
     GRPOConfig(kl_estimator="low_var_kl").validate()  # the math's aliases
     cfg = GRPOConfig(use_dynamic_batch=True, packing_samples=True, train_max_tokens_per_gpu=4096).validate()
-    assert cfg.train_token_budget == 4096 and cfg.rollout_token_budget == 4096
-    assert GRPOConfig(use_dynamic_batch=True).validate().train_token_budget == 16384
+    trainer = cfg.trainer_settings()
+    assert trainer.train_token_budget == 4096 and trainer.rollout_token_budget == 4096
+    assert GRPOConfig(use_dynamic_batch=True).validate().trainer_settings().train_token_budget == 16384
     GRPOConfig(
         dynamic_filtering=True,
         dynamic_filtering_reward_range=(0.0, 1.0),

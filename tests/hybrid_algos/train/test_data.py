@@ -2,12 +2,13 @@
 
 import json
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from hybrid_algos.train.data import SYNTHETIC_PROMPTS, load_prompt_set, load_prompts, read_records
-from hybrid_algos.train.tasks import BOS, SEP
+from hybrid_algos.train.model_settings import ModelSettings
+from hybrid_algos.train.rollout_settings import RolloutSettings
+from hybrid_algos.train.tasks import BOS, SEP, task_from_config
 from hybrid_algos.train.tiny import build_tiny_tokenizer
 from hybrid_core.errors import ConfigError
 
@@ -26,24 +27,22 @@ RECORDS = [
 ]
 
 
+#: The built-in task of the runs without prompt data (the models section's default: copy, 2 symbols).
+TASK = task_from_config(ModelSettings())
+
+
 def settings(path, **overrides):
+    """The rollout section of a run reading ``path`` (None: the built-in task's prompts)."""
     values = dict(
         prompt_data=None if path is None else str(path),
         input_key="prompt",
-        label_key=None,
-        apply_chat_template=False,
-        prompt_split="train",
         max_samples=1_000_000,
         prompt_max_len=32,
-        task="copy",
-        task_length=2,
-        tiny_model={},
         rollout_batch_size=4,
-        max_steps=None,
         seed=0,
     )
     values.update(overrides)
-    return SimpleNamespace(**values)
+    return RolloutSettings(**values)
 
 
 def bos_tokenizer():
@@ -208,14 +207,14 @@ def test_missing_optional_readers_name_the_extra(tmp_path, tokenizer, monkeypatc
 
 
 def test_builtin_task_prompts(tokenizer):
-    prompts, stats = load_prompt_set(settings(None), tokenizer)
+    prompts, stats = load_prompt_set(settings(None), tokenizer, TASK)
     assert len(prompts) == SYNTHETIC_PROMPTS and stats.kept == SYNTHETIC_PROMPTS
     assert all(p.prompt_ids[0] == BOS and p.prompt_ids[-1] == SEP and len(p.label) == 2 for p in prompts)
     # enough for --max_steps, capped by --max_samples
-    assert len(load_prompts(settings(None, max_steps=3, rollout_batch_size=5), tokenizer)) == 15
-    assert len(load_prompts(settings(None, max_samples=7), tokenizer)) == 7
+    assert len(load_prompts(settings(None, max_steps=3, rollout_batch_size=5), tokenizer, TASK)) == 15
+    assert len(load_prompts(settings(None, max_samples=7), tokenizer, TASK)) == 7
     # the same seed gives the same prompts (resume sees the same order)
-    again = load_prompts(settings(None), tokenizer)
+    again = load_prompts(settings(None), tokenizer, TASK)
     assert [p.prompt_ids for p in again] == [p.prompt_ids for p in prompts]
 
 
@@ -225,5 +224,5 @@ def test_builtin_task_refuses_a_foreign_vocabulary():
             return 100
 
     with pytest.raises(ConfigError, match="tiny demo model's vocabulary") as e:
-        load_prompts(settings(None), OtherTokenizer())
+        load_prompts(settings(None), OtherTokenizer(), TASK)
     assert e.value.field == "prompt_data"

@@ -7,18 +7,12 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 
-from hybrid_algos.train.data import (
-    cached_snapshot,
-    interleave,
-    load_prompt_set,
-    parse_probs,
-    resolve_local_paths,
-    split_sources,
-)
+from hybrid_algos.train.data import cached_snapshot, interleave, load_prompt_set, resolve_local_paths
+from hybrid_algos.train.prompt_sources import parse_probs, split_sources
+from hybrid_algos.train.rollout_settings import RolloutSettings
 from hybrid_algos.train.tiny import build_tiny_tokenizer
 from hybrid_core.errors import ConfigError
 
@@ -32,19 +26,8 @@ def _jsonl(path, texts, key="prompt"):
 
 
 def _config(prompt_data, **kw):
-    base = dict(
-        prompt_data=prompt_data,
-        input_key="prompt",
-        label_key=None,
-        apply_chat_template=False,
-        prompt_max_len=64,
-        max_samples=1_000_000,
-        seed=1,
-        prompt_data_probs=None,
-        input_template=None,
-        prompt_split="train",
-    )
-    return SimpleNamespace(**{**base, **kw})
+    base = dict(prompt_data=prompt_data, input_key="prompt", prompt_max_len=64, seed=1)
+    return RolloutSettings(**{**base, **kw})
 
 
 TOKENIZER = build_tiny_tokenizer(8)
@@ -106,7 +89,7 @@ def test_at_subfolder_and_missing_parts_are_named(tmp_path):
     assert split_sources(f"{tmp_path / 'ds'}@math")[0].path == str(tmp_path / "ds" / "math")
     prompts, _ = load_prompt_set(_config(f"{tmp_path / 'ds'}@math"), TOKENIZER)
     assert [p.text for p in prompts] == ["s3"]
-    from hybrid_algos.train.data import check_prompt_sources
+    from hybrid_algos.train.prompt_sources import check_prompt_sources
 
     with pytest.raises(ConfigError, match=r"no file or folder at .*nope.jsonl.*from") as e:
         check_prompt_sources(f"{tmp_path / 'ds'}@math,{tmp_path / 'nope.jsonl'}")

@@ -83,9 +83,9 @@ def test_overlong_penalty_and_truncation_mask():
     outputs = [[_out(2, "stop"), _out(7, "stop")], [_out(8, "length"), _out(5, "stop")]]
     scores = torch.tensor([1.0, 1.0, 0.0, 0.5])
     cfg = GRPOConfig(overlong_buffer_len=4, overlong_penalty_factor=1.0, mask_truncated_completions=True)
-    shaped, sample_mask, metrics = shape_rewards(cfg, outputs, scores, max_new_tokens=8)
+    shaped, sample_mask, metrics = shape_rewards(cfg.algorithm_settings(), outputs, scores, max_new_tokens=8)
     assert shaped.tolist() == pytest.approx([1.0, 1.0 - 3 / 4, 0.0 - 1.0, 0.5 - 1 / 4])
     assert sample_mask.tolist() == [True, True, False, True]
     assert metrics["rollout/truncated_frac"] == 0.25 and metrics["reward/overlong_penalty"] == pytest.approx(-0.5)
-    plain, none, _ = shape_rewards(GRPOConfig(), outputs, scores, max_new_tokens=8)
+    plain, none, _ = shape_rewards(GRPOConfig().algorithm_settings(), outputs, scores, max_new_tokens=8)
     assert torch.equal(plain, scores) and none is None

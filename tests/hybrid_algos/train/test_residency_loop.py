@@ -161,8 +161,8 @@ def test_refinement_catches_memory_that_keeps_growing_and_never_shrinks_the_over
     fits changes the moves. The GPU readings are given (no CUDA here); everything else is the loop's own code."""
     from types import SimpleNamespace
 
-    from hybrid_algos.train.loop import TrainingSession, _refines_after
     from hybrid_algos.train.placement import build_plan, build_residency
+    from hybrid_algos.train.session import TrainingSession, _refines_after
     from hybrid_core.gpu_memory import GpuMemory
 
     assert [k for k in range(20) if _refines_after(k)] == [0, 1, 3, 7, 15]

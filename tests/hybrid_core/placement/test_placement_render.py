@@ -19,13 +19,8 @@ def table_rows(text):
 
 
 def test_table_shows_every_gpu_role_rank_and_fraction():
-    plan = PlacementSpec.from_counts(
-        actor_num_gpus_per_node=8,
-        ref_num_gpus_per_node=8,
-        reward_num_gpus_per_node=8,
-        vllm_num_engines=8,
-        colocate_all_models=True,
-        gpus_per_node=8,
+    plan = PlacementSpec.from_ranges(
+        {"actor": "0-7", "rollout": "0-7", "reference": "0-7", "reward": "0-7"}, gpus_per_node=8
     ).plan()
     text = plan.render()
     labels, rows = table_rows(text)

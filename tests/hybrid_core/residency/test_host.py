@@ -163,10 +163,10 @@ def test_a_plan_that_overfills_host_memory_is_refused_with_the_numbers_and_a_fix
     with pytest.raises(PlacementError) as err:
         plan.check()
     text = str(err.value)
-    assert err.value.field == "host_memory_gb"
+    assert err.value.field == "residency.host_memory_gb"  # core's words; the run's boundary says the flag
     assert "node 0: the plan keeps 80.0 GiB in host memory > 64.0 GiB available (--host_memory_gb)" in text
     assert "actor optimizer (CPU Adam) 80.0" in text and "3 processes" in text
-    assert "Fix:" in text and "--zero_stage 3" in text and "more host memory" in text
+    assert "Fix:" in text and "trainer.zero_stage 3" in text and "more host memory" in text
     assert (
         "host (node 0): 89.0 GiB of 64.0 GiB available, OVER: optimizer (CPU Adam) 80.0, offloaded 0.0" in plan.render()
     )
@@ -203,7 +203,8 @@ def test_offloaded_states_over_the_capacity_name_the_pin_that_frees_them():
     text = str(err.value)
     assert "the plan keeps 24.0 GiB" in text and "actor optimizer (offloaded) 12.0" in text
     assert "rollout weights (offloaded) 7.0" in text
-    assert "--residency_pins actor.optimizer=resident" in text and "--host_memory_gb N" in text  # local: say so
+    assert "residency.pins actor.optimizer=resident" in text
+    assert "how much they have: residency.host_memory_gb N" in text  # local: say so
 
 
 def test_near_the_capacity_with_the_processes_is_a_note_not_a_refusal():

@@ -112,7 +112,7 @@ def test_engines_hold_their_pool_or_a_per_call_cache():
     hf = size_role("rollout", shape, work(engine_pool=False), ranks=1, tp=1, gpu_bytes=4 * GiB)
     assert hf.states == {"weights": 2 * P, "kv_cache": 0.0}
     assert hf.working["generate"]["kv_cache"] == 8 * S * (2 * 2 * 32 * 2)  # 8 sequences x K and V of 2 layers, bf16
-    with pytest.raises(ConfigError, match="vllm_gpu_memory_utilization"):  # weights do not fit the engine's share
+    with pytest.raises(ConfigError, match=r"engine\.gpu_memory_utilization"):  # weights do not fit the engine's share
         size_role("rollout", shape, work(engine_memory_fraction=0.0001), ranks=1, tp=1, gpu_bytes=GiB)
 
 

@@ -72,10 +72,11 @@ def test_engine_weights_are_discarded_rather_than_offloaded():
     # actor_train holds the actor's 24 GiB + 0.5 working: beside the engine's 16 GiB of weights that is 40.5 > 40
     layout = one_gpu(role("actor", (8, 8, 8)), role("rollout", (16, 16)))
     plan = plan_residency(layout, 40 * GiB, usable=1.0)
-    assert plan.fits() and plan.move("rollout", "weights") == "discard" and plan.engine_sleep_level() == 2
+    assert plan.fits() and plan.move("rollout", "weights") == "discard" and plan.engine_sleep_level("rollout") == 2
     assert plan.move("rollout", "kv_cache") == "release"  # no KV cache without weights
     pinned = plan_residency(layout, 40 * GiB, usable=1.0, pins={("rollout", "weights"): ("resident", "offload")})
-    assert pinned.fits() and pinned.move("rollout", "weights") == "offload" and pinned.engine_sleep_level() == 1
+    assert pinned.fits() and pinned.move("rollout", "weights") == "offload"
+    assert pinned.engine_sleep_level("rollout") == 1
     assert pinned.bytes_moved(0) == plan.bytes_moved(0) + 2 * 16 * GiB  # the level-1 round trip, for nothing
 
 
@@ -96,9 +97,9 @@ def test_modes_all_sleep_and_manual():
     layout = colocated()
     every = plan_residency(layout, 80 * GiB, mode="all-sleep", engine_sleep_level=1)
     assert all(m in ("offload", "release") for m in every.moves.values())
-    assert every.engine_sleep_level() == 1 and all(every.sleeps(r) for r in every.roles)
+    assert every.engine_sleep_level("rollout") == 1 and all(every.sleeps(r) for r in every.roles)
     manual = plan_residency(layout, 80 * GiB, mode="manual", sleep_roles={"rollout"}, engine_sleep_level=2)
-    assert manual.engine_sleep_level() == 2 and not manual.sleeps("actor") and not manual.sleeps("reference")
+    assert manual.engine_sleep_level("rollout") == 2 and not manual.sleeps("actor") and not manual.sleeps("reference")
     assert manual.move("actor", "cache") == "release"  # shared GPU: caches are trimmed in manual mode
     asked = plan_residency(layout, 80 * GiB, sleep_roles={"actor"})  # auto, with the actor asked to sleep
     assert asked.sleeps("actor") and not asked.sleeps("rollout")

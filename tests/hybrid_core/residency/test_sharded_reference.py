@@ -43,16 +43,9 @@ def test_otherwise_a_frozen_model_is_whole_on_each_gpu(zero_stage, ranks):
 
 def test_the_70b_layout_of_issue_34_fits_80_gib_gpus():
     """OpenRLHF's train_ppo_llama_ray_70b.sh: actor 8, four TP-2 engines, critic 8, reference 4, reward 4 GPUs."""
-    placement = PlacementSpec.from_counts(
-        actor_num_gpus_per_node=8,
-        critic_num_gpus_per_node=8,
-        ref_num_gpus_per_node=4,
-        reward_num_gpus_per_node=4,
-        vllm_num_engines=4,
-        vllm_tensor_parallel_size=2,
-        colocate_actor_ref=False,
-        colocate_critic_reward=False,
-        colocate_all_models=False,
+    placement = PlacementSpec.from_ranges(  # each role its own GPUs, in the order OpenRLHF's launcher gives them
+        {"actor": "0-7", "rollout": "8-15", "critic": "16-23", "reference": "24-27", "reward": "28-31"},
+        tp={"rollout": 2},
     ).plan()
     critic = ModelShape(L70_RM.num_params, 8192, 80, 8, 128, 28672, 128256, value_head=True)
     shapes = {"actor": L70, "rollout": L70, "critic": critic, "reference": L70, "reward": L70_RM}

@@ -22,7 +22,6 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 from hybrid_core.errors import ConfigError
@@ -168,24 +167,24 @@ def compare_prompts(args: argparse.Namespace, model_path: str) -> list[list[int]
     from transformers import AutoTokenizer
 
     from hybrid_algos.train.data import load_prompt_set
+    from hybrid_algos.train.model_settings import ModelSettings
+    from hybrid_algos.train.rollout_settings import RolloutSettings
+    from hybrid_algos.train.tasks import task_from_config
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=getattr(args, "trust_remote_code", False))
-    settings = SimpleNamespace(
+    rollout = RolloutSettings(
         prompt_data=args.prompt_data,
         input_key=args.input_key,
-        label_key=None,
         apply_chat_template=args.apply_chat_template,
         prompt_split=args.prompt_split,
         max_samples=args.max_samples,
         prompt_max_len=args.prompt_max_len,
-        task=args.task,
-        task_length=args.task_length,
-        tiny_model={},
         rollout_batch_size=1,
         max_steps=args.max_samples,
         seed=args.seed,
     )
-    prompts, _ = load_prompt_set(settings, tokenizer)
+    task = task_from_config(ModelSettings(task=args.task, task_length=args.task_length))
+    prompts, _ = load_prompt_set(rollout, tokenizer, task if args.prompt_data is None else None)
     return [list(p.prompt_ids) for p in prompts[: args.max_samples]]
 
 

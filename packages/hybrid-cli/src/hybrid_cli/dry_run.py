@@ -33,9 +33,10 @@ def dry_run(
     from rich.markup import escape
 
     from hybrid_algos.train.data import step_count
-    from hybrid_algos.train.loop import rollout_lengths
     from hybrid_algos.train.model_files import check_model_folder, check_reward_head
     from hybrid_algos.train.placement import build_residency, gpu_memory
+    from hybrid_algos.train.prepare import rollout_lengths
+    from hybrid_algos.train.sections import flag_text, flag_words
 
     console = console or Console(width=None if _is_terminal() else 132, highlight=False)
     for note in notes:  # yellow: a note says what was chosen for the user (defaults taken, flags translated)
@@ -69,7 +70,7 @@ def dry_run(
             f"warning: {missing}; the run will stop before it starts unless it is installed.", markup=False
         )  # as markup, the extra ('hybrid-engines[vllm]') would vanish
     prompts = load_prompts(config, console)
-    console.print(step_count(config, len(prompts)).describe(), markup=False)  # the loop's own count
+    console.print(step_count(config.rollout_settings(), len(prompts)).describe(), markup=False)  # the loop's own count
     console.print(describe_reward(config), markup=False)  # a path or URL may hold [...]
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
         console.print(
@@ -83,7 +84,7 @@ def dry_run(
     if host_memory_gb is not None:
         config = config.replace(host_memory_gb=host_memory_gb).validate()  # the config's own check names the flag
     gpu_bytes, source = gpu_memory(config)
-    prompt_len, generate_len = rollout_lengths(config, prompts)
+    prompt_len, generate_len = rollout_lengths(config.rollout_settings(), config.models_settings(), prompts)
     residency, run_config = build_residency(
         config,
         plan,
@@ -108,14 +109,15 @@ def dry_run(
         ),
         markup=False,
     )
-    console.print(residency.render(), markup=False)
+    console.print(flag_text(residency.render()), markup=False)  # core names its settings, the user reads flags
     if run_config.adam_offload and not config.adam_offload:
         console.print("note: the optimizer state stays in host memory (DeepSpeed CPU Adam), as if --adam_offload")
     if config.async_train:  # the loop's own decision: split, shared GPUs, or synchronous turns where they do not fit
         from hybrid_algos.train.async_rollout import async_mode
 
-        console.print(f"note: {async_mode(run_config, plan, residency)[1]}", markup=False)
-    residency.check()
+        console.print(f"note: {async_mode(run_config.rollout_settings(), plan, residency)[1]}", markup=False)
+    with flag_words():
+        residency.check()
     gpu, phase, total = residency.worst()
     console.print(
         f"fits: the fullest GPU is GPU {gpu} in phase {phase}: {total / GiB:.1f} of "
@@ -130,7 +132,7 @@ def host_budget(config: Any, plan: Any) -> HostBudget:
     from hybrid_algos.train.placement import host_memory
     from hybrid_core.residency.host import planning_budget
 
-    if config.host_memory_gb is not None:
+    if config.residency_settings().host_memory_gb is not None:
         return host_memory(config, plan.gpus_per_node)
     node_gpus = min(plan.gpus_per_node or plan.num_gpus, plan.num_gpus)
     runs_here = config.num_gpus is not None and not config.address
@@ -154,18 +156,24 @@ def build_plan(config: Any):
 
 
 def describe_sync(config: Any, plan: Any) -> str:
-    """The sync path and the engine's wire format (the loop's own chooser: a path it cannot run raises here)."""
+    """The sync path and the engine's wire format (the loop's own chooser: a path it cannot run raises here, in the
+    flags' words)."""
+    from hybrid_algos.train.sections import flag_words
     from hybrid_engines.weight_sync import describe_sync as describe
 
-    return describe(config, plan)
+    with flag_words():
+        return describe(config.sync_settings(), config.backend, plan)
 
 
 def sync_backend_note(config: Any, plan: Any) -> str | None:
     """An explicit --vllm_sync_backend the chosen path does not use, and why (the note the run starts with)."""
+    from hybrid_algos.train.sections import flag_words
     from hybrid_engines.weight_sync import choose_sync
     from hybrid_engines.weight_sync import sync_backend_note as note
 
-    return note(config, choose_sync(config, plan).mode)
+    sync = config.sync_settings()
+    with flag_words():
+        return note(sync, choose_sync(sync, config.backend, plan).mode)
 
 
 def _rendezvous_line(plan: Any) -> str:
@@ -183,8 +191,10 @@ def library_missing(backend: str) -> str | None:
 def load_prompts(config: Any, console: Console | None = None) -> list:
     """Load and encode the prompts exactly as the run would (printing how many there are)."""
     from hybrid_algos.train.data import load_prompt_set
+    from hybrid_algos.train.tasks import task_from_config
 
-    prompts, stats = load_prompt_set(config, _tokenizer(config))
+    task = task_from_config(config.models_settings()) if config.prompt_data is None else None
+    prompts, stats = load_prompt_set(config.rollout_settings(), _tokenizer(config), task)
     if len(prompts) < config.rollout_batch_size:
         raise ConfigError(
             "rollout_batch_size",
@@ -198,13 +208,14 @@ def load_prompts(config: Any, console: Console | None = None) -> list:
 def describe_reward(config: Any) -> str:
     """Where rewards come from; a run with its own prompts needs a reward model or a reward function."""
     if getattr(config, "uses_agent", False):  # multi-turn: the environment rewards (its file is imported now)
-        from hybrid_algos.train.agents import AgentSettings, builtin_agent, load_agent
+        from hybrid_algos.train.agents import builtin_agent, load_agent
 
-        spec = load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config)
+        models = config.models_settings()
+        spec = load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(models)
         what = "OpenRLHF AgentExecutor" if spec.kind == "openrlhf" else "environment"
         return (
             f"reward: the environment's ({what} of {spec.source}; multi-turn, up to "
-            f"{AgentSettings.from_config(config, spec).max_turns} turns)"
+            f"{config.rollout_settings().agent_settings(spec.builtin).max_turns} turns)"
         )
     if config.reward_fn is not None:
         from hybrid_algos.train.remote_rewards import HttpReward, RewardFile

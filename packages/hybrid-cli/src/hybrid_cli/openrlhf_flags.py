@@ -332,7 +332,7 @@ def _tensorboard_dir(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
 
 
 def _lr_scheduler(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
-    from hybrid_algos.train.config import LR_SCHEDULERS
+    from hybrid_algos.train.workers.settings import LR_SCHEDULERS
 
     if str(value) not in LR_SCHEDULERS:
         raise _refused(

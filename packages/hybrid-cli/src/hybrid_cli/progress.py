@@ -57,7 +57,9 @@ class ProgressDisplay:
             self.console.print(plan.render(), markup=False)
         residency = info.get("residency")
         if residency is not None:
-            self.console.print(residency.render(), markup=False)
+            from hybrid_algos.train.sections import flag_text
+
+            self.console.print(flag_text(residency.render()), markup=False)  # core names settings, users read flags
         if info.get("run_dir"):
             self.console.print(f"run folder: {info['run_dir']}", markup=False)
         for line in info.get("lines") or ():  # the step count and why; flags the run does not use as given

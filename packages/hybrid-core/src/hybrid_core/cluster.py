@@ -1,4 +1,4 @@
-"""Connect to Ray: a running cluster (``--address``, RAY_ADDRESS, or inside ``ray job submit``) or a new local one.
+"""Connect to Ray: a running cluster (``run.address``, RAY_ADDRESS, or inside ``ray job submit``) or a new local one.
 
 A new local Ray gets a configurable temp dir and bounded logs (the seed's /tmp filled with /tmp/ray logs and took a
 machine down), and it is closed to the network:
@@ -87,12 +87,12 @@ def connect(
     if address:
         if num_gpus is not None:
             raise ConfigError(
-                "num_gpus",
+                "run.num_gpus",
                 f"cannot declare GPUs when joining the running cluster at {address}.",
-                "Drop --num_gpus; the cluster's own GPUs are used.",
+                "Drop run.num_gpus; the cluster's own GPUs are used.",
             )
         check_gcs(
-            address, source="RAY_ADDRESS" if address == os.environ.get("RAY_ADDRESS") and not given else "address"
+            address, source="RAY_ADDRESS" if address == os.environ.get("RAY_ADDRESS") and not given else "run.address"
         )
         ray.init(address=address, log_to_driver=True)
         _warn_if_unauthenticated(address)
@@ -150,8 +150,8 @@ def connect(
 
 
 def make_temp_dir(path: str) -> str:
-    """The absolute ``--ray_temp_dir``, created; a path that cannot be a folder (a file on it, no permission) is a
-    :class:`ConfigError` naming the flag."""
+    """The absolute ``run.ray_temp_dir``, created; a path that cannot be a folder (a file on it, no permission) is a
+    :class:`ConfigError` naming the setting."""
     path = os.path.abspath(path)
     try:
         os.makedirs(path, exist_ok=True)
@@ -159,9 +159,9 @@ def make_temp_dir(path: str) -> str:
         blocker = next((p for p in _ancestors(path) if os.path.exists(p) and not os.path.isdir(p)), None)
         why = f"{blocker!r} is a file, not a folder" if blocker else e.strerror or type(e).__name__
         raise ConfigError(
-            "ray_temp_dir",
+            "run.ray_temp_dir",
             f"cannot create the folder {path!r}: {why}.",
-            "Give a folder that can be created (or leave --ray_temp_dir out: Ray's /tmp/ray).",
+            "Give a folder that can be created (or leave run.ray_temp_dir out: Ray's /tmp/ray).",
         ) from None
     return path
 
@@ -178,7 +178,7 @@ def _ancestors(path: str) -> list[str]:
 CONNECT_TIMEOUT_S = 20.0
 
 
-def check_gcs(address: str, *, source: str = "address", timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+def check_gcs(address: str, *, source: str = "run.address", timeout_s: float = CONNECT_TIMEOUT_S) -> None:
     """Refuse (a :class:`ConfigError` naming ``source``) an address where nothing answers or no Ray GCS does.
 
     ``auto`` and Ray Client addresses (``ray://``) are left to Ray."""

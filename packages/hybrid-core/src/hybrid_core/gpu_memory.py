@@ -80,7 +80,7 @@ def room_error(
     return GpuMemoryError(
         f"{role} cannot wake on GPU {gpu}: {needs} but only {_gib(memory.free)} of {_gib(memory.total)} is free"
         f"{ran_out}; {who}. Fix: {fix}or lower the memory the roles take "
-        "(--vllm_gpu_memory_utilization, --zero_stage 3, --adam_offload, a smaller micro batch)."
+        "(engine.gpu_memory_utilization, trainer.zero_stage 3, trainer.adam_offload, a smaller micro batch)."
     )
 
 

@@ -81,7 +81,7 @@ def choose(node_ips: Iterable[str], rank0_ip: str | None = None) -> Rendezvous:
 
 
 def for_plan(plan: Any) -> Rendezvous:
-    """What a placement plan implies before Ray starts (``--dry-run``): one node -> loopback. On several nodes the
+    """What a placement plan implies before Ray starts (a dry run): one node -> loopback. On several nodes the
     address is rank 0's node IP, known only once Ray placed the workers."""
     nodes = {plan.node_of(g) for role in plan.roles.values() for w in role.workers for g in w.gpus}
     if len(nodes) <= 1:

@@ -69,7 +69,7 @@ def _created(init: Callable[..., None]) -> Callable[..., None]:
 
 
 def gpu_label(gpus: Sequence[int]) -> str:
-    """``GPU 3`` / ``GPUs 2,3``: the plan's GPU numbers (as ``--dry-run`` shows them), for error messages."""
+    """``GPU 3`` / ``GPUs 2,3``: the plan's GPU numbers (as a dry run shows them), for error messages."""
     gpus = list(gpus)
     return f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {','.join(str(g) for g in gpus)}"
 

@@ -36,7 +36,7 @@ _extra: dict[str, str] = {}
 
 
 def set_worker_env(env: Mapping[str, str]) -> None:
-    """Add variables every worker started after this call sees (e.g. from ``--env KEY=VALUE``)."""
+    """Add variables every worker started after this call sees (e.g. the CLI's ``KEY=VALUE`` pairs)."""
     for key, value in env.items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             from .errors import ConfigError

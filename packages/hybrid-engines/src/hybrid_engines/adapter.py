@@ -3,9 +3,10 @@ arguments, its weight-sync transport and its limits.
 
 Adding an engine is one adapter file (a class deriving :class:`EngineAdapter`) plus one registry line
 (:func:`hybrid_engines.registry.register_engine`, or a line in ``registry.BACKENDS``). The training loop never names
-an engine: it validates the run's :class:`EngineSettings` with ``engine_spec(backend).check_settings(settings)``
-(at config time) and builds every engine with ``engine_spec(backend).engine_kwargs(settings, plan)``
-(:class:`EnginePlan`: what the loop knows once the run is planned). Nothing here imports torch or an engine library.
+an engine: it validates the run's :class:`EngineSettings` with :func:`hybrid_engines.registry.validate_settings`
+(at config time: :meth:`EngineSettings.validate`, then ``engine_spec(backend).check_settings(settings)``) and builds
+every engine with ``engine_spec(backend).engine_kwargs(settings, plan)`` (:class:`EnginePlan`: what the loop knows once
+the run is planned). Nothing here imports torch or an engine library.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class EngineSettings:
     """The run's engine section, in the engines' own words (the training config maps its flags onto these:
-    ``RLConfig.engine_settings()``)."""
+    ``RLConfig.engine_settings()``). Its errors name these settings as ``engine.<field>``; the training config says
+    them in its flags' words."""
 
     backend: str = "hf"  # the registry name the run asked for
     num_engines: int = 1  # engines of the rollout role; 0: one built-in engine on each actor GPU
@@ -33,6 +35,42 @@ class EngineSettings:
     bf16: bool = True  # the run computes in bf16 (each engine picks its dtype from it)
     seed: int = 0
     trust_remote_code: bool = False  # let the model folder's own code run
+    sleep: bool | None = None  # engines sleep between generations; None: the residency plan decides
+    sleep_level: int | None = None  # when engine weights leave: 1 to host memory, 2 discarded; None: the planner's
+    seeded_sampling: bool | None = None  # a seed per sample; None: where the engine says it is cheap (seeds_samples)
+
+    def validate(self) -> EngineSettings:
+        """Refuse, as a :class:`ConfigError` naming the setting and the fix, what no engine can run; return self.
+        What the backend itself refuses is its adapter's (``check_settings``): both, and a registered backend, are
+        checked by :func:`hybrid_engines.registry.validate_settings` (the registry imports this module, so the
+        lookup cannot live here)."""
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(
+                "engine.tensor_parallel_size",
+                f"must be a positive integer, got {tp!r}.",
+                "Give engine.tensor_parallel_size a whole number >= 1.",
+            )
+        count = self.num_engines
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ConfigError(
+                "engine.num_engines",
+                f"must be a whole number >= 0, got {count!r}.",
+                "Give the number of engines; 0 puts a built-in engine on each actor GPU.",
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(
+                "engine.gpu_memory_utilization",
+                f"must be in (0, 1], got {self.gpu_memory_utilization}.",
+                "It is a fraction of the GPU, e.g. engine.gpu_memory_utilization 0.5.",
+            )
+        if self.sleep_level not in (None, 1, 2):
+            raise ConfigError(
+                "engine.sleep_level",
+                f"must be 1 or 2, got {self.sleep_level}.",
+                "1 keeps the weights in host memory, 2 discards them; use engine.sleep_level 1.",
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -42,7 +80,7 @@ class EnginePlan:
     model_path: str  # the weights they load at start-up (synced from the trainer afterwards)
     max_model_len: int | None = None  # the longest sequence a rollout can make (prompt + completion)
     shares_gpus: bool = False  # a trainer shares the engines' GPUs: the residency plan may free their memory
-    seeded_sampling: bool = False  # every sample carries a seed of its own
+    seeded_sampling: bool = False  # every sample carries a seed of its own (the adapter's seeds_samples(settings))
     partial_rollout: bool = False  # weight updates may land while a generation is in flight (pause / resume)
 
 
@@ -51,7 +89,7 @@ class EngineAdapter:
 
     Class attributes the loop and the planner read: ``NEEDS_GPU`` (it serves from CUDA devices only),
     ``MEMORY_POOL`` (it takes ``gpu_memory_utilization`` of its GPU at start-up: the dry run's memory model),
-    ``CHEAP_SEEDED_SAMPLING`` (a seed per sample costs nothing: ``--seeded_sampling``'s default), and for engines
+    ``CHEAP_SEEDED_SAMPLING`` (a seed per sample costs nothing: ``engine.seeded_sampling``'s default), and for engines
     that open ports, ``PORTS_NEEDED`` / ``PORT_ENV`` (:func:`hybrid_core.ports.engine_windows`)."""
 
     NEEDS_GPU = False
@@ -60,16 +98,24 @@ class EngineAdapter:
 
     @classmethod
     def check_settings(cls, settings: EngineSettings) -> None:
-        """Refuse, as a :class:`ConfigError` naming the flag and the fix, settings this engine cannot run (called
-        by the config's validation, before anything starts). By default: one engine on each actor GPU without a
-        count (``--vllm_num_engines 0``) is the built-in engine's alone."""
+        """Refuse, as a :class:`ConfigError` naming the setting (``engine.<field>``) and the fix, settings this
+        engine cannot run (called by the config's validation, before anything starts, on settings that passed
+        :meth:`EngineSettings.validate`). By default: one engine on each actor GPU without a count
+        (``engine.num_engines`` 0) is the built-in engine's alone."""
         if settings.num_engines == 0:
             raise ConfigError(
-                "vllm_num_engines",
+                "engine.num_engines",
                 f"0 engines means generating on the actor's GPUs with the built-in "
-                f"engine, but --backend is {settings.backend}.",
-                "Use --backend hf, or give --vllm_num_engines N for N separate engines.",
+                f"engine, but engine.backend is {settings.backend}.",
+                "Use engine.backend hf, or give engine.num_engines N for N separate engines.",
             )
+
+    @classmethod
+    def seeds_samples(cls, settings: EngineSettings) -> bool:
+        """Whether every sample carries a seed of its own: ``settings.seeded_sampling``, by default where that is
+        cheap (``CHEAP_SEEDED_SAMPLING``; vLLM and SGLang sample seeded requests one by one, and are seeded once
+        from ``settings.seed`` instead)."""
+        return cls.CHEAP_SEEDED_SAMPLING if settings.seeded_sampling is None else bool(settings.seeded_sampling)
 
     @classmethod
     def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:

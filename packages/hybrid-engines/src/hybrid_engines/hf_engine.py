@@ -74,13 +74,13 @@ class HFEngine(EngineAdapter):
 
     @classmethod
     def check_settings(cls, settings: EngineSettings) -> None:
-        """One GPU per engine; ``--vllm_num_engines 0`` (an engine on each actor GPU) is this engine's."""
+        """One GPU per engine; ``engine.num_engines`` 0 (an engine on each actor GPU) is this engine's."""
         if settings.tensor_parallel_size > 1:
             raise ConfigError(
-                "vllm_tensor_parallel_size",
-                f"the built-in engine (--backend hf) runs on one GPU, but "
-                f"vllm_tensor_parallel_size = {settings.tensor_parallel_size}.",
-                "Use --vllm_tensor_parallel_size 1 with --backend hf, or --backend vllm / sglang.",
+                "engine.tensor_parallel_size",
+                f"the built-in engine (engine.backend hf) runs on one GPU, but "
+                f"engine.tensor_parallel_size = {settings.tensor_parallel_size}.",
+                "Use engine.tensor_parallel_size 1 with engine.backend hf, or engine.backend vllm / sglang.",
             )
 
     @classmethod

@@ -2,9 +2,10 @@
 
 Each line names the adapter module and class, the library it drives and the pip extra that installs it. An adapter
 class (:class:`~hybrid_engines.adapter.EngineAdapter`) carries what the rest of hybrid needs to know about its
-engine -- ``check_settings(settings)``, ``engine_kwargs(settings, plan)``, ``weight_transport()``, ``NEEDS_GPU``,
-``placement_refusal(tp=, shares_gpus=)`` -- so adding an engine is one adapter file and one line: here, or
-:func:`register_engine` from your own code (a ``--plugins`` file, a test), which also reaches the engine actors.
+engine -- ``check_settings(settings)`` (called by :func:`validate_settings`), ``engine_kwargs(settings, plan)``,
+``weight_transport()``, ``NEEDS_GPU``, ``placement_refusal(tp=, shares_gpus=)`` -- so adding an engine is one adapter
+file and one line: here, or :func:`register_engine` from your own code (a ``--plugins`` file, a test), which also
+reaches the engine actors.
 
 Adapter modules import their library only when an engine is built, so :func:`engine_spec` (the class, for plans and
 dry runs) works where the library is missing; :func:`engine_class` / :func:`make_engine` need it, and a missing one
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from hybrid_core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .adapter import EngineAdapter
+    from .adapter import EngineAdapter, EngineSettings
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,21 @@ def engine_spec(backend: str) -> type[EngineAdapter]:
             "Derive the class from hybrid_engines.adapter.EngineAdapter.",
         )
     return cls
+
+
+def validate_settings(settings: EngineSettings) -> EngineSettings:
+    """Every check of the run's engine section made before anything starts, naming ``engine.<field>``: a
+    registered backend, the settings' own (:meth:`~hybrid_engines.adapter.EngineSettings.validate`), then what the
+    backend's adapter refuses (its ``check_settings``). Returns ``settings``."""
+    names = backend_names()
+    if settings.backend not in names:
+        raise ConfigError(
+            "engine.backend",
+            f"{settings.backend!r} is not one of {', '.join(names)}.",
+            "engine.backend hf runs anywhere; vllm/sglang need the extras.",
+        )
+    engine_spec(settings.backend).check_settings(settings.validate())
+    return settings
 
 
 def library_missing(backend: str) -> str | None:

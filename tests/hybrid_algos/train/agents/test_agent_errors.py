@@ -49,7 +49,7 @@ def _run(tiny, path: str, *, n: int = 2, budget: int = 12, **changes):
         seed=1,
     )
     cfg = GRPOConfig(**{**settings, **changes}).validate()
-    agent = AgentRollout(load_agent(path), cfg, tok, context_limit=256)
+    agent = AgentRollout(load_agent(path), cfg.rollout_settings(), tok, context_limit=256)
     prompts = SyntheticTask("copy", prompt_symbols=1).prompts(2, seed=1)
     try:
         return agent.run(
@@ -91,7 +91,7 @@ def test_exception_in_step_with_end_sample_ends_only_that_sample(tiny, tmp_path,
     assert len(failed) == 2 and all(path in c.failed and "the tool crashed" in c.failed for c in failed)
     assert all(c.reward == 0.0 and c.response == [] for c in failed)
     assert all(c.reward == 1.0 for c in flat if not c.failed)
-    _, mask, _ = shape_rewards(GRPOConfig(), batch.outputs, batch.rewards, 12)
+    _, mask, _ = shape_rewards(GRPOConfig().algorithm_settings(), batch.outputs, batch.rewards, 12)
     assert mask.tolist() == [not c.failed for c in flat]  # left out of the policy loss
     assert any(path in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
 

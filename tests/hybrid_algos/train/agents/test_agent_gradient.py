@@ -172,8 +172,9 @@ def test_advantages_are_zero_at_environment_tokens_and_ignore_them():
         values=torch.where(env, rand() * 9, base.values),
     )
     for cfg in (PPOConfig(), ReinforceConfig(), GRPOConfig(n_samples_per_prompt=2)):
-        a, _ = advantages_for(cfg, base, kl_coef=0.1)
-        b, _ = advantages_for(cfg, noisy, kl_coef=0.1)
+        algo, n = cfg.algorithm_settings(), cfg.n_samples_per_prompt
+        a, _ = advantages_for(algo, base, kl_coef=0.1, n_samples_per_prompt=n)
+        b, _ = advantages_for(algo, noisy, kl_coef=0.1, n_samples_per_prompt=n)
         assert (a.advantages[env] == 0).all() and (a.returns[env] == 0).all(), cfg.advantage_estimator
         assert torch.equal(a.advantages, b.advantages) and torch.equal(a.returns, b.returns), cfg.advantage_estimator
         assert (a.advantages[mask.bool()] != 0).any()

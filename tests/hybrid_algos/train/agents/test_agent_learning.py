@@ -75,7 +75,7 @@ def _greedy_accuracy(model_dir: str) -> float:
     config = GRPOConfig(**SETTINGS).validate()
     prompts = task_from_config(config).prompts(64, seed=123)
     engine = HFEngine(model_dir, device="cpu", dtype="float32")
-    rollout = AgentRollout(builtin_agent(config), config, AutoTokenizer.from_pretrained(model_dir))
+    rollout = AgentRollout(builtin_agent(config), config.rollout_settings(), AutoTokenizer.from_pretrained(model_dir))
     try:
         batch = rollout.run(
             engine, prompts, SamplingParams(temperature=0, max_new_tokens=12, n=1, stop_token_ids=(EOS,)), step=0

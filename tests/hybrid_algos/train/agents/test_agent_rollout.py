@@ -53,7 +53,7 @@ def _lookup(tiny, **changes):
     from hybrid_algos.train.tasks import task_from_config
 
     prompts = task_from_config(cfg).prompts(8, seed=1)
-    rollout = AgentRollout(builtin_agent(cfg), cfg, tok, context_limit=256)
+    rollout = AgentRollout(builtin_agent(cfg), cfg.rollout_settings(), tok, context_limit=256)
     return engine, rollout, prompts
 
 
@@ -125,7 +125,9 @@ def test_environment_steps_run_concurrently(tiny):
             return StepResult(feedback="s1", reward=1.0, done=False)
 
     spec = AgentSpec("environment", "slow_tool.py", factory=SlowTool)
-    agent = AgentRollout(spec, cfg.replace(max_turns=2, max_new_tokens_per_turn=3), tok, context_limit=256)
+    agent = AgentRollout(
+        spec, cfg.replace(max_turns=2, max_new_tokens_per_turn=3).rollout_settings(), tok, context_limit=256
+    )
     from hybrid_algos.train.tasks import SyntheticTask
 
     prompts = SyntheticTask("copy", prompt_symbols=1).prompts(4, seed=0)
@@ -160,7 +162,7 @@ def test_conversations_do_not_depend_on_the_environments_timing(tiny):
     prompts = task_from_config(cfg).prompts(4, seed=2)
     results = []
     for jitter in (False, True, True):
-        agent = AgentRollout(make(jitter), cfg, tok, context_limit=256)
+        agent = AgentRollout(make(jitter), cfg.rollout_settings(), tok, context_limit=256)
         try:
             batch = agent.run(engine, prompts, _sampling(seed=11), step=0)
         finally:
@@ -226,7 +228,9 @@ def test_environment_can_rewrite_the_prompt(tiny):
         def step(self, action):
             return {"feedback": "", "reward": 0.5, "done": True}
 
-    agent = AgentRollout(AgentSpec("environment", "rewrites.py", factory=Rewrites), cfg, tok, context_limit=256)
+    agent = AgentRollout(
+        AgentSpec("environment", "rewrites.py", factory=Rewrites), cfg.rollout_settings(), tok, context_limit=256
+    )
     from hybrid_algos.train.tasks import SyntheticTask
 
     prompts = SyntheticTask("copy", prompt_symbols=1).prompts(2, seed=0)
@@ -266,7 +270,7 @@ def test_dynamic_sampling_over_conversations(tiny):
     from hybrid_algos.train.tasks import task_from_config
 
     pool = task_from_config(cfg).prompts(64, seed=11)
-    agent = AgentRollout(builtin_agent(cfg), cfg, tok, context_limit=256)
+    agent = AgentRollout(builtin_agent(cfg), cfg.rollout_settings(), tok, context_limit=256)
     ctx = SimpleNamespace(config=cfg, engines=engine, agent=agent, reward=None, prompt_pool=pool)
     try:
         out = sample_rollout(ctx, 0, pool[:4], _sampling(seed=3))
@@ -282,7 +286,7 @@ def test_dynamic_sampling_over_conversations(tiny):
     assert m["agent/turn1/samples"] == 4 * m["dynamic_sampling/generated_prompts"]  # every round's conversations
     rollout = out.rollout(PAD)
     assert rollout.batch_size == 16 and (rollout.action_mask.sum(-1) >= 1).all()
-    _, mask, _ = shape_rewards(cfg, out.outputs, out.scores, 14)
+    _, mask, _ = shape_rewards(cfg.algorithm_settings(), out.outputs, out.scores, 14)
     assert mask is None
 
 

@@ -73,7 +73,7 @@ def test_the_rollout_passes_the_engine_s_versions_through(tmp_path):
         micro_train_batch_size=16,
         seed=7,
     ).validate()
-    agent = AgentRollout(builtin_agent(cfg), cfg, tok, context_limit=256)
+    agent = AgentRollout(builtin_agent(cfg), cfg.rollout_settings(), tok, context_limit=256)
     try:
         batch = agent.run(
             engine,

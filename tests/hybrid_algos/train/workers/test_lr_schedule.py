@@ -10,7 +10,7 @@ import torch
 
 from hybrid_algos.train import GRPOConfig
 from hybrid_algos.train.deepspeed_setup import deepspeed_config
-from hybrid_algos.train.workers.policy import lr_schedule
+from hybrid_algos.train.workers.policy import lr_schedule, update_shape
 from hybrid_core.errors import ConfigError
 
 
@@ -29,6 +29,11 @@ def _rates(config: dict, updates: int) -> list[float]:
     return rates
 
 
+def _schedule(cfg: GRPOConfig, total_steps: int) -> dict:
+    """The schedule a trained role is given for a run of ``total_steps`` steps (its updates: the rollout's shape)."""
+    return lr_schedule(cfg.trainer_settings(), update_shape(cfg, 1, total_steps)["total_updates"])
+
+
 def _config(cfg: GRPOConfig, total_steps: int) -> dict:
     return deepspeed_config(
         zero_stage=1,
@@ -40,7 +45,7 @@ def _config(cfg: GRPOConfig, total_steps: int) -> dict:
         weight_decay=0.0,
         max_norm=1.0,
         adam_offload=False,
-        **lr_schedule(cfg, total_steps),
+        **_schedule(cfg, total_steps),
     )
 
 
@@ -54,7 +59,7 @@ def test_cosine_decays_from_the_rate_to_its_floor_over_the_run() -> None:
         train_batch_size=8,
         max_epochs=2,
     )
-    schedule = lr_schedule(cfg, total_steps=10)
+    schedule = _schedule(cfg, total_steps=10)
     assert schedule["total_updates"] == 10 * 2 * 2  # 16 samples per step / 8 per update, 2 epochs
     rates = _rates(_config(cfg, 10), schedule["total_updates"])
     assert rates[0] == pytest.approx(1e-3)  # no warm-up asked: the first update at the full rate
@@ -72,7 +77,7 @@ def test_cosine_after_a_linear_warm_up() -> None:
         n_samples_per_prompt=2,
         train_batch_size=8,
     )
-    schedule = lr_schedule(cfg, total_steps=16)
+    schedule = _schedule(cfg, total_steps=16)
     assert schedule["warmup_steps"] == 4
     rates = _rates(_config(cfg, 16), schedule["total_updates"])
     # DeepSpeed's warm-up (as its WarmupLR's) starts from 0 one update late: 0, 0, 1/4, 2/4, 3/4, then the decay

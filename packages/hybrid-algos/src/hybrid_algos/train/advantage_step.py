@@ -5,26 +5,30 @@ from __future__ import annotations
 import torch
 
 from .. import AdvantageInputs, compute_advantages, kl_penalty
+from ..settings import AlgorithmSettings
 from .experience import Rollout
 
 
-def advantages_for(cfg, rollout: Rollout, kl_coef: float) -> tuple[Rollout, dict[str, float]]:
-    """Fill ``advantages`` / ``returns`` (and ``token_rewards``) of ``rollout`` with ``cfg.advantage_estimator``."""
+def advantages_for(
+    algo: AlgorithmSettings, rollout: Rollout, kl_coef: float, *, n_samples_per_prompt: int
+) -> tuple[Rollout, dict[str, float]]:
+    """Fill ``advantages`` / ``returns`` (and ``token_rewards``) of ``rollout`` with ``algo.estimator``
+    (``n_samples_per_prompt``: the size of each prompt's group, which the group estimators compare within)."""
     mask = rollout.action_mask
     token_rewards = None
-    if rollout.ref_logprobs is not None and not cfg.use_kl_loss and kl_coef > 0:
+    if rollout.ref_logprobs is not None and not algo.kl_loss and kl_coef > 0:
         # KL as a reward term (PPO, REINFORCE++): -coef * KL on every response token.
-        token_rewards = kl_penalty(rollout.old_logprobs, rollout.ref_logprobs, mask, kl_coef, cfg.kl_estimator)
+        token_rewards = kl_penalty(rollout.old_logprobs, rollout.ref_logprobs, mask, kl_coef, algo.kl_estimator)
     inputs = AdvantageInputs(
         response_mask=mask,
         scores=rollout.scores,
         token_rewards=token_rewards,
         values=rollout.values,
-        n_samples_per_prompt=cfg.n_samples_per_prompt,
-        gamma=cfg.gamma,
-        lam=cfg.lambd,
+        n_samples_per_prompt=n_samples_per_prompt,
+        gamma=algo.gamma,
+        lam=algo.lam,
     )
-    advantages, returns = compute_advantages(cfg.advantage_estimator, inputs)
+    advantages, returns = compute_advantages(algo.estimator, inputs)
     valid = mask.bool()
     stats = {
         "advantage_mean": advantages[valid].mean().item() if valid.any() else 0.0,

@@ -35,14 +35,14 @@ from .step import train_on
 
 
 class AsyncRunner:
-    """The producer thread and the trainer's side of the queue (made by :class:`.loop.TrainingSession`)."""
+    """The producer thread and the trainer's side of the queue (made by :class:`.session.TrainingSession`)."""
 
     def __init__(self, session: Any, mode: str, restored: list[dict] | None = None):
-        cfg = session.config
+        rollout = session.config.rollout_settings()
         self.session, self.ctx, self.mode = session, session.ctx, mode
-        self.max_staleness = cfg.async_max_staleness
-        self.partial = cfg.partial_rollout
-        self.timeout_s = cfg.step_timeout_s
+        self.max_staleness = rollout.async_max_staleness
+        self.partial = rollout.partial_rollout
+        self.timeout_s = session.config.run_settings().step_timeout_s
         self.total = session.prep.total_steps
         self.cv = threading.Condition()
         self.queue: dict[int, Batch] = {}

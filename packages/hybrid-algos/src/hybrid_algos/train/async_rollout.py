@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from hybrid_core.errors import HybridError
 from hybrid_core.mps import mps_note
 
 from .dynamic_sampling import Sampled
+
+if TYPE_CHECKING:
+    from .rollout_settings import RolloutSettings
 
 
 class StalenessError(HybridError):
@@ -90,9 +93,9 @@ def staleness_metrics(batch: Batch, trainer_version: int) -> dict[str, float]:
 
 
 # ---- modes ---------------------------------------------------------------------------------------------------------
-def async_mode(cfg: Any, placement: Any, residency: Any) -> tuple[str, str]:
-    """(mode, why) for this run: see the module docstring."""
-    if not cfg.async_train:
+def async_mode(rollout: RolloutSettings, placement: Any, residency: Any) -> tuple[str, str]:
+    """(mode, why) for this run (``rollout``: the rollout section): see the module docstring."""
+    if not rollout.async_train:
         return "off", ""
     if not placement.shared_gpus("rollout"):
         return "split", "asynchronous: the engines generate the next batch on their own GPUs while the trainer trains"
@@ -113,7 +116,7 @@ def async_pins(cfg: Any, shared_roles: set[str], sleeping: set[str]) -> dict[tup
     None when there is nothing to ask (no async, engines on GPUs of their own, or the user asked them to sleep)."""
     if not cfg.async_train or "rollout" not in shared_roles or "rollout" in sleeping:
         return None
-    user = cfg.residency_settings()["pins"]
+    user = cfg.residency_settings().state_pins()
     if any(user.get(("rollout", s), "resident") != "resident" for s in ("weights", "kv_cache")):
         return None
     return {("rollout", "weights"): "resident", ("rollout", "kv_cache"): "resident"}

@@ -1,8 +1,8 @@
 """Prompt datasets: local JSONL / JSON / Parquet files, ``datasets`` folders (``save_to_disk``), Hugging Face ids
 already in the local cache, or the built-in task.
 
-``load_prompts(config, tokenizer)`` returns a list of :class:`~hybrid_algos.train.tasks.Prompt` (token ids, text,
-label). What happens to each record:
+``load_prompts(rollout, tokenizer, task)`` (``rollout``: the rollout section, :mod:`.rollout_settings`) returns a
+list of :class:`~hybrid_algos.train.tasks.Prompt` (token ids, text, label). What happens to each record:
 
 * ``--prompt_data a,b`` reads several datasets (OpenRLHF's comma list; ``name@subfolder`` reads a subfolder). Without
   ``--prompt_data_probs`` they are concatenated; with ``--prompt_data_probs 0.7,0.3`` they are interleaved as
@@ -36,11 +36,15 @@ import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import ConfigError
 
-from .tasks import BOS, FIRST_SYMBOL_ID, SEP, Prompt, task_from_config
+from .prompt_sources import parse_probs, split_sources
+from .tasks import BOS, FIRST_SYMBOL_ID, SEP, LookupTask, Prompt, SyntheticTask
+
+if TYPE_CHECKING:
+    from .rollout_settings import RolloutSettings
 
 log = logging.getLogger(__name__)
 
@@ -67,45 +71,52 @@ class PromptStats:
         return text + ")"
 
 
-def load_prompts(config: Any, tokenizer: Any) -> list[Prompt]:
-    """The prompts of a run: ``config.prompt_data`` encoded with ``tokenizer``, or the built-in task's prompts."""
-    return load_prompt_set(config, tokenizer)[0]
+def load_prompts(
+    rollout: RolloutSettings, tokenizer: Any, task: SyntheticTask | LookupTask | None = None
+) -> list[Prompt]:
+    """The prompts of a run: ``rollout.prompt_data`` encoded with ``tokenizer``, or the built-in ``task``'s prompts
+    (``task_from_config(models)``; needed when there is no prompt data)."""
+    return load_prompt_set(rollout, tokenizer, task)[0]
 
 
-def load_prompt_set(config: Any, tokenizer: Any) -> tuple[list[Prompt], PromptStats]:
+def load_prompt_set(
+    rollout: RolloutSettings, tokenizer: Any, task: SyntheticTask | LookupTask | None = None
+) -> tuple[list[Prompt], PromptStats]:
     """Like :func:`load_prompts`, also returning what was read and dropped."""
-    if config.prompt_data is None:
-        return synthetic_prompts(config, tokenizer)
-    if not config.input_key:
+    if rollout.prompt_data is None:
+        if task is None:
+            raise TypeError("load_prompt_set: without prompt data, the built-in task (task=...) makes the prompts")
+        return synthetic_prompts(rollout, task, tokenizer)
+    if not rollout.input_key:
         raise ConfigError(
             "input_key",
             "--prompt_data needs --input_key to say which field holds the prompt.",
             "Add e.g. --input_key prompt.",
         )
-    sources = split_sources(config.prompt_data)
-    weights = parse_probs(getattr(config, "prompt_data_probs", None), len(sources))
+    sources = split_sources(rollout.prompt_data)
+    weights = parse_probs(rollout.prompt_data_probs, len(sources))
     groups, read, dropped = [], 0, 0
     for source in sources:
-        records = read_records(source.path, split=getattr(config, "prompt_split", "train"), given=source.given)
-        records = records[: config.max_samples]
+        records = read_records(source.path, split=rollout.prompt_split, given=source.given)
+        records = records[: rollout.max_samples]
         prompts, lost = encode_records(
             records,
             tokenizer,
-            input_key=config.input_key,
-            label_key=config.label_key,
-            apply_chat_template=config.apply_chat_template,
-            prompt_max_len=config.prompt_max_len,
+            input_key=rollout.input_key,
+            label_key=rollout.label_key,
+            apply_chat_template=rollout.apply_chat_template,
+            prompt_max_len=rollout.prompt_max_len,
             source=source.given,
-            input_template=getattr(config, "input_template", None),
+            input_template=rollout.input_template,
         )
         groups.append(prompts)
         read, dropped = read + len(records), dropped + lost
     if weights is None:
         prompts = [p for group in groups for p in group]
     else:
-        prompts = interleave(groups, weights, seed=config.seed)
-    where = config.prompt_data if weights is None else f"{config.prompt_data} (mixed {config.prompt_data_probs})"
-    stats = PromptStats(where, read, len(prompts), dropped, config.prompt_max_len)
+        prompts = interleave(groups, weights, seed=rollout.seed)
+    where = rollout.prompt_data if weights is None else f"{rollout.prompt_data} (mixed {rollout.prompt_data_probs})"
+    stats = PromptStats(where, read, len(prompts), dropped, rollout.prompt_max_len)
     if dropped:
         log.warning("%s", stats.describe())
     return prompts, stats
@@ -171,79 +182,29 @@ class StepCount:
         )
 
 
-def step_count(config: Any, prompts: int) -> StepCount:
-    """How many steps ``prompts`` prompts make under ``config`` (the loop runs exactly ``.total``)."""
-    if prompts < config.rollout_batch_size:
+def step_count(rollout: RolloutSettings, prompts: int) -> StepCount:
+    """How many steps ``prompts`` prompts make under the rollout section ``rollout`` (the loop runs exactly
+    ``.total``)."""
+    if prompts < rollout.rollout_batch_size:
         raise ConfigError(
             "rollout_batch_size",
-            f"only {prompts} prompts, fewer than one rollout batch ({config.rollout_batch_size}).",
+            f"only {prompts} prompts, fewer than one rollout batch ({rollout.rollout_batch_size}).",
             "Lower --rollout_batch_size or give more prompts.",
         )
-    samples = config.samples_per_step
+    samples = rollout.samples_per_step
     return StepCount(
         prompts,
-        config.rollout_batch_size,
-        config.num_episodes,
-        config.max_steps,
-        samples // config.train_batch_size * config.max_epochs,
+        rollout.rollout_batch_size,
+        rollout.num_episodes,
+        rollout.max_steps,
+        samples // rollout.train_batch_size * rollout.max_epochs,
         samples,
-        config.train_batch_size,
-        config.max_epochs,
+        rollout.train_batch_size,
+        rollout.max_epochs,
     )
 
 
-# ---- several datasets ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Source:
-    """One dataset of --prompt_data: what was given, and the local path it is read from."""
-
-    given: str
-    path: str
-
-
-def split_sources(prompt_data: str) -> list[Source]:
-    """``a,b@sub`` -> the datasets to read (``name@subfolder`` reads a subfolder, as in OpenRLHF)."""
-    out = []
-    for part in (p.strip() for p in prompt_data.split(",")):
-        if not part:
-            raise ConfigError(
-                "prompt_data",
-                f"{prompt_data!r} has an empty entry.",
-                "Separate datasets with single commas: --prompt_data a.jsonl,b.jsonl.",
-            )
-        path, _, sub = part.partition("@")
-        out.append(Source(part, os.path.join(path, sub) if sub else path))
-    return out
-
-
-def parse_probs(probs: str | None, count: int) -> list[float] | None:
-    """--prompt_data_probs: one positive weight per dataset (normalised), or None to concatenate."""
-    if probs is None:
-        return None
-    try:
-        weights = [float(w) for w in str(probs).split(",")]
-    except ValueError:
-        raise ConfigError(
-            "prompt_data_probs",
-            f"expected comma-separated numbers, got {probs!r}.",
-            "E.g. --prompt_data_probs 0.7,0.3.",
-        ) from None
-    if len(weights) != count:
-        raise ConfigError(
-            "prompt_data_probs",
-            f"{len(weights)} weights for {count} dataset(s) of --prompt_data.",
-            "Give one weight per dataset, in the same order.",
-        )
-    if any(not (w > 0) or w == float("inf") for w in weights):
-        raise ConfigError(
-            "prompt_data_probs",
-            f"every weight must be a positive number, got {probs!r}.",
-            "Drop a dataset from --prompt_data instead of giving it weight 0.",
-        )
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
+# ---- several datasets (which ones and their weights: :mod:`.prompt_sources`) -------------------------------------
 def interleave(groups: Sequence[Sequence[Any]], weights: Sequence[float], *, seed: int) -> list[Any]:
     """Draw each item's dataset with ``weights``; a dataset that runs out starts over, until every dataset has been
     seen whole (OpenRLHF's ``interleave_datasets(..., stopping_strategy="all_exhausted")``)."""
@@ -262,21 +223,6 @@ def interleave(groups: Sequence[Sequence[Any]], weights: Sequence[float], *, see
         if positions[i] >= len(group):
             unseen.discard(i)
     return out
-
-
-def check_prompt_sources(prompt_data: str, probs: str | None = None) -> None:
-    """Every dataset of --prompt_data exists locally (ids are resolved before, see resolve_local_paths)."""
-    sources = split_sources(prompt_data)
-    for source in sources:
-        if not os.path.exists(source.path):
-            raise ConfigError(
-                "prompt_data",
-                f"no file or folder at {source.path!r}"
-                + (f" (from {prompt_data!r})" if len(sources) > 1 else "")
-                + ".",
-                "Give local JSONL/Parquet files or datasets folders, or Hugging Face ids already in the local cache.",
-            )
-    parse_probs(probs, len(sources))
 
 
 # ---- Hugging Face ids from the local cache ---------------------------------------------------------------------------
@@ -362,22 +308,23 @@ def _from_cache(field: str, repo_id: str, kind: str) -> str:
     return path
 
 
-def synthetic_prompts(config: Any, tokenizer: Any | None = None) -> tuple[list[Prompt], PromptStats]:
-    """The built-in task's prompts: enough for ``max_steps`` steps (or SYNTHETIC_PROMPTS), capped by max_samples."""
-    task = task_from_config(config)
+def synthetic_prompts(
+    rollout: RolloutSettings, task: SyntheticTask | LookupTask, tokenizer: Any | None = None
+) -> tuple[list[Prompt], PromptStats]:
+    """``task``'s prompts: enough for ``max_steps`` steps (or SYNTHETIC_PROMPTS), capped by max_samples."""
     if tokenizer is not None:
         _check_task_vocab(tokenizer, task.num_symbols)
-    wanted = config.rollout_batch_size * config.max_steps if config.max_steps else SYNTHETIC_PROMPTS
-    count = min(config.max_samples, max(wanted, config.rollout_batch_size))
-    prompts = task.prompts(count, seed=config.seed)
+    wanted = rollout.rollout_batch_size * rollout.max_steps if rollout.max_steps else SYNTHETIC_PROMPTS
+    count = min(rollout.max_samples, max(wanted, rollout.rollout_batch_size))
+    prompts = task.prompts(count, seed=rollout.seed)
     longest = max(len(p.prompt_ids) for p in prompts)
-    if longest > config.prompt_max_len:
+    if longest > rollout.prompt_max_len:
         raise ConfigError(
             "prompt_max_len",
-            f"the built-in task's prompts are {longest} tokens, more than prompt_max_len={config.prompt_max_len}.",
+            f"the built-in task's prompts are {longest} tokens, more than prompt_max_len={rollout.prompt_max_len}.",
             f"Use --prompt_max_len {longest} or more.",
         )
-    return prompts, PromptStats(f"built-in task {config.task!r}", count, count, 0, config.prompt_max_len)
+    return prompts, PromptStats(f"built-in task {task.name!r}", count, count, 0, rollout.prompt_max_len)
 
 
 def _check_task_vocab(tokenizer: Any, num_symbols: int) -> None:

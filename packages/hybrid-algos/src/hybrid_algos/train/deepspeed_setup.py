@@ -90,7 +90,7 @@ def deepspeed_config(
 ) -> dict[str, Any]:
     """The DeepSpeed config of a trained role. ``bf16_master_weights`` / ``bf16_optimizer_states``: the ZeRO
     optimizer keeps its master weights and gradients (and Adam's m, v) in bf16 -- DeepSpeed's
-    ``bf16.bf16_master_weights_and_grads`` / ``bf16.bf16_optimizer_states`` (``RLConfig`` checks the combinations
+    ``bf16.bf16_master_weights_and_grads`` / ``bf16.bf16_optimizer_states`` (``TrainerSettings`` checks the combinations
     DeepSpeed accepts; under CPU Adam, DeepSpeed then builds it with ``fp32_optimizer_states`` off by itself)."""
     # Communication buckets no larger than the model: DeepSpeed allocates them whole (5e8 elements = 2 GB in fp32).
     # (rounded up to a multiple of 4096: DeepSpeed wants multiples of its alignment factor).

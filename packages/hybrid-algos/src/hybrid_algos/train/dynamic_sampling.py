@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .. import informative_groups, overlong_penalty
+from ..settings import AlgorithmSettings
 from .experience import Rollout
 
 
@@ -79,8 +80,9 @@ def _agent_metrics(batches: list) -> dict[str, float]:
 def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -> Sampled:
     """Generate the step's rollout (inside the rollout turn), with DAPO's dynamic sampling when configured."""
     cfg = ctx.config
+    algo = cfg.algorithm_settings()
     prompts = list(prompts)
-    if not cfg.dynamic_filtering:
+    if not algo.dynamic_filtering:
         outputs, scores, batch = _generate(ctx, step, prompts, sampling, score=False)
         return Sampled(prompts, outputs, scores, _agent_metrics([batch]) if batch is not None else {})
 
@@ -98,11 +100,11 @@ def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -
             reward_s += time.perf_counter() - t0
         agent_batches.append(agent_batch)
         generated += len(batch)
-        shaped, _, _ = shape_rewards(cfg, outputs, raw, sampling.max_new_tokens)
-        keep = informative_groups(shaped, n_samples_per_prompt=n, reward_range=cfg.dynamic_filtering_reward_range)
+        shaped, _, _ = shape_rewards(algo, outputs, raw, sampling.max_new_tokens)
+        keep = informative_groups(shaped, n_samples_per_prompt=n, reward_range=algo.filter_reward_range)
         for g, (prompt, outs) in enumerate(zip(batch, outputs)):
             (kept if bool(keep[g * n]) else dropped).append((prompt, outs, raw[g * n : (g + 1) * n]))
-        if len(kept) >= target or rounds >= cfg.dynamic_filtering_max_rounds:
+        if len(kept) >= target or rounds >= algo.filter_max_rounds:
             break
         rounds += 1
         deficit = target - len(kept)
@@ -143,7 +145,7 @@ def extra_prompts(ctx: Any, cfg: Any, step: int, round_: int, count: int, fallba
 
 
 def shape_rewards(
-    cfg: Any, outputs: Sequence[Sequence[Any]], scores: torch.Tensor, max_new_tokens: int
+    algo: AlgorithmSettings, outputs: Sequence[Sequence[Any]], scores: torch.Tensor, max_new_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """``(scores with the overlong penalty, sample_mask or None, metrics)`` for prompt-major ``outputs``.
 
@@ -153,14 +155,14 @@ def shape_rewards(
     truncated = torch.tensor([o.finish_reason == "length" for o in flat], dtype=torch.bool)
     failed = torch.tensor([bool(o.extra.get("agent_failed")) for o in flat], dtype=torch.bool)
     metrics = {"rollout/truncated_frac": truncated.float().mean().item() if len(flat) else 0.0}
-    if cfg.overlong_buffer_len is not None:
+    if algo.overlong_buffer_len is not None:
         lengths = torch.tensor([len(o.token_ids) for o in flat])
         penalty = overlong_penalty(
-            lengths, max_new_tokens, min(cfg.overlong_buffer_len, max_new_tokens), cfg.overlong_penalty_factor
+            lengths, max_new_tokens, min(algo.overlong_buffer_len, max_new_tokens), algo.overlong_penalty_factor
         )
         scores = scores + penalty.to(scores.dtype)
         metrics["reward/overlong_penalty"] = penalty.mean().item()
-    sample_mask = ~truncated if cfg.mask_truncated_completions else None
+    sample_mask = ~truncated if algo.mask_truncated_completions else None
     if failed.any():  # an environment failed (--agent_on_error end_sample): not the policy's doing
         sample_mask = ~failed if sample_mask is None else sample_mask & ~failed
     return scores, sample_mask, metrics

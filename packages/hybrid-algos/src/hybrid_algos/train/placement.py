@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from hybrid_core.errors import ConfigError
-from hybrid_core.placement import PlacementPlan, PlacementSpec
+from hybrid_core.placement import CountedRole, PlacementPlan, PlacementSpec
+from hybrid_core.placement.settings import PlacementSettings
 from hybrid_core.residency import (
     GiB,
     HostBudget,
@@ -27,48 +28,102 @@ from hybrid_core.residency import (
     plan_residency,
 )
 from hybrid_core.residency.planner import check_sleepers
+from hybrid_core.residency.settings import SleepAsks
 
 from .config import RLConfig
 from .recipe import Recipe
 from .recipes import RECIPES, recipe_for
+from .sections import flag_text, flag_words
 
 #: The budget's GPU size when neither --gpu_memory_gb nor a local GPU says (an H100 / A100 80GB).
 DEFAULT_GPU_GIB = 80.0
 
 
 def build_plan(cfg: RLConfig, recipe: Recipe | None = None) -> PlacementPlan:
-    """The placement of ``recipe``'s roles (default: the config's, :func:`~.recipes.recipe_for`)."""
+    """The placement of ``recipe``'s roles (default: the config's, :func:`~.recipes.recipe_for`); its errors name
+    the flags."""
     recipe = recipe or recipe_for(cfg)
-    if cfg.placement is not None:
-        roles = {role: rng for role, rng in cfg.placement.items() if _role_used(recipe, role)}
-        stray = [role for role in roles if not recipe.has(role)]
-        if stray:
-            raise ConfigError(
-                f"placement.{stray[0]}",
-                f"the {recipe.name} recipe has no role {stray[0]!r} (its roles: "
-                f"{', '.join(r.name for r in recipe.roles)}).",
-                "Give GPU ranges to those roles only.",
-            )
-        return PlacementSpec.from_ranges(
-            roles, tp={"rollout": cfg.vllm_tensor_parallel_size}, gpus_per_node=cfg.gpus_per_node
-        ).plan()
-    return PlacementSpec.from_counts(
-        actor_num_nodes=cfg.actor_num_nodes,
-        actor_num_gpus_per_node=cfg.actor_num_gpus_per_node,
-        critic_num_nodes=cfg.critic_num_nodes,
-        critic_num_gpus_per_node=cfg.critic_num_gpus_per_node if recipe.has("critic") else 0,
-        ref_num_nodes=cfg.ref_num_nodes,
-        ref_num_gpus_per_node=cfg.ref_num_gpus_per_node if recipe.has("reference") else 0,
-        reward_num_nodes=cfg.reward_num_nodes,
-        reward_num_gpus_per_node=cfg.reward_num_gpus_per_node if recipe.has("reward") else 0,
-        vllm_num_engines=cfg.vllm_num_engines or cfg.actor_world_size,
-        vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size if cfg.vllm_num_engines else 1,
-        colocate_all_models=cfg.colocate_all_models,
-        colocate_actor_ref=cfg.colocate_actor_ref,
-        colocate_critic_reward=cfg.colocate_critic_reward,
-        gpus_per_node=cfg.gpus_per_node,
-        engines_on_actor=cfg.vllm_num_engines == 0,
-    ).plan()
+    placement, engine = cfg.placement_settings(), cfg.engine_settings()
+    with flag_words():
+        if placement.ranges is not None:
+            ranges = {role: rng for role, rng in placement.ranges.items() if _role_used(recipe, role)}
+            stray = [role for role in ranges if not recipe.has(role)]
+            if stray:
+                raise ConfigError(
+                    f"placement.{stray[0]}",
+                    f"the {recipe.name} recipe has no role {stray[0]!r} (its roles: "
+                    f"{', '.join(r.name for r in recipe.roles)}).",
+                    "Give GPU ranges to those roles only.",
+                )
+            return PlacementSpec.from_ranges(
+                ranges, tp={recipe.engine_role: engine.tensor_parallel_size}, gpus_per_node=placement.gpus_per_node
+            ).plan()
+        roles = counted_roles(placement, recipe, engine.num_engines, engine.tensor_parallel_size)
+        return PlacementSpec.from_counts(roles, gpus_per_node=placement.gpus_per_node).plan()
+
+
+#: The roles OpenRLHF's count flags place (``<prefix>_num_nodes`` x ``<prefix>_num_gpus_per_node``), in its
+#: launcher's order (each block of GPUs after the previous ones; the engines' block follows the actor's).
+COUNT_PREFIXES = {"actor": "actor", "critic": "critic", "reference": "ref", "reward": "reward"}
+#: How the placement's errors call a role, where not by its name.
+_LABELS = {"reference": "reference model", "reward": "reward model"}
+
+
+def counted_roles(
+    placement: PlacementSettings, recipe: Recipe, num_engines: int, tensor_parallel_size: int
+) -> list[CountedRole]:
+    """OpenRLHF's count flags, as its launcher reads them, for the roles ``recipe`` has (a role it has not gets no
+    GPUs). ``num_engines`` / ``tensor_parallel_size``: the engine section's counts -- 0 engines puts one engine
+    on each actor GPU (OpenRLHF: generate with the actor).
+
+    ``colocate_all``: every role on the actor's GPUs (a role with fewer GPUs takes the first ones), the engines
+    filling them exactly; ``colocate_actor_ref``: the reference on the actor's; ``colocate_critic_reward``: the
+    reward model on the critic's; every other role gets its own block, in the order actor, engines, critic,
+    reference, reward."""
+    unknown = [r.name for r in recipe.workers if r.name not in COUNT_PREFIXES]
+    if unknown:
+        raise ConfigError(
+            "placement.ranges",
+            f"the {recipe.name} recipe's role {unknown[0]!r} has no count settings (they place "
+            f"{', '.join(COUNT_PREFIXES)} and the engines).",
+            "Give every role a GPU range with placement.ranges.",
+        )
+
+    def counted(role: str, on: str | None = None, on_field: str = "", required: bool = False) -> CountedRole:
+        prefix = COUNT_PREFIXES[role]
+        nodes, per_node = placement.count(prefix)
+        return CountedRole(
+            role,
+            (nodes, per_node if recipe.has(role) else 0),
+            (f"placement.{prefix}_num_nodes", f"placement.{prefix}_num_gpus_per_node"),
+            on=on,
+            on_field=on_field,
+            required=required,
+            label=_LABELS.get(role, ""),
+        )
+
+    every = "placement.colocate_all" if placement.colocate_all else ""
+    on_actor = "actor" if every else None
+    engine_fields = ("engine.num_engines", "engine.tensor_parallel_size")
+    engines_on: str | None
+    if num_engines == 0:  # one engine of one GPU on each actor GPU
+        count, engines_on, engines_field = (placement.world_size("actor"), 1), "actor", every or "engine.num_engines"
+    else:
+        count, engines_on, engines_field = (num_engines, tensor_parallel_size), on_actor, every
+    roles = [
+        counted("actor", required=True),
+        CountedRole(recipe.engine_role, count, engine_fields, engines=True, on=engines_on, on_field=engines_field),
+        counted("critic", on_actor, every),
+    ]
+    if every or not placement.colocate_actor_ref:
+        roles.append(counted("reference", on_actor, every))
+    else:
+        roles.append(counted("reference", "actor", "placement.colocate_actor_ref", required=True))
+    if every or not placement.colocate_critic_reward:
+        roles.append(counted("reward", on_actor, every))
+    else:
+        roles.append(counted("reward", "critic", "placement.colocate_critic_reward", required=True))
+    return roles
 
 
 def _role_used(recipe: Recipe, role: str) -> bool:
@@ -81,8 +136,9 @@ def _role_used(recipe: Recipe, role: str) -> bool:
 # ---- residency ------------------------------------------------------------------------------------------------------
 def gpu_memory(cfg: RLConfig) -> tuple[float, str]:
     """Bytes per GPU the plan budgets, and where the number comes from."""
-    if cfg.gpu_memory_gb is not None:
-        return cfg.gpu_memory_gb * GiB, "--gpu_memory_gb"
+    given = cfg.residency_settings().gpu_memory_gb
+    if given is not None:
+        return given * GiB, flag_text("residency.gpu_memory_gb")
     try:
         import torch
 
@@ -91,14 +147,17 @@ def gpu_memory(cfg: RLConfig) -> tuple[float, str]:
             return float(props.total_memory), f"the local GPU ({props.name})"
     except Exception:  # no driver, broken install: the default is a budget, not a measurement
         pass
-    return DEFAULT_GPU_GIB * GiB, f"no local GPU: {DEFAULT_GPU_GIB:g} GiB assumed (set --gpu_memory_gb)"
+    return DEFAULT_GPU_GIB * GiB, flag_text(
+        f"no local GPU: {DEFAULT_GPU_GIB:g} GiB assumed (set residency.gpu_memory_gb)"
+    )
 
 
 def host_memory(cfg: RLConfig, gpus_per_node: int | None = None) -> HostBudget:
     """The host memory each node may fill: --host_memory_gb, else what this machine has available now (Linux
     MemAvailable; unknown elsewhere, and then the plan says it did not check)."""
-    if cfg.host_memory_gb is not None:
-        return HostBudget(cfg.host_memory_gb * GiB, "--host_memory_gb", gpus_per_node)
+    given = cfg.residency_settings().host_memory_gb
+    if given is not None:
+        return HostBudget(given * GiB, flag_text("residency.host_memory_gb"), gpus_per_node)
     return local_budget(gpus_per_node)
 
 
@@ -116,7 +175,13 @@ def build_residency(
     """The residency plan for this run, and the config the roles are built with (the planner may keep an optimizer
     in host memory: then ``adam_offload`` is on). ``prompt_len`` + ``generate_len``: the longest sequence. ``host``:
     each node's host memory (default: :func:`host_memory`); ``plan.check()`` refuses a plan that overfills it.
-    ``recipe``: the run's roles and phases (default: the config's, :func:`~.recipes.recipe_for`)."""
+    ``recipe``: the run's roles and phases (default: the config's, :func:`~.recipes.recipe_for`). Its errors name
+    the flags."""
+    with flag_words():
+        return _build_residency(cfg, placement, model_path, prompt_len, generate_len, gpu_bytes, host, recipe)
+
+
+def _build_residency(cfg, placement, model_path, prompt_len, generate_len, gpu_bytes, host, recipe):
     recipe = recipe or recipe_for(cfg)
     if gpu_bytes is None:
         gpu_bytes, _ = gpu_memory(cfg)
@@ -193,29 +258,31 @@ def replan(
 ) -> ResidencyPlan:
     """The plan for a sized layout under this config's residency settings (``overhead``: bytes measured per GPU
     beyond the model, by a run's first step; ``host``: each node's host memory, shown and checked by the plan;
-    ``phases``: the step, default the config's recipe's -- a refinement passes the plan's own)."""
+    ``phases``: the step, default the config's recipe's -- a refinement passes the plan's own). Its errors name the
+    flags."""
     if phases is None:
         phases = recipe_for(cfg).residency_phases()
-    settings = cfg.residency_settings()
-    present = {s.role for shares in layout.values() for s in shares}
-    pins = {k: v for k, v in settings["flag_pins"].items() if k[0] in present}  # the flags speak for both trainers
-    pins.update(settings["pins"])
+    residency, engine = cfg.residency_settings(), cfg.engine_settings()
+    kinds = {s.role: s.size.kind for shares in layout.values() for s in shares}  # the roles present, by kind
+    asks = sleep_asks(cfg, kinds)
+    pins = {**asks.pins, **residency.state_pins()}  # the user's own pins win over what the switches imply
     shared = {s.role for shares in layout.values() if len(shares) > 1 for s in shares}
-    sleeping = sleeping_roles(cfg, present, shared)
+    with flag_words():
+        sleeping = sleeping_roles(asks, set(kinds), shared)
 
     def plan(pins):
         return plan_residency(
             layout,
             gpu_bytes,
             phases=phases,
-            mode=settings["mode"],
+            mode=residency.mode,
             pins=pins,
             sleep_roles=sleeping,
-            engine_sleep_level=settings["engine_sleep_level"],
-            usable=cfg.gpu_memory_usable,
-            allow_host=cfg.zero_stage >= 1,
+            engine_sleep_level=engine.sleep_level or 1,
+            usable=residency.gpu_memory_usable,
+            allow_host=cfg.trainer_settings().zero_stage >= 1,
             overhead=overhead,
-            sleep_fields=SLEEP_FLAGS,
+            sleep_fields=asks.fields,
             host=host,
         )
 
@@ -223,40 +290,41 @@ def replan(
     # then generate while it trains); where that does not fit, the usual plan (synchronous turns: async_rollout.py)
     from .async_rollout import async_pins
 
-    together = async_pins(cfg, shared, sleeping)
-    if together is not None:
-        concurrent = plan({**pins, **together})
-        if concurrent.fits():
-            return concurrent
-    return plan(pins)
+    with flag_words():
+        together = async_pins(cfg, shared, sleeping)
+        if together is not None:
+            concurrent = plan({**pins, **together})
+            if concurrent.fits():
+                return concurrent
+        return plan(pins)
 
 
-def sleeping_roles(cfg: RLConfig, present: set[str], shared: set[str]) -> set[str]:
-    """The roles the sleep flags ask to sleep. A flag for several roles (``--deepspeed_enable_sleep``: actor and critic)
-    applies to those of them that share a GPU; one that none of them shares is an error naming the flag."""
-    asked_roles = cfg.residency_settings()["sleep_roles"] & present
+def sleep_asks(cfg: RLConfig, kinds: dict[str, str]) -> SleepAsks:
+    """What the sleep switches (the trainers' and frozen models' in the residency section, the engines' in the
+    engine section) ask of the roles ``kinds`` names."""
+    engine = cfg.engine_settings()
+    return cfg.residency_settings().sleep_asks(kinds, engine_sleep=engine.sleep, engine_sleep_level=engine.sleep_level)
+
+
+def sleeping_roles(asks: SleepAsks, present: set[str], shared: set[str]) -> set[str]:
+    """The roles the sleep switches ask to sleep. A switch for several roles (the trainers': actor and critic)
+    applies to those of them that share a GPU; one that none of them shares is an error naming the switch."""
+    asked_roles = asks.roles & present
     out: set[str] = set()
-    for flag in dict.fromkeys(SLEEP_FLAGS.values()):
-        asked = {r for r in asked_roles if SLEEP_FLAGS.get(r) == flag}
+    for setting in dict.fromkeys(asks.fields.values()):
+        asked = {r for r in asked_roles if asks.fields.get(r) == setting}
         out |= (asked & shared) or asked
-    check_sleepers(out, shared, SLEEP_FLAGS)
+    check_sleepers(out, shared, asks.fields)
     return out
 
 
-def check_sleep_flags(cfg: RLConfig, placement: PlacementPlan) -> None:
-    """The sleep flags against the placement alone (before any model is sized): cheap, so it runs first."""
+def check_sleep_flags(cfg: RLConfig, placement: PlacementPlan, recipe: Recipe | None = None) -> None:
+    """The sleep flags against the placement alone (before any model is sized): cheap, so it runs first.
+    ``recipe``: the run's (default: the config's), for the kinds of its roles."""
+    kinds = {role: kind for role, kind in (recipe or recipe_for(cfg)).kinds.items() if role in placement.roles}
     shared = {r for r in placement.roles if placement.shared_gpus(r)}
-    sleeping_roles(cfg, set(placement.roles), shared)
-
-
-#: The setting that asks each role to sleep (named by the planner's errors).
-SLEEP_FLAGS = {
-    "rollout": "vllm_enable_sleep",
-    "actor": "deepspeed_enable_sleep",
-    "critic": "deepspeed_enable_sleep",
-    "reference": "ref_reward_offload",
-    "reward": "ref_reward_offload",
-}
+    with flag_words():
+        sleeping_roles(sleep_asks(cfg, kinds), set(kinds), shared)
 
 
 def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
@@ -264,26 +332,27 @@ def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
 
     from .models import LOGITS_CHUNK_BYTES
 
+    trainer, rollout, engine = cfg.trainer_settings(), cfg.rollout_settings(), cfg.engine_settings()
     # an update of some trainer spans several micro-batches (ZeRO-2's CPU Adam then buffers gradients in host memory)
     ranks = min([cfg.actor_world_size] + ([cfg.critic_world_size] if cfg.uses_critic else []))
-    accumulates = cfg.use_dynamic_batch or cfg.train_batch_size > cfg.micro_train_batch_size * ranks
+    accumulates = trainer.dynamic_batch or rollout.train_batch_size > rollout.micro_train_batch_size * ranks
     return Workload(
-        bf16=cfg.bf16,
-        zero_stage=cfg.zero_stage,
-        adam_offload=cfg.adam_offload,
-        bf16_master_weights=cfg.bf16_master_weights,
-        bf16_optimizer_states=cfg.bf16_optimizer_states,
+        bf16=trainer.bf16,
+        zero_stage=trainer.zero_stage,
+        adam_offload=trainer.adam_offload,
+        bf16_master_weights=trainer.bf16_master_weights,
+        bf16_optimizer_states=trainer.bf16_optimizer_states,
         gradient_accumulation=accumulates,
-        gradient_checkpointing=cfg.gradient_checkpointing,
-        micro_train_batch_size=cfg.micro_train_batch_size,
-        micro_rollout_batch_size=cfg.micro_rollout_batch_size,
+        gradient_checkpointing=trainer.gradient_checkpointing,
+        micro_train_batch_size=rollout.micro_train_batch_size,
+        micro_rollout_batch_size=rollout.micro_rollout_batch_size,
         prompt_len=prompt_len,
         generate_len=generate_len,
-        rollout_samples=cfg.samples_per_step,
-        engine_pool=bool(getattr(engine_spec(cfg.backend), "MEMORY_POOL", False)),
-        engine_memory_fraction=cfg.vllm_gpu_memory_utilization,
-        sync_bucket_bytes=cfg.weight_sync_bucket_mb << 20,
-        context_bytes=cfg.gpu_context_gb * GiB,
+        rollout_samples=rollout.samples_per_step,
+        engine_pool=bool(getattr(engine_spec(engine.backend), "MEMORY_POOL", False)),
+        engine_memory_fraction=engine.gpu_memory_utilization,
+        sync_bucket_bytes=cfg.sync_settings().bucket_mb << 20,
+        context_bytes=cfg.residency_settings().gpu_context_gb * GiB,
         logits_chunk_bytes=LOGITS_CHUNK_BYTES,
     )
 

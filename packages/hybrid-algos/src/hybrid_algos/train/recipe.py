@@ -178,3 +178,11 @@ class Recipe:
             if p.role == role and "train" in p.work:
                 return p.name
         raise KeyError(f"recipe {self.name}: no phase trains {role!r}")
+
+    def work_phase(self, work: str) -> str:
+        """The first phase that does ``work`` (``generate``, ``sync``): where the loop puts the roles before it
+        starts the engines (generate's residency) or gives them restored weights (sync's)."""
+        for p in self.phases:
+            if work in p.work:
+                return p.name
+        raise KeyError(f"recipe {self.name}: no phase does {work!r}")

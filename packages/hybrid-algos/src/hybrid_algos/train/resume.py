@@ -12,11 +12,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import ConfigError
 
 from .checkpoint import CheckpointError, CheckpointManager, UnsafeCheckpoint
+
+if TYPE_CHECKING:
+    from .run_settings import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +74,15 @@ def essentials(config: Any) -> dict[str, Any]:
     }
 
 
-def find_resume_point(config: Any, ckpt: CheckpointManager) -> ResumePoint | None:
-    """The checkpoint this run continues from (None: a fresh start); a ConfigError when it cannot continue."""
-    if not (config.resume or config.resume_if_exists):
+def find_resume_point(run: RunSettings, ckpt: CheckpointManager, config: Any) -> ResumePoint | None:
+    """The checkpoint this run continues from (None: a fresh start); a ConfigError when it cannot continue. ``run``
+    (the run section) says whether to resume; the flat ``config`` is compared with the one the checkpoint saved
+    (:func:`check_compatible`: a checkpoint records the flat config, so that is what a resumed run is held to)."""
+    if not (run.resume or run.resume_if_exists):
         return None
     ckpt.sweep_incomplete()
     try:
-        found = ckpt.resume_point(trusted=config.trust_checkpoint)
+        found = ckpt.resume_point(trusted=run.trust_checkpoint)
     except UnsafeCheckpoint as e:
         raise ConfigError(
             "resume",
@@ -91,7 +96,7 @@ def find_resume_point(config: Any, ckpt: CheckpointManager) -> ResumePoint | Non
             "Point --ckpt_path at another run's checkpoints, or start a fresh run (a new --save_path, or --overwrite).",
         ) from None
     if found is None:
-        if config.resume:
+        if run.resume:
             raise ConfigError(
                 "resume",
                 f"no complete checkpoint under {ckpt.root}.",

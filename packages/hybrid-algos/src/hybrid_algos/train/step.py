@@ -192,7 +192,8 @@ def _reward(ctx: StepContext, s: StepState) -> None:
         with s.timer.phase("infer"):
             scores = torch.cat(rm.call_sharded("scores", s.rollout.split(rm.world_size)))
     s.raw_scores = scores
-    scores, sample_mask, s.shaping = shape_rewards(ctx.config, outputs, scores, s.sampling.max_new_tokens)
+    algo = ctx.config.algorithm_settings()
+    scores, sample_mask, s.shaping = shape_rewards(algo, outputs, scores, s.sampling.max_new_tokens)
     s.rollout = s.rollout.with_(scores=ctx.reward.normalize(scores), sample_mask=sample_mask)
 
 
@@ -221,7 +222,9 @@ def _actor_train(ctx: StepContext, s: StepState) -> None:
         with s.timer.phase("infer"):
             old = actor.call_sharded("logprobs", s.rollout.split(actor.world_size))
             s.rollout = s.rollout.with_(old_logprobs=torch.cat(old))
-    s.rollout, s.adv_stats = advantages_for(cfg, s.rollout, s.kl_coef)
+    s.rollout, s.adv_stats = advantages_for(
+        cfg.algorithm_settings(), s.rollout, s.kl_coef, n_samples_per_prompt=cfg.n_samples_per_prompt
+    )
     with s.timer.phase("train"):
         s.actor_stats = actor.call_sharded("train", s.rollout.split(actor.world_size), s.step, s.kl_coef)
 

@@ -14,9 +14,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .tiny import SPECIAL_TOKENS
+
+if TYPE_CHECKING:
+    from .model_settings import ModelSettings
 
 FIRST_SYMBOL_ID = len(SPECIAL_TOKENS)  # symbol s0's token id
 BOS, SEP, EOS = 1, 3, 2
@@ -112,9 +115,10 @@ class LookupTask:
         return max_turns * turn_tokens + (max_turns - 1) * REPLY_TOKENS
 
 
-def task_from_config(config: Any) -> SyntheticTask | LookupTask:
-    """The built-in task a config asks for (``task``, ``task_length`` symbols, the tiny model's symbol count)."""
-    num_symbols = int(config.tiny_model.get("num_symbols", 8)) if config.tiny_model else 8
-    if config.task == "lookup":  # a multi-turn task: its environment is in agents/lookup.py
-        return LookupTask(num_symbols=num_symbols, prompt_symbols=config.task_length)
-    return SyntheticTask(config.task, num_symbols=num_symbols, prompt_symbols=config.task_length)
+def task_from_config(models: ModelSettings) -> SyntheticTask | LookupTask:
+    """The built-in task the models section asks for (``task``, ``task_length`` symbols, the tiny model's symbol
+    count)."""
+    num_symbols = int(models.tiny_model.get("num_symbols", 8)) if models.tiny_model else 8
+    if models.task == "lookup":  # a multi-turn task: its environment is in agents/lookup.py
+        return LookupTask(num_symbols=num_symbols, prompt_symbols=models.task_length)
+    return SyntheticTask(models.task, num_symbols=num_symbols, prompt_symbols=models.task_length)

@@ -8,14 +8,14 @@ placement group with one bundle per GPU.
     Worker.options(**placed.actor_options("actor", rank)).remote(...)
 """
 
-from .counts import COUNT_FIELDS
+from .counts import CountedRole
 from .plan import PlacementPlan, RolePlacement, WorkerSlot
 from .ranges import format_gpus, parse_gpu_range
 from .ray_groups import PlacedPlan, place
 from .spec import PlacementSpec
 
 __all__ = [
-    "COUNT_FIELDS",
+    "CountedRole",
     "PlacedPlan",
     "PlacementPlan",
     "PlacementSpec",

@@ -6,9 +6,10 @@ from ..errors import PlacementError
 
 
 def cluster_size(cluster_gpus: int | None, gpus_per_node: int | None, num_nodes: int | None) -> int | None:
-    """The cluster's GPU count from whichever of the three settings are given; checks they agree."""
+    """The cluster's GPU count from whichever of the three settings are given; checks they agree (errors name
+    ``gpus_per_node`` as the placement's setting)."""
     if gpus_per_node is not None:
-        require_int(gpus_per_node, "gpus_per_node", minimum=1)
+        require_int(gpus_per_node, "placement.gpus_per_node", minimum=1)
     if num_nodes is not None:
         require_int(num_nodes, "num_nodes", minimum=1)
         if gpus_per_node is None:

@@ -1,282 +1,190 @@
-"""OpenRLHF-style placement flags -> the fields of a :class:`~hybrid_core.placement.PlacementSpec`.
+"""Roles given by counts (nodes x GPUs per node, or engines x tensor-parallel size) -> the fields of a
+:class:`~hybrid_core.placement.PlacementSpec`.
 
-The rules follow OpenRLHF's launcher:
+The caller says which roles a run has and how they sit (the training loop: OpenRLHF's count flags for its recipe's
+roles, ``hybrid_algos.train.placement``); the rules here know no role by name:
 
-* each role gets ``<role>_num_nodes x <role>_num_gpus_per_node`` GPUs; 0 means the role is absent (no critic for
-  GRPO/REINFORCE, no reference without a KL term); the rollout gets ``vllm_num_engines x vllm_tensor_parallel_size``;
-* ``colocate_all_models``: every role sits on the actor's GPUs (a role with fewer GPUs than the actor takes the
-  first ones), and the engines must fill the actor's GPUs exactly: actor GPUs == engines x TP (the seeds' rule);
-* ``colocate_actor_ref``: the reference sits on the actor's GPUs; ``colocate_critic_reward``: the reward model sits
-  on the critic's GPUs;
-* every role not colocated gets its own block of GPUs, in the order actor, rollout, critic, reference, reward;
-* ``engines_on_actor`` (hybrid's meaning of OpenRLHF's ``--vllm_num_engines 0``, "generate with the actor"): the
-  engines sit on the actor's GPUs, one per GPU, without colocating anything else;
-* nodes: without ``gpus_per_node``, a role placed on several nodes (``<role>_num_nodes`` > 1) says how large a node
-  is (its GPUs per node), as OpenRLHF assumes; tensor-parallel engines then stay within a node.
+* each role gets ``nodes x per_node`` GPUs, an engine role ``engines x tp`` (one worker per engine, its ``tp``
+  GPUs within one node); 0 means the role is absent;
+* a role ``on`` another sits on that role's GPUs (taking the first ones; an engine role must fill them exactly),
+  every other role gets the next free block of GPUs, in the order given;
+* nodes: without ``gpus_per_node``, a role placed on several nodes (``nodes`` > 1) says how large a node is (its GPUs
+  per node), as OpenRLHF assumes; tensor-parallel engines then stay within a node.
 
-OpenRLHF's ``vllm_enable_sleep`` / ``deepspeed_enable_sleep`` say what roles keep on their GPUs, not where they run:
-they are read by the residency planner (:mod:`hybrid_core.residency`), not here.
+What roles keep on their GPUs between phases is not placement: the residency planner (:mod:`hybrid_core.residency`)
+decides it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PlacementError
 from .checks import cluster_size, require_int
 
-#: The keyword arguments of :func:`spec_fields_from_counts` that mirror OpenRLHF flags (handy to copy from an argparse
-#: namespace: ``{k: getattr(args, k) for k in COUNT_FIELDS}``).
-COUNT_FIELDS = (
-    "actor_num_nodes",
-    "actor_num_gpus_per_node",
-    "critic_num_nodes",
-    "critic_num_gpus_per_node",
-    "ref_num_nodes",
-    "ref_num_gpus_per_node",
-    "reward_num_nodes",
-    "reward_num_gpus_per_node",
-    "vllm_num_engines",
-    "vllm_tensor_parallel_size",
-    "colocate_all_models",
-    "colocate_actor_ref",
-    "colocate_critic_reward",
-)
 
-# role -> (nodes flag, GPUs-per-node flag)
-_COUNT_FLAGS = {
-    "actor": ("actor_num_nodes", "actor_num_gpus_per_node"),
-    "critic": ("critic_num_nodes", "critic_num_gpus_per_node"),
-    "reference": ("ref_num_nodes", "ref_num_gpus_per_node"),
-    "reward": ("reward_num_nodes", "reward_num_gpus_per_node"),
-}
-_TRAINERS = ("actor", "critic")
+@dataclass(frozen=True)
+class CountedRole:
+    """One role of a layout by counts.
+
+    ``count``: (nodes, GPUs per node); for an engine role (``engines``): (engines, GPUs per engine). ``fields``: the
+    settings behind the two numbers, named by the errors. ``on``: the role (earlier in the list) whose GPUs this one
+    sits on, put there by the setting ``on_field`` (a role on one that has no GPUs is an error naming it);
+    ``required``: the role must have GPUs (for a role ``on`` another: the setting that colocates it asks for it).
+    ``label``: how the errors call the role (default: its name)."""
+
+    name: str
+    count: tuple[int, int]
+    fields: tuple[str, str]
+    engines: bool = False
+    on: str | None = None
+    on_field: str = ""
+    required: bool = False
+    label: str = ""
+
+    @property
+    def called(self) -> str:
+        return self.label or self.name
 
 
 def spec_fields_from_counts(
+    roles: Sequence[CountedRole],
     *,
-    actor_num_nodes: int = 1,
-    actor_num_gpus_per_node: int = 1,
-    critic_num_nodes: int = 1,
-    critic_num_gpus_per_node: int = 0,
-    ref_num_nodes: int = 1,
-    ref_num_gpus_per_node: int = 0,
-    reward_num_nodes: int = 1,
-    reward_num_gpus_per_node: int = 0,
-    vllm_num_engines: int = 0,
-    vllm_tensor_parallel_size: int = 1,
-    colocate_all_models: bool = False,
-    colocate_actor_ref: bool = False,
-    colocate_critic_reward: bool = False,
     gpus_per_node: int | None = None,
     cluster_gpus: int | None = None,
     num_nodes: int | None = None,
-    engines_on_actor: bool = False,
 ) -> dict[str, Any]:
-    """Translate OpenRLHF placement flags into a spec's fields (roles: actor, rollout, critic, reference, reward):
-    ``PlacementSpec.from_counts(**flags)`` is ``PlacementSpec(**spec_fields_from_counts(**flags))``. (Fields, not the
+    """The spec's fields for ``roles`` (in order: a role's own block follows the earlier roles' blocks):
+    ``PlacementSpec.from_counts(roles)`` is ``PlacementSpec(**spec_fields_from_counts(roles))``. (Fields, not the
     spec: this module sits below :mod:`.spec`, which builds the spec from them.)
 
     ``gpus_per_node`` is the cluster's GPUs per node (a role's GPUs-per-node may not exceed it; engines may not
     straddle nodes); the cluster size is ``cluster_gpus`` or ``num_nodes x gpus_per_node`` (unchecked when
     neither is given: :func:`~hybrid_core.placement.place` then checks it against Ray).
     """
+    names = [r.name for r in roles]
+    if len(set(names)) != len(names):
+        raise ValueError(f"roles repeat: {names}")
     if gpus_per_node is None and num_nodes is None:
-        gpus_per_node = _node_size_from_roles(
-            (actor_num_nodes, actor_num_gpus_per_node),
-            (critic_num_nodes, critic_num_gpus_per_node),
-            (ref_num_nodes, ref_num_gpus_per_node),
-            (reward_num_nodes, reward_num_gpus_per_node),
-        )
-    cluster_gpus = cluster_size(cluster_gpus, gpus_per_node, num_nodes)  # checks gpus_per_node before it is used
-    sizes = {
-        "actor": _role_size("actor", actor_num_nodes, actor_num_gpus_per_node, gpus_per_node),
-        "critic": _role_size("critic", critic_num_nodes, critic_num_gpus_per_node, gpus_per_node),
-        "reference": _role_size("reference", ref_num_nodes, ref_num_gpus_per_node, gpus_per_node),
-        "reward": _role_size("reward", reward_num_nodes, reward_num_gpus_per_node, gpus_per_node),
-    }
-    require_int(vllm_num_engines, "vllm_num_engines", minimum=0)
-    tp = require_int(vllm_tensor_parallel_size, "vllm_tensor_parallel_size", minimum=1)
-    if gpus_per_node is not None and tp > gpus_per_node:
-        raise PlacementError(
-            "vllm_tensor_parallel_size",
-            f"an engine of {tp} GPUs does not fit on a node of "
-            f"{gpus_per_node} GPUs (tensor parallelism stays within a node).",
-            f"Use --vllm_tensor_parallel_size <= {gpus_per_node}.",
-        )
-    sizes["rollout"] = vllm_num_engines * tp
-    for flag, value in (
-        ("colocate_all_models", colocate_all_models),
-        ("colocate_actor_ref", colocate_actor_ref),
-        ("colocate_critic_reward", colocate_critic_reward),
-        ("engines_on_actor", engines_on_actor),
-    ):
-        if not isinstance(value, bool):
-            raise PlacementError(flag, f"expected true or false, got {value!r}.", f"Set {flag} to True or False.")
-    if sizes["actor"] == 0:
-        raise PlacementError(
-            "actor_num_gpus_per_node",
-            "the actor has no GPUs (actor_num_nodes x "
-            f"actor_num_gpus_per_node = {actor_num_nodes} x {actor_num_gpus_per_node}).",
-            "Give the actor at least one GPU, e.g. --actor_num_gpus_per_node 1.",
-        )
-
-    gpus = _lay_out(
-        sizes,
-        tp,
-        vllm_num_engines,
-        colocate_all_models or engines_on_actor,
-        colocate_actor_ref,
-        colocate_critic_reward,
-        engines_only=engines_on_actor and not colocate_all_models,
-    )
-    gpu_fields = {role: _COUNT_FLAGS[role][1] for role in _COUNT_FLAGS}
-    gpu_fields["rollout"] = "vllm_num_engines"
+        gpus_per_node = _node_size_from_roles([r.count for r in roles if not r.engines])
+    cluster_gpus = cluster_size(cluster_gpus, gpus_per_node, num_nodes)
+    sizes: dict[str, int] = {}
+    for role in [r for r in roles if not r.engines] + [r for r in roles if r.engines]:
+        sizes[role.name] = _role_size(role, gpus_per_node)
+    for role in roles:
+        if role.required and role.on is None and sizes[role.name] == 0:  # one on another: the layout says why
+            nodes, per_node = role.count
+            raise PlacementError(
+                role.fields[1],
+                f"the {role.called} has no GPUs ({role.fields[0]} x {role.fields[1]} = {nodes} x {per_node}).",
+                f"Give the {role.called} at least one GPU, e.g. {role.fields[1]} 1.",
+            )
+    gpus = _lay_out(roles, sizes)
+    engines = [r for r in roles if r.engines]
     return dict(
         gpus=gpus,
-        tp={"rollout": tp} if "rollout" in gpus else {},
+        tp={r.name: r.count[1] for r in engines if r.name in gpus},
         cluster_gpus=cluster_gpus,
         gpus_per_node=gpus_per_node,
-        gpu_fields=gpu_fields,
-        tp_fields={"rollout": "vllm_tensor_parallel_size"},
+        gpu_fields={r.name: r.fields[1] if not r.engines else r.fields[0] for r in roles},
+        tp_fields={r.name: r.fields[1] for r in engines},
     )
 
 
-def _role_size(role: str, nodes: int, per_node: int, gpus_per_node: int | None) -> int:
-    nodes_flag, per_node_flag = _COUNT_FLAGS[role]
-    require_int(nodes, nodes_flag, minimum=0)
-    require_int(per_node, per_node_flag, minimum=0)
-    if gpus_per_node is not None and per_node > gpus_per_node:
+def _role_size(role: CountedRole, gpus_per_node: int | None) -> int:
+    first, second = role.count
+    first_field, second_field = role.fields
+    if role.engines:
+        require_int(first, first_field, minimum=0)
+        tp = require_int(second, second_field, minimum=1)
+        if gpus_per_node is not None and tp > gpus_per_node:
+            raise PlacementError(
+                second_field,
+                f"an engine of {tp} GPUs does not fit on a node of "
+                f"{gpus_per_node} GPUs (tensor parallelism stays within a node).",
+                f"Use {second_field} <= {gpus_per_node}.",
+            )
+        return first * tp
+    require_int(first, first_field, minimum=0)
+    require_int(second, second_field, minimum=0)
+    if gpus_per_node is not None and second > gpus_per_node:
         raise PlacementError(
-            per_node_flag,
-            f"{per_node} GPUs per node, but the cluster's nodes have {gpus_per_node}.",
-            f"Use more nodes ({nodes_flag}) with at most {gpus_per_node} GPUs each.",
+            second_field,
+            f"{second} GPUs per node, but the cluster's nodes have {gpus_per_node}.",
+            f"Use more nodes ({first_field}) with at most {gpus_per_node} GPUs each.",
         )
-    return nodes * per_node
+    return first * second
 
 
-def _node_size_from_roles(*roles: tuple[int, int]) -> int | None:
+def _node_size_from_roles(counts: list[tuple[int, int]]) -> int | None:
     """GPUs per node as the multi-node roles imply it (the largest of their GPUs per node), else None."""
     sizes = [
         per_node
-        for nodes, per_node in roles
+        for nodes, per_node in counts
         if isinstance(nodes, int) and isinstance(per_node, int) and nodes > 1 and per_node > 0
     ]
     return max(sizes) if sizes else None
 
 
-def _lay_out(
-    sizes: dict[str, int],
-    tp: int,
-    engines: int,
-    colocate_all: bool,
-    colocate_actor_ref: bool,
-    colocate_critic_reward: bool,
-    engines_only: bool = False,
-) -> dict[str, tuple[int, ...]]:
-    """Role -> GPUs: colocated roles reuse a host role's GPUs, the others get the next free block.
-    ``engines_only``: only the engines go on the actor's GPUs (the other roles as without colocation)."""
-    if engines_only:
-        laid = _lay_out(sizes, tp, engines, False, colocate_actor_ref, colocate_critic_reward)
-        if sizes["rollout"] != sizes["actor"]:
-            raise PlacementError(
-                "vllm_num_engines",
-                f"engines on the actor's GPUs must be one per actor GPU ({sizes['actor']}), got {engines} x {tp}.",
-                f"Use {sizes['actor']} engines of 1 GPU.",
-            )
-        rollout = laid.pop("rollout")  # its own block: give it back and shift the roles after it down
-        shifted = {r: tuple(g - len(rollout) if g > rollout[-1] else g for g in gs) for r, gs in laid.items()}
-        return {
-            "actor": shifted["actor"],
-            "rollout": shifted["actor"],
-            **{r: g for r, g in shifted.items() if r != "actor"},
-        }
+def _lay_out(roles: Sequence[CountedRole], sizes: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Role -> GPUs: a role ``on`` another reuses that role's GPUs, the others get the next free block."""
+    by_name = {r.name: r for r in roles}
     gpus: dict[str, tuple[int, ...]] = {}
     next_free = 0
-
-    def new_block(size: int) -> tuple[int, ...]:
-        nonlocal next_free
-        block = tuple(range(next_free, next_free + size))
-        next_free += size
-        return block
-
-    def on_host(role: str, host: str, flag: str) -> tuple[int, ...]:
-        nodes_flag, per_node_flag = _COUNT_FLAGS[role]
-        if sizes[role] > sizes[host]:
+    for role in roles:
+        size = sizes[role.name]
+        if role.on is None:
+            if size:
+                gpus[role.name] = tuple(range(next_free, next_free + size))
+                next_free += size
+            continue
+        host = by_name.get(role.on)
+        if host is None or roles.index(host) > roles.index(role):
+            raise ValueError(f"role {role.name} sits on {role.on!r}, which is not an earlier role")
+        if size == 0:
+            if role.required:
+                raise PlacementError(
+                    role.on_field,
+                    f"there is no {role.called} to colocate ({role.fields[0]} x {role.fields[1]} = 0).",
+                    f"Drop {role.on_field}, or give the {role.called} GPUs.",
+                )
+            continue
+        if role.on not in gpus:
             raise PlacementError(
-                per_node_flag,
-                f"--{flag} puts the {role} on the {host}'s GPUs, but the {role} asks "
-                f"for {sizes[role]} GPUs and the {host} has {sizes[host]}.",
-                f"Give the {role} at most {sizes[host]} GPUs ({nodes_flag} x {per_node_flag}), or drop --{flag}.",
+                role.on_field,
+                f"there is no {host.called} to colocate the {role.called} with "
+                f"({host.fields[0]} x {host.fields[1]} = 0).",
+                f"Drop {role.on_field}, or give the {host.called} GPUs.",
             )
-        return gpus[host][: sizes[role]]
-
-    gpus["actor"] = new_block(sizes["actor"])
-    if sizes["rollout"]:
-        if colocate_all:
-            if sizes["rollout"] != sizes["actor"]:
-                raise PlacementError(
-                    "vllm_num_engines", _engines_problem(sizes["actor"], engines, tp), _engines_fix(sizes["actor"], tp)
-                )
-            gpus["rollout"] = gpus["actor"]
-        else:
-            gpus["rollout"] = new_block(sizes["rollout"])
-    if sizes["critic"]:
-        if colocate_all:
-            gpus["critic"] = on_host("critic", "actor", "colocate_all_models")
-        else:
-            gpus["critic"] = new_block(sizes["critic"])
-    if sizes["reference"]:
-        if colocate_all or colocate_actor_ref:
-            gpus["reference"] = on_host(
-                "reference", "actor", "colocate_all_models" if colocate_all else "colocate_actor_ref"
+        if role.engines:
+            if size != sizes[host.name]:
+                raise PlacementError(role.fields[0], *_engines_problem_and_fix(role, host, sizes[host.name]))
+        elif size > sizes[host.name]:
+            raise PlacementError(
+                role.fields[1],
+                f"{role.on_field} puts the {role.name} on the {host.name}'s GPUs, but the {role.name} asks "
+                f"for {size} GPUs and the {host.name} has {sizes[host.name]}.",
+                f"Give the {role.name} at most {sizes[host.name]} GPUs ({role.fields[0]} x {role.fields[1]}), "
+                f"or drop {role.on_field}.",
             )
-        else:
-            gpus["reference"] = new_block(sizes["reference"])
-    elif colocate_actor_ref and not colocate_all:
-        raise PlacementError(
-            "colocate_actor_ref",
-            "there is no reference model to colocate (ref_num_nodes x ref_num_gpus_per_node = 0).",
-            "Drop --colocate_actor_ref, or give the reference GPUs.",
-        )
-    if sizes["reward"]:
-        if colocate_all:
-            gpus["reward"] = on_host("reward", "actor", "colocate_all_models")
-        elif colocate_critic_reward:
-            if "critic" not in gpus:
-                raise PlacementError(
-                    "colocate_critic_reward",
-                    "there is no critic to colocate the reward model with "
-                    "(critic_num_nodes x critic_num_gpus_per_node = 0).",
-                    "Drop --colocate_critic_reward, or give the critic GPUs.",
-                )
-            gpus["reward"] = on_host("reward", "critic", "colocate_critic_reward")
-        else:
-            gpus["reward"] = new_block(sizes["reward"])
-    elif colocate_critic_reward and not colocate_all:
-        raise PlacementError(
-            "colocate_critic_reward",
-            "there is no reward model to colocate (reward_num_nodes x reward_num_gpus_per_node = 0).",
-            "Drop --colocate_critic_reward, or give the reward model GPUs.",
-        )
+        gpus[role.name] = gpus[host.name][:size]
     return gpus
 
 
-def _engines_problem(actor_gpus: int, engines: int, tp: int) -> str:
-    return (
-        f"--colocate_all_models puts the engines on the actor's GPUs, so actor_num_nodes x "
-        f"actor_num_gpus_per_node (= {actor_gpus}) must equal vllm_num_engines x vllm_tensor_parallel_size "
-        f"(= {engines} x {tp} = {engines * tp})."
+def _engines_problem_and_fix(role: CountedRole, host: CountedRole, host_gpus: int) -> tuple[str, str]:
+    engines, tp = role.count
+    count, width = role.fields
+    problem = (
+        f"{role.on_field} puts the engines on the {host.name}'s GPUs, so {host.fields[0]} x "
+        f"{host.fields[1]} (= {host_gpus}) must equal {count} x {width} (= {engines} x {tp} = {engines * tp})."
     )
-
-
-def _engines_fix(actor_gpus: int, tp: int) -> str:
-    if actor_gpus % tp == 0:
-        return (
-            f"Use --vllm_num_engines {actor_gpus // tp} with --vllm_tensor_parallel_size {tp}, or change the "
-            f"actor's GPUs to vllm_num_engines x vllm_tensor_parallel_size."
+    if host_gpus % tp == 0:
+        fix = f"Use {count} {host_gpus // tp} with {width} {tp}, or change the {host.name}'s GPUs to {count} x {width}."
+    else:
+        fix = (
+            f"{host_gpus} {host.name} GPUs cannot hold engines of {tp} GPUs: pick a {width} that divides "
+            f"{host_gpus}, or change the {host.name}'s GPUs to {count} x {width}."
         )
-    return (
-        f"{actor_gpus} actor GPUs cannot hold engines of {tp} GPUs: pick a --vllm_tensor_parallel_size that "
-        f"divides {actor_gpus}, or change the actor's GPUs to vllm_num_engines x vllm_tensor_parallel_size."
-    )
+    return problem, fix

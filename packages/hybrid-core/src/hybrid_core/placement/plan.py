@@ -8,7 +8,7 @@ Fractions are Ray bookkeeping, not memory limits: what each role keeps on a shar
 the residency plan (:mod:`hybrid_core.residency`).
 
 :meth:`PlacementPlan.render` is the plan as plain text: a GPU x role table and a per-role summary (the body of
-``hybrid ppo --dry-run``). Example (OpenRLHF's 8-GPU hybrid engine)::
+a dry run). Example (OpenRLHF's 8-GPU hybrid engine)::
 
     placement: 8 GPUs on 1 node (8 GPUs per node)
 
@@ -99,7 +99,7 @@ class PlacementPlan:
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready description (for logs and ``--dry-run --json``)."""
+        """A JSON-ready description (for logs and a dry run's JSON)."""
         return {
             "num_gpus": self.num_gpus,
             "gpus_per_node": self.gpus_per_node,

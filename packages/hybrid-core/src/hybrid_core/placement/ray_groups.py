@@ -225,12 +225,12 @@ def _check_plan_nodes(plan: PlacementPlan, devices: tuple[GpuDevice, ...]) -> No
         nodes = sorted({devices[g].node_id for g in gpus})
         if len(nodes) > 1:
             raise PlacementError(
-                "gpus_per_node",
+                "placement.gpus_per_node",
                 f"plan node {start // plan.gpus_per_node} (plan GPUs "
                 f"{format_gpus(tuple(gpus))}) landed on {len(nodes)} nodes "
                 f"({', '.join(n[:8] for n in nodes)}): the cluster's free GPUs do not come in nodes "
                 f"of {plan.gpus_per_node}.",
-                "Give --gpus_per_node the GPUs each node really has free (or free whole nodes for the job).",
+                "Give placement.gpus_per_node the GPUs each node really has free (or free whole nodes for the job).",
             )
 
 

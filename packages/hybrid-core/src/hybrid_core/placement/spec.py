@@ -6,8 +6,9 @@ Two ways to write it, one result:
 
 * RLinf-style ranges, any role names: ``PlacementSpec.from_ranges({"actor": "0-7", "rollout": "4-7"}, ...)``.
   Overlapping ranges *are* the declaration that those roles share GPUs (as in RLinf's hybrid mode).
-* OpenRLHF-style counts and colocation flags: ``PlacementSpec.from_counts(actor_num_nodes=1, ...)``
-  (see :mod:`hybrid_core.placement.counts`).
+* Counts (nodes x GPUs per node, engines x tensor-parallel size), each role on its own block or on another role's
+  GPUs: ``PlacementSpec.from_counts([CountedRole(...), ...])`` (see :mod:`hybrid_core.placement.counts`; the
+  training loop builds the roles from OpenRLHF's flags).
 
 Each constructor checks its own fields (syntax, signs); :meth:`PlacementSpec.plan` checks how they fit together
 and lays them out as a :class:`~.plan.PlacementPlan` (one worker per ``tp`` GPUs, equal fractions of each shared GPU).
@@ -17,13 +18,13 @@ Neither needs Ray: every error is raised before anything is scheduled.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PlacementError
 from .checks import cluster_size, require_int
-from .counts import spec_fields_from_counts
+from .counts import CountedRole, spec_fields_from_counts
 from .plan import PlacementPlan, RolePlacement, WorkerSlot
 from .ranges import GpuRange, describe_gpus, format_gpus, parse_gpu_range
 
@@ -116,10 +117,10 @@ class PlacementSpec:
         )
 
     @classmethod
-    def from_counts(cls, **flags: Any) -> PlacementSpec:
-        """OpenRLHF-style counts and flags (``actor_num_nodes=1, ..., colocate_all_models=True``); see
-        :func:`hybrid_core.placement.counts.spec_fields_from_counts` for the flags and the rules."""
-        return cls(**spec_fields_from_counts(**flags))
+    def from_counts(cls, roles: Sequence[CountedRole], **cluster: Any) -> PlacementSpec:
+        """Roles by counts, in order (``cluster``: ``gpus_per_node``, ``cluster_gpus``, ``num_nodes``); see
+        :func:`hybrid_core.placement.counts.spec_fields_from_counts` for the rules."""
+        return cls(**spec_fields_from_counts(roles, **cluster))
 
 
 # ---- the layout ------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ node when the run does not say how large a node is):
   on a level-1 sleep, which vLLM backs up to host). They are counted all at once, not per phase: torch's pinned
   memory allocator keeps its buffers cached after a state goes back to the GPU. ``discard`` and ``release`` keep
   nothing on host;
-* the optimizer in host memory (DeepSpeed CPU Adam: the planner's ``host`` move, or ``--adam_offload``): master
+* the optimizer in host memory (DeepSpeed CPU Adam: the planner's ``host`` move, or ``trainer.adam_offload``): master
   weights and their gradients, Adam m and v, and a model-dtype partition: 18 bytes per parameter of the rank's ZeRO
   partition (fp32 master weights and moments), 14 with bf16 master weights, 10 with bf16 moments too, plus DeepSpeed's
   staging buffers (the memory model's ``cpu_adam_bytes``, ``RoleSize.host`` / ``RoleSize.host_optimizer``);
@@ -48,7 +48,7 @@ class HostBudget:
     """The host memory each node may fill, and where the number comes from."""
 
     bytes: float | None  # per node; None: unknown (nothing is checked, the plan's notes say so)
-    source: str  # shown with the number: "--host_memory_gb", "MemAvailable of this machine", or why it is unknown
+    source: str  # shown with the number: the setting that gave it, "MemAvailable of this machine", or why unknown
     gpus_per_node: int | None = None  # plan GPU -> node; None: one node
     local: bool = False  # read from this machine: other nodes are assumed to have as much
 
@@ -105,7 +105,7 @@ def host_use(
                 for state, nbytes in size.states.items()
                 if nbytes and moves.get((size.role, state), "resident") == "offload"
             }
-            held.update(size.host)  # kept there for the whole run (CPU Adam with --adam_offload)
+            held.update(size.host)  # kept there for the whole run (CPU Adam with trainer.adam_offload)
             if moves.get((size.role, "optimizer")) == "host" and CPU_ADAM not in size.host:
                 held[CPU_ADAM] = size.host_optimizer  # the planner keeps the optimizer there
             for item, nbytes in held.items():
@@ -188,13 +188,13 @@ def planning_budget(
     meminfo: str = "/proc/meminfo",
     environ: Mapping[str, str] | None = None,
 ) -> HostBudget:
-    """The budget a dry-run checks a plan against when ``--host_memory_gb`` is not given.
+    """The budget a dry-run checks a plan against when ``residency.host_memory_gb`` is not given.
 
     A dry-run plans for the run's nodes, which are often not the machine it runs on (a laptop checking a 64-GPU
     script): this machine's memory says something about theirs only when it could be one of them -- it has the
     ``node_gpus`` GPUs the fullest node of the plan uses (``local_gpus`` >= ``node_gpus``), or the run is a local one
     (``runs_here``: a local Ray declaring its GPUs). Otherwise nothing is checked, and the plan says what it keeps in
-    each node's host memory (:func:`render_host`, :func:`host_notes`), for ``--host_memory_gb`` to check."""
+    each node's host memory (:func:`render_host`, :func:`host_notes`), for ``residency.host_memory_gb`` to check."""
     if runs_here or local_gpus >= node_gpus:
         return local_budget(gpus_per_node, meminfo=meminfo, environ=environ)
     return HostBudget(
@@ -226,7 +226,9 @@ def check_host(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> None:
             f"{use.total / GiB:.1f} GiB > {budget.bytes / GiB:.1f} GiB available ({budget.source})"
         )
         raise PlacementError(
-            "host_memory_gb", f"node {node}: {over}. The run would be killed for memory at start-up.", _fix(use, budget)
+            "residency.host_memory_gb",
+            f"node {node}: {over}. The run would be killed for memory at start-up.",
+            _fix(use, budget),
         )
 
 
@@ -239,7 +241,7 @@ def host_notes(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> list[s
         most = max((u.states for u in uses.values()), default=0.0)
         notes.append(
             f"host memory not checked: {budget.source} (the plan keeps up to {most / GiB:.1f} GiB of states "
-            "in one node's host memory); set --host_memory_gb to check it"
+            "in one node's host memory); set residency.host_memory_gb to check it"
         )
         return notes
     if budget.local and len(uses) > 1:
@@ -247,12 +249,12 @@ def host_notes(budget: HostBudget | None, uses: Mapping[int, HostUse]) -> list[s
         which = f"node {others[0]} is" if len(others) == 1 else f"nodes {_span(others)} are"
         notes.append(
             f"host memory: {which} assumed to have as much available as this machine "
-            f"({budget.bytes / GiB:.1f} GiB); set --host_memory_gb if they differ"
+            f"({budget.bytes / GiB:.1f} GiB); set residency.host_memory_gb if they differ"
         )
     for node, use in sorted(uses.items()):
         if use.states <= budget.bytes < use.total / NEAR_FULL:
             less = (
-                "keep fewer states there (--residency_pins)"
+                "keep fewer states there (residency.pins)"
                 if use.states > use.process_bytes
                 else "run fewer worker processes per node (each role on a GPU is a process)"
             )
@@ -340,22 +342,23 @@ def _fix(use: HostUse, budget: HostBudget) -> str:
         fix = (
             f"The {role}'s optimizer is in host memory (CPU Adam: 18 bytes per parameter of each rank's ZeRO "
             "partition, 10 in bf16). Give it room on the GPUs so it stays there: more GPUs for the role with "
-            "--zero_stage 3 (each rank holds 1/N of the states) or larger GPUs, and no --adam_offload; or keep it "
-            "in bf16, if not already (--bf16_master_weights --bf16_optimizer_states: 6 bytes per parameter on the "
+            "trainer.zero_stage 3 (each rank holds 1/N of the states) or larger GPUs, and no trainer.adam_offload; "
+            "or keep it in bf16, if not already (trainer.bf16_master_weights trainer.bf16_optimizer_states: 6 bytes "
+            "per parameter on the "
             "GPU instead of 12, 10 in host memory); or spread its ranks over more nodes (a node holds only its own "
             "ranks' partitions; ZeRO-0 would keep the whole optimizer on every rank)."
         )
-    elif role == "rollout" and item == "weights":
+    elif item == "weights":  # only engines have weights (a model's are its params)
         fix = (
-            "Let the engines drop their weights instead of backing them up to host (--residency_pins "
-            "rollout.weights=discard, or --engine_sleep_level 2: the sync refills them after each update)."
+            f"Let the engines drop their weights instead of backing them up to host (residency.pins "
+            f"{role}.weights=discard, or engine.sleep_level 2: the sync refills them after each update)."
         )
     else:
         fix = (
-            f"Keep fewer states in host memory: --residency_pins {role}.{item}=resident where the GPU has room, "
+            f"Keep fewer states in host memory: residency.pins {role}.{item}=resident where the GPU has room, "
             "or colocate fewer roles on the GPUs."
         )
-    more = " (they are not this machine? say how much they have with --host_memory_gb N)" if budget.local else ""
+    more = " (they are not this machine? say how much they have: residency.host_memory_gb N)" if budget.local else ""
     return f"{fix} Or run on nodes with more host memory{more}."
 
 

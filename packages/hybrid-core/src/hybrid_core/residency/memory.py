@@ -52,11 +52,11 @@ The optimizer's bytes per parameter of a rank's ZeRO partition (bf16 model; m = 
     also keep one host staging buffer of the largest parameter (b x its size, per worker, not per parameter).
     Missing the model-dtype partition (16 instead of 18) let a 6.5B model's plan pass on a 125 GiB host where
     DeepSpeed's set-up then took 108 GiB in one process and Ray's memory monitor killed it (H100, 2026-11-24).
-  (The fp32 model, without --bf16, is counted as before: K = 8, no master copy and no flat gradient buffer; DeepSpeed
+  (The fp32 model, without ``bf16``, is counted as before: K = 8, no master copy and no flat gradient buffer; DeepSpeed
   0.19.8 in fact keeps a 4-byte master copy there too under ZeRO >= 1.)
 Frozen models (kind ``frozen``: a reference, a reward model), per GPU: params = b P / (N if z = 3 and N > 1
     else 1) -- under ZeRO-3 a frozen model is sharded over its role's N ranks as OpenRLHF shards its reference and
-    reward models (DeepSpeed inference engines with the trainers' --zero_stage), else whole on every rank; working:
+    reward models (DeepSpeed inference engines with the trainers' ZeRO stage), else whole on every rank; working:
     one forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8), and
     when sharded the 2 layers' weights ZeRO-3 gathers (as for a trainer).
 Engines (kind ``engine``), per GPU of an engine of TP GPUs:
@@ -378,7 +378,7 @@ def _working(
 
 def frozen_shards(zero_stage: int, *, ranks: int) -> int:
     """Into how many shards a frozen role (reference, reward model) of ``ranks`` workers splits its parameters: all
-    of its ranks under ZeRO-3 (OpenRLHF's inference engines take the trainers' --zero_stage), else 1 (whole on each).
+    of its ranks under ZeRO-3 (OpenRLHF's inference engines take the trainers' ZeRO stage), else 1 (whole on each).
     The training loop's frozen workers shard exactly when this is above 1."""
     return ranks if zero_stage == 3 and ranks > 1 else 1
 
@@ -427,11 +427,11 @@ def _engine(
         pool = work.engine_memory_fraction * gpu_bytes
         if weights + shape.kv_bytes_per_token(2) / tp * seq > pool:
             raise ConfigError(
-                "vllm_gpu_memory_utilization",
+                "engine.gpu_memory_utilization",
                 f"an engine's share of the GPU ({work.engine_memory_fraction} x {gpu_bytes / GiB:.1f} GiB = "
                 f"{pool / GiB:.1f} GiB) cannot hold its weights ({weights / GiB:.1f} GiB per GPU at TP {tp}) plus "
                 f"the KV cache of one {seq}-token sequence.",
-                "Raise --vllm_gpu_memory_utilization or --vllm_tensor_parallel_size.",
+                "Raise engine.gpu_memory_utilization or engine.tensor_parallel_size.",
             )
         return (
             {"weights": weights, "kv_cache": pool - weights},

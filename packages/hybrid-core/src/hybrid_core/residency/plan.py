@@ -2,7 +2,7 @@
 
 It is built from one decision per (role, state) -- a move from :data:`~.steps.MOVES` -- and the memory model's
 sizes, and it can say everything the loop and the user need: what is resident in each phase, the predicted peak
-of each GPU in each phase against its capacity, how many bytes move per step, and the table ``--dry-run`` prints.
+of each GPU in each phase against its capacity, how many bytes move per step, and the table a dry run prints.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ class ResidencyPlan:
         """Whether the role moves any state during a step (it then takes turns on its GPUs)."""
         return any(self.move(r, s) in MOVING for r, s in self._states(role) if s != "cache")
 
-    def engine_sleep_level(self, role: str = "rollout") -> int | None:
-        """The engine's sleep level after generating: 1 (weights to host), 2 (weights discarded), None (stays)."""
+    def engine_sleep_level(self, role: str) -> int | None:
+        """The sleep level after generating of the engine role ``role``: 1 (weights to host), 2 (weights
+        discarded), None (stays)."""
         return {"offload": 1, "discard": 2}.get(self.move(role, "weights"))
 
     # ---- memory ----------------------------------------------------------------------------------------------------
@@ -250,20 +251,20 @@ def _fix_for(plan: ResidencyPlan, items: Mapping[tuple[str, str], float]) -> str
     role, item = max(items, key=lambda k: items[k])
     if plan.mode == "auto":
         return {
-            "optimizer": f"Use more GPUs for the {role} or --zero_stage 3 across several GPUs (moving the optimizer "
-            "state off the GPU between phases was not enough), or a bf16 optimizer state if not already "
-            "(--bf16_master_weights --bf16_optimizer_states: 6 bytes per parameter instead of 12).",
-            "activations": "Use --gradient_checkpointing or a smaller micro batch size.",
+            "optimizer": f"Use more GPUs for the {role} or trainer.zero_stage 3 across several GPUs (moving the "
+            "optimizer state off the GPU between phases was not enough), or a bf16 optimizer state if not already "
+            "(trainer.bf16_master_weights trainer.bf16_optimizer_states: 6 bytes per parameter instead of 12).",
+            "activations": "Use trainer.gradient_checkpointing or a smaller micro batch size.",
             "logits": "Use a smaller micro batch size (logits are micro batch x length x vocabulary).",
-            "kv_cache": "Lower --vllm_gpu_memory_utilization (the engine's pool).",
-            "weights": "Use a larger --vllm_tensor_parallel_size, or more GPUs.",
+            "kv_cache": "Lower engine.gpu_memory_utilization (the engine's pool).",
+            "weights": "Use a larger engine.tensor_parallel_size, or more GPUs.",
         }.get(item, f"Give the roles more GPUs, or smaller models / batches ({role} {item} is the largest item).")
     return {
-        "optimizer": f"Use --residency auto (the planner moves what does not fit), --adam_offload, or more GPUs for "
-        f"the {role}.",
-        "kv_cache": "Lower --vllm_gpu_memory_utilization, or let the engines sleep (--vllm_enable_sleep).",
-        "weights": "Let colocated roles sleep (--deepspeed_enable_sleep / --vllm_enable_sleep), or --residency auto.",
-    }.get(item, "Use --residency auto, give the roles more GPUs, or let colocated roles sleep.")
+        "optimizer": f"Use residency.mode auto (the planner moves what does not fit), trainer.adam_offload, or more "
+        f"GPUs for the {role}.",
+        "kv_cache": "Lower engine.gpu_memory_utilization, or let the engines sleep (engine.sleep).",
+        "weights": "Let colocated roles sleep (residency.trainer_sleep / engine.sleep), or residency.mode auto.",
+    }.get(item, "Use residency.mode auto, give the roles more GPUs, or let colocated roles sleep.")
 
 
 def _span(gpus: list[int]) -> str:

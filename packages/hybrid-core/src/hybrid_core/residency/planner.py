@@ -10,8 +10,9 @@ Modes:
   to host and back only to have them overwritten). Among plans of equal cost, fewer moves win. Keeping the optimizer
   in host memory for the whole run (CPU Adam) is the last resort: it is chosen only when nothing else fits.
 * ``all-sleep`` -- every state of every role that shares a GPU moves (the behaviour before the planner existed).
-* ``manual`` -- only the roles in ``sleep_roles`` move (OpenRLHF's flags: ``vllm_enable_sleep`` -> the engines,
-  their weights by ``engine_sleep_level``; ``deepspeed_enable_sleep`` -> the trainers); everything else stays.
+* ``manual`` -- only the roles in ``sleep_roles`` move (the sleep switches, :mod:`.settings`: ``engine.sleep`` ->
+  the engines, their weights by ``engine.sleep_level``; ``residency.trainer_sleep`` -> the trainers); everything
+  else stays.
 
 In ``auto`` mode ``sleep_roles`` are roles the user asked to sleep: their states move, the planner decides the rest.
 ``pins`` fix single decisions in any mode (``{("actor", "optimizer"): "offload"}``). A role alone on its GPUs never
@@ -105,7 +106,7 @@ def plan_residency(
     ``sleep_fields``: role -> the user's setting that asked it to sleep (named by the error when such a role shares
     no GPU). ``host``: each node's host memory (the plan shows and checks what it keeps there, see :mod:`.host`)."""
     if mode not in MODES:
-        raise ConfigError("residency", f"unknown mode {mode!r}.", f"Use one of: {', '.join(MODES)}.")
+        raise ConfigError("residency.mode", f"unknown mode {mode!r}.", f"Use one of: {', '.join(MODES)}.")
     if not 0 < usable <= 1:
         raise ConfigError("usable", f"must be in (0, 1], got {usable}.")
     layout = {g: tuple(s) for g, s in layout.items()}
@@ -321,13 +322,13 @@ def check_sleepers(
     setting that asked (named by the error)."""
     lonely = sorted(set(sleep_roles) - set(shared))
     if lonely:
-        fields = dict.fromkeys((sleep_fields or {}).get(r, "residency") for r in lonely)
+        fields = dict.fromkeys((sleep_fields or {}).get(r, "residency.mode") for r in lonely)
         raise ConfigError(
             " / ".join(fields),
             f"{', '.join(lonely)} shares no GPU with another role, so sleeping "
             "would free memory for nobody and only cost a reload per step.",
-            f"Drop {' / '.join('--' + f for f in fields)}, or colocate it with another role "
-            "(--colocate_all_models, or overlapping --placement ranges).",
+            f"Drop {' / '.join(fields)}, or colocate it with another role "
+            "(placement.colocate_all, or overlapping GPU ranges in placement.ranges).",
         )
 
 

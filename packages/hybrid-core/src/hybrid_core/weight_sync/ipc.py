@@ -38,7 +38,17 @@ from .buckets import BucketPacker, Piece, check_bucket_bytes
 from .meta import TensorMeta
 from .sampling import Rotation, VerifyPolicy, as_policy
 from .sender import DEFAULT_BUCKET_BYTES
-from .verify import FIX, PieceCheck, ReadBack, bucket_checksums, compare, corrupt, loaded_bytes, piece_checksum
+from .verify import (
+    FIX,
+    PieceCheck,
+    ReadBack,
+    bucket_checksums,
+    compare,
+    corrupt,
+    loaded_bytes,
+    tensors_checksums,
+    word_size,
+)
 from .wire import tensor_bytes
 
 
@@ -278,18 +288,20 @@ def _verify(
             f"weight sync verify: IPC receiver: {len(expected)} checksums for {len(pairs)} "
             f"tensors in bucket {bucket.index}. Fix: {FIX}"
         )
+    sizes = []
     for (name, tensor), (meta, _), want in zip(pairs, bucket.entries, expected):
         if want is None:  # not checked in this sync (sampling.py)
             continue
         data, from_engine = loaded_bytes(name, tensor, meta, read_back)
-        actual.append(piece_checksum(data, 0, meta, 0, meta.nbytes))
+        actual.append(data)
+        sizes.append(word_size(meta, 0, meta.nbytes))
         checks.append(PieceCheck(name, bucket.index, 0, meta.nbytes, meta.nbytes, from_engine))
         sent.append(want)
     if not actual:
         if pairs[0][1].device.type == "cuda":
             torch.cuda.current_stream(pairs[0][1].device).synchronize()
         return
-    compare(sent, torch.stack(actual), checks, "IPC receiver")  # the host read waits for the load
+    compare(sent, tensors_checksums(actual, sizes), checks, "IPC receiver")  # the host read waits for the load
 
 
 def release_ipc_mappings() -> None:

@@ -1,4 +1,4 @@
-"""Which tensor pieces a weight sync checks: all of them, a rotating sample, or none (``--verify_weight_sync``).
+"""Which tensor pieces a weight sync checks: all of them, a rotating sample, or none (``sync.verify``).
 
 Checking every piece of every sync reads the whole model twice more (the sender's bucket, the engine's parameters)
 and launches a few kernels per piece on each side: on an H200, 1.9 GB synced in ~10 ms, that is far more than the 2 %
@@ -12,13 +12,12 @@ a check may cost (issue 34). The failures that matter most are not local, so a s
   is sampled at least once every ``period`` syncs, so such damage can stay unseen for up to ``period - 1`` syncs
   (and is missed if the next sync overwrites it first). ``full`` checks every piece of every sync, at its price.
 
-The sample: pieces, in stream order, go to ``period`` groups balanced by bytes (each to the group with the fewest
-bytes so far: the same groups every sync, as the stream is the same); sync ``n >= 1`` checks group ``(n - 1) %
-period``. The sender decides; a receiver is told which pieces it checks (``wire.py``).
+The sample: the stream's bytes are cut into ``period`` contiguous groups of pieces (:class:`Rotation`); sync
+``n >= 1`` checks group ``(n - 1) % period``. The sender decides; a receiver is told which pieces it checks
+(``wire.py``).
 
-``PERIOD`` (32): a sync then checks about 1/32 of the bytes (the largest tensors, e.g. an embedding, form groups of
-their own) and ~1/32 of the pieces' kernel launches: on the H200 bench that is what brings the check within 2 % of
-the sync's time (``bench/weight_sync.py`` measures both modes); a corrupted byte is found within 32 syncs.
+``PERIOD`` (32): a sync checks 1/32 of the bytes on average, in one or two buckets (one fused checksum launch each
+per side); a corrupted byte is found within 32 syncs. ``bench/weight_sync.py`` measures the cost of both modes.
 """
 
 from __future__ import annotations
@@ -44,13 +43,13 @@ class VerifyPolicy:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(
-                "verify_weight_sync",
+                "sync.verify",
                 f"{self.mode!r} is not one of {', '.join(MODES)}.",
-                "Use --verify_weight_sync full, sampled (the default) or off.",
+                "Use sync.verify full, sampled (the default) or off.",
             )
         if self.period < 1 or self.sync < 0:
             raise ConfigError(
-                "verify_weight_sync",
+                "sync.verify",
                 f"period {self.period} and sync {self.sync} must be >= 1 and >= 0.",
                 "Build it with as_policy(mode, sync).",
             )
@@ -80,9 +79,9 @@ def mode_of(value: bool | str | None) -> str:
         return "off"
     if value not in MODES:
         raise ConfigError(
-            "verify_weight_sync",
+            "sync.verify",
             f"{value!r} is not one of {', '.join(MODES)}.",
-            "Use --verify_weight_sync full, sampled (the default) or off.",
+            "Use sync.verify full, sampled (the default) or off.",
         )
     return str(value)
 
@@ -90,37 +89,30 @@ def mode_of(value: bool | str | None) -> str:
 class Rotation:
     """Feed the pieces' sizes in stream order; ``take`` says whether this sync checks each one.
 
-    The groups of the last stream seen are kept (per period): a sync whose stream is the same as the last one's (the
-    usual case) reads its groups back instead of balancing again (no per-piece search on the sync's path)."""
+    The groups are contiguous: the piece starting at byte ``c`` of the stream is in group ``min(period - 1,
+    c * period // T)``, ``T`` being the size of the last stream seen (per thread and period; the stream is the same
+    every sync, so the groups are too). A sync's pieces are therefore neighbours, in one bucket or two: the checksums
+    of a sync cost one fused launch per bucket on each side (``checksum_kernel.py``), not one per piece. A group holds
+    at most ``T / period`` bytes plus its last piece; a piece larger than that leaves the next groups empty (those
+    syncs check nothing), so every sync checks ``1 / period`` of the bytes on average."""
 
     def __init__(self, policy: VerifyPolicy):
         self.policy = policy
         self.group = (policy.sync - 1) % policy.period
-        self.count = 0
-        self.loads: list[int] | None = None  # set once the stream leaves the remembered one
-        groups = _LAST.__dict__.setdefault("groups", {})
-        self.known = groups.setdefault(policy.period, [])
+        self.offset = 0
+        self.totals: dict[int, int] = _LAST.__dict__.setdefault("totals", {})
+        self.total = self.totals.get(policy.period)  # None: no stream seen yet in this thread
 
     def take(self, nbytes: int) -> bool:
         p = self.policy
+        start, self.offset = self.offset, self.offset + nbytes
+        self.totals[p.period] = self.offset  # at the stream's end: its size, for the next sync's groups
         if not p.active:
             return False
-        if p.mode == "full":
+        if p.mode == "full" or p.sync == 0 or not self.total:  # no stream seen yet: the groups are unknown, check all
             return True
-        i, self.count = self.count, self.count + 1
-        if self.loads is None and i < len(self.known) and self.known[i][0] == nbytes:
-            g = self.known[i][1]
-        else:
-            if self.loads is None:  # a new stream from here on: balance again, from what came before
-                self.loads = [0] * p.period
-                for size, group in self.known[:i]:
-                    self.loads[group] += size
-                del self.known[i:]
-            g = min(range(p.period), key=self.loads.__getitem__)  # the lightest group so far (lowest on ties)
-            self.loads[g] += nbytes
-            self.known.append((nbytes, g))
-        return p.sync == 0 or g == self.group
+        return bool(min(p.period - 1, start * p.period // self.total) == self.group)
 
 
-# per thread and period: (bytes, group) of each piece of the last stream balanced
+# per thread: the size of the last stream seen, per period
 _LAST = threading.local()

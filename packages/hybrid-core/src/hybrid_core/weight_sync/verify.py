@@ -30,14 +30,17 @@ Guarantees (s in 1, 2, 4, 8; a difference d of two bytes has |d| <= 255, so at m
 * Integer addition and multiplication mod 2**64 do not depend on the order of a reduction, so every path below, on
   the CPU or the GPU, gives the same value (tests check them against each other and against Python integers).
 
-How it is computed (``checksum``): the piece's bytes as an int8 matrix ``[rows, ROW]`` times a fixed int8 matrix
-``W_s`` ``[ROW, 8..24]`` (``torch._int_mm``: one pass over the data on the tensor cores, exact int32 results; the
-columns hold, per byte lane i < s, the lane's row sum and its sums weighted by the word index's two base-128
-digits), then one element-wise product with a weight table ``[rows, ncols]`` (int64) and one sum: three kernels per
-piece. The rest (pieces shorter than FAST_MIN_ROWS rows, and a tail of < ROW bytes) uses the definition directly
-in int64 over a cached G. If ``_int_mm`` is missing, raises, or disagrees with the definition in a one-time self-test
-on a device, that device uses row/column reductions giving the same matrix (``"reduce"``, slower): a failing fast
-path never skips a check. :func:`checksum_path` says which path a device uses.
+How it is computed: on a CUDA device with Triton, every checked piece of a buffer in one fused kernel
+(``checksum_kernel.py``; ``bucket_checksums`` / ``tensors_checksums``, the latter copying separate tensors into one
+buffer first), after a self-test against the definition. Otherwise (``checksum``, per piece): the piece's bytes as
+an int8 matrix ``[rows, ROW]`` times a fixed int8 matrix ``W_s`` ``[ROW, 8..24]`` (``torch._int_mm``: one pass over
+the data on the tensor cores, exact int32 results; the columns hold, per byte lane i < s, the lane's row sum and its
+sums weighted by the word index's two base-128 digits), then one element-wise product with a weight table ``[rows,
+ncols]`` (int64) and one sum: three kernels per piece. The rest (pieces shorter than FAST_MIN_ROWS rows, and a tail
+of < ROW bytes) uses the definition directly in int64 over a cached G. If ``_int_mm`` is missing, raises, or
+disagrees with the definition in a one-time self-test on a device, that device uses row/column reductions giving the
+same matrix (``"reduce"``, slower): a failing fast path never skips a check. :func:`checksum_path` says which path
+a device uses.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Any
 import torch
 
 from ..errors import WeightSyncMismatch
+from . import checksum_kernel
 from .buckets import Piece
 from .meta import TensorMeta
 
@@ -60,7 +64,7 @@ _SIZES = (1, 2, 4, 8)
 ReadBack = Callable[[str], "torch.Tensor | None"]
 FIX = (
     "A byte changed between the trainer and the engine's parameters (the transport, the engine's loading code, "
-    "or the hardware): report it with the run's logs. --verify_weight_sync off turns this check off (not advised)."
+    "or the hardware): report it with the run's logs. sync.verify off turns this check off (not advised)."
 )
 _log = logging.getLogger(__name__)
 
@@ -178,7 +182,8 @@ _COLUMN_MAJOR: dict[torch.device, bool] = {}
 
 
 def checksum_path(device: torch.device | str) -> str:
-    """Which path computes the checksums of large pieces on ``device``: "int_mm" (torch._int_mm) or "reduce"."""
+    """Which path computes the checksums of large pieces on ``device``: "triton" (one fused kernel, CUDA), "int_mm"
+    (torch._int_mm) or "reduce"."""
     device = torch.device(device)
     path = _PATH.get(device)
     if path is None:
@@ -187,10 +192,27 @@ def checksum_path(device: torch.device | str) -> str:
 
 
 def _self_test(device: torch.device) -> str:
-    """The fast path on this device, if it gives the definition's value on a fixed random buffer for every word
-    size; else "reduce" (logged)."""
+    """The fastest path on this device that gives the definition's value on a fixed random buffer for every word
+    size: "triton" (CUDA, ``checksum_kernel.py``), else "int_mm", else "reduce" (logged)."""
     g = torch.Generator().manual_seed(34)
-    data = torch.randint(-128, 128, ((FAST_MIN_ROWS + 3) * ROW,), generator=g, dtype=torch.int8).to(device)
+    data = torch.randint(-128, 128, ((FAST_MIN_ROWS + 3) * ROW + 8,), generator=g, dtype=torch.int8).to(device)
+    if device.type == "cuda" and checksum_kernel.available():
+        try:
+            # odd lengths and offsets too: the kernel masks its last block and reads unaligned bytes
+            cases = [(data, s) for s in _SIZES] + [(data[1:-7], s) for s in _SIZES] + [(data[:5], 1)]
+            single = all(int(checksum_kernel.checksum(d, s)) == _definition(d, s) for d, s in cases)
+            offsets, sizes = (1, 4096 + 3, 40000), (4096, 16 * 4099, 8)  # several pieces of one buffer, one launch
+            many = checksum_kernel.piece_checksums(data, offsets, sizes, 1).tolist() == [
+                _definition(data[o : o + n], 1) for o, n in zip(offsets, sizes)
+            ]
+            if single and many:
+                return "triton"
+            _log.warning("weight sync verify: the Triton checksum disagrees with the definition on %s", device)
+        except Exception as e:  # a Triton that cannot compile for this GPU
+            _log.warning(
+                "weight sync verify: the Triton checksum cannot run on %s (%s: %s)", device, type(e).__name__, e
+            )
+    data = data[: (FAST_MIN_ROWS + 3) * ROW]
     block = data.view(-1, ROW)
     why = ""
     for column_major in (False, True):
@@ -231,6 +253,8 @@ def checksum(data: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
         raise ValueError(f"itemsize must be one of {_SIZES}, got {itemsize}")
     b = data.view(torch.int8)
     n = b.numel()
+    if b.is_cuda and checksum_path(b.device) == "triton":
+        return checksum_kernel.checksum(b, itemsize)
     if n < SMALL:
         return _direct(b, itemsize) if n else torch.zeros((), dtype=torch.int64, device=b.device)
     rows = n // ROW
@@ -257,20 +281,44 @@ def checksum(data: torch.Tensor, itemsize: int = 1) -> torch.Tensor:
     return total
 
 
-def piece_checksum(
-    buffer: torch.Tensor, offset: int, meta: TensorMeta, tensor_offset: int, nbytes: int
-) -> torch.Tensor:
-    """The checksum of the piece at ``buffer[offset:offset + nbytes]`` (bytes ``tensor_offset``.. of ``meta``'s
-    tensor)."""
-    return checksum(buffer[offset : offset + nbytes], word_size(meta, tensor_offset, nbytes))
-
-
 def bucket_checksums(buffer: torch.Tensor, pieces: Sequence[Piece]) -> torch.Tensor:
     """One checksum per piece (``Piece``: ``bucket_offset``, ``meta``, ``tensor_offset``, ``nbytes``) packed in the
     flat uint8 ``buffer``, as one int64 tensor on its device (not synchronized)."""
     if not pieces:
         return torch.zeros(0, dtype=torch.int64, device=buffer.device)
-    return torch.stack([piece_checksum(buffer, p.bucket_offset, p.meta, p.tensor_offset, p.nbytes) for p in pieces])
+    sizes = [word_size(p.meta, p.tensor_offset, p.nbytes) for p in pieces]
+    return _many(buffer, [p.bucket_offset for p in pieces], [p.nbytes for p in pieces], sizes)
+
+
+def tensors_checksums(datas: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+    """One checksum per flat uint8 tensor ``datas[i]`` read as ``sizes[i]``-byte words, as one int64 tensor (not
+    synchronized). On the fused kernel's devices the tensors are first copied into one buffer (one launch), so the
+    number of tensors costs no launches."""
+    if not datas:
+        return torch.zeros(0, dtype=torch.int64)
+    device = datas[0].device
+    if device.type == "cuda" and checksum_path(device) == "triton" and len(datas) > 1:
+        offsets = [0]
+        for d in datas[:-1]:
+            offsets.append(offsets[-1] + d.numel())
+        return _many(torch.cat(list(datas)), offsets, [d.numel() for d in datas], sizes)
+    return torch.stack([checksum(d, s) for d, s in zip(datas, sizes)])
+
+
+def _many(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The checksums of the pieces ``buffer[offsets[i]:][:nbytes[i]]`` (word sizes ``sizes``): one fused launch per
+    word size where the device runs the kernel, else one checksum per piece."""
+    b = buffer.view(torch.int8)
+    if not (b.is_cuda and checksum_path(b.device) == "triton"):
+        return torch.stack([checksum(buffer[o : o + n], s) for o, n, s in zip(offsets, nbytes, sizes)])
+    out = torch.empty(len(offsets), dtype=torch.int64, device=b.device)
+    for s in sorted(set(sizes)):
+        which = [i for i, w in enumerate(sizes) if w == s]
+        sums = checksum_kernel.piece_checksums(b, [offsets[i] for i in which], [nbytes[i] for i in which], s)
+        if len(which) == len(sizes):
+            return sums
+        out[torch.tensor(which, device=b.device)] = sums
+    return out
 
 
 def loaded_bytes(

@@ -12,18 +12,16 @@ plan), the one function that also picks the engine's transport and the group bac
 Either way the trainer side is the engine's :class:`~.transport.WeightTransport` (``engine_spec(backend)
 .weight_transport()``): an engine that receives SGLang's format gets SGLang's sender (:mod:`.sglang`).
 
-Modules: :mod:`.choice` (which path, before Ray), :mod:`.driver` (:class:`WeightSync` on the driver,
-:class:`TrainerWeightSource` mixed into the trainer's workers), :mod:`.transport` (hybrid-core's wire format, the
-trainer's side), :mod:`.sglang` (SGLang's). The wire-level pieces (buckets, sender / receiver, checksums) are
-``hybrid_core.weight_sync``'s.
+Modules: :mod:`.settings` (the run's sync section, :class:`~.settings.SyncSettings`), :mod:`.choice` (which path,
+before Ray), :mod:`.driver` (:class:`WeightSync` on the driver, :class:`TrainerWeightSource` mixed into the trainer's
+workers), :mod:`.transport` (hybrid-core's wire format, the trainer's side), :mod:`.sglang` (SGLang's). The
+wire-level pieces (buckets, sender / receiver, checksums) are ``hybrid_core.weight_sync``'s.
 """
 
 from __future__ import annotations
 
 from .choice import (
-    MODES,
     SyncChoice,
-    SyncSettings,
     choose_sync,
     describe_sync,
     group_backend,
@@ -32,10 +30,11 @@ from .choice import (
     verify_note,
 )
 from .driver import TrainerWeightSource, WeightSync
+from .settings import TRANSPORTS, SyncSettings
 from .transport import WeightTransport
 
 __all__ = [
-    "MODES",
+    "TRANSPORTS",
     "SyncChoice",
     "SyncSettings",
     "TrainerWeightSource",

@@ -98,12 +98,13 @@ class WeightSync:
     (an :class:`~hybrid_engines.ray_engines.EngineGroup`), on the path ``mode`` (``SyncChoice.mode``).
 
     ``backend``: the broadcast group's (``SyncChoice.group_backend``). ``transport``: the trainer's side; default the
-    engines' own (``engine_spec(engines.backend)``, as ``SyncChoice.transport``). ``verify`` (``verify_weight_sync``:
-    "sampled", the default, or True: the first sync checks every piece, later ones a rotating sample,
-    ``hybrid_core.weight_sync.sampling``; "full": every piece of every sync; "off" or False: none): every sync
-    is checked by the engines against the trainer's checksums, and a mismatch ends it with
-    :class:`~hybrid_core.errors.WeightSyncMismatch` naming the engine and the parameter (``verify_weight_sync``; a
-    transport without checksums, SGLang's, is not checked: :func:`~hybrid_engines.weight_sync.choice.verify_note`)."""
+    engines' own (``engine_spec(engines.backend)``, as ``SyncChoice.transport``). ``bucket_bytes`` and ``verify``:
+    the run's :class:`~.settings.SyncSettings` (``bucket_bytes``, ``verify``: "sampled", the default, or True: the
+    first sync checks every piece, later ones a rotating sample, ``hybrid_core.weight_sync.sampling``; "full": every
+    piece of every sync; "off" or False: none): every sync is checked by the engines against the trainer's
+    checksums, and a mismatch ends it with :class:`~hybrid_core.errors.WeightSyncMismatch` naming the engine and the
+    parameter (a transport without checksums, SGLang's, is not checked:
+    :func:`~hybrid_engines.weight_sync.choice.verify_note`)."""
 
     def __init__(
         self,

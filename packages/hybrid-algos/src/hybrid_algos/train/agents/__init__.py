@@ -11,12 +11,13 @@ same sequence, attended to but masked out of the loss, the KL and the mismatch c
 ``--task lookup`` (:mod:`.lookup`) is a task that needs a tool call. :mod:`.rollout` runs a step's conversations.
 """
 
+from ..rollout_settings import AgentSettings
 from ..tasks import LookupTask
 from .environment import Environment, StepResult
 from .guard import AgentError
 from .loader import AgentSpec, builtin_agent, load_agent
 from .lookup import LookupEnvironment
-from .rollout import AgentBatch, AgentRollout, AgentSettings, summarize
+from .rollout import AgentBatch, AgentRollout, summarize
 
 __all__ = [
     "AgentBatch",

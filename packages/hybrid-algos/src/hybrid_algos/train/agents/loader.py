@@ -19,11 +19,14 @@ import types
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import ConfigError
 
 from . import openrlhf_standin
+
+if TYPE_CHECKING:
+    from ..model_settings import ModelSettings
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +131,11 @@ def load_agent(path: str) -> AgentSpec:
     return AgentSpec("environment", path, factory=obj, standin=standin)
 
 
-def builtin_agent(config: Any) -> AgentSpec:
-    """The environment of a built-in agent task (``--task lookup``)."""
+def builtin_agent(models: ModelSettings) -> AgentSpec:
+    """The environment of the models section's built-in agent task (``--task lookup``)."""
     from .lookup import LookupEnvironment
 
-    return AgentSpec("environment", f"the built-in {config.task!r} task", factory=LookupEnvironment, builtin=True)
+    return AgentSpec("environment", f"the built-in {models.task!r} task", factory=LookupEnvironment, builtin=True)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..rollout_settings import AgentSettings, RolloutSettings
 from .batcher import Flush, TurnBatcher
 from .conversation import Conversation, from_openrlhf
 from .environment import ShapeError, coerce_reset, coerce_step
@@ -36,27 +37,8 @@ from .templates import TINY_CHAT_TEMPLATE, Renderer
 
 log = logging.getLogger(__name__)
 
-#: Turns of a sample when neither --max_turns nor the built-in task says.
-DEFAULT_MAX_TURNS = 8
 #: How long the event loop may stop answering, or the samples stop moving, beyond --agent_timeout_s (at most).
 WATCHDOG_GRACE_S = 30.0
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    max_turns: int
-    turn_tokens: int | None  # new tokens of one turn (None: what is left of the response budget)
-    timeout_s: float
-    on_error: str
-
-    @classmethod
-    def from_config(cls, config: Any, spec: AgentSpec | None = None) -> AgentSettings:
-        from .lookup import MAX_TURNS, TURN_TOKENS
-
-        builtin = spec.builtin if spec is not None else config.agent_func_path is None
-        max_turns = config.max_turns or (MAX_TURNS if builtin else DEFAULT_MAX_TURNS)
-        turn_tokens = config.max_new_tokens_per_turn or (TURN_TOKENS if builtin else None)
-        return cls(max_turns, turn_tokens, config.agent_timeout_s, config.agent_on_error)
 
 
 @dataclass
@@ -88,12 +70,13 @@ class AgentBatch:
 
 
 class AgentRollout:
-    """Runs a step's samples as conversations with ``spec``'s environment (see the module docstring)."""
+    """Runs a step's samples as conversations with ``spec``'s environment (see the module docstring), under the
+    rollout section's agent limits."""
 
-    def __init__(self, spec: AgentSpec, config: Any, tokenizer: Any, *, context_limit: int | None = None):
-        self.spec, self.config, self.tokenizer = spec, config, tokenizer
-        self.settings = AgentSettings.from_config(config, spec)
-        chat = bool(config.apply_chat_template) or spec.builtin
+    def __init__(self, spec: AgentSpec, rollout: RolloutSettings, tokenizer: Any, *, context_limit: int | None = None):
+        self.spec, self.tokenizer = spec, tokenizer
+        self.settings: AgentSettings = rollout.agent_settings(spec.builtin)
+        chat = rollout.apply_chat_template or spec.builtin
         if spec.builtin and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = TINY_CHAT_TEMPLATE  # the tiny tokenizer's messages: the tasks' prompt format
         self.renderer = Renderer(tokenizer, chat_template=chat and spec.kind == "environment")

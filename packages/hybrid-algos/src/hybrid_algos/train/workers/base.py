@@ -32,7 +32,9 @@ class RoleWorker:
 
     def __init__(self, role: str, rank: int, world_size: int, config: RLConfig, log_dir: str):
         self.role, self.rank, self.world_size = role, rank, world_size
-        self.config = config
+        self.config = config  # the rollout's shape, the run's seed and deadlines are still read from it
+        self.trainer = config.trainer_settings()  # DeepSpeed, precision, optimizer, how passes are batched
+        self.algorithm = config.algorithm_settings()  # the losses the trained roles compute
         self.device = local_device()
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)

@@ -14,26 +14,33 @@ from ..experience import Rollout
 from ..models import load_critic, response_values
 from ..update_guard import UpdateGuard
 from .base import RoleWorker
-from .policy import DeviceMeans, attn_implementation, forward_micro_batches, train_micro_batches, trainer_config
+from .policy import (
+    DeviceMeans,
+    attn_implementation,
+    forward_micro_batches,
+    train_micro_batches,
+    trainer_config,
+    update_shape,
+)
 
 
 class CriticWorker(RoleWorker):
     def setup(self, model_path: str, master_addr: str, master_port: int, total_steps: int) -> dict[str, Any]:
-        cfg = self.config
+        cfg, trainer = self.config, self.trainer
         store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
-        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        dtype = torch.bfloat16 if trainer.bf16 else torch.float32
         model = load_critic(
             model_path,
             dtype=dtype,
-            attn_implementation=attn_implementation(cfg),
-            gradient_checkpointing=cfg.gradient_checkpointing,
+            attn_implementation=attn_implementation(trainer),
+            gradient_checkpointing=trainer.gradient_checkpointing,
             trust_remote_code=cfg.trust_remote_code,
         )
         self.engine = make_engine(
             model,
-            trainer_config(cfg, model, self.world_size, cfg.critic_learning_rate, total_steps),
-        )  # the actor's schedule (--lr_warmup_ratio, --lr_scheduler)
-        if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
+            trainer_config(trainer, model, trainer.critic_lr, **update_shape(cfg, self.world_size, total_steps)),
+        )  # the actor's schedule (lr_warmup_ratio, lr_scheduler)
+        if trainer.moves_states:  # the residency plan says when
             self.offloader = DeepSpeedOffloader(self.engine)
         close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
         self.freeze_gc()
@@ -44,10 +51,10 @@ class CriticWorker(RoleWorker):
         cfg = self.config
         self.engine.eval()
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        for mb, index in forward_micro_batches(rollout, cfg, self.device):
+        for mb, index in forward_micro_batches(rollout, self.trainer, cfg.micro_rollout_batch_size, self.device):
             dev = mb.to(self.device)
             v = response_values(
-                self.engine, dev.sequences, dev.attention_mask, dev.response_len, packed=cfg.packing_samples
+                self.engine, dev.sequences, dev.attention_mask, dev.response_len, packed=self.trainer.packing
             )
             out[index, : mb.response_len] = v.cpu()
         return out
@@ -55,20 +62,21 @@ class CriticWorker(RoleWorker):
     def train(self, rollout: Rollout, step: int) -> dict[str, float]:
         """Clipped value-loss epochs, one optimizer update per train_batch_size samples (micro-batches as the
         actor's: fixed size, or by token budget with --use_dynamic_batch)."""
-        cfg = self.config
+        cfg, algo = self.config, self.algorithm
         self.engine.train()
         guard = UpdateGuard(self.role, self.rank)  # in place of DeepSpeed's per-tensor overflow scan
         stats = DeviceMeans()
         gen = torch.Generator().manual_seed(cfg.seed * 100019 + step * 137 + self.rank)
         per_update = cfg.train_batch_size // self.world_size
-        by_tokens = cfg.value_agg_mode == "token-mean"
+        by_tokens = algo.value_agg_mode == "token-mean"
         for _ in range(cfg.max_epochs):
             order = torch.randperm(rollout.batch_size, generator=gen)
             shuffled = rollout.select(order)
             for start in range(0, shuffled.batch_size, per_update):
                 plan = train_micro_batches(
                     shuffled.select(slice(start, start + per_update)),
-                    cfg,
+                    self.trainer,
+                    cfg.micro_train_batch_size,
                     self.device,
                     mask_of=lambda r: r.action_mask,
                     by_tokens=by_tokens,
@@ -76,15 +84,15 @@ class CriticWorker(RoleWorker):
                 for i, (mb, weight) in enumerate(plan):
                     mb = mb.to(self.device)
                     values = response_values(
-                        self.engine, mb.sequences, mb.attention_mask, mb.response_len, packed=cfg.packing_samples
+                        self.engine, mb.sequences, mb.attention_mask, mb.response_len, packed=self.trainer.packing
                     )
                     loss, info = clipped_value_loss(
                         values,
                         mb.values,
                         mb.returns,
                         mb.action_mask,
-                        clip=cfg.value_clip,
-                        agg_mode=cfg.value_agg_mode,
+                        clip=algo.value_clip,
+                        agg_mode=algo.value_agg_mode,
                         norm_len=cfg.generate_max_len,
                     )
                     guard.add_loss(loss)

@@ -16,10 +16,11 @@ from ..experience import Rollout
 from ..models import load_causal_lm, load_reward_model, response_logprobs, sequence_scores
 from .base import RoleWorker
 from .policy import attn_implementation, forward_micro_batches
+from .settings import TrainerSettings
 
 
-def _frozen_dtype(cfg) -> torch.dtype:
-    return torch.bfloat16 if cfg.bf16 else torch.float32
+def _frozen_dtype(trainer: TrainerSettings) -> torch.dtype:
+    return torch.bfloat16 if trainer.bf16 else torch.float32
 
 
 class FrozenWorker(RoleWorker):
@@ -28,7 +29,7 @@ class FrozenWorker(RoleWorker):
     @property
     def sharded(self) -> bool:
         """ZeRO-3 shards this role's parameters over its ranks (the memory model's rule, so the plan counts 1/N)."""
-        return frozen_shards(self.config.zero_stage, ranks=self.world_size) > 1
+        return frozen_shards(self.trainer.zero_stage, ranks=self.world_size) > 1
 
     def setup(
         self, model_path: str, master_addr: str | None = None, master_port: int | None = None, total_steps: int = 0
@@ -49,7 +50,7 @@ class FrozenWorker(RoleWorker):
             )
         cfg = self.config
         store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
-        config = frozen_deepspeed_config(bf16=cfg.bf16, micro_batch=cfg.micro_rollout_batch_size)
+        config = frozen_deepspeed_config(self.trainer, micro_batch=cfg.micro_rollout_batch_size)
         self.model = sharded_engine(self.load(model_path), config)  # the forward goes through the engine's hooks
         self.offloader = ShardOffloader(self.model.module, self.device)
         close_rendezvous(store, self.rank, self.world_size)
@@ -69,8 +70,8 @@ class ReferenceWorker(FrozenWorker):
     def load(self, model_path: str) -> torch.nn.Module:
         model = load_causal_lm(
             model_path,
-            dtype=_frozen_dtype(self.config),
-            attn_implementation=attn_implementation(self.config),
+            dtype=_frozen_dtype(self.trainer),
+            attn_implementation=attn_implementation(self.trainer),
             trust_remote_code=self.config.trust_remote_code,
         )
         return model.eval().requires_grad_(False)
@@ -80,7 +81,8 @@ class ReferenceWorker(FrozenWorker):
         # sharded: every rank runs the same number of forwards (equal shards, and the token-budget micro-batch
         # count is agreed across the role's group), or ZeRO-3's gathers would wait for a rank that is done
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        for mb, index in forward_micro_batches(rollout, self.config, self.device):  # by tokens with --use_dynamic_batch
+        batches = forward_micro_batches(rollout, self.trainer, self.config.micro_rollout_batch_size, self.device)
+        for mb, index in batches:  # by tokens with --use_dynamic_batch
             dev = mb.to(self.device)
             lp = response_logprobs(
                 self.model,
@@ -88,7 +90,7 @@ class ReferenceWorker(FrozenWorker):
                 dev.attention_mask,
                 dev.response_len,
                 temperature=self.config.temperature,
-                packed=self.config.packing_samples,
+                packed=self.trainer.packing,
             )
             out[index, : mb.response_len] = lp.cpu()
         return out
@@ -98,8 +100,8 @@ class RewardModelWorker(FrozenWorker):
     def load(self, model_path: str) -> torch.nn.Module:
         return load_reward_model(
             model_path,
-            dtype=_frozen_dtype(self.config),
-            attn_implementation=attn_implementation(self.config),
+            dtype=_frozen_dtype(self.trainer),
+            attn_implementation=attn_implementation(self.trainer),
             trust_remote_code=self.config.trust_remote_code,
         )
 

@@ -17,6 +17,7 @@ from ..experience import Rollout
 from ..models import load_causal_lm, response_token_scores
 from ..update_guard import UpdateGuard
 from .base import RoleWorker
+from .settings import TrainerSettings
 
 #: With --save_hf_ckpt, each checkpoint's actor folder holds the policy in Hugging Face format here.
 HF_CHECKPOINT_DIR = "huggingface"
@@ -26,22 +27,22 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
     """One data-parallel rank of the actor (its weight-sync side: ``TrainerWeightSource``, the engines' transport)."""
 
     def setup(self, model_path: str, master_addr: str, master_port: int, total_steps: int) -> dict[str, Any]:
-        cfg = self.config
+        cfg, trainer = self.config, self.trainer
         store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
-        dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+        dtype = torch.bfloat16 if trainer.bf16 else torch.float32
         model = load_causal_lm(
             model_path,
             dtype=dtype,
-            attn_implementation=attn_implementation(cfg),
-            gradient_checkpointing=cfg.gradient_checkpointing,
+            attn_implementation=attn_implementation(trainer),
+            gradient_checkpointing=trainer.gradient_checkpointing,
             trust_remote_code=cfg.trust_remote_code,
         )
         self.model_path = model_path
         self.engine = make_engine(
             model,
-            trainer_config(cfg, model, self.world_size, cfg.actor_learning_rate, total_steps),
+            trainer_config(trainer, model, trainer.actor_lr, **update_shape(cfg, self.world_size, total_steps)),
         )
-        if cfg.zero_stage in (1, 2, 3):  # DeepSpeed moves its states with ZeRO 1-3 (the residency plan says when)
+        if trainer.moves_states:  # the residency plan says when
             self.offloader = DeepSpeedOffloader(self.engine)
         close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
         self._raw_old: dict[bytes, torch.Tensor] = {}
@@ -64,7 +65,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         need_raw = self._needs_raw_logprobs()
         self._raw_old = {}
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        for mb, index in forward_micro_batches(rollout, cfg, self.device):
+        for mb, index in forward_micro_batches(rollout, self.trainer, cfg.micro_rollout_batch_size, self.device):
             dev = mb.to(self.device)
             scores = response_token_scores(
                 self.engine,
@@ -73,7 +74,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                 dev.response_len,
                 temperature=cfg.temperature,
                 raw=need_raw,
-                packed=cfg.packing_samples,
+                packed=self.trainer.packing,
             )
             out[index, : mb.response_len] = scores.logprobs.cpu()
             if need_raw:
@@ -94,17 +95,17 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         then taken from them too. With the engine's log-probs in the rollout, the engine/trainer mismatch is
         measured ("mismatch/*") and, with ``--enable_vllm_is_correction``, corrected (:mod:`hybrid_algos.mismatch`).
         """
-        cfg = self.config
+        cfg, algo = self.config, self.algorithm
         if rollout.old_logprobs is None and not cfg.single_update:
             raise ValueError(
                 "train without old_logprobs needs a single optimizer update per step (max_epochs = 1, "
                 "train_batch_size = samples per step); after the first, the weights have moved"
             )
         self.engine.train()
-        low, high = cfg.clip_range
-        agg_mode = cfg.policy_agg_mode
+        low, high = algo.clip_range
+        agg_mode = algo.policy_agg_mode
         has_engine_logprobs = engine_logprobs_given(rollout)
-        if cfg.enable_vllm_is_correction and not has_engine_logprobs and bool(rollout.action_mask.any()):
+        if algo.correction and not has_engine_logprobs and bool(rollout.action_mask.any()):
             raise ValueError(
                 "--enable_vllm_is_correction needs the engine's log-probs of the sampled tokens, but the "
                 "rollout has none (the engine returned no logprobs); turn it off with "
@@ -122,11 +123,13 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             shuffled = rollout.select(order)
             for start in range(0, shuffled.batch_size, per_update):
                 update = shuffled.select(slice(start, start + per_update))
-                plan = train_micro_batches(update, cfg, self.device)
+                plan = train_micro_batches(
+                    update, self.trainer, cfg.micro_train_batch_size, self.device, by_tokens=agg_mode == "token-mean"
+                )
                 for i, (mb, weight) in enumerate(plan):
                     mb = mb.to(self.device)
                     mask = mb.loss_mask
-                    need_entropy = cfg.entropy_loss_coef > 0
+                    need_entropy = algo.entropy_coef > 0
                     raw_now = need_raw and mb.old_logprobs is None
                     scores = response_token_scores(
                         self.engine,
@@ -136,7 +139,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                         temperature=cfg.temperature,
                         entropy=need_entropy,
                         raw=raw_now,
-                        packed=cfg.packing_samples,
+                        packed=self.trainer.packing,
                     )
                     logp = scores.logprobs
                     old = mb.old_logprobs
@@ -149,23 +152,23 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                         trainer = (
                             old if not need_raw else (scores.raw().detach() if raw_now else self._cached_raw_old(mb))
                         )
-                        low_is, high_is = cfg.correction_bounds
+                        low_is, high_is = algo.correction_bounds
                         corr = rollout_correction(
-                            trainer, mb.engine_logprobs, mask, cfg.correction_type, low=low_is, high=high_is
+                            trainer, mb.engine_logprobs, mask, algo.correction_name, low=low_is, high=high_is
                         )
                         if epoch == 0:
                             mismatch.add(corr.stats)
-                        if cfg.enable_vllm_is_correction:
+                        if algo.correction:
                             is_weights = corr.weights
                     loss, info = compute_policy_loss(
-                        cfg.policy_loss_type,
+                        algo.policy_loss,
                         logp,
                         old,
                         mb.advantages,
                         mask,
                         clip_low=low,
                         clip_high=high,
-                        dual_clip=cfg.dual_clip,
+                        dual_clip=algo.dual_clip,
                         agg_mode=agg_mode,
                         norm_len=cfg.generate_max_len,
                         is_weights=is_weights,
@@ -173,14 +176,14 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                     stats.add("actor/pg_loss", loss)
                     stats.add("actor/clip_frac", info.get("clip_frac", 0.0))
                     stats.add("actor/approx_kl", info["approx_kl"])
-                    if cfg.use_kl_loss and mb.ref_logprobs is not None:
-                        kl = kl_estimate(logp, mb.ref_logprobs, cfg.kl_estimator, mask=mask)
+                    if algo.kl_loss and mb.ref_logprobs is not None:
+                        kl = kl_estimate(logp, mb.ref_logprobs, algo.kl_estimator, mask=mask)
                         kl_loss = aggregate_loss(kl, mask, agg_mode, norm_len=cfg.generate_max_len)
                         loss = loss + kl_coef * kl_loss
                         stats.add("actor/kl_loss", kl_loss)
                     if scores.entropy is not None:
                         ent = aggregate_loss(scores.entropy, mask, agg_mode, norm_len=cfg.generate_max_len)
-                        loss = loss - cfg.entropy_loss_coef * ent
+                        loss = loss - algo.entropy_coef * ent
                         stats.add("actor/entropy", ent)
                     guard.add_loss(loss)
                     # this micro-batch's share of the update (train_micro_batches), and the boundary is ours
@@ -217,7 +220,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         parameter); each tensor is valid until the next one is requested, which is how the senders consume them.
         """
         named = list(self.engine.module.named_parameters())
-        if self.config.zero_stage != 3:
+        if self.trainer.zero_stage != 3:
             for name, p in named:
                 yield name, p.data
             return
@@ -277,9 +280,9 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             ).save_pretrained(path)
 
 
-def attn_implementation(cfg) -> str | None:
-    """--flash_attn: FlashAttention-2 kernels when flash-attn is installed, else PyTorch SDPA (its own flash kernel)."""
-    if not cfg.flash_attn:
+def attn_implementation(trainer: TrainerSettings) -> str | None:
+    """flash_attn: FlashAttention-2 kernels when flash-attn is installed, else PyTorch SDPA (its own flash kernel)."""
+    if not trainer.flash_attn:
         return None
     import importlib.util
     import logging
@@ -293,67 +296,92 @@ def attn_implementation(cfg) -> str | None:
     return "sdpa"
 
 
-def trainer_config(cfg: Any, model: torch.nn.Module, world_size: int, lr: float, total_steps: int) -> dict:
-    """The DeepSpeed config of a trained role (actor, critic): the run's ZeRO, precision, batch and optimizer
-    settings with the role's own learning rate, on the actor's schedule (--lr_warmup_ratio, --lr_scheduler)."""
+def trainer_config(
+    trainer: TrainerSettings,
+    model: torch.nn.Module,
+    lr: float,
+    *,
+    micro_batch: int,
+    grad_accum: int,
+    total_updates: int,
+) -> dict:
+    """The DeepSpeed config of a trained role (actor, critic): the trainer section's ZeRO, precision and optimizer
+    settings with the role's own learning rate, on the actor's schedule (lr_warmup_ratio, lr_scheduler), for
+    the update shape :func:`update_shape` gives."""
     return deepspeed_config(
-        zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
-        micro_batch=cfg.micro_train_batch_size,
-        grad_accum=cfg.train_batch_size // (cfg.micro_train_batch_size * world_size),
+        zero_stage=trainer.zero_stage,
+        bf16=trainer.bf16,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
         lr=lr,
-        betas=(*cfg.adam_betas,),  # a tuple (a --config file gives a list)
-        weight_decay=cfg.l2,
-        max_norm=cfg.max_norm,
+        betas=(*trainer.adam_betas,),  # a tuple (a --config file gives a list)
+        weight_decay=trainer.weight_decay,
+        max_norm=trainer.max_grad_norm,
         num_params=sum(p.numel() for p in model.parameters()),
-        adam_offload=cfg.adam_offload,
-        bf16_master_weights=cfg.bf16_master_weights,
-        bf16_optimizer_states=cfg.bf16_optimizer_states,
-        **lr_schedule(cfg, total_steps),
+        adam_offload=trainer.adam_offload,
+        bf16_master_weights=trainer.bf16_master_weights,
+        bf16_optimizer_states=trainer.bf16_optimizer_states,
+        **lr_schedule(trainer, total_updates),
     )
 
 
-def lr_schedule(cfg, total_steps: int) -> dict:
-    """The learning-rate schedule's arguments of :func:`deepspeed_config`, counted in optimizer updates: linear
-    warm-up over ``--lr_warmup_ratio`` of the run's updates, then constant or a cosine decay to ``--min_lr_ratio``."""
-    total_updates = total_steps * (cfg.samples_per_step // cfg.train_batch_size) * cfg.max_epochs
+def update_shape(cfg: Any, world_size: int, total_steps: int) -> dict[str, int]:
+    """A trained role's optimizer updates from the rollout's batch shape: the micro-batch, the gradient accumulation of
+    one update over ``world_size`` ranks, and the updates of the whole run (``total_steps`` steps)."""
     return {
-        "warmup_steps": int(cfg.lr_warmup_ratio * total_updates),
-        "lr_scheduler": cfg.lr_scheduler,
-        "total_updates": total_updates,
-        "min_lr_ratio": cfg.min_lr_ratio,
+        "micro_batch": cfg.micro_train_batch_size,
+        "grad_accum": cfg.train_batch_size // (cfg.micro_train_batch_size * world_size),
+        "total_updates": total_steps * (cfg.samples_per_step // cfg.train_batch_size) * cfg.max_epochs,
     }
 
 
-def forward_micro_batches(rollout: Rollout, cfg, device) -> list[tuple[Rollout, torch.Tensor]]:
+def lr_schedule(trainer: TrainerSettings, total_updates: int) -> dict:
+    """The learning-rate schedule's arguments of :func:`deepspeed_config`, counted in optimizer updates: linear
+    warm-up over ``lr_warmup_ratio`` of the run's updates, then constant or a cosine decay to ``min_lr_ratio``."""
+    return {
+        "warmup_steps": int(trainer.lr_warmup_ratio * total_updates),
+        "lr_scheduler": trainer.lr_scheduler,
+        "total_updates": total_updates,
+        "min_lr_ratio": trainer.min_lr_ratio,
+    }
+
+
+def forward_micro_batches(
+    rollout: Rollout, trainer: TrainerSettings, micro_batch: int, device
+) -> list[tuple[Rollout, torch.Tensor]]:
     """Micro-batches of a no-gradient pass (log-probs, values) and the sample indices of each: by token budget with
-    ``--use_dynamic_batch`` (count agreed across the ranks of a DeepSpeed role), else of micro_rollout_batch_size."""
-    if cfg.use_dynamic_batch:
-        mbs, index = rollout.token_micro_batches(cfg.rollout_token_budget, packed=cfg.packing_samples, device=device)
+    ``dynamic_batch`` (count agreed across the ranks of a DeepSpeed role), else of ``micro_batch`` samples."""
+    if trainer.dynamic_batch:
+        mbs, index = rollout.token_micro_batches(trainer.rollout_token_budget, packed=trainer.packing, device=device)
         return list(zip(mbs, index))
-    size = cfg.micro_rollout_batch_size
     return [
-        (mb, torch.arange(i, min(i + size, rollout.batch_size)))
-        for i, mb in zip(range(0, rollout.batch_size, size), rollout.micro_batches(size))
+        (mb, torch.arange(i, min(i + micro_batch, rollout.batch_size)))
+        for i, mb in zip(range(0, rollout.batch_size, micro_batch), rollout.micro_batches(micro_batch))
     ]
 
 
 def train_micro_batches(
-    update: Rollout, cfg, device, mask_of=lambda r: r.loss_mask, by_tokens: bool | None = None
+    update: Rollout,
+    trainer: TrainerSettings,
+    micro_batch: int,
+    device,
+    *,
+    by_tokens: bool,
+    mask_of=lambda r: r.loss_mask,
 ) -> list[tuple[Rollout, float]]:
     """The micro-batches of one optimizer update, each with its loss weight, in every batching mode.
 
-    The weight is the micro-batch's share of the update's loss tokens (token-mean aggregation) or of its sequences
-    with at least one loss token (the per-sequence modes), counted over every data-parallel rank of the role: the
-    weighted micro-batch losses, averaged over the ranks as DeepSpeed averages their gradients, are the loss over
-    all of the update's samples. Without it, token-mean would be a mean of per-micro-batch (and per-rank) means,
-    which weighs the tokens of short micro-batches more (DAPO's token-level loss is over the whole batch). Micro-batches
-    are ``micro_train_batch_size`` samples, or at most ``train_max_tokens_per_gpu`` tokens (``--use_dynamic_batch``)."""
-    if cfg.use_dynamic_batch:
-        mbs, _ = update.token_micro_batches(cfg.train_token_budget, packed=cfg.packing_samples, device=device)
+    The weight is the micro-batch's share of the update's loss tokens (``by_tokens``: token-mean aggregation) or of
+    its sequences with at least one loss token (the per-sequence modes), counted over every data-parallel rank of the
+    role: the weighted micro-batch losses, averaged over the ranks as DeepSpeed averages their gradients, are the loss
+    over all of the update's samples. Without it, token-mean would be a mean of per-micro-batch (and per-rank) means,
+    which weighs the tokens of short micro-batches more (DAPO's token-level loss is over the whole batch).
+    Micro-batches are ``micro_batch`` samples, or at most the trainer's ``train_token_budget`` tokens
+    (``dynamic_batch``)."""
+    if trainer.dynamic_batch:
+        mbs, _ = update.token_micro_batches(trainer.train_token_budget, packed=trainer.packing, device=device)
     else:
-        mbs = list(update.micro_batches(cfg.micro_train_batch_size))
-    by_tokens = cfg.policy_agg_mode == "token-mean" if by_tokens is None else by_tokens
+        mbs = list(update.micro_batches(micro_batch))
 
     def size(r: Rollout) -> float:
         m = mask_of(r).bool()

@@ -19,8 +19,10 @@ import torch
 
 from hybrid_core.offload import AsleepError, StateOffloader
 
+from .settings import TrainerSettings
 
-def frozen_deepspeed_config(*, bf16: bool, micro_batch: int) -> dict[str, Any]:
+
+def frozen_deepspeed_config(trainer: TrainerSettings, *, micro_batch: int) -> dict[str, Any]:
     """The DeepSpeed config of a sharded frozen model: ZeRO-3 without an optimizer (an inference engine). Every
     parameter is partitioned (persistence threshold 0, as the trainers configure it), so a rank holds 1/N of all of
     them, which is what the memory model counts."""
@@ -28,7 +30,7 @@ def frozen_deepspeed_config(*, bf16: bool, micro_batch: int) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "bf16": {"enabled": bool(bf16)},
+        "bf16": {"enabled": bool(trainer.bf16)},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }

@@ -1,0 +1,269 @@
+"""``prepare(config)``: everything a run resolves before Ray or a GPU is touched — the settings checked, the placement
+and residency plans, the model folder, tokenizer, prompts, reward, the step count, the checkpoint to continue — so
+that a mistake costs nothing. :mod:`.loop` starts the run from the :class:`Prepared` it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_engines.weight_sync import choose_sync
+
+from .checkpoint import CheckpointManager
+from .config import RLConfig
+from .model_settings import ModelSettings
+from .placement import build_plan, build_residency, check_sleep_flags
+from .rollout_settings import RolloutSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """What ``prepare`` resolves before any Ray or GPU work: model folder, tokenizer, prompts, step count."""
+
+    config: RLConfig
+    plan: Any
+    model_path: str
+    tokenizer: Any
+    prompts: list
+    reward_fn: Any
+    max_new_tokens: int
+    total_steps: int
+    run_dir: str
+    max_model_len: int = 0  # the longest sequence a rollout can make: the engine's context size
+    sync: Any = None  # hybrid_engines.weight_sync.SyncChoice: the weight-sync path, transport and group backend
+    residency: Any = None  # hybrid_core.residency.ResidencyPlan: what each role keeps on its GPUs in each phase
+    resume_from: Any = None  # resume.ResumePoint: the checkpoint this run continues, or None (a fresh start)
+    agent: Any = None  # agents.AgentSpec: the environment of a multi-turn run (loaded here, before Ray)
+    async_mode: str = "off"  # async_rollout.async_mode: off | split | shared | sync (--async_train fell back)
+    async_note: str = ""
+    locks: Any = None  # run_lock.RunLocks: the run folder (and checkpoint folder) are this run's until it ends
+    start_lines: tuple = ()  # said at the start (and by --dry-run): the step count and why, flags not used as given
+    recipe: Any = None  # recipe.Recipe: the run's roles and the phases of its step (recipes.recipe_for the config's)
+
+
+def prepare(config: RLConfig, recipe: Any = None) -> Prepared:
+    """Validate the config and resolve everything that does not need Ray: errors here cost nothing. The run folder's
+    lock is taken here (:mod:`.run_lock`) and held by the returned ``Prepared.locks`` until released. ``recipe``: the
+    run's roles and phases (:class:`~.recipe.Recipe`; default: the config's, :func:`~.recipes.recipe_for`)."""
+    from .recipes import recipe_for
+    from .run_lock import RunLocks
+
+    locks = RunLocks()
+    recipe = recipe.for_config(config) if recipe is not None else recipe_for(config)
+    try:
+        prep = _prepare(config, locks, recipe)
+    except BaseException:
+        locks.release()
+        raise
+    prep.locks = locks
+    return prep
+
+
+def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
+    from hybrid_core.errors import ConfigError
+    from hybrid_engines.registry import library_missing
+    from hybrid_engines.weight_sync import sync_backend_note, verify_note
+
+    from .data import load_prompts, step_count
+    from .model_files import check_model_folder, check_reward_head, load_tokenizer
+    from .resume import find_resume_point
+    from .rewards import load_reward_fn
+    from .run_folder import check_writable, refuse_or_clear
+    from .sections import flag_words
+    from .tasks import SyntheticTask, task_from_config
+    from .tiny import save_tiny_model
+
+    config.validate()
+    run, rollout, models = config.run_settings(), config.rollout_settings(), config.models_settings()
+    plan = build_plan(config, recipe)
+    check_sleep_flags(config, plan, recipe)  # before any model is built: the flags against who shares a GPU
+    with flag_words():  # a weight-sync path the placement cannot take fails here, before Ray
+        sync = choose_sync(config.sync_settings(), config.backend, plan)
+    if run.num_gpus is not None and run.num_gpus < plan.num_gpus:
+        raise ConfigError(
+            "num_gpus",
+            f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {run.num_gpus}.",
+            f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.",
+        )
+    missing = library_missing(config.backend)  # the engine registry knows each backend's package
+    if missing:
+        raise ConfigError("backend", f"--backend {config.backend}: {missing}.", "Install it, or use --backend hf.")
+    for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
+        if getattr(config, name) is not None:
+            check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
+    notes = [sync_backend_note(config.sync_settings(), sync.mode)]  # an explicit --vllm_sync_backend ipc ignores
+    notes.append(verify_note(config.sync_settings(), config.backend))  # unverifiable syncs, or verification off
+    notes.append(config.clip_note())  # a policy loss's own clip range (GSPO's, CISPO's), said at start
+    if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
+        notes.append(
+            check_reward_head(
+                config.reward_pretrain,
+                random_head=config.reward_random_head,
+                trust_remote_code=config.trust_remote_code,
+            )
+        )
+    start_lines = [f"note: {n}" for n in notes if n]
+    reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn is not None else None  # imports the user's file
+    agent = _load_agent(config) if config.uses_agent else None  # imports the agent file
+    # The folders next (writable, not holding another run): nothing is written before they are known to be fine.
+    run_dir = check_writable("save_path", run.save_path)
+    locks.take(run_dir, "save_path")  # before anything there is read or written: one run per folder
+    ckpt = CheckpointManager(run.checkpoint_dir, run.max_ckpt_num)
+    if run.saves_checkpoints:
+        check_writable("ckpt_path" if run.ckpt_path else "save_path", ckpt.root)
+        if not ckpt.root.startswith(run_dir + os.sep):  # elsewhere: a run in another folder may use it too
+            locks.take(ckpt.root, "ckpt_path")
+    resume_from = find_resume_point(run, ckpt, config)
+    refuse_or_clear(run_dir, ckpt, overwrite=run.overwrite, resuming=resume_from is not None)
+    task = task_from_config(models) if rollout.prompt_data is None else None
+    if models.pretrain is None:
+        model_path = save_tiny_model(os.path.join(run_dir, "tiny-model"), seed=run.seed, **models.tiny_model)
+    else:
+        model_path = models.pretrain
+    tokenizer = load_tokenizer("pretrain", model_path, trust_remote_code=config.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # a file that is not UTF-8 is a ConfigError there (and in --dry-run)
+    prompts = load_prompts(rollout, tokenizer, task)
+    if agent is not None:
+        _note_agent(config, agent, tokenizer)
+    elif config.reward_fn is None:
+        # None: the reward model scores (a lookup task has its environment: the branch above)
+        reward_fn = task.reward_fn() if isinstance(task, SyntheticTask) else None
+    if reward_fn is None and config.reward_pretrain is None and agent is None:  # an environment rewards its samples
+        raise ConfigError(
+            "reward_pretrain",
+            "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
+            "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.",
+        )
+    longest_prompt, max_new_tokens = rollout_lengths(rollout, models, prompts)
+    steps_per_episode = len(prompts) // rollout.rollout_batch_size
+    if steps_per_episode == 0:
+        raise ConfigError(
+            "rollout_batch_size",
+            f"only {len(prompts)} prompts, fewer than one rollout batch ({rollout.rollout_batch_size}).",
+            "Lower --rollout_batch_size or give more prompts.",
+        )
+    # Size the engine's context to what rollouts can reach, not to the flags' ceiling: a small model's position
+    # table is often shorter than prompt_max_len + generate_max_len, and vLLM refuses a longer max_model_len.
+    max_model_len = longest_prompt + max_new_tokens
+    positions = max_positions(model_path)
+    if positions is not None and max_model_len > positions:
+        raise ConfigError(
+            "generate_max_len",
+            f"prompts of up to {longest_prompt} tokens plus {max_new_tokens} new "
+            f"tokens need {max_model_len} positions; the model has {positions}.",
+            "Lower --generate_max_len or --prompt_max_len (prompts longer than it are truncated).",
+        )
+    steps = step_count(rollout, len(prompts))  # the count and why: said at the start and by --dry-run
+    total = steps.total
+    start_lines.insert(0, steps.describe())
+    for line in start_lines:
+        log.info("%s", line)
+    if run.profile_step > total:
+        raise ConfigError(
+            "profile_step",
+            f"step {run.profile_step} is past the run's last step ({total}).",
+            f"Profile a step from 1 to {total} (the first ones include warm-up).",
+        )
+    # What stays on each GPU, from the memory budget; a plan that cannot fit fails here, before Ray starts.
+    residency, config = build_residency(
+        config, plan, model_path, prompt_len=longest_prompt, generate_len=max_new_tokens, recipe=recipe
+    )
+    with flag_words():  # core's error names the residency settings
+        residency.check()
+    from .async_rollout import async_mode
+
+    mode, note = async_mode(config.rollout_settings(), plan, residency)
+    if mode == "sync":  # --async_train on GPUs too small for both: synchronous turns, said in the plan's notes
+        residency.notes.append(note)
+    return Prepared(
+        config,
+        plan,
+        model_path,
+        tokenizer,
+        prompts,
+        reward_fn,
+        max_new_tokens,
+        total,
+        run_dir,
+        max_model_len,
+        sync,
+        residency,
+        resume_from,
+        agent,
+        mode,
+        note,
+        start_lines=tuple(start_lines),
+        recipe=recipe,
+    )
+
+
+def _load_agent(config: RLConfig) -> Any:
+    """The run's environment (its file is imported now, so a broken one fails before anything is written)."""
+    from .agents import builtin_agent, load_agent
+
+    return load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config.models_settings())
+
+
+def _note_agent(config: RLConfig, agent: Any, tokenizer: Any) -> None:
+    """Log lines about how the environment's run is set up (where its prompts come from, chat templates)."""
+    if config.prompt_data is None and config.agent_func_path and config.task not in ("lookup",):
+        log.info(
+            "agent %s: the prompts are the built-in %r task's; the rewards are the environment's",
+            agent.source,
+            config.task,
+        )
+    if config.backend == "vllm" and not config.enable_prefix_caching:
+        log.info(
+            "agent %s: every turn sends the whole conversation again; --enable_prefix_caching lets vLLM reuse the "
+            "earlier turns' KV cache (bench/agent_gpu.py measures the difference)",
+            agent.source,
+        )
+    if (
+        agent.kind == "environment"
+        and not agent.builtin
+        and getattr(tokenizer, "chat_template", None)
+        and not config.apply_chat_template
+    ):
+        log.info(
+            "agent %s: the tokenizer has a chat template, but --apply_chat_template is off: prompts and the "
+            "environment's replies go in as plain text (add --apply_chat_template to render both with it)",
+            agent.source,
+        )
+
+
+def rollout_lengths(rollout: RolloutSettings, models: ModelSettings, prompts: Sequence[Any]) -> tuple[int, int]:
+    """(longest prompt, most new tokens) a rollout of this run can have: what engines and the memory budget size."""
+    from .tasks import task_from_config
+
+    task = task_from_config(models) if rollout.prompt_data is None else None
+    # Built-in tasks have short answers: generating up to 1024 tokens would only waste time.
+    max_new_tokens = min(rollout.generate_max_len, task.answer_len + 1) if task else rollout.generate_max_len
+    if rollout.agent_func_path is not None:  # your environment: its turns and replies share generate_max_len
+        max_new_tokens = rollout.generate_max_len
+    elif task is not None and hasattr(task, "response_budget"):  # the built-in multi-turn task: all its turns fit
+        settings = rollout.agent_settings(builtin=True)
+        turn_tokens = settings.turn_tokens
+        assert turn_tokens is not None  # a built-in task's turns: --max_new_tokens_per_turn, else its TURN_TOKENS
+        max_new_tokens = min(rollout.generate_max_len, task.response_budget(settings.max_turns, turn_tokens))
+    longest_prompt = min(rollout.prompt_max_len, max((len(p.prompt_ids) for p in prompts), default=1))
+    return longest_prompt, max_new_tokens
+
+
+def max_positions(model_path: str) -> int | None:
+    """The model's position-table size from its config.json (None when it does not say)."""
+    import json
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            value = json.load(f).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, (int, float)) else None

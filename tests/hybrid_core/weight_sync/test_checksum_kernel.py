@@ -1,0 +1,45 @@
+"""The fused Triton checksum (``checksum_kernel.py``) gives the definition's value for every piece of a buffer.
+
+The kernel runs on CUDA in production; here it runs in Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors),
+which executes the same kernel code. The interpreter must be chosen before Triton is imported, so the check runs in
+a child process. Skipped where Triton is not installed (the default test env has none; on a GPU the self-test in
+``verify.checksum_path`` runs the compiled kernel against the definition before using it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHECK = r"""
+import torch
+from hybrid_core.weight_sync import checksum_kernel, verify
+
+for s in (1, 2, 4, 8):
+    g = torch.Generator().manual_seed(s)
+    buf = torch.randint(-128, 128, (300_000,), generator=g, dtype=torch.int8)
+    offsets, sizes, pos = [], [], 3  # odd offsets, a piece of many blocks, a block boundary, an empty piece
+    for n in (s * 5, s * 4096, 0, s * 2049, s * 10000, s):
+        offsets.append(pos)
+        sizes.append(n)
+        pos += n + 64 * s
+    got = checksum_kernel.piece_checksums(buf, offsets, sizes, s).tolist()
+    want = [verify._definition(buf[o : o + n], s) if n else 0 for o, n in zip(offsets, sizes)]
+    assert got == want, (s, got, want)
+    changed = buf.clone()
+    changed[offsets[3] + 7] += 1  # one byte of the fourth piece: its checksum alone changes
+    again = checksum_kernel.piece_checksums(changed, offsets, sizes, s).tolist()
+    assert [a != b for a, b in zip(got, again)] == [False, False, False, True, False, False], (s, got, again)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_every_piece_of_a_buffer_gets_the_definitions_checksum():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
