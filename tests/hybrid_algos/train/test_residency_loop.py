@@ -8,6 +8,7 @@ moment does a GPU hold more (by the owner's account, moves in flight counted on 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -164,6 +165,7 @@ def test_refinement_catches_memory_that_keeps_growing_and_never_shrinks_the_over
     from hybrid_algos.train.placement import build_plan, build_residency
     from hybrid_algos.train.session import TrainingSession, _refines_after
     from hybrid_core.gpu_memory import GpuMemory
+    from hybrid_core.residency import ResidencyOwner
 
     assert [k for k in range(20) if _refines_after(k)] == [0, 1, 3, 7, 15]
     config = tiny_config(tmp_path, max_steps=STEPS, **NO_CONTEXT).validate()
@@ -181,6 +183,7 @@ def test_refinement_catches_memory_that_keeps_growing_and_never_shrinks_the_over
 
     on_gpu = {r: set(plan.resident_states(r, "sync")) for r in plan.roles}  # the owner's record: all resident
     owner = SimpleNamespace(plan=plan, guard=Guard(), phase="sync", settle=lambda: None, on_gpu=lambda: on_gpu)
+    owner.refine = functools.partial(ResidencyOwner.refine, owner)  # the owner's own refinement, over this record
     session = TrainingSession.__new__(TrainingSession)
     session.owner, session.config, session.groups = owner, config, []
     session.prep = SimpleNamespace(residency=plan, run_dir=str(tmp_path))

@@ -202,6 +202,14 @@ def _subparser(parser: FlagParser, command: str) -> argparse.ArgumentParser:
     raise KeyError(command)
 
 
+def _in_flags(error: BaseException) -> str:
+    """An error's text with the settings core and the engines name as ``section.name`` (e.g. a weight-sync mismatch
+    raised in a worker, long after the config was checked) written as the flags the user types."""
+    from hybrid_algos.train.sections import flag_text
+
+    return flag_text(str(error))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hybrid`` console script; returns the exit status.
 
@@ -216,10 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(argv)
     except ConfigError as e:
-        print(f"hybrid: error: {e}", file=sys.stderr)
+        print(f"hybrid: error: {_in_flags(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except HybridError as e:
-        print(f"hybrid: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"hybrid: {type(e).__name__}: {_in_flags(e)}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt as e:
         terminated = type(e).__name__ == "Terminated"  # hybrid_algos.train.failures.Terminated: SIGTERM

@@ -180,35 +180,20 @@ class TrainingSession(SessionStart):
         run out of memory, and where no plan fits the run stops with the numbers. The overhead only grows (the largest
         seen), and each reading is a step later than the last: reserved memory that keeps growing over the first
         steps is caught. Nothing to measure without CUDA (the guard is off)."""
-        from hybrid_core.residency import refine_plan
-
         from .placement import replan
-
-        owner = self.started_owner
-        guard = owner.guard
-        plan = owner.plan
-        if guard is None or not guard.enabled:
-            return {}
-        owner.settle()  # every move landed: the owner's record is what the GPUs hold (early wakes included)
-        used = {}
-        for gpu in plan.layout:
-            reading = guard.read(gpu)
-            if reading is None:
-                return {}
-            used[gpu] = reading.total - reading.free
         from .sections import flag_words
 
+        owner = self.started_owner
+        plan = owner.plan
         with flag_words():  # a plan that no longer fits: core's error names the residency settings
-            result = refine_plan(
-                plan,
-                used,
-                phase=owner.phase,
-                on_gpu=owner.on_gpu(),
-                after_step=after_step,
-                replan=lambda overhead: replan(
+            result = owner.refine(
+                after_step,
+                lambda overhead: replan(
                     self.config, plan.layout, plan.gpu_bytes, overhead=overhead, host=plan.host, phases=plan.phases
                 ),
             )
+        if result is None:  # nothing to measure without CUDA (the guard is off)
+            return {}
         metrics = {"residency/overhead_gib": result.largest / 2**30, "residency/replanned": float(result.changed)}
         if not result.replanned:
             return metrics
@@ -220,7 +205,7 @@ class TrainingSession(SessionStart):
         ]
         if trims:  # a role that now trims its allocator cache after each phase (or keeps it) is told so
             self._call_all(trims)
-        owner.plan = self.prep.residency = refined
+        self.prep.residency = refined  # the owner's already (owner.refine)
         write_json(os.path.join(self.prep.run_dir, "residency.json"), refined.to_dict())
         return metrics
 

@@ -10,8 +10,8 @@ in :data:`PHASES`. PPO's step, as the hybrid engine runs it on shared GPUs:
     critic_train  value updates (PPO)
 
 Before each phase the residency owner (:class:`hybrid_core.residency.ResidencyOwner`, built by
-:mod:`hybrid_algos.train.loop`) makes the GPUs hold what the plan keeps there in that phase: it is the only code
-that moves state on or off a GPU. Right after generating, the owner is told the next GPU phase at once, so what
+:mod:`hybrid_algos.train.session_start`) makes the GPUs hold what the plan keeps there in that phase: it is the only
+code that moves state on or off a GPU. Right after generating, the owner is told the next GPU phase at once, so what
 leaves the GPUs then (the engines' KV cache, say) is released while the driver scores the rewards. Every phase's
 seconds and bytes go into the step's timeline.
 
@@ -39,7 +39,7 @@ from .rewards import RewardScorer
 
 @dataclass
 class StepContext:
-    """Everything a step needs; built once by :mod:`hybrid_algos.train.loop`."""
+    """Everything a step needs; built once by :mod:`hybrid_algos.train.session_start`."""
 
     config: Any
     actor: Any  # hybrid_core.roles.RoleGroup of PolicyWorker

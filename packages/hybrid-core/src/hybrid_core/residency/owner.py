@@ -26,12 +26,15 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..remote import get_all_with_timeout
 from ..stats import PhaseTimer
 from .plan import ResidencyPlan, tracked
 from .wake_guard import WakeGuard
+
+if TYPE_CHECKING:
+    from .refine import Refinement
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,29 @@ class ResidencyOwner:
     def settle(self) -> None:
         """Wait for every move in flight (before a checkpoint, at the end of a run)."""
         self._wait(lambda p: True, "sleep")
+
+    def refine(self, after_step: int, replan: Callable[[dict[int, float]], ResidencyPlan]) -> Refinement | None:
+        """Measure what each GPU really holds against what this owner has there now, and make the plan again with
+        the difference as its overhead when it grew (:mod:`.refine`; ``replan``: overhead -> plan, the run's planner);
+        a new plan becomes this owner's. None where nothing can be read (no wake guard, no CUDA)."""
+        from .refine import refine_plan
+
+        guard = self.guard
+        if guard is None or not guard.enabled:
+            return None
+        self.settle()  # every move landed: the record is what the GPUs hold (early wakes included)
+        used = {}
+        for gpu in self.plan.layout:
+            reading = guard.read(gpu)
+            if reading is None:
+                return None
+            used[gpu] = reading.total - reading.free
+        result = refine_plan(
+            self.plan, used, phase=self.phase, on_gpu=self.on_gpu(), after_step=after_step, replan=replan
+        )
+        if result.replanned:
+            self.plan = result.plan
+        return result
 
     def finish(self) -> None:
         """The run is over: wait for moves and give the turn back."""
