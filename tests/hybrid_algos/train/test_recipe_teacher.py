@@ -10,6 +10,7 @@ called as the step calls it.
 import os
 
 import pytest
+import ray
 import torch
 
 from hybrid_algos.train.config import GRPOConfig
@@ -45,6 +46,15 @@ def teacher_logprobs(ctx, state) -> None:
     state.metrics["teacher/logprob_mean"] = float(
         state.extras["teacher_logprobs"][state.rollout.action_mask > 0].mean()
     )
+
+
+@pytest.fixture(autouse=True)
+def no_ray_left():
+    """The in-process worker below asks Ray for its context, which starts a local Ray: shut it down after each test
+    (a cluster left behind broke later modules of the same xdist worker)."""
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture
@@ -93,7 +103,6 @@ def test_the_planner_plans_the_teacher_like_any_role(models, tmp_path):
 
 
 def test_the_teacher_phase_runs_on_a_real_teacher_worker(models, tmp_path, registered):
-    import ray
 
     from hybrid_algos.train.workers.frozen import ReferenceWorker
     from hybrid_core.placement import PlacementSpec, place
