@@ -25,6 +25,7 @@ names the user wrote (``--vllm_gpu_memory_utilization``), so core and the engine
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import re
 from collections.abc import Iterator
@@ -214,6 +215,17 @@ TABLE: tuple[tuple[str, str], ...] = (
 _PATH = re.compile(r"\b(no_)?((?:" + "|".join(SECTIONS) + r")\.[a-z_][a-z0-9_]*)\b")
 
 
+#: "section.name" -> its flat name, and section -> {field: flat name}: the table read once (sections are built on
+#: every access, some in a step's hot path)
+_FLAT: dict[str, str] = {}
+_FIELDS: dict[str, dict[str, str]] = {}
+for _flat, _path in TABLE:
+    _FLAT.setdefault(_path, _flat)
+    _section, _, _field = _path.partition(".")
+    _FIELDS.setdefault(_section, {})[_field] = _flat
+
+
+@functools.cache
 def section_class(name: str) -> type:
     module, _, cls = SECTIONS[name].partition(":")
     return getattr(importlib.import_module(module), cls)
@@ -221,24 +233,20 @@ def section_class(name: str) -> type:
 
 def fields_of(name: str) -> dict[str, str]:
     """The section's settings that come from flat names: {section field: flat name}."""
-    prefix = name + "."
-    return {path[len(prefix) :]: flat for flat, path in TABLE if path.startswith(prefix)}
+    return dict(_FIELDS.get(name, {}))
 
 
 def build(name: str, config: Any, **extra: Any) -> Any:
     """Section ``name`` of a flat config: every field the table maps, plus ``extra`` (derived values the section
     needs that no flag sets directly)."""
-    values = {field: getattr(config, flat) for field, flat in fields_of(name).items()}
+    values = {field: getattr(config, flat) for field, flat in _FIELDS.get(name, {}).items()}
     values.update(extra)
     return section_class(name)(**values)
 
 
 def flag_of(path: str) -> str | None:
     """The flat name of ``section.name`` (None when no flag sets it)."""
-    for flat, p in TABLE:
-        if p == path:
-            return flat
-    return None
+    return _FLAT.get(path)
 
 
 def in_flag_words(error: ConfigError | AlgoInputError) -> ConfigError:
@@ -254,20 +262,16 @@ def in_flag_words(error: ConfigError | AlgoInputError) -> ConfigError:
     return out
 
 
-def _flat_of(match: re.Match[str]) -> str:
+def _flat_of(match: re.Match[str], dashes: str = "") -> str:
+    """A matched ``[no_]section.name`` as its flat name (``dashes`` before it), or as it was when no flag sets it."""
     flat = flag_of(match.group(2))
-    return (match.group(1) or "") + flat if flat else match.group(0)
+    return f"{dashes}{match.group(1) or ''}{flat}" if flat else match.group(0)
 
 
 def flag_text(text: str) -> str:
     """``text`` with every ``section.name`` as its flag (``--flat_name``; ``no_section.name``: ``--no_flat_name``),
     for errors and notes alike."""
-
-    def flag(match: re.Match[str]) -> str:
-        flat = flag_of(match.group(2))
-        return f"--{match.group(1) or ''}{flat}" if flat else match.group(0)
-
-    return _PATH.sub(flag, text)
+    return _PATH.sub(lambda m: _flat_of(m, "--"), text)
 
 
 @contextmanager
