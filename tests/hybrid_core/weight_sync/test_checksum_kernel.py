@@ -19,17 +19,18 @@ CHECK = r"""
 import torch
 from hybrid_core.weight_sync import checksum_kernel, verify
 
-for s in (1, 2, 4, 8):
+# start 3: the pieces sit at odd offsets (the byte-by-byte kernel); 0: on word boundaries (the whole-word kernel)
+for s, start in [(s, start) for s in (1, 2, 4, 8) for start in (3, 0)]:
     g = torch.Generator().manual_seed(s)
     buf = torch.randint(-128, 128, (300_000,), generator=g, dtype=torch.int8)
-    offsets, sizes, pos = [], [], 3  # odd offsets, a piece of many blocks, a block boundary, an empty piece
+    offsets, sizes, pos = [], [], start  # 3: odd offsets, a piece of many blocks, a block boundary, an empty piece
     for n in (s * 5, s * 4096, 0, s * 2049, s * 10000, s):
         offsets.append(pos)
         sizes.append(n)
         pos += n + 64 * s
     got = checksum_kernel.piece_checksums(buf, offsets, sizes, s).tolist()
     want = [verify._definition(buf[o : o + n], s) if n else 0 for o, n in zip(offsets, sizes)]
-    assert got == want, (s, got, want)
+    assert got == want, (s, start, got, want)
     changed = buf.clone()
     changed[offsets[3] + 7] += 1  # one byte of the fourth piece: its checksum alone changes
     again = checksum_kernel.piece_checksums(changed, offsets, sizes, s).tolist()

@@ -39,24 +39,25 @@ def available() -> bool:
     return True
 
 
-_KERNEL: Any = None
+_KERNELS: dict[str, Any] = {}
 
 
-def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _build()
-    return _KERNEL
+def _kernel(kind: str) -> Any:
+    """``"words"``: the pieces start on a word boundary, each word is loaded whole (the fast kernel); ``"bytes"``: any
+    offset, byte by byte (a receiver's concatenation of mixed word sizes can put a piece anywhere)."""
+    if not _KERNELS:
+        _KERNELS.update(_build())
+    return _KERNELS[kind]
 
 
-def _build() -> Any:
+def _build() -> dict[str, Any]:
     import triton
     import triton.language as tl
 
     # no annotations but tl.constexpr: Triton reads them, and may not see this module's globals
     # (mypy.ini lets this module's kernel be untyped)
     @triton.jit
-    def pieces_checksum(
+    def pieces_checksum_bytes(
         x_ptr, out_ptr, block_piece, block_word, piece_offset, piece_words, S: tl.constexpr, BLOCK: tl.constexpr
     ):
         pid = tl.program_id(0)
@@ -74,7 +75,34 @@ def _build() -> Any:
         s1 = tl.sum(v * j.to(tl.int64), axis=0)
         tl.atomic_add(out_ptr + piece, (2 * k0 + 1) * s0 + 2 * s1)  # integer adds: exact in any order
 
-    return pieces_checksum
+    @triton.jit
+    def pieces_checksum_words(
+        w_ptr, out_ptr, block_piece, block_word, piece_offset, piece_words, S: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        # w_ptr: the buffer as S-byte signed integers. Loading whole words (coalesced, vectorised) instead of S
+        # strided bytes is what makes the check cheap: the byte kernel ran at ~0.4 TB/s on an H200.
+        pid = tl.program_id(0)
+        piece = tl.load(block_piece + pid)
+        k0 = tl.load(block_word + pid)
+        base = tl.load(piece_offset + piece) // S  # the piece's first word (its byte offset is a multiple of S)
+        n_words = tl.load(piece_words + piece)
+        j = tl.arange(0, BLOCK)
+        k = k0 + j
+        w = tl.load(w_ptr + base + k, mask=k < n_words, other=0).to(tl.int64)  # sign-extended
+        # w reads the top byte signed and the lower ones unsigned; V_k reads every byte signed: a lower byte >= 128
+        # is 256 less, i.e. it takes one from the byte above it
+        v = w
+        for i in tl.static_range(S - 1):
+            v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
+        s0 = tl.sum(v, axis=0)
+        s1 = tl.sum(v * j.to(tl.int64), axis=0)
+        tl.atomic_add(out_ptr + piece, (2 * k0 + 1) * s0 + 2 * s1)
+
+    return {"bytes": pieces_checksum_bytes, "words": pieces_checksum_words}
+
+
+#: the buffer read as whole words of each size (the word kernel's view)
+_WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 _LAYOUTS: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
@@ -108,7 +136,12 @@ def piece_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequen
     block_piece, block_word, piece_offset, piece_words = _layout(buffer.device, offsets, nbytes, s)
     out = torch.zeros(len(offsets), dtype=torch.int64, device=buffer.device)
     grid = (block_piece.numel(),)
-    _kernel()[grid](buffer, out, block_piece, block_word, piece_offset, piece_words, S=s, BLOCK=BLOCK)
+    aligned = buffer.data_ptr() % s == 0 and buffer.numel() % s == 0 and all(o % s == 0 for o in offsets)
+    if aligned:  # the buckets' pieces always are (64-byte placement); whole words load at full bandwidth
+        words = buffer.view(_WORD_DTYPES[s])
+        _kernel("words")[grid](words, out, block_piece, block_word, piece_offset, piece_words, S=s, BLOCK=BLOCK)
+    else:
+        _kernel("bytes")[grid](buffer, out, block_piece, block_word, piece_offset, piece_words, S=s, BLOCK=BLOCK)
     return out
 
 

@@ -205,6 +205,12 @@ def _self_test(device: torch.device) -> str:
             many = checksum_kernel.piece_checksums(data, offsets, sizes, 1).tolist() == [
                 _definition(data[o : o + n], 1) for o, n in zip(offsets, sizes)
             ]
+            for s in _SIZES:  # pieces on word boundaries: the whole-word kernel (what buckets use)
+                aligned = (0, 64 * s, 8192 * s)
+                lengths = (64 * s, 4099 * s, 8 * s)
+                many = many and checksum_kernel.piece_checksums(data, aligned, lengths, s).tolist() == [
+                    _definition(data[o : o + n], s) for o, n in zip(aligned, lengths)
+                ]
             if single and many:
                 return "triton"
             _log.warning("weight sync verify: the Triton checksum disagrees with the definition on %s", device)
