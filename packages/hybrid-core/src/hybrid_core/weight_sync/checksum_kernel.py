@@ -105,13 +105,16 @@ def _build() -> dict[str, Any]:
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-_LAYOUTS: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
+_LAYOUTS: dict[tuple[Any, ...], tuple[tuple[torch.Tensor, ...], bool]] = {}
 
 
-def _layout(device: torch.device, offsets: Sequence[int], nbytes: Sequence[int], s: int) -> tuple[torch.Tensor, ...]:
+def _layout(
+    device: torch.device, offsets: Sequence[int], nbytes: Sequence[int], s: int
+) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """The kernel's tables for this layout, and whether every piece starts on a word boundary (both cached)."""
     key = (device, s, tuple(offsets), tuple(nbytes))
-    tables = _LAYOUTS.get(key)
-    if tables is None:
+    layout = _LAYOUTS.get(key)
+    if layout is None:
         words = torch.tensor([n // s for n in nbytes], dtype=torch.int64)
         blocks = torch.clamp((words + BLOCK - 1) // BLOCK, min=1)  # an empty piece still gets its (zero) block
         block_piece = torch.repeat_interleave(torch.arange(len(nbytes)), blocks)
@@ -123,21 +126,21 @@ def _layout(device: torch.device, offsets: Sequence[int], nbytes: Sequence[int],
             torch.tensor(list(offsets), dtype=torch.int64).to(device),
             words.to(device),
         )
-        _LAYOUTS[key] = tables
+        layout = _LAYOUTS[key] = (tables, all(o % s == 0 for o in offsets))
         while len(_LAYOUTS) > _MAX_LAYOUTS:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))
-    return tables
+    return layout
 
 
 def piece_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int], s: int) -> torch.Tensor:
     """The checksums (int64 [len(offsets)] on the buffer's device, not synchronized) of the pieces
     ``buffer[offsets[i]:offsets[i] + nbytes[i]]`` of a flat int8 CUDA tensor, each read as ``s``-byte words (every
     ``nbytes[i]`` a multiple of ``s``): two launches (zeros, the kernel), whatever the number of pieces."""
-    block_piece, block_word, piece_offset, piece_words = _layout(buffer.device, offsets, nbytes, s)
+    (block_piece, block_word, piece_offset, piece_words), on_words = _layout(buffer.device, offsets, nbytes, s)
     out = torch.zeros(len(offsets), dtype=torch.int64, device=buffer.device)
     grid = (block_piece.numel(),)
-    aligned = buffer.data_ptr() % s == 0 and buffer.numel() % s == 0 and all(o % s == 0 for o in offsets)
-    if aligned:  # the buckets' pieces always are (64-byte placement); whole words load at full bandwidth
+    # the buckets' pieces always start on a word boundary (64-byte placement): whole words load at full bandwidth
+    if on_words and buffer.data_ptr() % s == 0 and buffer.numel() % s == 0:
         words = buffer.view(_WORD_DTYPES[s])
         _kernel("words")[grid](words, out, block_piece, block_word, piece_offset, piece_words, S=s, BLOCK=BLOCK)
     else:
