@@ -1,15 +1,18 @@
 """Shared by the bench scripts: imports from a source checkout, the model under test, a printed table, and rows
-appended to bench/RESULTS.md (``| metric | value | unit | device | date | command |``, append only)."""
+appended to bench/RESULTS.md (``| metric | value | unit | device | date | command |``, append only; the unit cell
+ends with ``; code <id>``, the :func:`code_id` of the code that was measured)."""
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import shlex
 import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # BENCH_RESULTS: another file to append to (a lent machine's runs in the background, collected afterwards)
@@ -28,6 +31,40 @@ try:  # run from a plain checkout too (the GPU machine has no editable install)
     import hybrid_core  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(ROOT / "packages" / "hybrid-core" / "src"))
+
+
+#: how a row's unit cell names the code that measured it (bench/readme_figures.py reads it back)
+CODE_TAG = "; code "
+
+
+def code_id(root: Path = ROOT) -> str:
+    """The identity of the measured code: the first 10 hex of sha256 over the sorted (relative path, bytes) of
+    ``packages/*/src/**/*.py``. Computed from the tree itself because the lent GPU machine gets a copy of the working
+    tree without .git (no revision to read there), so both machines get the same id for the same code, uncommitted
+    edits included. bench/ and tests/ are left out: the harness is edited for reasons that do not change what the
+    packages do (another bench, a docstring, this file, readme_figures.py), and counting those would split one
+    code's reruns into single rows and defeat the median; a bench that changes how it measures says so in its rows'
+    unit text or metric name."""
+    digest = hashlib.sha256()
+    for path in sorted(root.glob("packages/*/src/**/*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        rel = path.relative_to(root).as_posix().encode()
+        data = path.read_bytes()
+        # lengths first: no two different trees give the same byte stream
+        digest.update(b"%d:%b%d:%b" % (len(rel), rel, len(data), data))
+    return digest.hexdigest()[:10]
+
+
+def tag_unit(unit: str, code: str | None = None) -> str:
+    """A RESULTS.md unit cell naming the code that measured the row (default: this tree's :func:`code_id`)."""
+    return f"{unit}{CODE_TAG}{code or code_id()}"
+
+
+def measured_code(*runs: dict[str, Any]) -> str:
+    """The code id recorded in the first of ``runs`` (JSONs of runs, read back to be recorded afterwards) that holds
+    one, else this tree's: rows recorded here from a device run name the code the device measured."""
+    return next((run["code"] for run in runs if run.get("code")), None) or code_id()
 
 
 @dataclass
@@ -130,15 +167,21 @@ def print_table(title: str, rows: list[Row]) -> None:
         print(f"{r.metric:<{width}}  {_fmt(r.value):>12}  {r.unit}{'' if r.record else '  (not recorded)'}")
 
 
-def append_results(rows: list[Row], device: str, path: Path = RESULTS, command: str | None = None) -> int:
+def append_results(
+    rows: list[Row], device: str, path: Path = RESULTS, command: str | None = None, code: str | None = None
+) -> int:
     """Append the recordable rows to RESULTS.md (created with its header if missing); returns how many. ``command``:
     the command line that measured them (default: this process's; another when the rows are recorded afterwards
-    from a run's JSON)."""
+    from a run's JSON); ``code``: the :func:`code_id` of the code that measured them (default: this tree's), appended
+    to each row's unit cell."""
     command = command or shlex.join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     command = command.replace("|", "\\|")
+    code = code or code_id()
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     lines = [
-        f"| {r.metric} | {_fmt(r.value)} | {r.unit} | {device} | {date} | `{command}` |\n" for r in rows if r.record
+        f"| {r.metric} | {_fmt(r.value)} | {tag_unit(r.unit, code)} | {device} | {date} | `{command}` |\n"
+        for r in rows
+        if r.record
     ]
     new = not path.exists() or path.stat().st_size == 0
     needs_newline = not new and not path.read_bytes().endswith(b"\n")

@@ -251,6 +251,9 @@ def main() -> int:
             )
     out = os.environ.get("OUT")
     if out:
+        from _common import code_id
+
+        result["code"] = code_id()  # the peers' `compare --record` names the code this run measured
         with open(os.path.join(out, f"e2e-{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
     return proc.returncode

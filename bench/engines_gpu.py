@@ -472,9 +472,12 @@ def run_dry(args, run: Run) -> None:
 # ---- reporting -------------------------------------------------------------------------------------------------------
 def record(results: dict, path: Path = ROOT / "bench" / "RESULTS.md") -> int:
     """Append one row per metric (creating the file with its header); returns the rows written."""
+    from _common import tag_unit  # the unit cell names the measured code, as every bench's rows do
+
     date = results.get("date", datetime.date.today().isoformat())
     rows = [
-        f"| {name} | {value} | {METRICS[name]} | {results.get('device', '?')} | {date} | `{results['command']}` |\n"
+        f"| {name} | {value} | {tag_unit(METRICS[name], results.get('code'))} | {results.get('device', '?')} | "
+        f"{date} | `{results['command']}` |\n"
         for name, value in results["metrics"].items()
         if value is not None
     ]
@@ -502,8 +505,11 @@ def main(argv=None) -> int:
         return 0
     run = Run(args)
     (run_dry if args.dry else run_gpu)(args, run)
+    from _common import code_id
+
     results = {
         "command": "python bench/engines_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "code": code_id(),  # --append-from records the code that measured, not the tree it is appended from
         "date": datetime.date.today().isoformat(),
         "device": run.info.get("device", "cpu (dry)"),
         "metrics": run.metrics,

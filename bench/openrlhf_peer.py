@@ -404,7 +404,7 @@ def compare_main(argv: list[str]) -> int:
     orl = json.load(open(a.openrlhf))
     ours = json.load(open(a.ours)) if os.path.exists(a.ours) else {"rc": None}
     rows, problems = compare(orl, ours)
-    from _common import append_results, print_table
+    from _common import append_results, measured_code, print_table
 
     for p in problems:
         print("NOTE:", p)
@@ -412,7 +412,7 @@ def compare_main(argv: list[str]) -> int:
         print_table(f"OpenRLHF 0.11.2 vs hybrid ({orl.get('size')}, {orl.get('setup')})", rows)
     if a.record and rows:
         device = a.device or orl.get("device") or "unknown device"
-        print(f"appended {append_results(rows, device)} rows to bench/RESULTS.md")
+        print(f"appended {append_results(rows, device, code=measured_code(ours))} rows to bench/RESULTS.md")
     return 0 if not problems else 3
 
 

@@ -57,7 +57,9 @@ from _common import (  # noqa: E402  # noqa: E402
     WARMUP_STEPS,
     Row,
     append_results,
+    code_id,
     free_port,
+    measured_code,
     print_table,
     steady_step_times,
 )
@@ -442,7 +444,7 @@ def report(data: dict, record: bool, device: str | None = None) -> int:
         if not data.get("recordable"):
             print(f"not recorded: {data.get('why_not_recordable')}")
             return 2
-        n = append_results(rows, device or data["device"], command=data["command"])
+        n = append_results(rows, device or data["device"], command=data["command"], code=measured_code(data))
         print(f"appended {n} row(s) to {RESULTS}")
     return 0 if not problems else 3
 
@@ -575,6 +577,7 @@ def run(args) -> dict:
         "runs": [],
         "device": gpu_name(),
         "command": shlex.join(["python", os.path.relpath(__file__, ROOT), *args.argv]),
+        "code": code_id(),  # `report --record` names the code that measured, not the tree it runs in
         "recordable": args.why_not_recordable is None,
         "why_not_recordable": args.why_not_recordable,
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -42,7 +42,7 @@ for pkg in ("hybrid-core", "hybrid-engines", "hybrid-cli"):  # runnable from a p
 sys.path.insert(0, str(HERE))
 
 import engines_gpu as eg  # noqa: E402  (the vLLM bench: models, prompts, teacher-forced check, trainer helpers)
-from _common import Row, append_results, print_table  # noqa: E402
+from _common import Row, append_results, code_id, measured_code, print_table  # noqa: E402
 
 UNITS = {  # first column of bench/RESULTS.md, as issue 19 names them
     "sglang sleep GiB left": "GiB in use on the engine's GPU after sleep (level 1; all processes)",
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
             raise SystemExit("not a GPU run: rows are recorded from GPU runs only")
         rows = [Row(name, value, UNITS[name]) for name, value in done["metrics"].items() if value is not None]
         sys.argv = done["argv"]  # the command column names the run that measured, not this append
-        print(f"appended {append_results(rows, done['device'])} rows to bench/RESULTS.md")
+        print(f"appended {append_results(rows, done['device'], code=measured_code(done))} rows to bench/RESULTS.md")
         return 0
     run = eg.Run(args)
     (run_dry if args.dry else run_gpu)(args, run)
@@ -453,6 +453,7 @@ def main(argv=None) -> int:
             json.dumps(
                 {
                     "device": device,
+                    "code": code_id(),  # what --append-from records as the measured code
                     "argv": [sys.argv[0], *(argv if argv is not None else sys.argv[1:])],
                     "metrics": run.metrics,
                     "info": run.info,

@@ -465,7 +465,7 @@ def compare_main(argv: list[str]) -> int:
     peer = json.load(open(a.verl)) if os.path.exists(a.verl) else {"error": f"{a.verl} missing"}
     ours = json.load(open(a.ours)) if os.path.exists(a.ours) else {"rc": None}
     rows, problems = compare(peer, ours)
-    from _common import append_results, print_table
+    from _common import append_results, measured_code, print_table
 
     for p in problems:
         print("NOTE:", p)
@@ -473,7 +473,7 @@ def compare_main(argv: list[str]) -> int:
         print_table(f"verl {peer.get('verl') or RELEASE} vs hybrid ({peer.get('size')}, {peer.get('setup')})", rows)
     if a.record and rows:
         device = a.device or peer.get("device") or "unknown device"
-        print(f"appended {append_results(rows, device)} rows to bench/RESULTS.md")
+        print(f"appended {append_results(rows, device, code=measured_code(ours))} rows to bench/RESULTS.md")
     return 0 if not problems else 3
 
 
