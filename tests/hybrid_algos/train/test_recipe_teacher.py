@@ -117,7 +117,7 @@ def test_the_teacher_phase_runs_on_a_real_teacher_worker(models, tmp_path, regis
     try:
         placed = place(PlacementSpec.from_ranges({"teacher": "0"}).plan(), timeout_s=120)
         spec = recipe.role("teacher")
-        group = RoleGroup("teacher", spec.worker_class(), placed, cfg, str(tmp_path / "logs"), timeout_s=120)
+        group = RoleGroup("teacher", spec.worker_class(), placed, cfg.settings(), str(tmp_path / "logs"), timeout_s=120)
         group.call("setup", spec.model_folder(cfg, policy))
         ctx = StepContext(
             config=cfg,
@@ -137,7 +137,7 @@ def test_the_teacher_phase_runs_on_a_real_teacher_worker(models, tmp_path, regis
     got = state.extras["teacher_logprobs"]
 
     def local(path):  # the same worker class in this process: what the teacher's folder gives
-        worker = ReferenceWorker("teacher", 0, 1, cfg, str(tmp_path / "logs"))
+        worker = ReferenceWorker("teacher", 0, 1, cfg.settings(), str(tmp_path / "logs"))
         worker.setup(path)
         return worker.logprobs(rollout)
 

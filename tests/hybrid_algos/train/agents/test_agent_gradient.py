@@ -88,7 +88,7 @@ SCRIPT = textwrap.dedent("""
                          max_epochs=1, zero_stage=0, deepspeed_enable_sleep=False, init_kl_coef=0.1, use_kl_loss=True,
                          kl_estimator="k3", entropy_loss_coef=0.01, enable_vllm_is_correction=True,
                          actor_learning_rate=1e-3, packing_samples=packed, seed=0)
-        worker = PolicyWorker("actor", 0, 1, cfg, tempfile.mkdtemp())
+        worker = PolicyWorker("actor", 0, 1, cfg.settings(), tempfile.mkdtemp())
         worker.where = lambda: {}
         worker.setup(model_dir, "127.0.0.1", port(), total_steps=1)
         engine, grads = worker.engine, {}

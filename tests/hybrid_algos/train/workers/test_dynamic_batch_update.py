@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent("""
                          micro_train_batch_size=changes.pop("micro", 16), zero_stage=0, deepspeed_enable_sleep=False,
                          init_kl_coef=0.0, use_kl_loss=False, enable_vllm_is_correction=False,
                          actor_learning_rate=1e-3, seed=0, **changes)
-        worker = PolicyWorker("actor", 0, 1, cfg, tempfile.mkdtemp())
+        worker = PolicyWorker("actor", 0, 1, cfg.settings(), tempfile.mkdtemp())
         worker.where = lambda: {}
         worker.setup(model_dir, "127.0.0.1", port(), total_steps=1)
         engine, grads = worker.engine, {}

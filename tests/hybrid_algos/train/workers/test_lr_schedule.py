@@ -31,7 +31,7 @@ def _rates(config: dict, updates: int) -> list[float]:
 
 def _schedule(cfg: GRPOConfig, total_steps: int) -> dict:
     """The schedule a trained role is given for a run of ``total_steps`` steps (its updates: the rollout's shape)."""
-    return lr_schedule(cfg.trainer_settings(), update_shape(cfg, 1, total_steps)["total_updates"])
+    return lr_schedule(cfg.trainer_settings(), update_shape(cfg.rollout_settings(), 1, total_steps)["total_updates"])
 
 
 def _config(cfg: GRPOConfig, total_steps: int) -> dict:

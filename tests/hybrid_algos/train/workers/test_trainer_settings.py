@@ -102,7 +102,7 @@ def test_the_deepspeed_configs_come_from_the_section():
     )
     trainer = cfg.trainer_settings()
     model = torch.nn.Linear(4, 4)
-    shape = update_shape(cfg, world_size=2, total_steps=10)
+    shape = update_shape(cfg.rollout_settings(), world_size=2, total_steps=10)
     assert shape == {"micro_batch": 2, "grad_accum": 2, "total_updates": 10 * 2 * 2}
     ds = trainer_config(trainer, model, trainer.critic_lr, **shape)
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"

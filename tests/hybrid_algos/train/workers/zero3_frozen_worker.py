@@ -39,8 +39,9 @@ def rollout(rank: int) -> Rollout:
 def main() -> None:
     rank, world, port, policy, reward = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     cfg = PPOConfig(zero_stage=3, bf16=True, micro_rollout_batch_size=2, reward_pretrain=reward)
-    ref = Reference("reference", rank, world, cfg, sys.argv[6])
-    rm = Reward("reward", rank, world, cfg, sys.argv[6])
+    settings = cfg.settings()
+    ref = Reference("reference", rank, world, settings, sys.argv[6])
+    rm = Reward("reward", rank, world, settings, sys.argv[6])
     ref.setup(policy, "127.0.0.1", port)
     rm.setup(reward, "127.0.0.1", port)  # the same group (one per process): the loop gives each role its own
     batch = rollout(rank)

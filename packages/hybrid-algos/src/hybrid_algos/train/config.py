@@ -25,6 +25,7 @@ from .model_settings import AGENT_TASKS, ModelSettings
 from .rollout_settings import RolloutSettings
 from .run_settings import RunSettings
 from .sections import build, flag_text, flag_words
+from .train_settings import SECTION_NAMES, TrainSettings
 from .workers.settings import TrainerSettings
 
 
@@ -388,6 +389,11 @@ class RLConfig:
     def models_settings(self) -> ModelSettings:
         """The models section: model folders, rewards, the built-in task and model."""
         return build("models", self)
+
+    def settings(self) -> TrainSettings:
+        """The run's settings in sections (:class:`~.train_settings.TrainSettings`): what everything below
+        :func:`~.prepare.prepare` reads. Call it on a validated config."""
+        return TrainSettings(self.algorithm, *(build(name, self) for name in SECTION_NAMES))
 
     # ---------------------------------------------------------------------------------------------------------
     def validate(self) -> RLConfig:

@@ -70,8 +70,10 @@ class SessionStart(SessionSaves):
         clock.lap("placement group")
         self.turnstile = Turnstile.create(f"hybrid-turnstile-{uuid.uuid4().hex[:8]}", timeout_s=timeout)
 
+        settings = cfg.settings()  # what the workers read
+
         def role(name: str, cls: type):
-            return RoleGroup(name, cls, placed, cfg, self.log_dir, timeout_s=timeout)
+            return RoleGroup(name, cls, placed, settings, self.log_dir, timeout_s=timeout)
 
         # One role group per worker role of the recipe (trainers and frozen models; the engines come below)
         self.roles = {spec.name: role(spec.name, spec.worker_class()) for spec in prep.recipe.workers}

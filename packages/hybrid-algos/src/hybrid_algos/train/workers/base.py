@@ -4,6 +4,10 @@ Workers are created by :class:`hybrid_core.roles.RoleGroup` on the bundles the p
 on and off their GPU by the residency owner (:mod:`hybrid_core.residency`) through ``offload`` / ``reload``. Each
 one can dump the Python stacks of all its threads into the run's log folder on request — answered on a separate
 control thread, so a worker stuck in a collective still reports where it is.
+
+A worker is given the run's :class:`~hybrid_algos.train.train_settings.TrainSettings` and reads its sections
+(``settings.trainer``, ``settings.algorithm``, ``settings.rollout``, ``settings.run``, ``settings.models``), never the
+flat config's names.
 """
 
 from __future__ import annotations
@@ -20,21 +24,22 @@ import torch
 
 from hybrid_core.stats import TransferStats
 
-from ..config import RLConfig
 from ..deepspeed_setup import local_device
 
 if TYPE_CHECKING:
     from hybrid_core.offload import StateMover
 
+    from ..train_settings import TrainSettings
+
 
 class RoleWorker:
     """Base of the actor / critic / reference / reward workers."""
 
-    def __init__(self, role: str, rank: int, world_size: int, config: RLConfig, log_dir: str):
+    def __init__(self, role: str, rank: int, world_size: int, settings: TrainSettings, log_dir: str):
         self.role, self.rank, self.world_size = role, rank, world_size
-        self.config = config  # the rollout's shape, the run's seed and deadlines are still read from it
-        self.trainer = config.trainer_settings()  # DeepSpeed, precision, optimizer, how passes are batched
-        self.algorithm = config.algorithm_settings()  # the losses the trained roles compute
+        self.settings = settings
+        self.trainer = settings.trainer  # DeepSpeed, precision, optimizer, how passes are batched
+        self.algorithm = settings.algorithm  # the losses the trained roles compute
         self.device = local_device()
         self.log_dir = log_dir
         os.makedirs(log_dir, exist_ok=True)
@@ -47,7 +52,7 @@ class RoleWorker:
         # a GPU), never torch's own default (every core): a CPU run's numerics depend on the thread count, so two
         # runs of the same config agree only if it is fixed, whatever else the machine runs.
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
-        torch.manual_seed(config.seed + rank)
+        torch.manual_seed(settings.run.seed + rank)
         # The user's --plugins and the driver's own registrations: this process's registries get their entries
         # (the policy loss is looked up by name here).
         from ..plugins import import_in_worker

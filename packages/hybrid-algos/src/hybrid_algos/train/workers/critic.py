@@ -1,4 +1,7 @@
-"""The critic role (PPO): a value model under DeepSpeed with sleep, per-token values and clipped value updates."""
+"""The critic role (PPO): a value model under DeepSpeed with sleep, per-token values and clipped value updates.
+
+It reads the trainer and algorithm sections, the rollout's batch shape (``settings.rollout``), the run's seed and
+deadline (``settings.run``) and ``settings.models.trust_remote_code``."""
 
 from __future__ import annotations
 
@@ -26,19 +29,23 @@ from .policy import (
 
 class CriticWorker(RoleWorker):
     def setup(self, model_path: str, master_addr: str, master_port: int, total_steps: int) -> dict[str, Any]:
-        cfg, trainer = self.config, self.trainer
-        store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
+        settings, trainer = self.settings, self.trainer
+        store = init_distributed(
+            self.rank, self.world_size, master_addr, master_port, timeout_s=settings.run.call_timeout_s
+        )
         dtype = torch.bfloat16 if trainer.bf16 else torch.float32
         model = load_critic(
             model_path,
             dtype=dtype,
             attn_implementation=attn_implementation(trainer),
             gradient_checkpointing=trainer.gradient_checkpointing,
-            trust_remote_code=cfg.trust_remote_code,
+            trust_remote_code=settings.models.trust_remote_code,
         )
         self.engine = make_engine(
             model,
-            trainer_config(trainer, model, trainer.critic_lr, **update_shape(cfg, self.world_size, total_steps)),
+            trainer_config(
+                trainer, model, trainer.critic_lr, **update_shape(settings.rollout, self.world_size, total_steps)
+            ),
         )  # the actor's schedule (lr_warmup_ratio, lr_scheduler)
         if trainer.moves_states:  # the residency plan says when
             self.offloader = DeepSpeedOffloader(self.engine)
@@ -48,10 +55,10 @@ class CriticWorker(RoleWorker):
 
     @torch.no_grad()
     def values(self, rollout: Rollout) -> torch.Tensor:
-        cfg = self.config
+        micro_batch = self.settings.rollout.micro_rollout_batch_size
         self.engine.eval()
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        for mb, index in forward_micro_batches(rollout, self.trainer, cfg.micro_rollout_batch_size, self.device):
+        for mb, index in forward_micro_batches(rollout, self.trainer, micro_batch, self.device):
             dev = mb.to(self.device)
             v = response_values(
                 self.engine, dev.sequences, dev.attention_mask, dev.response_len, packed=self.trainer.packing
@@ -61,22 +68,22 @@ class CriticWorker(RoleWorker):
 
     def train(self, rollout: Rollout, step: int) -> dict[str, float]:
         """Clipped value-loss epochs, one optimizer update per train_batch_size samples (micro-batches as the
-        actor's: fixed size, or by token budget with --use_dynamic_batch)."""
-        cfg, algo = self.config, self.algorithm
+        actor's: fixed size, or by token budget with ``trainer.dynamic_batch``)."""
+        shape, algo = self.settings.rollout, self.algorithm
         self.engine.train()
         guard = UpdateGuard(self.role, self.rank)  # in place of DeepSpeed's per-tensor overflow scan
         stats = DeviceMeans()
-        gen = torch.Generator().manual_seed(cfg.seed * 100019 + step * 137 + self.rank)
-        per_update = cfg.train_batch_size // self.world_size
+        gen = torch.Generator().manual_seed(self.settings.run.seed * 100019 + step * 137 + self.rank)
+        per_update = shape.train_batch_size // self.world_size
         by_tokens = algo.value_agg_mode == "token-mean"
-        for _ in range(cfg.max_epochs):
+        for _ in range(shape.max_epochs):
             order = torch.randperm(rollout.batch_size, generator=gen)
             shuffled = rollout.select(order)
             for start in range(0, shuffled.batch_size, per_update):
                 plan = train_micro_batches(
                     shuffled.select(slice(start, start + per_update)),
                     self.trainer,
-                    cfg.micro_train_batch_size,
+                    shape.micro_train_batch_size,
                     self.device,
                     mask_of=lambda r: r.action_mask,
                     by_tokens=by_tokens,
@@ -93,7 +100,7 @@ class CriticWorker(RoleWorker):
                         mb.action_mask,
                         clip=algo.value_clip,
                         agg_mode=algo.value_agg_mode,
-                        norm_len=cfg.generate_max_len,
+                        norm_len=shape.generate_max_len,
                     )
                     guard.add_loss(loss)
                     self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)

@@ -1,6 +1,9 @@
 """Roles that only run forward passes: the reference policy (KL) and a reward model. Whole on each worker's GPU, or
-under ``--zero_stage 3`` with several ranks sharded over them as OpenRLHF shards them (:mod:`.zero3_frozen`). They
-sleep with hybrid-core's StateOffloader (weights, or this rank's shards, to pinned host memory and back)."""
+under ``trainer.zero_stage`` 3 with several ranks sharded over them as OpenRLHF shards them (:mod:`.zero3_frozen`). They
+sleep with hybrid-core's StateOffloader (weights, or this rank's shards, to pinned host memory and back).
+
+They read the trainer section, ``settings.rollout`` (micro-batch size, sampling temperature), the run's deadline
+(``settings.run.call_timeout_s``) and ``settings.models.trust_remote_code``."""
 
 from __future__ import annotations
 
@@ -48,10 +51,12 @@ class FrozenWorker(RoleWorker):
                 f"{self.role}: sharded under ZeRO-3 over {self.world_size} ranks, setup needs the "
                 "role's rendezvous (master_addr, master_port)"
             )
-        cfg = self.config
-        store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
-        config = frozen_deepspeed_config(self.trainer, micro_batch=cfg.micro_rollout_batch_size)
-        self.model = sharded_engine(self.load(model_path), config)  # the forward goes through the engine's hooks
+        settings = self.settings
+        store = init_distributed(
+            self.rank, self.world_size, master_addr, master_port, timeout_s=settings.run.call_timeout_s
+        )
+        ds_config = frozen_deepspeed_config(self.trainer, micro_batch=settings.rollout.micro_rollout_batch_size)
+        self.model = sharded_engine(self.load(model_path), ds_config)  # the forward goes through the engine's hooks
         self.offloader = ShardOffloader(self.model.module, self.device)
         close_rendezvous(store, self.rank, self.world_size)
         self.freeze_gc()
@@ -72,7 +77,7 @@ class ReferenceWorker(FrozenWorker):
             model_path,
             dtype=_frozen_dtype(self.trainer),
             attn_implementation=attn_implementation(self.trainer),
-            trust_remote_code=self.config.trust_remote_code,
+            trust_remote_code=self.settings.models.trust_remote_code,
         )
         return model.eval().requires_grad_(False)
 
@@ -81,15 +86,16 @@ class ReferenceWorker(FrozenWorker):
         # sharded: every rank runs the same number of forwards (equal shards, and the token-budget micro-batch
         # count is agreed across the role's group), or ZeRO-3's gathers would wait for a rank that is done
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        batches = forward_micro_batches(rollout, self.trainer, self.config.micro_rollout_batch_size, self.device)
-        for mb, index in batches:  # by tokens with --use_dynamic_batch
+        micro_batch = self.settings.rollout.micro_rollout_batch_size
+        batches = forward_micro_batches(rollout, self.trainer, micro_batch, self.device)
+        for mb, index in batches:  # by tokens with trainer.dynamic_batch
             dev = mb.to(self.device)
             lp = response_logprobs(
                 self.model,
                 dev.sequences,
                 dev.attention_mask,
                 dev.response_len,
-                temperature=self.config.temperature,
+                temperature=self.settings.rollout.temperature,
                 packed=self.trainer.packing,
             )
             out[index, : mb.response_len] = lp.cpu()
@@ -102,13 +108,13 @@ class RewardModelWorker(FrozenWorker):
             model_path,
             dtype=_frozen_dtype(self.trainer),
             attn_implementation=attn_implementation(self.trainer),
-            trust_remote_code=self.config.trust_remote_code,
+            trust_remote_code=self.settings.models.trust_remote_code,
         )
 
     @torch.no_grad()
     def scores(self, rollout: Rollout) -> torch.Tensor:
         out = []
-        for mb in rollout.micro_batches(self.config.micro_rollout_batch_size):
+        for mb in rollout.micro_batches(self.settings.rollout.micro_rollout_batch_size):
             mb = mb.to(self.device)
             out.append(sequence_scores(self.model, mb.sequences, mb.attention_mask).cpu())
         return torch.cat(out)

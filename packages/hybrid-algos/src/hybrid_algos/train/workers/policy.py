@@ -1,4 +1,7 @@
-"""The actor role: the policy being trained, under DeepSpeed, with sleep, log-probs, PPO updates and weight export."""
+"""The actor role: the policy being trained, under DeepSpeed, with sleep, log-probs, PPO updates and weight export.
+
+It reads the trainer and algorithm sections, the rollout's batch shape and temperature (``settings.rollout``), the
+run's seed, deadline and ``save_hf_ckpt`` (``settings.run``) and ``settings.models.trust_remote_code``."""
 
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ from ... import aggregate_loss, compute_policy_loss, kl_estimate, rollout_correc
 from ..deepspeed_setup import close_rendezvous, deepspeed_config, init_distributed, make_engine
 from ..experience import Rollout
 from ..models import load_causal_lm, response_token_scores
+from ..rollout_settings import RolloutSettings
 from ..update_guard import UpdateGuard
 from .base import RoleWorker
 from .settings import TrainerSettings
 
-#: With --save_hf_ckpt, each checkpoint's actor folder holds the policy in Hugging Face format here.
+#: With run.save_hf_ckpt, each checkpoint's actor folder holds the policy in Hugging Face format here.
 HF_CHECKPOINT_DIR = "huggingface"
 
 
@@ -27,20 +31,24 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
     """One data-parallel rank of the actor (its weight-sync side: ``TrainerWeightSource``, the engines' transport)."""
 
     def setup(self, model_path: str, master_addr: str, master_port: int, total_steps: int) -> dict[str, Any]:
-        cfg, trainer = self.config, self.trainer
-        store = init_distributed(self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.call_timeout_s)
+        settings, trainer = self.settings, self.trainer
+        store = init_distributed(
+            self.rank, self.world_size, master_addr, master_port, timeout_s=settings.run.call_timeout_s
+        )
         dtype = torch.bfloat16 if trainer.bf16 else torch.float32
         model = load_causal_lm(
             model_path,
             dtype=dtype,
             attn_implementation=attn_implementation(trainer),
             gradient_checkpointing=trainer.gradient_checkpointing,
-            trust_remote_code=cfg.trust_remote_code,
+            trust_remote_code=settings.models.trust_remote_code,
         )
         self.model_path = model_path
         self.engine = make_engine(
             model,
-            trainer_config(trainer, model, trainer.actor_lr, **update_shape(cfg, self.world_size, total_steps)),
+            trainer_config(
+                trainer, model, trainer.actor_lr, **update_shape(settings.rollout, self.world_size, total_steps)
+            ),
         )
         if trainer.moves_states:  # the residency plan says when
             self.offloader = DeepSpeedOffloader(self.engine)
@@ -60,19 +68,19 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         When the rollout correction needs the log-probs at temperature 1 (the engines report raw log-probs) and the
         sampling temperature is not 1, those are kept on this worker for ``train`` (by sample content).
         """
-        cfg = self.config
+        shape = self.settings.rollout
         self.engine.eval()
         need_raw = self._needs_raw_logprobs()
         self._raw_old = {}
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        for mb, index in forward_micro_batches(rollout, self.trainer, cfg.micro_rollout_batch_size, self.device):
+        for mb, index in forward_micro_batches(rollout, self.trainer, shape.micro_rollout_batch_size, self.device):
             dev = mb.to(self.device)
             scores = response_token_scores(
                 self.engine,
                 dev.sequences,
                 dev.attention_mask,
                 dev.response_len,
-                temperature=cfg.temperature,
+                temperature=shape.temperature,
                 raw=need_raw,
                 packed=self.trainer.packing,
             )
@@ -84,19 +92,19 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
 
     # ---- update ----------------------------------------------------------------------------------------------------
     def train(self, rollout: Rollout, step: int, kl_coef: float) -> dict[str, float]:
-        """Policy-loss epochs over this rank's shard, one optimizer update per ``train_batch_size`` samples.
+        """Policy-loss epochs over this rank's shard, one optimizer update per ``rollout.train_batch_size`` samples.
 
-        An update's samples go through in micro-batches of ``micro_train_batch_size`` samples, or of at most
-        ``train_max_tokens_per_gpu`` tokens (``--use_dynamic_batch``; each micro-batch's loss is then weighted by its
-        share of the update's tokens or sequences, so the update's loss is the one over all of its samples).
+        An update's samples go through in micro-batches of ``rollout.micro_train_batch_size`` samples, or of at most
+        ``trainer.train_token_budget`` tokens (``trainer.dynamic_batch``; each micro-batch's loss is then weighted by
+        its share of the update's tokens or sequences, so the update's loss is the one over all of its samples).
 
-        Without ``old_logprobs`` (a single update: see ``RLConfig.needs_old_logprobs``) each micro-batch's own
+        Without ``old_logprobs`` (a single update: see ``TrainSettings.needs_old_logprobs``) each micro-batch's own
         detached log-probs are the old ones; with a reference, the k1 KL sums of the step's metrics ("_kl_*") are
         then taken from them too. With the engine's log-probs in the rollout, the engine/trainer mismatch is
-        measured ("mismatch/*") and, with ``--enable_vllm_is_correction``, corrected (:mod:`hybrid_algos.mismatch`).
+        measured ("mismatch/*") and, with ``algorithm.correction``, corrected (:mod:`hybrid_algos.mismatch`).
         """
-        cfg, algo = self.config, self.algorithm
-        if rollout.old_logprobs is None and not cfg.single_update:
+        shape, algo = self.settings.rollout, self.algorithm
+        if rollout.old_logprobs is None and not shape.single_update:
             raise ValueError(
                 "train without old_logprobs needs a single optimizer update per step (max_epochs = 1, "
                 "train_batch_size = samples per step); after the first, the weights have moved"
@@ -116,15 +124,15 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         stats = DeviceMeans()  # read once at the end: a read per micro-batch would stall the backward's launch
         kl_sums = DeviceMeans()
         mismatch = MismatchStats()
-        gen = torch.Generator().manual_seed(cfg.seed * 100003 + step * 131 + self.rank)
-        per_update = cfg.train_batch_size // self.world_size
-        for epoch in range(cfg.max_epochs):
+        gen = torch.Generator().manual_seed(self.settings.run.seed * 100003 + step * 131 + self.rank)
+        per_update = shape.train_batch_size // self.world_size
+        for epoch in range(shape.max_epochs):
             order = torch.randperm(rollout.batch_size, generator=gen)
             shuffled = rollout.select(order)
             for start in range(0, shuffled.batch_size, per_update):
                 update = shuffled.select(slice(start, start + per_update))
                 plan = train_micro_batches(
-                    update, self.trainer, cfg.micro_train_batch_size, self.device, by_tokens=agg_mode == "token-mean"
+                    update, self.trainer, shape.micro_train_batch_size, self.device, by_tokens=agg_mode == "token-mean"
                 )
                 for i, (mb, weight) in enumerate(plan):
                     mb = mb.to(self.device)
@@ -136,7 +144,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                         mb.sequences,
                         mb.attention_mask,
                         mb.response_len,
-                        temperature=cfg.temperature,
+                        temperature=shape.temperature,
                         entropy=need_entropy,
                         raw=raw_now,
                         packed=self.trainer.packing,
@@ -170,7 +178,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                         clip_high=high,
                         dual_clip=algo.dual_clip,
                         agg_mode=agg_mode,
-                        norm_len=cfg.generate_max_len,
+                        norm_len=shape.generate_max_len,
                         is_weights=is_weights,
                     )
                     stats.add("actor/pg_loss", loss)
@@ -178,11 +186,11 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                     stats.add("actor/approx_kl", info["approx_kl"])
                     if algo.kl_loss and mb.ref_logprobs is not None:
                         kl = kl_estimate(logp, mb.ref_logprobs, algo.kl_estimator, mask=mask)
-                        kl_loss = aggregate_loss(kl, mask, agg_mode, norm_len=cfg.generate_max_len)
+                        kl_loss = aggregate_loss(kl, mask, agg_mode, norm_len=shape.generate_max_len)
                         loss = loss + kl_coef * kl_loss
                         stats.add("actor/kl_loss", kl_loss)
                     if scores.entropy is not None:
-                        ent = aggregate_loss(scores.entropy, mask, agg_mode, norm_len=cfg.generate_max_len)
+                        ent = aggregate_loss(scores.entropy, mask, agg_mode, norm_len=shape.generate_max_len)
                         loss = loss - algo.entropy_coef * ent
                         stats.add("actor/entropy", ent)
                     guard.add_loss(loss)
@@ -196,7 +204,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
 
     def _needs_raw_logprobs(self) -> bool:
         """The engines report log-probs at temperature 1; the trainer's are tempered unless the temperature is 1."""
-        return self.config.temperature not in (0.0, 1.0)
+        return self.settings.rollout.temperature not in (0.0, 1.0)
 
     def _cached_raw_old(self, mb: Rollout) -> torch.Tensor:
         """The temperature-1 old log-probs the log-prob pass kept for ``mb``'s samples, ``[B, R]``."""
@@ -250,10 +258,10 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, tag: str) -> None:
-        """DeepSpeed's state under ``path``; with ``--save_hf_ckpt`` also the policy in Hugging Face format under
+        """DeepSpeed's state under ``path``; with ``run.save_hf_ckpt`` also the policy in Hugging Face format under
         ``path/huggingface`` (loadable by transformers / vLLM without DeepSpeed)."""
         self.engine.save_checkpoint(path, tag=tag, save_latest=False)
-        if self.config.save_hf_ckpt:
+        if self.settings.run.save_hf_ckpt:
             import os
 
             self.save_pretrained(os.path.join(path, HF_CHECKPOINT_DIR), self.model_path)
@@ -276,7 +284,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
 
             self.engine.module.save_pretrained(path, state_dict=state)
             AutoTokenizer.from_pretrained(
-                tokenizer_path, trust_remote_code=self.config.trust_remote_code
+                tokenizer_path, trust_remote_code=self.settings.models.trust_remote_code
             ).save_pretrained(path)
 
 
@@ -325,13 +333,13 @@ def trainer_config(
     )
 
 
-def update_shape(cfg: Any, world_size: int, total_steps: int) -> dict[str, int]:
-    """A trained role's optimizer updates from the rollout's batch shape: the micro-batch, the gradient accumulation of
-    one update over ``world_size`` ranks, and the updates of the whole run (``total_steps`` steps)."""
+def update_shape(rollout: RolloutSettings, world_size: int, total_steps: int) -> dict[str, int]:
+    """A trained role's optimizer updates from the rollout section's batch shape: the micro-batch, the gradient
+    accumulation of one update over ``world_size`` ranks, and the updates of the whole run (``total_steps`` steps)."""
     return {
-        "micro_batch": cfg.micro_train_batch_size,
-        "grad_accum": cfg.train_batch_size // (cfg.micro_train_batch_size * world_size),
-        "total_updates": total_steps * (cfg.samples_per_step // cfg.train_batch_size) * cfg.max_epochs,
+        "micro_batch": rollout.micro_train_batch_size,
+        "grad_accum": rollout.train_batch_size // (rollout.micro_train_batch_size * world_size),
+        "total_updates": total_steps * (rollout.samples_per_step // rollout.train_batch_size) * rollout.max_epochs,
     }
 
 

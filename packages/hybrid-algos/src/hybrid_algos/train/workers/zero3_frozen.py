@@ -3,7 +3,7 @@ shards them (its reference and reward models are DeepSpeed inference engines wit
 a 70B reference on 4 GPUs holds a quarter of its weights on each, gathering one layer at a time for its forward.
 
 The memory model decides the same way (:func:`hybrid_core.residency.memory.frozen_shards`): sharded under
-``--zero_stage 3`` with more than one rank; with one rank there is nothing to split and the worker keeps the model
+``trainer.zero_stage`` 3 with more than one rank; with one rank there is nothing to split and the worker keeps the model
 whole.
 
 DeepSpeed cannot offload the states of an engine without an optimizer (``offload_states`` asserts), so the residency
