@@ -200,19 +200,43 @@ def _check_kind(got: str, value, kind: str):
 
 
 # ---- the two modes -------------------------------------------------------------------------------------------------
-def _time_sender_checksums() -> list[float]:
-    """Time the sender's checksum calls (kernels included: a synchronize after each), for the split of the cost."""
+class _SenderChecksumTimes(list):
+    """The sender's checksum calls, for the split of the cost: on a GPU, CUDA events around each call (kernels
+    included) read after the sync, so timing them does not put them on the sync's path (a synchronize would: the
+    sender launches them after the hand-over); on the CPU, the wall time of each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list = []
+
+    def settle(self) -> None:
+        for start, end in self.events:
+            end.synchronize()
+            self.append(start.elapsed_time(end) / 1e3)
+        self.events.clear()
+
+    def clear(self) -> None:
+        super().clear()
+        self.events.clear()
+
+
+def _time_sender_checksums() -> _SenderChecksumTimes:
     from hybrid_core.weight_sync import ipc
 
-    spent: list[float] = []
+    spent = _SenderChecksumTimes()
     inner = ipc.bucket_checksums
 
     def timed(buffer, pieces):
-        start = time.perf_counter()
+        if not buffer.is_cuda:
+            start = time.perf_counter()
+            out = inner(buffer, pieces)
+            spent.append(time.perf_counter() - start)
+            return out
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record()
         out = inner(buffer, pieces)
-        if buffer.is_cuda:
-            torch.cuda.synchronize(buffer.device)
-        spent.append(time.perf_counter() - start)
+        end_event.record()
+        spent.events.append((start_event, end_event))
         return out
 
     ipc.bucket_checksums = timed
@@ -262,6 +286,7 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
             start = time.perf_counter()
             stats = sender.send(model.named_parameters(), deliver, wait)
             seconds = time.perf_counter() - start
+            sender_sums.settle()
             if profiling:
                 prof.__exit__(None, None, None)
                 sender_profile.append(prof)

@@ -35,6 +35,13 @@ for s, start in [(s, start) for s in (1, 2, 4, 8) for start in (3, 0)]:
     changed[offsets[3] + 7] += 1  # one byte of the fourth piece: its checksum alone changes
     again = checksum_kernel.piece_checksums(changed, offsets, sizes, s).tolist()
     assert [a != b for a, b in zip(got, again)] == [False, False, False, True, False, False], (s, got, again)
+    # the same pieces as separate tensors, read in place through their addresses (the receiver's engine tensors)
+    parts = [buf[o : o + n].clone() for o, n in zip(offsets, sizes) if n]
+    expect = [verify._definition(q, s) for q in parts]
+    assert checksum_kernel.tensors_checksums(parts, s).tolist() == expect, (s, "tensors")
+    parts[1][5] += 1  # one byte of the second tensor: its checksum alone changes
+    again = checksum_kernel.tensors_checksums(parts, s).tolist()
+    assert [a != b for a, b in zip(expect, again)] == [i == 1 for i in range(len(parts))], (s, "tensors")
 print("ok")
 """
 

@@ -90,15 +90,45 @@ def _build() -> dict[str, Any]:
         k = k0 + j
         w = tl.load(w_ptr + base + k, mask=k < n_words, other=0).to(tl.int64)  # sign-extended
         # w reads the top byte signed and the lower ones unsigned; V_k reads every byte signed: a lower byte >= 128
-        # is 256 less, i.e. it takes one from the byte above it
+        # is 256 less, i.e. it takes one from the byte above it (a jit helper for this would be out of the kernels'
+        # sight here: Triton looks called functions up in the module's globals, and this module imports it lazily)
         v = w
+        for i in tl.static_range(S - 1):
+            v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
+        s0 = tl.sum(v, axis=0)
+        s1 = tl.sum(v * j.to(tl.int64), axis=0)
+        tl.atomic_add(out_ptr + piece, (2 * k0 + 1) * s0 + 2 * s1)  # integer adds: exact in any order
+
+    @triton.jit
+    def tensors_checksum_words(
+        addresses, out_ptr, block_piece, block_word, piece_words, S: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        # pieces in separate tensors: a table of their addresses instead of offsets into one buffer (the receiver
+        # checks the engine's own tensors where they are, without copying them into one buffer first)
+        pid = tl.program_id(0)
+        piece = tl.load(block_piece + pid)
+        k0 = tl.load(block_word + pid)
+        address = tl.load(addresses + piece)
+        if S == 1:
+            w_ptr = address.to(tl.pointer_type(tl.int8))
+        elif S == 2:
+            w_ptr = address.to(tl.pointer_type(tl.int16))
+        elif S == 4:
+            w_ptr = address.to(tl.pointer_type(tl.int32))
+        else:
+            w_ptr = address.to(tl.pointer_type(tl.int64))
+        n_words = tl.load(piece_words + piece)
+        j = tl.arange(0, BLOCK)
+        k = k0 + j
+        w = tl.load(w_ptr + k, mask=k < n_words, other=0).to(tl.int64)
+        v = w  # as in pieces_checksum_words
         for i in tl.static_range(S - 1):
             v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
         s0 = tl.sum(v, axis=0)
         s1 = tl.sum(v * j.to(tl.int64), axis=0)
         tl.atomic_add(out_ptr + piece, (2 * k0 + 1) * s0 + 2 * s1)
 
-    return {"bytes": pieces_checksum_bytes, "words": pieces_checksum_words}
+    return {"bytes": pieces_checksum_bytes, "words": pieces_checksum_words, "tensors": tensors_checksum_words}
 
 
 #: the buffer read as whole words of each size (the word kernel's view)
@@ -152,3 +182,19 @@ def checksum(b: torch.Tensor, itemsize: int) -> torch.Tensor:
     """The checksum (0-d int64 on ``b``'s device, not synchronized) of a flat int8 CUDA tensor of whole
     ``itemsize``-byte words."""
     return piece_checksums(b, [0], [b.numel()], itemsize)[0]
+
+
+def tensors_checksums(datas: Sequence[torch.Tensor], s: int) -> torch.Tensor:
+    """The checksums (int64 [len(datas)], not synchronized) of flat int8/uint8 CUDA tensors of one device, each read
+    as ``s``-byte words (every length a multiple of ``s``, every address too: a tensor's own bytes always are), in
+    place: two launches whatever their number, no copy. The tensors' addresses are part of the cached layout (an
+    engine's parameters keep theirs from sync to sync)."""
+    addresses = [d.data_ptr() for d in datas]
+    nbytes = [d.numel() for d in datas]
+    if any(a % s for a in addresses):
+        raise ValueError(f"tensors_checksums: a tensor's address is not a multiple of its word size {s}")
+    (block_piece, block_word, piece_address, piece_words), _ = _layout(datas[0].device, addresses, nbytes, s)
+    out = torch.zeros(len(datas), dtype=torch.int64, device=datas[0].device)
+    grid = (block_piece.numel(),)
+    _kernel("tensors")[grid](piece_address, out, block_piece, block_word, piece_words, S=s, BLOCK=BLOCK)
+    return out

@@ -211,6 +211,11 @@ def _self_test(device: torch.device) -> str:
                 many = many and checksum_kernel.piece_checksums(data, aligned, lengths, s).tolist() == [
                     _definition(data[o : o + n], s) for o, n in zip(aligned, lengths)
                 ]
+            for s in _SIZES:  # pieces in separate tensors, read in place (the receiver's engine tensors)
+                parts = [data[o : o + n].clone() for o, n in ((0, 64 * s), (64 * s, 4099 * s), (8192 * s, 8 * s))]
+                many = many and checksum_kernel.tensors_checksums(parts, s).tolist() == [
+                    _definition(part, s) for part in parts
+                ]
             if single and many:
                 return "triton"
             _log.warning("weight sync verify: the Triton checksum disagrees with the definition on %s", device)
@@ -298,17 +303,36 @@ def bucket_checksums(buffer: torch.Tensor, pieces: Sequence[Piece]) -> torch.Ten
 
 def tensors_checksums(datas: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
     """One checksum per flat uint8 tensor ``datas[i]`` read as ``sizes[i]``-byte words, as one int64 tensor (not
-    synchronized). On the fused kernel's devices the tensors are first copied into one buffer (one launch), so the
-    number of tensors costs no launches."""
+    synchronized). On the fused kernel's devices the tensors are read where they are (a table of their addresses:
+    one launch per word size, no copy), so the number of tensors costs no launches."""
     if not datas:
         return torch.zeros(0, dtype=torch.int64)
     device = datas[0].device
-    if device.type == "cuda" and checksum_path(device) == "triton" and len(datas) > 1:
-        offsets = [0]
+    if device.type == "cuda" and checksum_path(device) == "triton":
+        if all(d.data_ptr() % s == 0 and d.numel() % s == 0 for d, s in zip(datas, sizes)):
+            return _by_size(sizes, lambda which, s: checksum_kernel.tensors_checksums([datas[i] for i in which], s))
+        offsets = [0]  # a piece cut inside an element (word size 1 is always aligned: not reached for it)
         for d in datas[:-1]:
             offsets.append(offsets[-1] + d.numel())
-        return _many(torch.cat(list(datas)), offsets, [d.numel() for d in datas], sizes)
+        return _many(torch.cat([d.view(torch.uint8) for d in datas]), offsets, [d.numel() for d in datas], sizes)
     return torch.stack([checksum(d, s) for d, s in zip(datas, sizes)])
+
+
+def _by_size(sizes: Sequence[int], run: Callable[[list[int], int], torch.Tensor]) -> torch.Tensor:
+    """``run(indices, s)`` for each word size s in use (one launch each), the results put back in ``sizes``' order."""
+    kinds = sorted(set(sizes))
+    if len(kinds) == 1:
+        return run(list(range(len(sizes))), kinds[0])
+    parts, order = [], []
+    for s in kinds:
+        which = [i for i, w in enumerate(sizes) if w == s]
+        parts.append(run(which, s))
+        order += which
+    merged = torch.cat(parts)
+    back = [0] * len(order)
+    for place, i in enumerate(order):
+        back[i] = place
+    return merged[torch.tensor(back, device=merged.device)]
 
 
 def _many(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
@@ -317,14 +341,10 @@ def _many(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int], s
     b = buffer.view(torch.int8)
     if not (b.is_cuda and checksum_path(b.device) == "triton"):
         return torch.stack([checksum(buffer[o : o + n], s) for o, n, s in zip(offsets, nbytes, sizes)])
-    out = torch.empty(len(offsets), dtype=torch.int64, device=b.device)
-    for s in sorted(set(sizes)):
-        which = [i for i, w in enumerate(sizes) if w == s]
-        sums = checksum_kernel.piece_checksums(b, [offsets[i] for i in which], [nbytes[i] for i in which], s)
-        if len(which) == len(sizes):
-            return sums
-        out[torch.tensor(which, device=b.device)] = sums
-    return out
+    return _by_size(
+        sizes,
+        lambda which, s: checksum_kernel.piece_checksums(b, [offsets[i] for i in which], [nbytes[i] for i in which], s),
+    )
 
 
 def loaded_bytes(
