@@ -478,6 +478,10 @@ def overhead_rows(times: dict[str, list[float]], what: str, args, paths: str) ->
     ):
         on = statistics.mean(times[mode][:n])
         pct = (on - off) / off * 100
+        # each checked sync against the unverified one right after it (a pair is close in time: the machine's drift,
+        # which moves a mean by several %, cancels); printed for the split, not recorded
+        paired = statistics.median(a - b for a, b in zip(times[mode][:n], times["off"][:n]))
+        print(f"verify {mode}: paired median {paired * 1e3:+.3f} ms a sync ({paired / off * 100:+.2f} %)", flush=True)
         print(
             f"verify {mode}: mean {on * 1e3:.3f} ms vs {off * 1e3:.3f} ms unverified ({pct:+.2f} %); medians "
             f"{statistics.median(times[mode][:n]) * 1e3:.3f} vs {statistics.median(times['off'][:n]) * 1e3:.3f} ms",
