@@ -4,7 +4,6 @@ flight by the ``HYBRID_FAULT=receiver:bucket:corrupt`` fault, and a stale load t
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 import socket
@@ -303,74 +302,13 @@ def ipc_sync(named, *, verify=True, stale: str | None = None):
     return held, buckets
 
 
-def sent_checksums(buckets) -> list[tuple[int | None, ...] | None]:
-    """Each delivery's sender checksums: its own, or those the next delivery brought (``previous_checksums``)."""
-    return [
-        b.checksums or (buckets[i + 1].previous_checksums if i + 1 < len(buckets) else None)
-        for i, b in enumerate(buckets)
-    ]
-
-
 def test_ipc_buckets_carry_checksums_and_a_clean_sync_verifies(no_faults):
     named = weights()
     held, buckets = ipc_sync(named)
-    sums = sent_checksums(buckets)
-    assert all(s is not None and len(s) == len(b.entries) for b, s in zip(buckets, sums) if b.entries)
+    assert all(b.checksums is not None and len(b.checksums) == len(b.entries) for b in buckets if b.entries)
     assert all(torch.equal(held[n], t) for n, t in named)
     _, unchecked = ipc_sync(named, verify=False)
-    assert all(b.checksums is None and b.previous_checksums is None and not any(b.checks()) for b in unchecked)
-
-
-def test_ipc_checksums_stay_off_the_hand_over_except_the_last(no_faults):
-    """A reusable bucket goes out with its checked flags only; its values come with the next delivery (the sender
-    computed them while the engine loaded). The last one, which nothing follows, carries its own."""
-    named = weights()
-    _, buckets = ipc_sync(named)
-    reusable = [b for b in buckets[:-1] if b.reusable and b.entries]
-    assert reusable and all(b.checksums is None and all(b.checks()) for b in reusable)
-    for i, b in enumerate(buckets[:-1]):
-        if b in reusable:
-            assert buckets[i + 1].previous_checksums is not None
-            assert len(buckets[i + 1].previous_checksums) == len(b.entries)
-    alone_or_last = [b for b in buckets if b.entries and (b.last or not b.reusable)]
-    assert alone_or_last and all(b.checksums is not None for b in alone_or_last)
-    carried = [s for b, s in zip(buckets, sent_checksums(buckets)) if b.entries]
-    assert carried == [tuple(value(t) for t in pieces) for pieces in _bucket_tensors(named, buckets) if pieces]
-
-
-def _bucket_tensors(named, buckets):
-    """The bytes each bucket's entries hold, from the named tensors (a split tensor's pieces are not in IPC: each
-    entry is a whole tensor)."""
-    by_name = dict(named)
-    return [[by_name[m.name] for m, _ in b.entries] for b in buckets]
-
-
-def test_an_ipc_mismatch_is_raised_at_the_next_delivery_at_the_latest(no_faults):
-    """The receiver compares a reusable bucket when the sender's values arrive: a bucket corrupted in flight fails the
-    very next call (before it loads anything), and a sync whose deferred values never come fails too."""
-    named = weights()
-    held = {n: torch.zeros_like(t) for n, t in named}
-    calls: list[int] = []
-    sender = IpcBucketSender(BUCKET, device="cpu", verify=True)
-
-    def deliver(bucket):
-        calls.append(bucket.index)
-        load_ipc_bucket(bucket, lambda pairs: [held[n].copy_(t) for n, t in pairs], held.get)
-
-    no_faults.setenv(faults.ENV, "receiver:bucket:corrupt:2")  # the second bucket (q, norm, mask, ...): reusable
-    try:
-        with pytest.raises(WeightSyncMismatch, match=r"layer\.0\.q\.weight \(bucket 1, checked in the engine"):
-            sender.send(named, deliver, wait=lambda _: None)
-        assert calls[-1] == 2  # raised by the call after the corrupted bucket's, before it was acknowledged
-        no_faults.delenv(faults.ENV)
-
-        def drop_deferred(bucket):  # a delivery that lost the previous bucket's values
-            deliver(dataclasses.replace(bucket, previous_checksums=None))
-
-        with pytest.raises(WeightSyncMismatch, match=r"checksums for bucket 1 never came"):
-            sender.send(named, drop_deferred, wait=lambda _: None)
-    finally:
-        sender.close()
+    assert all(b.checksums is None for b in unchecked)
 
 
 def test_an_ipc_bucket_corrupted_in_flight_or_loaded_stale_names_the_parameter(no_faults):
@@ -461,43 +399,12 @@ def test_a_sampled_sync_checks_only_its_pieces_and_the_first_one_checks_all(pair
 def test_ipc_buckets_in_sampled_mode_carry_only_the_sampled_checksums(no_faults):
     named = weights()
     _, first = ipc_sync(named, verify=VerifyPolicy("sampled", 0))
-    assert all(None not in s for b, s in zip(first, sent_checksums(first)) if b.entries)
+    assert all(None not in b.checksums for b in first if b.entries)
     counts = []
     for n in range(1, PERIOD + 1):
         _, later = ipc_sync(named, verify=VerifyPolicy("sampled", n))
-        counts.append(sum(c is not None for s in sent_checksums(later) if s for c in s))
+        counts.append(sum(c is not None for b in later if b.checksums for c in b.checksums))
     assert sum(counts) == len(named)  # each tensor exactly once per rotation
     no_faults.setenv(faults.ENV, "receiver:bucket:corrupt:2")
     with pytest.raises(WeightSyncMismatch, match=r"layer\.0\.q\."):
         ipc_sync(weights(), verify="sampled")  # a fresh sender's first sync checks all
-
-
-def test_a_receiver_taking_buckets_out_of_order_still_checks_each(no_faults):
-    """A receiver that reads a bucket only when the sender waits for it sees a tensor sent alone before the bucket
-    delivered ahead of it, so a bucket's values can come before the bucket: kept until it is loaded, and a clean
-    sync leaves no check open."""
-    from hybrid_core.weight_sync import ipc
-
-    named = weights()
-    held = {n: torch.zeros_like(t) for n, t in named}
-    order: list[int] = []
-
-    def lazy_load(bucket):
-        order.append(bucket.index)
-        load_ipc_bucket(bucket, lambda pairs: [held[n].copy_(t) for n, t in pairs], held.get)
-
-    sender = IpcBucketSender(BUCKET, device="cpu", verify=True)
-    try:
-        for _ in range(2):  # a second sync of the same sender: nothing of the first one is left to confuse it
-            order.clear()
-            sender.send(named, deliver=lambda b: b, wait=lazy_load)
-            assert order != sorted(order)  # really out of order
-            assert not ipc._SYNCS  # every check was settled
-        assert all(torch.equal(held[n], t) for n, t in named)
-        # bucket 1 (q, norm, mask: reusable) is read after bucket 2 (lm_head alone), which carried its values
-        assert order.index(1) > order.index(2)
-        no_faults.setenv(faults.ENV, "receiver:bucket:corrupt:3")  # the third bucket read with tensors: bucket 1
-        with pytest.raises(WeightSyncMismatch, match=r"layer\.0\.q\.weight \(bucket 1, checked in the engine"):
-            sender.send(named, deliver=lambda b: b, wait=lazy_load)
-    finally:
-        sender.close()

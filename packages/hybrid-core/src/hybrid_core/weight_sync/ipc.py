@@ -13,32 +13,20 @@ those ranks hand over each bucket together (one bucket per GPU in a single engin
 one on its own GPU). One NCCL group holding a trainer rank and an engine worker on the same GPU is not an option:
 NCCL refuses two ranks on one device ("Duplicate GPU detected"), seen with vLLM TP 2 on two H200s.
 
-Verification (``verify``, the default: ``sampled``, see ``sampling.py``): a bucket says which of its tensors this
-sync checks (``checked``), the sender computes their checksums on the device (``verify.py``) and the receiver
-recomputes them after its load, over the engine's tensors where ``read_back`` gives them, else over the bytes that
-arrived; a difference raises :class:`~hybrid_core.errors.WeightSyncMismatch` naming the parameter. Neither side puts
-its checksums on the sync's critical path when it need not (issue 34: a check may cost <= 2 % of a sync):
-
-* the sender launches a bucket's checksums *after* handing it over (they run while the engine loads) and sends the
-  values with its next delivery (``previous_checksums``); only the sync's last delivery, which nothing follows, and a
-  tensor sent alone (waited for at once) carry their own (``checksums``);
-* the receiver launches its checksums right after the load's copies, before it waits for them (measured on an
-  H200: launching after the wait, to keep the kernels off the acknowledgement, cost more than the kernels), reading
-  the engine's tensors in place (``checksum_kernel.tensors_checksums``: no copy), and compares when the sender's
-  values are there: with the bucket, or with the next delivery (a receiver that takes deliveries out of order may
-  get them first). So a mismatch ends the sync at the next bucket at the latest, and a sync never completes
-  unchecked.
+Verification (``verify``, the default: ``sampled``, see ``sampling.py``): a bucket carries the checksum of each
+tensor this sync checks (``verify.py``), computed on the device before the hand-over (the sender synchronizes there
+anyway); the receiver recomputes them after its load, over the engine's tensors where ``read_back`` gives them, and
+raises :class:`~hybrid_core.errors.WeightSyncMismatch` naming the parameter before it acknowledges the bucket.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,10 +68,8 @@ class IpcBucket:
 
     ``last``: the sync's final delivery (possibly with no entries); the receiver then drops its mappings, so the
     sender's memory is really freed when it is released. ``reusable``: the buffer comes back in later buckets, so
-    the receiver keeps it mapped until ``last`` (mapping a CUDA IPC handle is not free). ``checked``: which entries
-    this sync checks (None: none, unless ``checksums`` says). ``checksums``: the sender's checksum of each entry (None
-    for an unchecked one), when they travel with the bucket; else they come with the next delivery, as its
-    ``previous_checksums`` (the module's docstring says why).
+    the receiver keeps it mapped until ``last`` (mapping a CUDA IPC handle is not free). ``checksums``: the sender's
+    checksum of each entry, None for an entry this sync does not check (the whole field None: none checked).
     """
 
     index: int
@@ -92,22 +78,10 @@ class IpcBucket:
     last: bool = False
     reusable: bool = True
     checksums: tuple[int | None, ...] | None = None
-    checked: tuple[bool, ...] | None = None
-    previous_checksums: tuple[int | None, ...] | None = None
-    sender: str = ""  # which sender (one receiver may load several: an engine spanning GPUs, in one process)
-    sync: int = 0  # the sender's sync it belongs to (a receiver may see the first delivery of a sync late)
 
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m, _ in self.entries)
-
-    def checks(self) -> tuple[bool, ...]:
-        """Whether each entry is checked in this sync."""
-        if self.checked is not None:
-            return self.checked
-        if self.checksums is not None:
-            return tuple(c is not None for c in self.checksums)
-        return (False,) * len(self.entries)
 
 
 class IpcBucketSender:
@@ -140,10 +114,6 @@ class IpcBucketSender:
         self.bucket_bytes, self.verify = bucket_bytes, verify
         self._slots: list[_SharedBuffer] = []
         self._sends = 0  # checked sends so far (a mode name's sync number)
-        # the last delivery's checksums, launched after its hand-over: (values on the device, its checked flags)
-        self._deferred: tuple[torch.Tensor, list[bool]] | None = None
-        self._id = uuid.uuid4().hex
-        self._sync = 0  # send() calls so far: each sync's deliveries carry its number
 
     def send(
         self,
@@ -157,8 +127,6 @@ class IpcBucketSender:
         policy = as_policy(self.verify, self._sends)
         self._sends += policy.active
         rotation = Rotation(policy)
-        self._deferred = None
-        self._sync += 1
         if not self._slots:
             self._slots = [_SharedBuffer(self.bucket_bytes, self.device) for _ in range(2)]
         packer = BucketPacker(self.bucket_bytes, split_large=False)
@@ -197,16 +165,7 @@ class IpcBucketSender:
                     self._bucket(self._slots[pieces[0].bucket % 2], pieces, checked, last=True)
                 )
             else:  # nothing pending (empty stream, or it ended with an oversize tensor): a bare end marker
-                end = IpcBucket(
-                    packer.bucket + int(packer.filled),
-                    None,
-                    (),
-                    last=True,
-                    previous_checksums=self._take_deferred(),
-                    sender=self._id,
-                    sync=self._sync,
-                )
-                wait(deliver(end))
+                wait(deliver(IpcBucket(packer.bucket + int(packer.filled), None, (), last=True)))
             for refs in inflight:
                 if refs is not None:
                     wait(refs)
@@ -222,23 +181,8 @@ class IpcBucketSender:
         reusable: bool = True,
     ) -> IpcBucket:
         chosen = [p for p, c in zip(pieces, checked) if c]
-        # the last delivery and a tensor sent alone (waited for at once) have no later delivery to carry their sums
-        now = bool(chosen) and (last or not reusable)
-        sums = bucket_checksums(buffer.tensor, chosen) if now else None
-        bucket = _bucket(buffer, pieces, last=last, reusable=reusable, sums=sums, checked=checked)
-        bucket = dataclasses.replace(bucket, previous_checksums=self._take_deferred(), sender=self._id, sync=self._sync)
-        if chosen and not now:  # launched after the hand-over's synchronize: it runs while the engine loads
-            self._deferred = (bucket_checksums(buffer.tensor, chosen), list(checked))
-        return bucket
-
-    def _take_deferred(self) -> tuple[int | None, ...] | None:
-        """The previous delivery's checksums, one per entry (None: unchecked), for this delivery to carry."""
-        if self._deferred is None:
-            return None
-        sums, checked = self._deferred
-        self._deferred = None
-        values = iter(sums.tolist())  # long done: the engine loaded that bucket meanwhile
-        return tuple(next(values) if c else None for c in checked)
+        sums = bucket_checksums(buffer.tensor, chosen) if chosen else None
+        return _bucket(buffer, pieces, last=last, reusable=reusable, sums=sums, checked=checked)
 
     def close(self) -> None:
         for slot in self._slots:
@@ -311,28 +255,23 @@ def load_ipc_bucket(
     bucket: IpcBucket, load: Callable[[list[tuple[str, torch.Tensor]]], None], read_back: ReadBack | None = None
 ) -> TransferStats:
     """Receiver side in one call: map, ``load(pairs)`` (which copies), wait for the copies, check them against the
-    sender's checksums (over ``read_back(name)``, the engine's tensor filled for ``name``, where it gives one; else
-    over the mapped bytes: the module's docstring says when each comparison happens); after the last bucket of a
-    sync (or a mismatch), unmap everything."""
+    bucket's checksums (over ``read_back(name)``, the engine's tensor filled for ``name``, where it gives one; else
+    over the mapped bytes); after the last bucket of a sync (or a mismatch), unmap everything."""
     start = time.perf_counter()
     if bucket.index == 0:
         release_ipc_mappings()  # a new sync: mappings of an earlier one are stale
-    state = _sync_checks(bucket)
+    pairs = open_ipc_bucket(bucket)
     try:
-        if bucket.previous_checksums is not None:
-            state.arrived(bucket.index - 1, bucket.previous_checksums)
-        pairs = open_ipc_bucket(bucket)
         if pairs and faults.corrupt_due("receiver", "bucket"):  # HYBRID_FAULT=receiver:bucket:corrupt (tests)
             corrupt(tensor_bytes(pairs[0][1]))
         if pairs:
             load(pairs)
-            state.check(bucket, pairs, read_back)
-        state.delivered(bucket)
-        if state.complete():
-            del _SYNCS[bucket.sender, bucket.sync]
+            if bucket.checksums is not None:
+                _verify(bucket, bucket.checksums, pairs, read_back)
+            elif bucket.handle is not None and bucket.handle.kind == "cuda":
+                torch.cuda.current_stream(pairs[0][1].device).synchronize()
     except BaseException:
         release_ipc_mappings()
-        _SYNCS.pop((bucket.sender, bucket.sync), None)
         raise
     del pairs
     if bucket.last:
@@ -340,113 +279,29 @@ def load_ipc_bucket(
     return TransferStats(bucket.nbytes, time.perf_counter() - start, "weight sync ipc")
 
 
-@dataclass
-class _OpenCheck:
-    """A bucket's check waiting for the sender's values: the receiver's checksums (on the device) and what each
-    names."""
-
-    bucket: int
-    positions: list[int]  # the checked entries' places in the bucket
-    checks: list[PieceCheck]
-    actual: torch.Tensor
-
-    def compare(self, sent: Sequence[int | None]) -> None:
-        """Raise :class:`WeightSyncMismatch` naming every piece that differs (or whose value never came)."""
-        got = [sent[i] if i < len(sent) else None for i in self.positions]
-        want = [v for v in got if v is not None]
-        if len(want) < len(got):
-            raise WeightSyncMismatch(
-                f"weight sync verify: IPC receiver: no checksum came for a checked tensor of bucket {self.bucket}. "
-                f"Fix: {FIX}"
-            )
-        compare(want, self.actual, self.checks, "IPC receiver")
-
-
-@dataclass
-class _SyncChecks:
-    """One sender's sync as this receiver sees it. The sender's values for a bucket come with it or with the next
-    delivery; a receiver may take deliveries out of order (e.g. one that reads a bucket only when the sender waits
-    for it), so values may come before their bucket (``early``) and a check waits for them (``open``). The sync is
-    complete when every delivery up to the last has come; a check still open then never got its values."""
-
-    open: dict[int, _OpenCheck] = field(default_factory=dict)
-    early: dict[int, Sequence[int | None]] = field(default_factory=dict)
-    seen: set[int] = field(default_factory=set)
-    last: int | None = None
-
-    def arrived(self, index: int, sent: Sequence[int | None]) -> None:
-        if index in self.open:
-            self.open.pop(index).compare(sent)
-        elif index in self.seen:
-            if any(v is not None for v in sent):
-                raise WeightSyncMismatch(
-                    f"weight sync verify: IPC receiver: checksums came for bucket {index}, which it did not check. "
-                    f"Fix: {FIX}"
-                )
-        else:
-            self.early[index] = sent
-
-    def check(self, bucket: IpcBucket, pairs: list[tuple[str, torch.Tensor]], read_back: ReadBack | None) -> None:
-        """Check this bucket: its checksums launched behind the load's copies, then the wait for both (the sender may
-        reuse the buffer once we return); compared now when the sender's values are here, else when they come."""
-        flags = bucket.checks()
-        if len(flags) != len(pairs) or (bucket.checksums is not None and len(bucket.checksums) != len(pairs)):
-            raise WeightSyncMismatch(
-                f"weight sync verify: IPC receiver: checksums for {len(flags)} tensors in bucket {bucket.index} of "
-                f"{len(pairs)}. Fix: {FIX}"
-            )
-        positions, checks, datas, sizes = [], [], [], []
-        for i, ((name, tensor), (meta, _), flag) in enumerate(zip(pairs, bucket.entries, flags)):
-            if not flag:  # not checked in this sync (sampling.py)
-                continue
-            data, from_engine = loaded_bytes(name, tensor, meta, read_back)
-            positions.append(i)
-            checks.append(PieceCheck(name, bucket.index, 0, meta.nbytes, meta.nbytes, from_engine))
-            datas.append(data)
-            sizes.append(word_size(meta, 0, meta.nbytes))
-        actual = tensors_checksums(datas, sizes) if datas else None
-        device = pairs[0][1].device
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the load's copies and the checksums are done
-        if actual is None:
-            return
-        opened = _OpenCheck(bucket.index, positions, checks, actual)
-        sent = bucket.checksums if bucket.checksums is not None else self.early.pop(bucket.index, None)
-        if sent is not None:
-            opened.compare(sent)
-        else:
-            self.open[bucket.index] = opened
-
-    def delivered(self, bucket: IpcBucket) -> None:
-        self.seen.add(bucket.index)
-        if bucket.last:
-            self.last = bucket.index
-
-    def complete(self) -> bool:
-        """Every delivery up to the last has come: raise if a check never got the sender's values."""
-        if self.last is None or len(self.seen) < self.last + 1:
-            return False
-        if self.open:
-            index = min(self.open)
-            raise WeightSyncMismatch(
-                f"weight sync verify: IPC receiver: the sender's checksums for bucket {index} never came. Fix: {FIX}"
-            )
-        return True
-
-
-def _sync_checks(bucket: IpcBucket) -> _SyncChecks:
-    """The checks of the bucket's sync; a sender's older syncs still here failed part-way: dropped."""
-    key = (bucket.sender, bucket.sync)
-    state = _SYNCS.get(key)
-    if state is None:
-        for stale in [k for k in _SYNCS if k[0] == bucket.sender and k[1] < bucket.sync]:
-            del _SYNCS[stale]
-        state = _SYNCS[key] = _SyncChecks()
-    return state
-
-
-# Per (sender, sync) of the IpcBuckets: the checks of that sync.
-_SYNCS: dict[tuple[str, int], _SyncChecks] = {}
+def _verify(
+    bucket: IpcBucket, expected: Sequence[int | None], pairs: list[tuple[str, torch.Tensor]], read_back: ReadBack | None
+) -> None:
+    actual, checks, sent = [], [], []
+    if len(expected) != len(pairs):
+        raise WeightSyncMismatch(
+            f"weight sync verify: IPC receiver: {len(expected)} checksums for {len(pairs)} "
+            f"tensors in bucket {bucket.index}. Fix: {FIX}"
+        )
+    sizes = []
+    for (name, tensor), (meta, _), want in zip(pairs, bucket.entries, expected):
+        if want is None:  # not checked in this sync (sampling.py)
+            continue
+        data, from_engine = loaded_bytes(name, tensor, meta, read_back)
+        actual.append(data)
+        sizes.append(word_size(meta, 0, meta.nbytes))
+        checks.append(PieceCheck(name, bucket.index, 0, meta.nbytes, meta.nbytes, from_engine))
+        sent.append(want)
+    if not actual:
+        if pairs[0][1].device.type == "cuda":
+            torch.cuda.current_stream(pairs[0][1].device).synchronize()
+        return
+    compare(sent, tensors_checksums(actual, sizes), checks, "IPC receiver")  # the host read waits for the load
 
 
 def release_ipc_mappings() -> None:
@@ -518,7 +373,6 @@ def _bucket(
         last=last,
         reusable=reusable,
         checksums=checksums,
-        checked=tuple(bool(c) for c in checked) if any(checked) else None,
     )
 
 
