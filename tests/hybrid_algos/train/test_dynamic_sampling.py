@@ -30,14 +30,19 @@ def _ctx(engine, **changes):
         task_length=1, rollout_batch_size=4, n_samples_per_prompt=4, dynamic_filtering=True, seed=7, **changes
     )
     pool = task.prompts(64, seed=11)
-    ctx = SimpleNamespace(config=cfg, engines=engine, reward=RewardScorer(task.reward_fn(), str), prompt_pool=pool)
+    ctx = SimpleNamespace(
+        settings=cfg.settings(), engines=engine, reward=RewardScorer(task.reward_fn(), str), prompt_pool=pool
+    )
     return ctx, pool[:4], SamplingParams(max_new_tokens=2, n=4, seed=5)
 
 
 def test_keeps_only_informative_groups_and_generates_more_to_fill(engine):
     ctx, prompts, sampling = _ctx(engine)
     first = sample_rollout(
-        ctx.__class__(**{**vars(ctx), "config": ctx.config.replace(dynamic_filtering=False)}), 0, prompts, sampling
+        ctx.__class__(**{**vars(ctx), "settings": ctx.settings.with_changes(algorithm={"dynamic_filtering": False})}),
+        0,
+        prompts,
+        sampling,
     )
     first_scores = ctx.reward.score(first.prompts, first.outputs)
     dropped_in_first = int((~informative_groups(first_scores, n_samples_per_prompt=4)).sum()) // 4

@@ -22,7 +22,7 @@ def session(**overrides):
     config = GRPOConfig(**overrides)
     plan = SimpleNamespace(shared_gpus=lambda role: [0])
     prep = SimpleNamespace(model_path="/models/m", max_model_len=256, plan=plan)
-    stand_in = SimpleNamespace(config=config, prep=prep)
+    stand_in = SimpleNamespace(settings=config.settings(), prep=prep)
     stand_in.seeded_sampling = lambda: TrainingSession.seeded_sampling(stand_in)
     return stand_in
 

@@ -16,7 +16,8 @@ from hybrid_core.errors import ConfigError
 
 def _sampling(**config):
     stand_in = SimpleNamespace(
-        config=GRPOConfig(**config), prep=SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2), max_new_tokens=8)
+        settings=GRPOConfig(**config).settings(),
+        prep=SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2), max_new_tokens=8),
     )
     stand_in.seeded_sampling = lambda: False
     return TrainingSession.sampling(stand_in, 0)

@@ -318,7 +318,7 @@ def test_an_openrlhf_command_line_runs_with_notes_for_what_openrlhf_ignores_too(
 def _session(config: RLConfig):
     plan = SimpleNamespace(shared_gpus=lambda role: [0])
     prep = SimpleNamespace(model_path="/models/m", max_model_len=256, plan=plan)
-    stand_in = SimpleNamespace(config=config, prep=prep)
+    stand_in = SimpleNamespace(settings=config.settings(), prep=prep)
     stand_in.seeded_sampling = lambda: TrainingSession.seeded_sampling(stand_in)
     return stand_in
 
@@ -350,7 +350,9 @@ def test_partial_rollout_keeps_every_engine_setting(backend):
         )
         return
     assert with_partial == {**without, "pausable": True}
-    assert without["gpu_memory_utilization"] == 0.3 == workload(partial, 16, 16).engine_memory_fraction  # as planned
+    assert (
+        without["gpu_memory_utilization"] == 0.3 == workload(partial.settings(), 16, 16).engine_memory_fraction
+    )  # as planned
     assert (
         without["enforce_eager"],
         without["enable_prefix_caching"],

@@ -120,7 +120,7 @@ def test_the_teacher_phase_runs_on_a_real_teacher_worker(models, tmp_path, regis
         group = RoleGroup("teacher", spec.worker_class(), placed, cfg.settings(), str(tmp_path / "logs"), timeout_s=120)
         group.call("setup", spec.model_folder(cfg, policy))
         ctx = StepContext(
-            config=cfg,
+            settings=cfg.settings(),
             actor=None,
             engines=None,
             weight_sync=None,

@@ -68,7 +68,7 @@ def test_a_recipes_mistakes_are_refused():
     odd = Recipe("x", GRPO.roles, (*GRPO.phases, PhaseSpec("t", "reference", {"reference": ("params",)}, run="nope")))
     with pytest.raises(ValueError, match="no phase function 'nope'"):
         StepContext(
-            config=GRPOConfig(),
+            settings=GRPOConfig().settings(),
             actor=None,
             engines=None,
             weight_sync=None,

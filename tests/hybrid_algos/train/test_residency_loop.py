@@ -185,7 +185,7 @@ def test_refinement_catches_memory_that_keeps_growing_and_never_shrinks_the_over
     owner = SimpleNamespace(plan=plan, guard=Guard(), phase="sync", settle=lambda: None, on_gpu=lambda: on_gpu)
     owner.refine = functools.partial(ResidencyOwner.refine, owner)  # the owner's own refinement, over this record
     session = TrainingSession.__new__(TrainingSession)
-    session.owner, session.config, session.groups = owner, config, []
+    session.owner, session.settings, session.groups = owner, config.settings(), []
     session.prep = SimpleNamespace(residency=plan, run_dir=str(tmp_path))
 
     used["bytes"] = held + 0.10 * budget  # step 1: 10 % beyond the model

@@ -30,9 +30,9 @@ def registered(monkeypatch):
 
 
 def session(config, model_path):
-    """What TrainingSession._engine_kwargs reads of a started session: the config and the prepared run."""
+    """What TrainingSession._engine_kwargs reads of a started session: the settings and the prepared run."""
     prep = SimpleNamespace(model_path=model_path, max_model_len=64, plan=build_plan(config))
-    stand_in = SimpleNamespace(config=config, prep=prep)
+    stand_in = SimpleNamespace(settings=config.settings(), prep=prep)
     stand_in.seeded_sampling = lambda: TrainingSession.seeded_sampling(stand_in)
     return stand_in
 

@@ -271,7 +271,7 @@ def test_dynamic_sampling_over_conversations(tiny):
 
     pool = task_from_config(cfg).prompts(64, seed=11)
     agent = AgentRollout(builtin_agent(cfg), cfg.rollout_settings(), tok, context_limit=256)
-    ctx = SimpleNamespace(config=cfg, engines=engine, agent=agent, reward=None, prompt_pool=pool)
+    ctx = SimpleNamespace(settings=cfg.settings(), engines=engine, agent=agent, reward=None, prompt_pool=pool)
     try:
         out = sample_rollout(ctx, 0, pool[:4], _sampling(seed=3))
     finally:

@@ -38,11 +38,11 @@ class AsyncRunner:
     """The producer thread and the trainer's side of the queue (made by :class:`.session.TrainingSession`)."""
 
     def __init__(self, session: Any, mode: str, restored: list[dict] | None = None):
-        rollout = session.config.rollout_settings()
+        rollout = session.settings.rollout
         self.session, self.ctx, self.mode = session, session.ctx, mode
         self.max_staleness = rollout.async_max_staleness
         self.partial = rollout.partial_rollout
-        self.timeout_s = session.config.run_settings().step_timeout_s
+        self.timeout_s = session.settings.run.step_timeout_s
         self.total = session.prep.total_steps
         self.cv = threading.Condition()
         self.queue: dict[int, Batch] = {}

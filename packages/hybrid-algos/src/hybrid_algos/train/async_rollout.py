@@ -29,6 +29,8 @@ from hybrid_core.mps import mps_note
 from .dynamic_sampling import Sampled
 
 if TYPE_CHECKING:
+    from hybrid_core.residency.settings import ResidencySettings
+
     from .rollout_settings import RolloutSettings
 
 
@@ -111,12 +113,14 @@ def async_mode(rollout: RolloutSettings, placement: Any, residency: Any) -> tupl
     )
 
 
-def async_pins(cfg: Any, shared_roles: set[str], sleeping: set[str]) -> dict[tuple[str, str], str] | None:
+def async_pins(
+    rollout: RolloutSettings, residency: ResidencySettings, shared_roles: set[str], sleeping: set[str]
+) -> dict[tuple[str, str], str] | None:
     """The pins that ask the planner to keep the engines resident next to the trainer (async on shared GPUs), or
     None when there is nothing to ask (no async, engines on GPUs of their own, or the user asked them to sleep)."""
-    if not cfg.async_train or "rollout" not in shared_roles or "rollout" in sleeping:
+    if not rollout.async_train or "rollout" not in shared_roles or "rollout" in sleeping:
         return None
-    user = cfg.residency_settings().state_pins()
+    user = residency.state_pins()
     if any(user.get(("rollout", s), "resident") != "resident" for s in ("weights", "kv_cache")):
         return None
     return {("rollout", "weights"): "resident", ("rollout", "kv_cache"): "resident"}

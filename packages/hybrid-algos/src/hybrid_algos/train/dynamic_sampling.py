@@ -79,14 +79,13 @@ def _agent_metrics(batches: list) -> dict[str, float]:
 
 def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -> Sampled:
     """Generate the step's rollout (inside the rollout turn), with DAPO's dynamic sampling when configured."""
-    cfg = ctx.config
-    algo = cfg.algorithm_settings()
+    algo = ctx.settings.algorithm
     prompts = list(prompts)
     if not algo.dynamic_filtering:
         outputs, scores, batch = _generate(ctx, step, prompts, sampling, score=False)
         return Sampled(prompts, outputs, scores, _agent_metrics([batch]) if batch is not None else {})
 
-    target, n = len(prompts), cfg.n_samples_per_prompt
+    target, n = len(prompts), ctx.settings.rollout.n_samples_per_prompt
     kept: list[tuple[Any, Any, torch.Tensor]] = []
     dropped: list[tuple[Any, Any, torch.Tensor]] = []
     generated, rounds, reward_s = 0, 0, 0.0
@@ -109,7 +108,9 @@ def sample_rollout(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any) -
         rounds += 1
         deficit = target - len(kept)
         pass_rate = max(len(kept) / generated, 1 / 8)  # ask for what the pass rate so far says is needed
-        batch = extra_prompts(ctx, cfg, step, rounds, min(math.ceil(deficit / pass_rate), 4 * target), prompts)
+        batch = extra_prompts(
+            ctx, ctx.settings.rollout.seed, step, rounds, min(math.ceil(deficit / pass_rate), 4 * target), prompts
+        )
 
     filled = max(0, target - len(kept))
     chosen = kept[:target] + dropped[:filled]
@@ -134,11 +135,11 @@ def _round_seed(seed: int | None, round_: int) -> int | None:
     return None if seed is None else seed + 7919 * round_
 
 
-def extra_prompts(ctx: Any, cfg: Any, step: int, round_: int, count: int, fallback: Sequence[Any]) -> list:
+def extra_prompts(ctx: Any, seed: int, step: int, round_: int, count: int, fallback: Sequence[Any]) -> list:
     """``count`` prompts for an extra round: drawn from the whole prompt set (``ctx.prompt_pool``) under a seed of
     (seed, step, round); the step's own prompts when no pool is given."""
     pool = list(getattr(ctx, "prompt_pool", None) or fallback)
-    rng = random.Random(f"{cfg.seed}:{step}:{round_}")
+    rng = random.Random(f"{seed}:{step}:{round_}")
     if count <= len(pool):
         return [pool[i] for i in rng.sample(range(len(pool)), count)]
     return [pool[rng.randrange(len(pool))] for _ in range(count)]

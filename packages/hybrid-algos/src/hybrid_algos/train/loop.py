@@ -33,12 +33,12 @@ def train(config: RLConfig, *, callbacks: Sequence[Any] = (), recipe: Any = None
     every process they started on this node (:mod:`hybrid_core.run_processes`) are ended before it returns."""
     prep = prepare(config, recipe)
     try:
-        return _train_prepared(config, prep, callbacks)
+        return _train_prepared(prep, callbacks)
     finally:
         prep.locks.release()  # the folder is free for the next run (a run that dies leaves a lock that is stale)
 
 
-def _train_prepared(config: RLConfig, prep: Prepared, callbacks: Sequence[Any]) -> dict[str, Any]:
+def _train_prepared(prep: Prepared, callbacks: Sequence[Any]) -> dict[str, Any]:
     from hybrid_core.cluster import connect, gcs_answers, shutdown
     from hybrid_core.run_processes import RUN_TAG_ENV, end_leftovers, new_tag
     from hybrid_core.runtime_env import set_worker_env
@@ -47,7 +47,7 @@ def _train_prepared(config: RLConfig, prep: Prepared, callbacks: Sequence[Any]) 
     from .deepspeed_ops import ensure_cpu_ops_built
     from .failures import ClusterLost, Terminated, explain, resume_hint, sigterm_as_interrupt
 
-    run = config.run_settings()
+    run = prep.settings.run
     address = run.address or os.environ.get("RAY_ADDRESS")
     if address and not _ray_connected():  # a cluster that is not there fails now, not after the ops are built
         from hybrid_core.cluster import check_gcs

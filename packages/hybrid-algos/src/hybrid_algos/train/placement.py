@@ -7,6 +7,11 @@ no reward model with a rule-based reward. The residency planner gets the recipe'
 ``--dry-run`` prints exactly these two plans. ``vllm_num_engines`` 0 puts one engine on each actor GPU (OpenRLHF:
 generate with the actor). Under ``--zero_stage 3`` the reference and reward model are sharded over their GPUs, as
 OpenRLHF shards them (the memory model counts 1/N of their weights per GPU; ``workers/zero3_frozen.py`` shards them).
+
+The run reads sections (:func:`plan_placement`, :func:`plan_run_residency`, :func:`replan`: the settings of
+:class:`~.train_settings.TrainSettings`). :func:`build_plan`, :func:`build_residency`, :func:`gpu_memory` and
+:func:`host_memory` take the flat :class:`~.config.RLConfig`: the CLI's ``--dry-run`` (the flat form's home) calls
+them, and they only turn it into sections.
 """
 
 from __future__ import annotations
@@ -28,22 +33,27 @@ from hybrid_core.residency import (
     plan_residency,
 )
 from hybrid_core.residency.planner import check_sleepers
-from hybrid_core.residency.settings import SleepAsks
+from hybrid_core.residency.settings import ResidencySettings, SleepAsks
+from hybrid_engines.adapter import EngineSettings
 
 from .config import RLConfig
+from .model_settings import ModelSettings
 from .recipe import Recipe
 from .recipes import RECIPES, recipe_for
-from .sections import flag_text, flag_words
+from .sections import flag_of, flag_text, flag_words
+from .train_settings import TrainSettings
 
 #: The budget's GPU size when neither --gpu_memory_gb nor a local GPU says (an H100 / A100 80GB).
 DEFAULT_GPU_GIB = 80.0
 
 
 def build_plan(cfg: RLConfig, recipe: Recipe | None = None) -> PlacementPlan:
-    """The placement of ``recipe``'s roles (default: the config's, :func:`~.recipes.recipe_for`); its errors name
-    the flags."""
-    recipe = recipe or recipe_for(cfg)
-    placement, engine = cfg.placement_settings(), cfg.engine_settings()
+    """:func:`plan_placement` of a flat config; ``recipe`` default: the config's, :func:`~.recipes.recipe_for`."""
+    return plan_placement(cfg.placement_settings(), cfg.engine_settings(), recipe or recipe_for(cfg))
+
+
+def plan_placement(placement: PlacementSettings, engine: EngineSettings, recipe: Recipe) -> PlacementPlan:
+    """The placement of ``recipe``'s roles; its errors name the flags."""
     with flag_words():
         if placement.ranges is not None:
             ranges = {role: rng for role, rng in placement.ranges.items() if _role_used(recipe, role)}
@@ -135,8 +145,13 @@ def _role_used(recipe: Recipe, role: str) -> bool:
 
 # ---- residency ------------------------------------------------------------------------------------------------------
 def gpu_memory(cfg: RLConfig) -> tuple[float, str]:
+    """:func:`gpu_budget` of a flat config."""
+    return gpu_budget(cfg.residency_settings())
+
+
+def gpu_budget(residency: ResidencySettings) -> tuple[float, str]:
     """Bytes per GPU the plan budgets, and where the number comes from."""
-    given = cfg.residency_settings().gpu_memory_gb
+    given = residency.gpu_memory_gb
     if given is not None:
         return given * GiB, flag_text("residency.gpu_memory_gb")
     try:
@@ -153,9 +168,14 @@ def gpu_memory(cfg: RLConfig) -> tuple[float, str]:
 
 
 def host_memory(cfg: RLConfig, gpus_per_node: int | None = None) -> HostBudget:
+    """:func:`host_budget` of a flat config."""
+    return host_budget(cfg.residency_settings(), gpus_per_node)
+
+
+def host_budget(residency: ResidencySettings, gpus_per_node: int | None = None) -> HostBudget:
     """The host memory each node may fill: --host_memory_gb, else what this machine has available now (Linux
     MemAvailable; unknown elsewhere, and then the plan says it did not check)."""
-    given = cfg.residency_settings().host_memory_gb
+    given = residency.host_memory_gb
     if given is not None:
         return HostBudget(given * GiB, flag_text("residency.host_memory_gb"), gpus_per_node)
     return local_budget(gpus_per_node)
@@ -172,39 +192,79 @@ def build_residency(
     host: HostBudget | None = None,
     recipe: Recipe | None = None,
 ) -> tuple[ResidencyPlan, RLConfig]:
-    """The residency plan for this run, and the config the roles are built with (the planner may keep an optimizer
-    in host memory: then ``adam_offload`` is on). ``prompt_len`` + ``generate_len``: the longest sequence. ``host``:
-    each node's host memory (default: :func:`host_memory`); ``plan.check()`` refuses a plan that overfills it.
-    ``recipe``: the run's roles and phases (default: the config's, :func:`~.recipes.recipe_for`). Its errors name
-    the flags."""
-    with flag_words():
-        return _build_residency(cfg, placement, model_path, prompt_len, generate_len, gpu_bytes, host, recipe)
-
-
-def _build_residency(cfg, placement, model_path, prompt_len, generate_len, gpu_bytes, host, recipe):
+    """:func:`plan_run_residency` of a flat config: the plan, and the config with the planner's changes in.
+    ``recipe`` default: the config's, :func:`~.recipes.recipe_for`."""
     recipe = recipe or recipe_for(cfg)
+    settings = cfg.settings()
+    folders = recipe.model_folders(cfg, model_path if model_path is not None else cfg.pretrain)
+    plan, changed = plan_run_residency(
+        settings,
+        placement,
+        folders,
+        prompt_len=prompt_len,
+        generate_len=generate_len,
+        gpu_bytes=gpu_bytes,
+        host=host,
+        recipe=recipe,
+    )
+    changes = planner_changes(settings, changed)
+    return plan, cfg.replace(**changes) if changes else cfg
+
+
+def planner_changes(before: TrainSettings, after: TrainSettings) -> dict[str, Any]:
+    """What :func:`plan_run_residency` changed (ZeRO demoted, CPU Adam), in flat names: the flat config a run
+    records (its checkpoints' ``config``) is the one it runs."""
+    return {
+        flag_of(f"trainer.{name}") or name: getattr(after.trainer, name)
+        for name in ("zero_stage", "adam_offload")
+        if getattr(after.trainer, name) != getattr(before.trainer, name)
+    }
+
+
+def plan_run_residency(
+    settings: TrainSettings,
+    placement: PlacementPlan,
+    folders: dict[str, str | None],
+    *,
+    prompt_len: int,
+    generate_len: int,
+    recipe: Recipe,
+    gpu_bytes: float | None = None,
+    host: HostBudget | None = None,
+) -> tuple[ResidencyPlan, TrainSettings]:
+    """The residency plan for this run, and the settings the roles are built with (the planner may keep an optimizer
+    in host memory: then ``trainer.adam_offload`` is on). ``folders``: the model folder of each role
+    (:meth:`~.recipe.Recipe.model_folders`). ``prompt_len`` + ``generate_len``: the longest sequence. ``host``:
+    each node's host memory (default: :func:`host_budget`); ``plan.check()`` refuses a plan that overfills it.
+    ``recipe``: the run's roles and phases. Its errors name the flags."""
+    with flag_words():
+        return _build_residency(settings, placement, folders, prompt_len, generate_len, gpu_bytes, host, recipe)
+
+
+def _build_residency(settings, placement, folders, prompt_len, generate_len, gpu_bytes, host, recipe):
     if gpu_bytes is None:
-        gpu_bytes, _ = gpu_memory(cfg)
+        gpu_bytes, _ = gpu_budget(settings.residency)
     if host is None:
-        host = host_memory(cfg, placement.gpus_per_node)
-    shapes = role_models(cfg, list(placement.roles), model_path, recipe)
+        host = host_budget(settings.residency, placement.gpus_per_node)
+    shapes = role_models(settings.models, list(placement.roles), folders, recipe)
     notes = []
     # the roles ZeRO-3 shards: the trainers, and the frozen models too (as OpenRLHF's inference engines do)
     sharded = [placement.roles[r.name] for r in recipe.workers if r.name in placement.roles]
     plan = None
-    if cfg.zero_stage == 3 and all(t.world_size == 1 for t in sharded):
+    trainer = settings.trainer
+    if trainer.zero_stage == 3 and all(t.world_size == 1 for t in sharded):
         # ZeRO-3 splits states across ranks; with one rank there is nothing to split, the same bytes stay on the GPU,
         # and every layer is still gathered and released around each use (measured: train 0.96 s vs 0.27 s at 357M).
-        demoted = cfg.replace(zero_stage=1)
+        demoted = settings.with_changes(trainer={"zero_stage": 1})
         plan = _plan(demoted, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
         kept = None
-        if _cpu_adam(plan) and not cfg.adam_offload:
+        if _cpu_adam(plan) and not trainer.adam_offload:
             # ZeRO-1's optimizer step flattens all the gradients into a second copy at once, ZeRO-3's one sub-group
             # at a time: where that keeps the optimizer on the GPU, ZeRO-3's gathers cost less than CPU Adam's steps
-            kept = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
+            kept = _plan(settings, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
             kept = kept if kept.fits() and not _cpu_adam(kept) else None
         if kept is None:
-            cfg = demoted
+            settings = demoted
             notes.append(
                 "--zero_stage 3 with one rank per trainer partitions nothing: running ZeRO-1 (the same bytes "
                 "per GPU, without ZeRO-3's per-layer gather and release)"
@@ -217,20 +277,22 @@ def _build_residency(cfg, placement, model_path, prompt_len, generate_len, gpu_b
                 "at once, ZeRO-3's one sub-group at a time)"
             )
     if plan is None:
-        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
-    if cfg.bf16_master_weights:
-        notes.append(bf16_update_note(cfg))
-    if _cpu_adam(plan) and not cfg.adam_offload:
-        cfg = cfg.replace(adam_offload=True)  # DeepSpeed's CPU Adam: the optimizer state never enters the GPU
+        plan = _plan(settings, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
+    if settings.trainer.bf16_master_weights:
+        notes.append(bf16_update_note(settings))
+    if _cpu_adam(plan) and not settings.trainer.adam_offload:
+        # DeepSpeed's CPU Adam: the optimizer state never enters the GPU
+        settings = settings.with_changes(trainer={"adam_offload": True})
         notes += plan.notes
-        plan = _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
+        plan = _plan(settings, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
     plan.notes[:0] = notes
-    return plan, cfg
+    return plan, settings
 
 
-def bf16_update_note(cfg: RLConfig) -> str:
+def bf16_update_note(settings: TrainSettings) -> str:
     """What bf16 master weights cost in precision, with this run's learning rate."""
-    rates = [cfg.actor_learning_rate] + ([cfg.critic_learning_rate] if cfg.uses_critic else [])
+    trainer = settings.trainer
+    rates = [trainer.actor_lr] + ([trainer.critic_lr] if settings.algorithm.uses_critic else [])
     lr = min(rates)
     return (
         f"--bf16_master_weights: the optimizer updates the weights in bf16, so a step smaller than half of bf16's "
@@ -245,26 +307,23 @@ def _cpu_adam(plan: ResidencyPlan) -> bool:
     return any(m == "host" for (_, s), m in plan.moves.items() if s == "optimizer")
 
 
-def _plan(cfg, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe: Recipe) -> ResidencyPlan:
+def _plan(settings, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe: Recipe) -> ResidencyPlan:
     phases = recipe.residency_phases()
     layout = build_layout(
-        placement, shapes, workload(cfg, prompt_len, generate_len), gpu_bytes, kinds=recipe.kinds, phases=phases
+        placement, shapes, workload(settings, prompt_len, generate_len), gpu_bytes, kinds=recipe.kinds, phases=phases
     )
-    return replan(cfg, layout, gpu_bytes, host=host, phases=phases)
+    return replan(settings, layout, gpu_bytes, host=host, phases=phases)
 
 
 def replan(
-    cfg: RLConfig, layout, gpu_bytes: float, overhead=None, host: HostBudget | None = None, phases=None
+    settings: TrainSettings, layout, gpu_bytes: float, overhead=None, host: HostBudget | None = None, *, phases
 ) -> ResidencyPlan:
-    """The plan for a sized layout under this config's residency settings (``overhead``: bytes measured per GPU
+    """The plan for a sized layout under this run's residency settings (``overhead``: bytes measured per GPU
     beyond the model, by a run's first step; ``host``: each node's host memory, shown and checked by the plan;
-    ``phases``: the step, default the config's recipe's -- a refinement passes the plan's own). Its errors name the
-    flags."""
-    if phases is None:
-        phases = recipe_for(cfg).residency_phases()
-    residency, engine = cfg.residency_settings(), cfg.engine_settings()
+    ``phases``: the step's -- a refinement passes the plan's own). Its errors name the flags."""
+    residency, engine = settings.residency, settings.engine
     kinds = {s.role: s.size.kind for shares in layout.values() for s in shares}  # the roles present, by kind
-    asks = sleep_asks(cfg, kinds)
+    asks = sleep_asks(residency, engine, kinds)
     pins = {**asks.pins, **residency.state_pins()}  # the user's own pins win over what the switches imply
     shared = {s.role for shares in layout.values() if len(shares) > 1 for s in shares}
     with flag_words():
@@ -280,7 +339,7 @@ def replan(
             sleep_roles=sleeping,
             engine_sleep_level=engine.sleep_level or 1,
             usable=residency.gpu_memory_usable,
-            allow_host=cfg.trainer_settings().zero_stage >= 1,
+            allow_host=settings.trainer.zero_stage >= 1,
             overhead=overhead,
             sleep_fields=asks.fields,
             host=host,
@@ -291,7 +350,7 @@ def replan(
     from .async_rollout import async_pins
 
     with flag_words():
-        together = async_pins(cfg, shared, sleeping)
+        together = async_pins(settings.rollout, residency, shared, sleeping)
         if together is not None:
             concurrent = plan({**pins, **together})
             if concurrent.fits():
@@ -299,11 +358,10 @@ def replan(
         return plan(pins)
 
 
-def sleep_asks(cfg: RLConfig, kinds: dict[str, str]) -> SleepAsks:
+def sleep_asks(residency: ResidencySettings, engine: EngineSettings, kinds: dict[str, str]) -> SleepAsks:
     """What the sleep switches (the trainers' and frozen models' in the residency section, the engines' in the
     engine section) ask of the roles ``kinds`` names."""
-    engine = cfg.engine_settings()
-    return cfg.residency_settings().sleep_asks(kinds, engine_sleep=engine.sleep, engine_sleep_level=engine.sleep_level)
+    return residency.sleep_asks(kinds, engine_sleep=engine.sleep, engine_sleep_level=engine.sleep_level)
 
 
 def sleeping_roles(asks: SleepAsks, present: set[str], shared: set[str]) -> set[str]:
@@ -318,23 +376,26 @@ def sleeping_roles(asks: SleepAsks, present: set[str], shared: set[str]) -> set[
     return out
 
 
-def check_sleep_flags(cfg: RLConfig, placement: PlacementPlan, recipe: Recipe | None = None) -> None:
+def check_sleep_flags(
+    residency: ResidencySettings, engine: EngineSettings, placement: PlacementPlan, recipe: Recipe
+) -> None:
     """The sleep flags against the placement alone (before any model is sized): cheap, so it runs first.
-    ``recipe``: the run's (default: the config's), for the kinds of its roles."""
-    kinds = {role: kind for role, kind in (recipe or recipe_for(cfg)).kinds.items() if role in placement.roles}
+    ``recipe``: the run's, for the kinds of its roles."""
+    kinds = {role: kind for role, kind in recipe.kinds.items() if role in placement.roles}
     shared = {r for r in placement.roles if placement.shared_gpus(r)}
     with flag_words():
-        sleeping_roles(sleep_asks(cfg, kinds), set(kinds), shared)
+        sleeping_roles(sleep_asks(residency, engine, kinds), set(kinds), shared)
 
 
-def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
+def workload(settings: TrainSettings, prompt_len: int, generate_len: int) -> Workload:
     from hybrid_engines.registry import engine_spec
 
     from .models import LOGITS_CHUNK_BYTES
 
-    trainer, rollout, engine = cfg.trainer_settings(), cfg.rollout_settings(), cfg.engine_settings()
+    trainer, rollout, engine = settings.trainer, settings.rollout, settings.engine
     # an update of some trainer spans several micro-batches (ZeRO-2's CPU Adam then buffers gradients in host memory)
-    ranks = min([cfg.actor_world_size] + ([cfg.critic_world_size] if cfg.uses_critic else []))
+    critic = [settings.critic_world_size] if settings.algorithm.uses_critic else []
+    ranks = min([settings.actor_world_size, *critic])
     accumulates = trainer.dynamic_batch or rollout.train_batch_size > rollout.micro_train_batch_size * ranks
     return Workload(
         bf16=trainer.bf16,
@@ -351,35 +412,32 @@ def workload(cfg: RLConfig, prompt_len: int, generate_len: int) -> Workload:
         rollout_samples=rollout.samples_per_step,
         engine_pool=bool(getattr(engine_spec(engine.backend), "MEMORY_POOL", False)),
         engine_memory_fraction=engine.gpu_memory_utilization,
-        sync_bucket_bytes=cfg.sync_settings().bucket_mb << 20,
-        context_bytes=cfg.residency_settings().gpu_context_gb * GiB,
+        sync_bucket_bytes=settings.sync.bucket_mb << 20,
+        context_bytes=settings.residency.gpu_context_gb * GiB,
         logits_chunk_bytes=LOGITS_CHUNK_BYTES,
     )
 
 
-def hf_config(path: str | None, cfg: RLConfig) -> Any:
+def hf_config(path: str | None, models: ModelSettings) -> Any:
     """The transformers config of a model folder (config.json only, no weights), or the tiny demo model's."""
     if path is None:
         from .tiny import tiny_model_config
 
-        return tiny_model_config(**cfg.tiny_model)
+        return tiny_model_config(**models.tiny_model)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    return AutoConfig.from_pretrained(path, trust_remote_code=models.trust_remote_code)
 
 
 def role_models(
-    cfg: RLConfig, roles: list[str], model_path: str | None = None, recipe: Recipe | None = None
+    models: ModelSettings, roles: list[str], folders: dict[str, str | None], recipe: Recipe
 ) -> dict[str, ModelShape]:
-    """The model shape of each role: of the folder its recipe entry loads (``RoleSpec.model``; the engines: the
-    policy's), with a value head where the entry says so (critic, reward model)."""
-    recipe = recipe or recipe_for(cfg)
-    policy_path = model_path if model_path is not None else cfg.pretrain
+    """The model shape of each role: of the folder ``folders`` names for it (:meth:`~.recipe.Recipe.model_folders`),
+    with a value head where its recipe entry says so (critic, reward model)."""
     out: dict[str, ModelShape] = {}
     for role in roles:
         spec = recipe.role(role)
-        source = policy_path if spec.kind == "engine" else spec.model_folder(cfg, policy_path)
         out[role] = model_shape(
-            hf_config(source, cfg), value_head=spec.value_head, trust_remote_code=cfg.trust_remote_code
+            hf_config(folders[role], models), value_head=spec.value_head, trust_remote_code=models.trust_remote_code
         )
     return out

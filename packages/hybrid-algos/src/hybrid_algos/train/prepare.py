@@ -1,6 +1,11 @@
 """``prepare(config)``: everything a run resolves before Ray or a GPU is touched — the settings checked, the placement
 and residency plans, the model folder, tokenizer, prompts, reward, the step count, the checkpoint to continue — so
 that a mistake costs nothing. :mod:`.loop` starts the run from the :class:`Prepared` it returns.
+
+The flat config ends here: it is validated and turned into sections once (``Prepared.settings``,
+:class:`~.train_settings.TrainSettings`), and the parts that are defined in flat names are resolved from it here —
+the recipe's optional roles and model folders, the resume check against a checkpoint's saved config, the record a
+checkpoint saves. Everything after reads the sections.
 """
 
 from __future__ import annotations
@@ -8,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_engines.weight_sync import choose_sync
@@ -16,8 +21,9 @@ from hybrid_engines.weight_sync import choose_sync
 from .checkpoint import CheckpointManager
 from .config import RLConfig
 from .model_settings import ModelSettings
-from .placement import build_plan, build_residency, check_sleep_flags
+from .placement import check_sleep_flags, plan_placement, plan_run_residency, planner_changes
 from .rollout_settings import RolloutSettings
+from .train_settings import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +32,7 @@ log = logging.getLogger(__name__)
 class Prepared:
     """What ``prepare`` resolves before any Ray or GPU work: model folder, tokenizer, prompts, step count."""
 
-    config: RLConfig
+    settings: TrainSettings  # the run's settings in sections, the planner's changes in: what everything after reads
     plan: Any
     model_path: str
     tokenizer: Any
@@ -45,6 +51,10 @@ class Prepared:
     locks: Any = None  # run_lock.RunLocks: the run folder (and checkpoint folder) are this run's until it ends
     start_lines: tuple = ()  # said at the start (and by --dry-run): the step count and why, flags not used as given
     recipe: Any = None  # recipe.Recipe: the run's roles and the phases of its step (recipes.recipe_for the config's)
+    model_folders: dict[str, str | None] = field(default_factory=dict)  # role -> its folder (Recipe.model_folders)
+    # what a checkpoint records of the flat config ("config", "essentials": resume.check_compatible compares them)
+    config_record: dict[str, Any] = field(default_factory=dict)
+    config: RLConfig | None = None  # the flat config the run applies, for loop's on_start callbacks only
 
 
 def prepare(config: RLConfig, recipe: Any = None) -> Prepared:
@@ -75,42 +85,45 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     from .resume import find_resume_point
     from .rewards import load_reward_fn
     from .run_folder import check_writable, refuse_or_clear
-    from .sections import flag_words
+    from .sections import flag_text, flag_words
     from .tasks import SyntheticTask, task_from_config
     from .tiny import save_tiny_model
 
     config.validate()
-    run, rollout, models = config.run_settings(), config.rollout_settings(), config.models_settings()
-    plan = build_plan(config, recipe)
-    check_sleep_flags(config, plan, recipe)  # before any model is built: the flags against who shares a GPU
+    settings = config.settings()  # the one conversion: below here the run reads sections
+    run, rollout, models, engine = settings.run, settings.rollout, settings.models, settings.engine
+    plan = plan_placement(settings.placement, engine, recipe)
+    # before any model is built: the flags against who shares a GPU
+    check_sleep_flags(settings.residency, engine, plan, recipe)
     with flag_words():  # a weight-sync path the placement cannot take fails here, before Ray
-        sync = choose_sync(config.sync_settings(), config.backend, plan)
+        sync = choose_sync(settings.sync, engine.backend, plan)
     if run.num_gpus is not None and run.num_gpus < plan.num_gpus:
         raise ConfigError(
             "num_gpus",
             f"the placement needs {plan.num_gpus} GPUs but --num_gpus declares {run.num_gpus}.",
             f"Use --num_gpus {plan.num_gpus}, or place the roles on fewer GPUs.",
         )
-    missing = library_missing(config.backend)  # the engine registry knows each backend's package
+    missing = library_missing(engine.backend)  # the engine registry knows each backend's package
     if missing:
-        raise ConfigError("backend", f"--backend {config.backend}: {missing}.", "Install it, or use --backend hf.")
+        raise ConfigError("backend", f"--backend {engine.backend}: {missing}.", "Install it, or use --backend hf.")
     for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
-        if getattr(config, name) is not None:
-            check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
-    notes = [sync_backend_note(config.sync_settings(), sync.mode)]  # an explicit --vllm_sync_backend ipc ignores
-    notes.append(verify_note(config.sync_settings(), config.backend))  # unverifiable syncs, or verification off
-    notes.append(config.clip_note())  # a policy loss's own clip range (GSPO's, CISPO's), said at start
-    if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
+        if getattr(models, name) is not None:
+            check_model_folder(name, getattr(models, name), trust_remote_code=models.trust_remote_code)
+    notes = [sync_backend_note(settings.sync, sync.mode)]  # an explicit --vllm_sync_backend ipc ignores
+    notes.append(verify_note(settings.sync, engine.backend))  # unverifiable syncs, or verification off
+    clip = settings.algorithm.clip_note()  # a policy loss's own clip range (GSPO's, CISPO's), said at start
+    notes.append(flag_text(clip) if clip else None)
+    if models.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
         notes.append(
             check_reward_head(
-                config.reward_pretrain,
-                random_head=config.reward_random_head,
-                trust_remote_code=config.trust_remote_code,
+                models.reward_pretrain,
+                random_head=models.reward_random_head,
+                trust_remote_code=models.trust_remote_code,
             )
         )
     start_lines = [f"note: {n}" for n in notes if n]
-    reward_fn = load_reward_fn(config.reward_fn) if config.reward_fn is not None else None  # imports the user's file
-    agent = _load_agent(config) if config.uses_agent else None  # imports the agent file
+    reward_fn = load_reward_fn(models.reward_fn) if models.reward_fn is not None else None  # imports the user's file
+    agent = _load_agent(settings) if settings.uses_agent else None  # imports the agent file
     # The folders next (writable, not holding another run): nothing is written before they are known to be fine.
     run_dir = check_writable("save_path", run.save_path)
     locks.take(run_dir, "save_path")  # before anything there is read or written: one run per folder
@@ -119,24 +132,24 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
         check_writable("ckpt_path" if run.ckpt_path else "save_path", ckpt.root)
         if not ckpt.root.startswith(run_dir + os.sep):  # elsewhere: a run in another folder may use it too
             locks.take(ckpt.root, "ckpt_path")
-    resume_from = find_resume_point(run, ckpt, config)
+    resume_from = find_resume_point(run, ckpt, config)  # a checkpoint saved the flat config: compared with it
     refuse_or_clear(run_dir, ckpt, overwrite=run.overwrite, resuming=resume_from is not None)
     task = task_from_config(models) if rollout.prompt_data is None else None
     if models.pretrain is None:
         model_path = save_tiny_model(os.path.join(run_dir, "tiny-model"), seed=run.seed, **models.tiny_model)
     else:
         model_path = models.pretrain
-    tokenizer = load_tokenizer("pretrain", model_path, trust_remote_code=config.trust_remote_code)
+    tokenizer = load_tokenizer("pretrain", model_path, trust_remote_code=models.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     # a file that is not UTF-8 is a ConfigError there (and in --dry-run)
     prompts = load_prompts(rollout, tokenizer, task)
     if agent is not None:
-        _note_agent(config, agent, tokenizer)
-    elif config.reward_fn is None:
+        _note_agent(settings, agent, tokenizer)
+    elif models.reward_fn is None:
         # None: the reward model scores (a lookup task has its environment: the branch above)
         reward_fn = task.reward_fn() if isinstance(task, SyntheticTask) else None
-    if reward_fn is None and config.reward_pretrain is None and agent is None:  # an environment rewards its samples
+    if reward_fn is None and models.reward_pretrain is None and agent is None:  # an environment rewards its samples
         raise ConfigError(
             "reward_pretrain",
             "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
@@ -173,18 +186,23 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
             f"Profile a step from 1 to {total} (the first ones include warm-up).",
         )
     # What stays on each GPU, from the memory budget; a plan that cannot fit fails here, before Ray starts.
-    residency, config = build_residency(
-        config, plan, model_path, prompt_len=longest_prompt, generate_len=max_new_tokens, recipe=recipe
+    folders = recipe.model_folders(config, model_path)  # the recipe names its folders' settings in flat words
+    planned = settings
+    residency, settings = plan_run_residency(
+        planned, plan, folders, prompt_len=longest_prompt, generate_len=max_new_tokens, recipe=recipe
     )
+    changes = planner_changes(planned, settings)
+    config = config.replace(**changes) if changes else config  # the flat record says what runs
     with flag_words():  # core's error names the residency settings
         residency.check()
     from .async_rollout import async_mode
+    from .resume import essentials
 
-    mode, note = async_mode(config.rollout_settings(), plan, residency)
+    mode, note = async_mode(settings.rollout, plan, residency)
     if mode == "sync":  # --async_train on GPUs too small for both: synchronous turns, said in the plan's notes
         residency.notes.append(note)
     return Prepared(
-        config,
+        settings,
         plan,
         model_path,
         tokenizer,
@@ -202,25 +220,30 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
         note,
         start_lines=tuple(start_lines),
         recipe=recipe,
+        model_folders=folders,
+        config_record={"config": config.to_dict(), "essentials": essentials(config)},
+        config=config,
     )
 
 
-def _load_agent(config: RLConfig) -> Any:
+def _load_agent(settings: TrainSettings) -> Any:
     """The run's environment (its file is imported now, so a broken one fails before anything is written)."""
     from .agents import builtin_agent, load_agent
 
-    return load_agent(config.agent_func_path) if config.agent_func_path else builtin_agent(config.models_settings())
+    path = settings.rollout.agent_func_path
+    return load_agent(path) if path else builtin_agent(settings.models)
 
 
-def _note_agent(config: RLConfig, agent: Any, tokenizer: Any) -> None:
+def _note_agent(settings: TrainSettings, agent: Any, tokenizer: Any) -> None:
     """Log lines about how the environment's run is set up (where its prompts come from, chat templates)."""
-    if config.prompt_data is None and config.agent_func_path and config.task not in ("lookup",):
+    rollout, models, engine = settings.rollout, settings.models, settings.engine
+    if rollout.prompt_data is None and rollout.agent_func_path and models.task not in ("lookup",):
         log.info(
             "agent %s: the prompts are the built-in %r task's; the rewards are the environment's",
             agent.source,
-            config.task,
+            models.task,
         )
-    if config.backend == "vllm" and not config.enable_prefix_caching:
+    if engine.backend == "vllm" and not engine.enable_prefix_caching:
         log.info(
             "agent %s: every turn sends the whole conversation again; --enable_prefix_caching lets vLLM reuse the "
             "earlier turns' KV cache (bench/agent_gpu.py measures the difference)",
@@ -230,7 +253,7 @@ def _note_agent(config: RLConfig, agent: Any, tokenizer: Any) -> None:
         agent.kind == "environment"
         and not agent.builtin
         and getattr(tokenizer, "chat_template", None)
-        and not config.apply_chat_template
+        and not rollout.apply_chat_template
     ):
         log.info(
             "agent %s: the tokenizer has a chat template, but --apply_chat_template is off: prompts and the "

@@ -161,6 +161,11 @@ class Recipe:
     def engine_role(self) -> str:
         return next(r.name for r in self.roles if r.kind == "engine")
 
+    def model_folders(self, config: Any, policy: str | None) -> dict[str, str | None]:
+        """Role -> the folder it loads (the engines: the policy's), resolved once from the flat config (the
+        roles' ``model`` names its settings) so that the run below ``prepare`` reads folders, not flags."""
+        return {r.name: policy if r.kind == "engine" else r.model_folder(config, policy) for r in self.roles}
+
     @property
     def workers(self) -> tuple[RoleSpec, ...]:
         """The roles the loop starts worker groups for (trainers and frozen models), in the recipe's order."""

@@ -36,8 +36,7 @@ class TrainingSession(SessionStart):
     def sampling(self, step: int):
         from hybrid_engines.protocol import SamplingParams
 
-        cfg = self.config
-        rollout = cfg.rollout_settings()
+        rollout = self.settings.rollout
         eos = self.prep.tokenizer.eos_token_id
         seeded = self.seeded_sampling()
         return SamplingParams(
@@ -48,12 +47,12 @@ class TrainingSession(SessionStart):
             n=rollout.n_samples_per_prompt,
             stop_token_ids=(eos,) if eos is not None else (),
             seed=rollout.seed * 1_000_003 + step if seeded else None,
-            logprobs=cfg.wants_engine_logprobs,
+            logprobs=self.settings.algorithm.wants_engine_logprobs,
         )
 
     def prompts_for(self, step: int) -> list:
         """Step ``step``'s prompts: episode-seeded shuffles of the prompt set, so a resumed run sees the same order."""
-        rollout = self.config.rollout_settings()
+        rollout = self.settings.rollout
         prompts, bs = self.prep.prompts, rollout.rollout_batch_size
         per_episode = len(prompts) // bs
         episode, index = divmod(step, per_episode)
@@ -62,7 +61,7 @@ class TrainingSession(SessionStart):
         return [prompts[i] for i in order[index * bs : (index + 1) * bs]]
 
     def run(self, callbacks: Sequence[Any]) -> dict[str, Any]:
-        run = self.config.run_settings()
+        run = self.settings.run
         total = self.prep.total_steps
         saved_at = self.start_step if self.prep.resume_from is not None else None
         preemption = self.preemption
@@ -165,7 +164,7 @@ class TrainingSession(SessionStart):
 
         if self.runner is None or self.async_mode != "shared":
             return
-        mode, note = async_mode(self.config.rollout_settings(), self.prep.plan, self.prep.residency)
+        mode, note = async_mode(self.settings.rollout, self.prep.plan, self.prep.residency)
         if mode == "sync":
             self.async_mode, self.async_note = mode, note + " (from the refined plan on)"
             log.warning("%s", self.async_note)
@@ -189,7 +188,7 @@ class TrainingSession(SessionStart):
             result = owner.refine(
                 after_step,
                 lambda overhead: replan(
-                    self.config, plan.layout, plan.gpu_bytes, overhead=overhead, host=plan.host, phases=plan.phases
+                    self.settings, plan.layout, plan.gpu_bytes, overhead=overhead, host=plan.host, phases=plan.phases
                 ),
             )
         if result is None:  # nothing to measure without CUDA (the guard is off)
@@ -220,7 +219,7 @@ class TrainingSession(SessionStart):
         from .failures import explain, wants_stacks
 
         try:
-            with deadline(self.config.run_settings().step_timeout_s, label):
+            with deadline(self.settings.run.step_timeout_s, label):
                 return fn()
         except Exception as e:
             stacks = ""
@@ -276,7 +275,7 @@ class TrainingSession(SessionStart):
                 log.debug("weight-sync close failed", exc_info=True)
         if self.engines is not None:
             try:
-                limit = min(10.0 if hurry else 60.0, self.config.run_settings().call_timeout_s)
+                limit = min(10.0 if hurry else 60.0, self.settings.run.call_timeout_s)
                 self.engines.shutdown(timeout_s=limit)  # then killed
             except Exception:  # tearing down after an error: report the error, not the clean-up
                 log.debug("engine shutdown failed", exc_info=True)

@@ -22,16 +22,13 @@ class SessionSaves(SessionState):
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def driver_state(self, next_step: int) -> dict[str, Any]:
         """Plain data only (saved as JSON): nothing read back from a checkpoint can run code."""
-        from .resume import essentials
-
         kl = self.ctx.kl_controller
         return {
             "next_step": next_step,
             "kl": kl.state_dict() if kl is not None else None,
             "reward_norm": self.reward.state_dict(),
             "history": self.history,
-            "config": self.config.to_dict(),
-            "essentials": essentials(self.config),
+            **self.prep.config_record,  # "config" and "essentials": what a resume is checked against
             # batches generated ahead of the trainer (asynchronous training): a resumed run trains on them
             "async_queue": self.runner.state(next_step) if self.runner is not None else [],
         }
@@ -64,7 +61,7 @@ class SessionSaves(SessionState):
         # the steps done after this checkpoint are done again: their spans go (the writer appends at the new end)
         drop_steps_from(os.path.join(self.prep.run_dir, "timeline.jsonl"), self.start_step)
         self.restored_queue = list(state.get("async_queue") or [])
-        if self.restored_queue and not self.config.rollout_settings().async_train:
+        if self.restored_queue and not self.settings.rollout.async_train:
             log.warning(
                 "the checkpoint holds %d batches generated ahead (--async_train); this run is synchronous "
                 "and generates them again",

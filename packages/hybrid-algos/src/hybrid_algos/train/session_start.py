@@ -55,8 +55,8 @@ class SessionStart(SessionSaves):
 
         from .rewards import RewardScorer
 
-        cfg, prep, plan = self.config, self.prep, self.prep.plan
-        run, rollout = cfg.run_settings(), cfg.rollout_settings()
+        settings, prep, plan = self.settings, self.prep, self.prep.plan
+        run, rollout, algo = settings.run, settings.rollout, settings.algorithm
         timeout = run.call_timeout_s
         clock = _SetupClock()
         self.setup_seconds = clock.seconds
@@ -69,8 +69,6 @@ class SessionStart(SessionSaves):
         write_json(os.path.join(self.log_dir, "placement.json"), placed.layout())  # which node got what
         clock.lap("placement group")
         self.turnstile = Turnstile.create(f"hybrid-turnstile-{uuid.uuid4().hex[:8]}", timeout_s=timeout)
-
-        settings = cfg.settings()  # what the workers read
 
         def role(name: str, cls: type):
             return RoleGroup(name, cls, placed, settings, self.log_dir, timeout_s=timeout)
@@ -85,7 +83,7 @@ class SessionStart(SessionSaves):
         # ZeRO-3 they are sharded over their ranks, workers/zero3_frozen.py; otherwise they leave the address unused).
         pending = []
         for spec in prep.recipe.workers:
-            group, path = self.roles[spec.name], spec.model_folder(cfg, prep.model_path)
+            group, path = self.roles[spec.name], prep.model_folders[spec.name]
             from hybrid_core import rendezvous
 
             # loopback when the whole group is on one node (every listener binds it), else rank 0's cluster address
@@ -120,7 +118,7 @@ class SessionStart(SessionSaves):
             {g.role: g for g in self.groups},
             turnstile=self.turnstile,
             timeout_s=timeout,
-            overlap=cfg.residency_settings().overlap,
+            overlap=settings.residency.overlap,
         )
         owner.guard = WakeGuard(probes, owner.holders, timeout_s=timeout)
         owner.to_phase_state(prep.recipe.work_phase("generate"))
@@ -134,7 +132,7 @@ class SessionStart(SessionSaves):
         self.engines = engines = launch_engines(
             placed,
             role="rollout",
-            backend=cfg.backend,
+            backend=settings.engine.backend,
             engine_kwargs=self._engine_kwargs(),
             timeout_s=timeout,
             max_concurrency=4 if pausing else 1,
@@ -148,11 +146,11 @@ class SessionStart(SessionSaves):
             self.actor,
             engines,
             plan,
-            bucket_bytes=cfg.sync_settings().bucket_bytes,
+            bucket_bytes=settings.sync.bucket_bytes,
             backend=prep.sync.group_backend,
             transport=prep.sync.transport,
             timeout_s=timeout,
-            verify=cfg.sync_settings().verify,
+            verify=settings.sync.verify,
         )
         self.weight_sync.setup()
         clock.lap("weight sync ready")
@@ -161,9 +159,9 @@ class SessionStart(SessionSaves):
         self.reward = RewardScorer(
             prep.reward_fn,
             lambda ids: tok.decode(ids, skip_special_tokens=False),
-            normalize=cfg.normalize_reward,
-            clip_range=(*cfg.reward_clip_range,),  # a tuple (a --config file gives a list)
-            name=cfg.reward_fn or f"of the {cfg.task} task",
+            normalize=algo.normalize_reward,
+            clip_range=(*algo.reward_clip,),  # a tuple (a --config file gives a list)
+            name=settings.models.reward_fn or f"of the {settings.models.task} task",
             timeout_s=timeout,
         )
         # Spans in wall-clock time so an outside sampler (GPU memory) can be matched to phases; kept on resume.
@@ -171,8 +169,8 @@ class SessionStart(SessionSaves):
             os.path.join(prep.run_dir, "timeline.jsonl"), append=prep.resume_from is not None
         )
         kl_controller = (
-            make_kl_controller(cfg.init_kl_coef, target=cfg.kl_target, horizon=cfg.kl_horizon)
-            if cfg.uses_reference
+            make_kl_controller(algo.kl_coef, target=algo.kl_target, horizon=algo.kl_horizon)
+            if algo.uses_reference
             else None
         )
         self.agent: AgentRollout | None = None
@@ -182,7 +180,7 @@ class SessionStart(SessionSaves):
             limit = max_positions(prep.model_path)
             self.agent = AgentRollout(prep.agent, rollout, tok, context_limit=limit)
         self.ctx = StepContext(
-            config=cfg,
+            settings=settings,
             actor=self.actor,
             engines=engines,
             weight_sync=self.weight_sync,
@@ -201,24 +199,24 @@ class SessionStart(SessionSaves):
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """Every engine's constructor arguments: the adapter's own (``engine_kwargs(settings, plan)``) from the
-        config's engine section and what the run's plan says of the engines."""
+        run's engine section and what the run's plan says of the engines."""
         from hybrid_engines.adapter import EnginePlan
         from hybrid_engines.registry import engine_spec
 
-        cfg = self.config
+        settings = self.settings
         plan = EnginePlan(
             model_path=self.prep.model_path,
             max_model_len=self.prep.max_model_len,
             shares_gpus=bool(self.prep.plan.shared_gpus("rollout")),
             seeded_sampling=self.seeded_sampling(),
-            partial_rollout=cfg.rollout_settings().partial_rollout,
+            partial_rollout=settings.rollout.partial_rollout,
         )
-        return engine_spec(cfg.backend).engine_kwargs(cfg.engine_settings(), plan)
+        return engine_spec(settings.engine.backend).engine_kwargs(settings.engine, plan)
 
     def seeded_sampling(self) -> bool:
         """A seed per sample? ``--seeded_sampling``, or where it is cheap (the built-in engine): vLLM / SGLang sample
         seeded requests one by one, and are seeded once from --seed instead."""
         from hybrid_engines.registry import engine_spec
 
-        engine = self.config.engine_settings()
+        engine = self.settings.engine
         return engine_spec(engine.backend).seeds_samples(engine)

@@ -46,9 +46,9 @@ class SessionState:
 
     def __init__(self, prep: Prepared):
         self.prep = prep
-        self.config = prep.config
+        self.settings = prep.settings  # the sections: a session never reads the flat config
         self.log_dir = os.path.join(prep.run_dir, "logs")
-        run = self.config.run_settings()
+        run = self.settings.run
         self.ckpt = CheckpointManager(run.checkpoint_dir, run.max_ckpt_num)
         self.placed: PlacedPlan | None = None
         self.groups: list = []
@@ -81,7 +81,7 @@ class SessionState:
             for r, w in enumerate(group.workers):
                 named.append((group.name(r, method), getattr(w, method).remote(*args)))
         try:
-            return get_all_with_timeout(named, self.config.run_settings().call_timeout_s)
+            return get_all_with_timeout(named, self.settings.run.call_timeout_s)
         except HybridError:
             for group, _, _ in calls:
                 group.dump_stacks()

@@ -35,31 +35,28 @@ from .advantage_step import advantages_for
 from .dynamic_sampling import sample_rollout, shape_rewards
 from .experience import Rollout
 from .rewards import RewardScorer
+from .train_settings import TrainSettings
 
 
 @dataclass
 class StepContext:
     """Everything a step needs; built once by :mod:`hybrid_algos.train.session_start`."""
 
-    config: Any
+    settings: TrainSettings  # the run's sections (never the flat config)
     actor: Any  # hybrid_core.roles.RoleGroup of PolicyWorker
     engines: Any  # hybrid_engines EngineGroup
     weight_sync: Any  # hybrid_engines.weight_sync.WeightSync
     reward: RewardScorer
     residency: Any  # hybrid_core.residency.ResidencyOwner: every sleep and wake of the run goes through it
     pad_id: int
+    recipe: Any  # recipe.Recipe: the phases the step runs, in order (prepare resolved it from the config)
     roles: dict[str, Any] = field(default_factory=dict)  # name -> RoleGroup: every worker role of the recipe
-    recipe: Any = None  # recipe.Recipe: the phases the step runs, in order (None: the config's, recipes.recipe_for)
     kl_controller: Any | None = None
     on_phases: Callable[[int, list], Any] | None = None  # gets (step, [(phase, start, end), ...]): timeline.py
     prompt_pool: list | None = None  # every prompt: dynamic sampling (dynamic_sampling.py) draws extra ones here
     agent: Any | None = None  # agents.AgentRollout: samples are multi-turn conversations with an environment
 
     def __post_init__(self) -> None:
-        if self.recipe is None:
-            from .recipes import recipe_for
-
-            self.recipe = recipe_for(self.config)
         first = self.recipe.phases[0] if self.recipe.phases else None
         if first is None or first.function != "generate":
             raise ValueError(
@@ -145,7 +142,6 @@ def train_on(
     """Every phase of the step after generation (rewards, inference, the update, the weight sync: the recipe's
     phases after its first, in order). Asynchronous training (:mod:`.async_rollout`) calls it on a batch generated
     earlier, with its own ``sync`` (the weight update at the boundary between batches)."""
-    cfg = ctx.config
     state = StepState(
         step,
         sampled,
@@ -163,7 +159,7 @@ def train_on(
 
     rollout = state.rollout
     metrics = _metrics(step, rollout, state.adv_stats, state.actor_stats, state.critic_stats, timer, state.kl_coef)
-    metrics["actor/old_logprobs_recomputed"] = float(cfg.needs_old_logprobs)
+    metrics["actor/old_logprobs_recomputed"] = float(ctx.settings.needs_old_logprobs)
     if state.raw_scores is not None:
         metrics["reward"] = state.raw_scores.float().mean().item()
     metrics.update(sampled.metrics)  # with dynamic sampling, "reward" is over every sample generated, not only kept
@@ -192,7 +188,7 @@ def _reward(ctx: StepContext, s: StepState) -> None:
         with s.timer.phase("infer"):
             scores = torch.cat(rm.call_sharded("scores", s.rollout.split(rm.world_size)))
     s.raw_scores = scores
-    algo = ctx.config.algorithm_settings()
+    algo = ctx.settings.algorithm
     scores, sample_mask, s.shaping = shape_rewards(algo, outputs, scores, s.sampling.max_new_tokens)
     s.rollout = s.rollout.with_(scores=ctx.reward.normalize(scores), sample_mask=sample_mask)
 
@@ -216,14 +212,14 @@ def _critic_values(ctx: StepContext, s: StepState) -> None:
 
 @phase("actor_train")
 def _actor_train(ctx: StepContext, s: StepState) -> None:
-    """Old log-probs (when the config needs them), advantages, the actor's update."""
-    actor, cfg = ctx.actor, ctx.config
-    if cfg.needs_old_logprobs:  # else train uses its own pre-update log-probs (see the config)
+    """Old log-probs (when the settings need them), advantages, the actor's update."""
+    actor, settings = ctx.actor, ctx.settings
+    if settings.needs_old_logprobs:  # else train uses its own pre-update log-probs (AlgorithmSettings says when)
         with s.timer.phase("infer"):
             old = actor.call_sharded("logprobs", s.rollout.split(actor.world_size))
             s.rollout = s.rollout.with_(old_logprobs=torch.cat(old))
     s.rollout, s.adv_stats = advantages_for(
-        cfg.algorithm_settings(), s.rollout, s.kl_coef, n_samples_per_prompt=cfg.n_samples_per_prompt
+        settings.algorithm, s.rollout, s.kl_coef, n_samples_per_prompt=settings.rollout.n_samples_per_prompt
     )
     with s.timer.phase("train"):
         s.actor_stats = actor.call_sharded("train", s.rollout.split(actor.world_size), s.step, s.kl_coef)
