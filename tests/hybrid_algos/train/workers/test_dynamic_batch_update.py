@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent("""
 
         engine.step = recording_step
         stats = worker.train(rollout, step=0, kl_coef=0.0)
-        return grads, stats, engine.global_steps
+        return grads, stats, engine.deepspeed.global_steps  # the DeepSpeed adapter holds the engine
 
     one, one_stats, one_steps = run()
     out = {"one_steps": one_steps, "one_micro": one_stats["actor/micro_batches"]}

@@ -10,7 +10,8 @@ import torch
 
 from hybrid_algos.train import GRPOConfig
 from hybrid_algos.train.deepspeed_setup import deepspeed_config
-from hybrid_algos.train.workers.policy import lr_schedule, update_shape
+from hybrid_algos.train.trainer_backends.lr_schedule import lr_schedule
+from hybrid_algos.train.workers.policy import update_shape
 from hybrid_core.errors import ConfigError
 
 

@@ -11,7 +11,8 @@ import torch
 
 from hybrid_algos.train import sections
 from hybrid_algos.train.config import GRPOConfig, PPOConfig
-from hybrid_algos.train.workers.policy import trainer_config, update_shape
+from hybrid_algos.train.trainer_backends.deepspeed_engine import trainer_config
+from hybrid_algos.train.workers.policy import update_shape
 from hybrid_algos.train.workers.settings import DEFAULT_MAX_TOKENS_PER_GPU, TrainerSettings
 from hybrid_algos.train.workers.zero3_frozen import frozen_deepspeed_config
 from hybrid_core.errors import ConfigError

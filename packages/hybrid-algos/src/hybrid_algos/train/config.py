@@ -86,6 +86,7 @@ class RLConfig:
     )
 
     # ---- trainer (DeepSpeed) ---------------------------------------------------------------------------------
+    trainer: str = "deepspeed"  # the actor's and critic's backend: deepspeed (ZeRO) | fsdp2 (torch's fully_shard)
     deepspeed_enable_sleep: bool | None = None  # trainers sleep between their phases; None = the residency plan decides
     zero_stage: int = 2
     bf16: bool = False

@@ -252,7 +252,9 @@ def _build_residency(settings, placement, folders, prompt_len, generate_len, gpu
     sharded = [placement.roles[r.name] for r in recipe.workers if r.name in placement.roles]
     plan = None
     trainer = settings.trainer
-    if trainer.zero_stage == 3 and all(t.world_size == 1 for t in sharded):
+    # DeepSpeed's choices (FSDP2 has no ZeRO stages to demote and no CPU Adam)
+    deepspeed = trainer.backend == "deepspeed"
+    if deepspeed and trainer.zero_stage == 3 and all(t.world_size == 1 for t in sharded):
         # ZeRO-3 splits states across ranks; with one rank there is nothing to split, the same bytes stay on the GPU,
         # and every layer is still gathered and released around each use (measured: train 0.96 s vs 0.27 s at 357M).
         demoted = settings.with_changes(trainer={"zero_stage": 1})
@@ -280,7 +282,7 @@ def _build_residency(settings, placement, folders, prompt_len, generate_len, gpu
         plan = _plan(settings, placement, shapes, gpu_bytes, prompt_len, generate_len, host, recipe)
     if settings.trainer.bf16_master_weights:
         notes.append(bf16_update_note(settings))
-    if _cpu_adam(plan) and not settings.trainer.adam_offload:
+    if deepspeed and _cpu_adam(plan) and not settings.trainer.adam_offload:
         # DeepSpeed's CPU Adam: the optimizer state never enters the GPU
         settings = settings.with_changes(trainer={"adam_offload": True})
         notes += plan.notes
@@ -339,7 +341,7 @@ def replan(
             sleep_roles=sleeping,
             engine_sleep_level=engine.sleep_level or 1,
             usable=residency.gpu_memory_usable,
-            allow_host=settings.trainer.zero_stage >= 1,
+            allow_host=settings.trainer.backend == "deepspeed" and settings.trainer.zero_stage >= 1,  # CPU Adam
             overhead=overhead,
             sleep_fields=asks.fields,
             host=host,
@@ -399,6 +401,7 @@ def workload(settings: TrainSettings, prompt_len: int, generate_len: int) -> Wor
     accumulates = trainer.dynamic_batch or rollout.train_batch_size > rollout.micro_train_batch_size * ranks
     return Workload(
         bf16=trainer.bf16,
+        trainer_backend=trainer.backend,
         zero_stage=trainer.zero_stage,
         adam_offload=trainer.adam_offload,
         bf16_master_weights=trainer.bf16_master_weights,

@@ -24,7 +24,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Must match between the run that wrote a checkpoint and the run that loads it.
-ESSENTIALS = ("algorithm", "uses_critic", "actor_world_size", "critic_world_size", "zero_stage", "tiny_model")
+ESSENTIALS = (
+    "algorithm",
+    "uses_critic",
+    "actor_world_size",
+    "critic_world_size",
+    "trainer",
+    "zero_stage",
+    "tiny_model",
+)
 #: Different from the checkpoint's: allowed, but said.
 NOTED = (
     "actor_learning_rate",
@@ -69,6 +77,7 @@ def essentials(config: Any) -> dict[str, Any]:
         "uses_critic": config.uses_critic,
         "actor_world_size": config.actor_world_size,
         "critic_world_size": config.critic_world_size if config.uses_critic else 0,
+        "trainer": config.trainer,  # a DeepSpeed checkpoint and a DCP one are not each other's
         "zero_stage": config.zero_stage,
         "tiny_model": dict(config.tiny_model) if config.pretrain is None else None,
     }
@@ -165,7 +174,8 @@ def _essentials_of_old(config: dict[str, Any]) -> dict[str, Any]:
 def _describe(e: dict[str, Any]) -> str:
     critic = "with a critic" if e.get("uses_critic") else "no critic"
     layout = (
-        f", {e['actor_world_size']} actor GPU(s), ZeRO-{e['zero_stage']}"
+        f", {e['actor_world_size']} actor GPU(s), "
+        + ("FSDP2" if e.get("trainer") == "fsdp2" else f"ZeRO-{e['zero_stage']}")
         if "zero_stage" in e and "actor_world_size" in e
         else ""
     )

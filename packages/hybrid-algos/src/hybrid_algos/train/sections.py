@@ -94,6 +94,7 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("deepspeed_enable_sleep", "residency.trainer_sleep"),
     ("ref_reward_offload", "residency.frozen_sleep"),
     # ---- trainer (helper T adds its rows here)
+    ("trainer", "trainer.backend"),
     ("zero_stage", "trainer.zero_stage"),
     ("bf16", "trainer.bf16"),
     ("adam_offload", "trainer.adam_offload"),

@@ -195,6 +195,7 @@ class Workload:
     """What the memory model needs to know about a run besides the models (the training loop fills it in)."""
 
     bf16: bool = True
+    trainer_backend: str = "deepspeed"  # or "fsdp2": the trainers' bytes per state (see _fsdp2_trainer)
     zero_stage: int = 2
     adam_offload: bool = False
     bf16_master_weights: bool = False  # the ZeRO optimizer's master weights and gradients in bf16
@@ -311,6 +312,8 @@ def size_role(
             work.context_bytes,
         )
         return _with_cache(size)
+    if work.trainer_backend == "fsdp2":
+        return _fsdp2_trainer(role, shape, work, phases, ranks=n)
     part = shape.num_params / (n if z >= 1 else 1)  # parameters of the rank's optimizer partition
     states = {
         "params": b * shape.num_params / (n if z == 3 else 1),
@@ -352,6 +355,39 @@ def size_role(
             host_optimizer=cpu_adam,
         )
     )
+
+
+def _fsdp2_trainer(role: str, shape: ModelShape, work: Workload, phases: Sequence[Phase], *, ranks: int) -> RoleSize:
+    """A trainer under FSDP2 (``fully_shard`` per decoder layer, then the root), per GPU, with m the master bytes
+    (4, or 2 with bf16_master_weights) and b the compute bytes: every state is sharded over the N ranks --
+    params m P / N, grads m P / N, optimizer 2 m P / N (AdamW's m, v take the master dtype). Working memory: the
+    activations and logits as under DeepSpeed; the gathered weights of 2 layers (the one in use and the next) in the
+    compute dtype, and the root unit's (embeddings, final norm, head) for the whole pass, since it is not resharded
+    after the forward; in the backward one layer's unsharded gradients in the fp32 reduce dtype before their
+    reduce-scatter. No CPU Adam: nothing stays in host memory."""
+    b, m, seq = work.bytes_per_value, work.master_bytes, work.seq_len
+    P = shape.num_params
+    states = {"params": m * P / ranks, "grads": m * P / ranks, "optimizer": 2 * m * P / ranks}
+    root = max(0, P - shape.num_layers * shape.layer_params)
+    gather = {"fsdp2_gather": (2 * shape.layer_params + root) * b}
+    tokens = work.micro_train_batch_size * seq
+    saved = (
+        shape.num_layers * shape.hidden_size + shape.layer_activation_values
+        if work.gradient_checkpointing
+        else shape.num_layers * shape.layer_activation_values
+    )
+    train = {
+        "activations": tokens * saved * b,
+        "logits": _logits(shape, work, tokens),
+        **gather,
+        "fsdp2_reduce": 4.0 * shape.layer_params,
+    }
+    sized = {
+        "train": train,
+        "infer": {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather},
+        "sync": {"sync_bucket": _bucket(work, shape), **gather},
+    }
+    return _with_cache(RoleSize(role, "trainer", states, _working(role, "trainer", phases, sized), work.context_bytes))
 
 
 def _working(

@@ -1,4 +1,5 @@
-"""The critic role (PPO): a value model under DeepSpeed with sleep, per-token values and clipped value updates.
+"""The critic role (PPO): a value model under its trainer backend (DeepSpeed or FSDP2) with sleep, per-token
+values and clipped value updates.
 
 It reads the trainer and algorithm sections, the rollout's batch shape (``settings.rollout``), the run's seed and
 deadline (``settings.run``) and ``settings.models.trust_remote_code``."""
@@ -9,22 +10,19 @@ from typing import Any
 
 import torch
 
-from hybrid_core.offload import DeepSpeedOffloader
-
 from ... import clipped_value_loss
-from ..deepspeed_setup import close_rendezvous, init_distributed, make_engine
+from ..deepspeed_setup import close_rendezvous, init_distributed, local_device
 from ..experience import Rollout
 from ..models import load_critic, response_values
+from ..trainer_backends.registry import (
+    activation_checkpointing_by_loader,
+    make_offloader,
+    make_training_engine,
+    model_dtype,
+)
 from ..update_guard import UpdateGuard
 from .base import RoleWorker
-from .policy import (
-    DeviceMeans,
-    attn_implementation,
-    forward_micro_batches,
-    train_micro_batches,
-    trainer_config,
-    update_shape,
-)
+from .policy import DeviceMeans, attn_implementation, forward_micro_batches, train_micro_batches, update_shape
 
 
 class CriticWorker(RoleWorker):
@@ -33,22 +31,22 @@ class CriticWorker(RoleWorker):
         store = init_distributed(
             self.rank, self.world_size, master_addr, master_port, timeout_s=settings.run.call_timeout_s
         )
-        dtype = torch.bfloat16 if trainer.bf16 else torch.float32
-        model = load_critic(
+        model = load_critic(  # on the host: DeepSpeed or fully_shard moves it (FSDP2: shard by shard)
             model_path,
-            dtype=dtype,
+            dtype=model_dtype(trainer),
             attn_implementation=attn_implementation(trainer),
-            gradient_checkpointing=trainer.gradient_checkpointing,
+            gradient_checkpointing=activation_checkpointing_by_loader(trainer),
             trust_remote_code=settings.models.trust_remote_code,
         )
-        self.engine = make_engine(
+        self.engine = make_training_engine(  # the actor's schedule (lr_warmup_ratio, lr_scheduler)
+            trainer,
             model,
-            trainer_config(
-                trainer, model, trainer.critic_lr, **update_shape(settings.rollout, self.world_size, total_steps)
-            ),
-        )  # the actor's schedule (lr_warmup_ratio, lr_scheduler)
+            trainer.critic_lr,
+            update_shape(settings.rollout, self.world_size, total_steps),
+            local_device(),
+        )
         if trainer.moves_states:  # the residency plan says when
-            self.offloader = DeepSpeedOffloader(self.engine)
+            self.offloader = make_offloader(trainer, self.engine)
         close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
         self.freeze_gc()
         return self.where()
@@ -104,7 +102,7 @@ class CriticWorker(RoleWorker):
                     )
                     guard.add_loss(loss)
                     self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
-                    self.engine.backward(loss * weight, scale_wrt_gas=False)
+                    self.engine.backward(loss * weight)
                     guard.step(self.engine, step)
                     stats.add("critic/value_loss", loss)
                     stats.add("critic/clip_frac", info.get("clip_frac", 0.0))
@@ -112,9 +110,10 @@ class CriticWorker(RoleWorker):
         return stats.result()
 
     def save_checkpoint(self, path: str, tag: str) -> None:
-        self.engine.save_checkpoint(path, tag=tag, save_latest=False)
+        self.engine.save_checkpoint(path, tag)
 
     def load_checkpoint(self, path: str, tag: str) -> None:
-        load_path, _ = self.engine.load_checkpoint(path, tag=tag)
-        if load_path is None:
-            raise FileNotFoundError(f"critic rank {self.rank}: no DeepSpeed checkpoint {tag!r} under {path}")
+        try:
+            self.engine.load_checkpoint(path, tag)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"critic rank {self.rank}: {e}") from e

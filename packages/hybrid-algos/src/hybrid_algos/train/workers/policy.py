@@ -1,4 +1,5 @@
-"""The actor role: the policy being trained, under DeepSpeed, with sleep, log-probs, PPO updates and weight export.
+"""The actor role: the policy being trained, under its trainer backend (DeepSpeed or FSDP2), with sleep, log-probs,
+PPO updates and weight export.
 
 It reads the trainer and algorithm sections, the rollout's batch shape and temperature (``settings.rollout``), the
 run's seed, deadline and ``save_hf_ckpt`` (``settings.run``) and ``settings.models.trust_remote_code``."""
@@ -11,14 +12,19 @@ from typing import Any
 
 import torch
 
-from hybrid_core.offload import DeepSpeedOffloader
 from hybrid_engines.weight_sync import TrainerWeightSource
 
 from ... import aggregate_loss, compute_policy_loss, kl_estimate, rollout_correction
-from ..deepspeed_setup import close_rendezvous, deepspeed_config, init_distributed, make_engine
+from ..deepspeed_setup import close_rendezvous, init_distributed, local_device
 from ..experience import Rollout
 from ..models import load_causal_lm, response_token_scores
 from ..rollout_settings import RolloutSettings
+from ..trainer_backends.registry import (
+    activation_checkpointing_by_loader,
+    make_offloader,
+    make_training_engine,
+    model_dtype,
+)
 from ..update_guard import UpdateGuard
 from .base import RoleWorker
 from .settings import TrainerSettings
@@ -35,30 +41,27 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         store = init_distributed(
             self.rank, self.world_size, master_addr, master_port, timeout_s=settings.run.call_timeout_s
         )
-        dtype = torch.bfloat16 if trainer.bf16 else torch.float32
-        model = load_causal_lm(
+        model = load_causal_lm(  # on the host: DeepSpeed or fully_shard moves it (FSDP2: shard by shard)
             model_path,
-            dtype=dtype,
+            dtype=model_dtype(trainer),
             attn_implementation=attn_implementation(trainer),
-            gradient_checkpointing=trainer.gradient_checkpointing,
+            gradient_checkpointing=activation_checkpointing_by_loader(trainer),
             trust_remote_code=settings.models.trust_remote_code,
         )
         self.model_path = model_path
-        self.engine = make_engine(
+        self.engine = make_training_engine(
+            trainer,
             model,
-            trainer_config(
-                trainer, model, trainer.actor_lr, **update_shape(settings.rollout, self.world_size, total_steps)
-            ),
+            trainer.actor_lr,
+            update_shape(settings.rollout, self.world_size, total_steps),
+            local_device(),
         )
         if trainer.moves_states:  # the residency plan says when
-            self.offloader = DeepSpeedOffloader(self.engine)
+            self.offloader = make_offloader(trainer, self.engine)
         close_rendezvous(store, self.rank, self.world_size)  # the group formed: its store stops listening
         self._raw_old: dict[bytes, torch.Tensor] = {}
         self.freeze_gc()
-        return {
-            "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
-            **self.where(),
-        }
+        return {"params": self.engine.num_params(), **self.where()}
 
     # ---- forward ---------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -196,7 +199,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                     guard.add_loss(loss)
                     # this micro-batch's share of the update (train_micro_batches), and the boundary is ours
                     self.engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
-                    self.engine.backward(loss * weight, scale_wrt_gas=False)
+                    self.engine.backward(loss * weight)
                     guard.step(self.engine, step)
                 stats.add("actor/micro_batches", len(plan))
         stats.add("actor/lr", self.engine.get_lr()[0])
@@ -222,56 +225,34 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
 
     # ---- weights out -----------------------------------------------------------------------------------------------
     def named_weights(self, gather_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full (gathered) weights; under ZeRO-3 every rank must iterate together.
-
-        ZeRO-3 shards are gathered in groups of up to ``gather_bytes`` (one all-gather per group instead of one per
-        parameter); each tensor is valid until the next one is requested, which is how the senders consume them.
-        """
-        named = list(self.engine.module.named_parameters())
-        if self.trainer.zero_stage != 3:
-            for name, p in named:
-                yield name, p.data
-            return
-        import deepspeed
-
-        group: list[tuple[str, torch.nn.Parameter]] = []
-        size = 0
-        for name, p in [*named, ("", None)]:
-            full = p.ds_numel * p.element_size() if p is not None else 0
-            if group and (p is None or size + full > gather_bytes):
-                with deepspeed.zero.GatheredParameters([q for _, q in group], modifier_rank=None):
-                    for gname, q in group:
-                        yield gname, q.data
-                group, size = [], 0
-            if p is not None:
-                group.append((name, p))
-                size += full
+        """Full (gathered) weights, ``gather_bytes`` at a time; with sharded weights (ZeRO-3, FSDP2) every rank must
+        iterate together. Each tensor is valid until the next one is requested, which is how the senders consume
+        them."""
+        return self.engine.full_weights(gather_bytes)
 
     def weight_metas(self) -> list:
         from hybrid_core.weight_sync import TensorMeta
 
-        metas = []
-        for name, p in self.engine.module.named_parameters():
-            shape = tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
-            metas.append(TensorMeta(name, str(p.dtype).removeprefix("torch."), shape))
-        return metas
+        return [
+            TensorMeta(name, str(dtype).removeprefix("torch."), shape)
+            for name, dtype, shape in self.engine.weight_metas()
+        ]
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, tag: str) -> None:
-        """DeepSpeed's state under ``path``; with ``run.save_hf_ckpt`` also the policy in Hugging Face format under
-        ``path/huggingface`` (loadable by transformers / vLLM without DeepSpeed)."""
-        self.engine.save_checkpoint(path, tag=tag, save_latest=False)
+        """The backend's state under ``path`` (DeepSpeed's, or FSDP2's DCP shards); with ``run.save_hf_ckpt`` also
+        the policy in Hugging Face format under ``path/huggingface`` (loadable by transformers / vLLM as it is)."""
+        self.engine.save_checkpoint(path, tag)
         if self.settings.run.save_hf_ckpt:
             import os
 
             self.save_pretrained(os.path.join(path, HF_CHECKPOINT_DIR), self.model_path)
 
     def load_checkpoint(self, path: str, tag: str) -> None:
-        load_path, _ = self.engine.load_checkpoint(
-            path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
-        if load_path is None:
-            raise FileNotFoundError(f"actor rank {self.rank}: no DeepSpeed checkpoint {tag!r} under {path}")
+        try:
+            self.engine.load_checkpoint(path, tag)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"actor rank {self.rank}: {e}") from e
 
     def save_pretrained(self, path: str, tokenizer_path: str) -> None:
         """Hugging Face format (loadable by transformers and vLLM); rank 0 writes, all ranks gather."""
@@ -304,35 +285,6 @@ def attn_implementation(trainer: TrainerSettings) -> str | None:
     return "sdpa"
 
 
-def trainer_config(
-    trainer: TrainerSettings,
-    model: torch.nn.Module,
-    lr: float,
-    *,
-    micro_batch: int,
-    grad_accum: int,
-    total_updates: int,
-) -> dict:
-    """The DeepSpeed config of a trained role (actor, critic): the trainer section's ZeRO, precision and optimizer
-    settings with the role's own learning rate, on the actor's schedule (lr_warmup_ratio, lr_scheduler), for
-    the update shape :func:`update_shape` gives."""
-    return deepspeed_config(
-        zero_stage=trainer.zero_stage,
-        bf16=trainer.bf16,
-        micro_batch=micro_batch,
-        grad_accum=grad_accum,
-        lr=lr,
-        betas=(*trainer.adam_betas,),  # a tuple (a --config file gives a list)
-        weight_decay=trainer.weight_decay,
-        max_norm=trainer.max_grad_norm,
-        num_params=sum(p.numel() for p in model.parameters()),
-        adam_offload=trainer.adam_offload,
-        bf16_master_weights=trainer.bf16_master_weights,
-        bf16_optimizer_states=trainer.bf16_optimizer_states,
-        **lr_schedule(trainer, total_updates),
-    )
-
-
 def update_shape(rollout: RolloutSettings, world_size: int, total_steps: int) -> dict[str, int]:
     """A trained role's optimizer updates from the rollout section's batch shape: the micro-batch, the gradient
     accumulation of one update over ``world_size`` ranks, and the updates of the whole run (``total_steps`` steps)."""
@@ -340,17 +292,6 @@ def update_shape(rollout: RolloutSettings, world_size: int, total_steps: int) ->
         "micro_batch": rollout.micro_train_batch_size,
         "grad_accum": rollout.train_batch_size // (rollout.micro_train_batch_size * world_size),
         "total_updates": total_steps * (rollout.samples_per_step // rollout.train_batch_size) * rollout.max_epochs,
-    }
-
-
-def lr_schedule(trainer: TrainerSettings, total_updates: int) -> dict:
-    """The learning-rate schedule's arguments of :func:`deepspeed_config`, counted in optimizer updates: linear
-    warm-up over ``lr_warmup_ratio`` of the run's updates, then constant or a cosine decay to ``min_lr_ratio``."""
-    return {
-        "warmup_steps": int(trainer.lr_warmup_ratio * total_updates),
-        "lr_scheduler": trainer.lr_scheduler,
-        "total_updates": total_updates,
-        "min_lr_ratio": trainer.min_lr_ratio,
     }
 
 

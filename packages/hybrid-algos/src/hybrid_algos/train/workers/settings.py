@@ -1,5 +1,5 @@
-"""The trainer section of a run: DeepSpeed's ZeRO stage, precision, the optimizer and its schedule, and how the trained
-and frozen roles batch their passes, in the trainer's own words.
+"""The trainer section of a run: the backend (DeepSpeed or FSDP2), DeepSpeed's ZeRO stage, precision, the optimizer
+and its schedule, and how the trained and frozen roles batch their passes, in the trainer's own words.
 
 The training config (``RLConfig``, OpenRLHF's flat names) builds it (``RLConfig.trainer_settings()``; the names are
 mapped in :data:`hybrid_algos.train.sections.TABLE`), and the role workers read it (:mod:`.policy`, :mod:`.critic`,
@@ -15,16 +15,22 @@ from hybrid_core.errors import ConfigError
 
 #: Learning-rate schedules (OpenRLHF's names): both warm up linearly over lr_warmup_ratio of the updates.
 LR_SCHEDULERS = ("constant_with_warmup", "cosine_with_min_lr")
+#: Trainer backends of the trained roles (actor, critic): DeepSpeed's ZeRO engine, or torch's FSDP2 (fully_shard).
+BACKENDS = ("deepspeed", "fsdp2")
+#: The settings only DeepSpeed reads, with their defaults: under fsdp2 a different value would do nothing.
+DEEPSPEED_ONLY = {"zero_stage": 2, "adam_offload": False}
 #: Token budget of a micro-batch by tokens (dynamic_batch) when train_max_tokens is not given.
 DEFAULT_MAX_TOKENS_PER_GPU = 16384
 
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """How the trained roles (actor, critic) run under DeepSpeed, and how every role batches its forward passes.
+    """How the trained roles (actor, critic) run under their backend (DeepSpeed or FSDP2), and how every role
+    batches its forward passes.
     Defaults are the flat config's."""
 
-    # ---- DeepSpeed ---------------------------------------------------------------------------------------------
+    backend: str = "deepspeed"  # deepspeed | fsdp2 (trainer_backends/registry.py)
+    # ---- DeepSpeed (bf16, bf16_master_weights / optimizer_states, gradient_checkpointing also map onto fsdp2) ---
     zero_stage: int = 2  # 0-3
     bf16: bool = False  # the models compute in bf16 (else fp32)
     adam_offload: bool = False  # the optimizer in host memory (DeepSpeed's CPU Adam)
@@ -57,12 +63,21 @@ class TrainerSettings:
 
     @property
     def moves_states(self) -> bool:
-        """DeepSpeed can offload and reload its states (the residency plan's moves of a trained role): ZeRO 1-3."""
-        return self.zero_stage in (1, 2, 3)
+        """The backend can offload and reload its states (the residency plan's moves of a trained role): FSDP2
+        always, DeepSpeed under ZeRO 1-3."""
+        return self.backend == "fsdp2" or self.zero_stage in (1, 2, 3)
 
     def validate(self) -> TrainerSettings:
         """Refuse what DeepSpeed would refuse (or assert on) later, as :class:`ConfigError` naming
         ``trainer.<field>``; return self."""
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                "trainer.backend",
+                f"{self.backend!r} is not one of {', '.join(BACKENDS)}.",
+                "Use trainer.backend deepspeed (the default) or fsdp2 (torch's fully_shard).",
+            )
+        if self.backend == "fsdp2":
+            self._validate_fsdp2()
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(
                 "trainer.zero_stage",
@@ -97,6 +112,18 @@ class TrainerSettings:
                 )
         return self
 
+    def _validate_fsdp2(self) -> None:
+        """DeepSpeed's own settings would do nothing under FSDP2: refused rather than ignored."""
+        for name, default in DEEPSPEED_ONLY.items():
+            if getattr(self, name) != default:
+                raise ConfigError(
+                    f"trainer.{name}",
+                    "is DeepSpeed's, and trainer.backend fsdp2 does not read it: FSDP2 shards parameters, "
+                    "gradients and optimizer state over the ranks and keeps the optimizer on the GPU (the residency "
+                    "plan moves its states off between phases).",
+                    f"Drop trainer.{name}, or use trainer.backend deepspeed.",
+                )
+
     def _validate_precision(self) -> None:
         """What DeepSpeed (0.19.8) would assert on for bf16 master weights / optimizer states, said before it starts."""
         asked = [n for n in ("bf16_master_weights", "bf16_optimizer_states") if getattr(self, n)]
@@ -109,7 +136,7 @@ class TrainerSettings:
                 "and this one trains in fp32 (no trainer.bf16).",
                 f"Add trainer.bf16, or drop trainer.{asked[0]}.",
             )
-        if self.zero_stage == 0:
+        if self.zero_stage == 0 and self.backend == "deepspeed":
             raise ConfigError(
                 f"trainer.{asked[0]}",
                 "DeepSpeed keeps master weights and optimizer states in bf16 only in its "
@@ -120,8 +147,15 @@ class TrainerSettings:
             raise ConfigError(
                 "trainer.bf16_optimizer_states",
                 "Adam's moments in bf16 need the master weights in bf16 too "
-                "(DeepSpeed steps the moments in the master weights' dtype).",
+                "(the optimizer steps the moments in the master weights' dtype).",
                 "Add trainer.bf16_master_weights, or drop trainer.bf16_optimizer_states.",
+            )
+        if self.bf16_master_weights and not self.bf16_optimizer_states and self.backend == "fsdp2":
+            raise ConfigError(
+                "trainer.bf16_master_weights",
+                "under trainer.backend fsdp2 torch's AdamW keeps Adam's moments in the master weights' dtype, so "
+                "bf16 master weights come with bf16 moments.",
+                "Add trainer.bf16_optimizer_states (6 bytes per parameter, sharded over the ranks).",
             )
         if self.bf16_master_weights and not self.bf16_optimizer_states and not self.adam_offload:
             raise ConfigError(
