@@ -46,6 +46,7 @@ FLAT_ENTRIES = {
     ("placement.py", "build_residency"): "the CLI's --dry-run entry (flat), turned into sections at once",
     ("placement.py", "gpu_memory"): "the CLI's --dry-run entry (flat), turned into sections at once",
     ("placement.py", "host_memory"): "the CLI's --dry-run entry (flat), turned into sections at once",
+    ("placement.py", "with_planner_changes"): "writes the planner's changes back into the flat record a run saves",
 }
 
 #: (module, expression) -> why it reads the flat config there

@@ -207,18 +207,18 @@ def build_residency(
         host=host,
         recipe=recipe,
     )
-    changes = planner_changes(settings, changed)
-    return plan, cfg.replace(**changes) if changes else cfg
+    return plan, with_planner_changes(cfg, settings, changed)
 
 
-def planner_changes(before: TrainSettings, after: TrainSettings) -> dict[str, Any]:
-    """What :func:`plan_run_residency` changed (ZeRO demoted, CPU Adam), in flat names: the flat config a run
-    records (its checkpoints' ``config``) is the one it runs."""
-    return {
+def with_planner_changes(cfg: RLConfig, before: TrainSettings, after: TrainSettings) -> RLConfig:
+    """``cfg`` with what :func:`plan_run_residency` changed (ZeRO demoted, CPU Adam) in flat names: the flat config
+    a run records (its checkpoints' ``config``) is the one it runs."""
+    changes = {
         flag_of(f"trainer.{name}") or name: getattr(after.trainer, name)
         for name in ("zero_stage", "adam_offload")
         if getattr(after.trainer, name) != getattr(before.trainer, name)
     }
+    return cfg.replace(**changes) if changes else cfg
 
 
 def plan_run_residency(

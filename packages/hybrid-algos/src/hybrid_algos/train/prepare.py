@@ -21,7 +21,7 @@ from hybrid_engines.weight_sync import choose_sync
 from .checkpoint import CheckpointManager
 from .config import RLConfig
 from .model_settings import ModelSettings
-from .placement import check_sleep_flags, plan_placement, plan_run_residency, planner_changes
+from .placement import check_sleep_flags, plan_placement, plan_run_residency, with_planner_changes
 from .rollout_settings import RolloutSettings
 from .train_settings import TrainSettings
 
@@ -191,8 +191,7 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     residency, settings = plan_run_residency(
         planned, plan, folders, prompt_len=longest_prompt, generate_len=max_new_tokens, recipe=recipe
     )
-    changes = planner_changes(planned, settings)
-    config = config.replace(**changes) if changes else config  # the flat record says what runs
+    config = with_planner_changes(config, planned, settings)  # the flat record says what runs
     with flag_words():  # core's error names the residency settings
         residency.check()
     from .async_rollout import async_mode

@@ -156,8 +156,6 @@ def _layout(
             torch.tensor(list(offsets), dtype=torch.int64).to(device),
             words.to(device),
         )
-        if device.type == "cuda":  # built once: complete before any stream uses them (the sync's use several)
-            torch.cuda.current_stream(device).synchronize()
         layout = _LAYOUTS[key] = (tables, all(o % s == 0 for o in offsets))
         while len(_LAYOUTS) > _MAX_LAYOUTS:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))

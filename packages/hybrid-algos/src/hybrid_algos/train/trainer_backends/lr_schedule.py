@@ -35,7 +35,7 @@ def lr_multiplier(
 ) -> Callable[[int], float]:
     """``updates -> lr multiple`` for the arguments :func:`lr_schedule` gives."""
     if lr_scheduler == "cosine_with_min_lr" and total_updates > 0:
-        warmup = max(2, max(1, int(warmup_steps)))
+        warmup = max(2, int(warmup_steps))
         # without a warm-up DeepSpeed starts the schedule at iteration 0 with a floor of 1 (the full rate)
         start, floor = (-1, 0.0) if warmup_steps > 0 else (0, 1.0)
         return lambda updates: _cosine(start + updates, warmup, floor, total_updates, min_lr_ratio)
