@@ -16,7 +16,7 @@ _MODEL_FLAGS = {
     "critic.model_name_or_path": "reward",
 }
 _OUT_FLAGS = ("save_path", "ckpt.output_dir", "ckpt_path", "ckpt.path", "logger.tensorboard_dir")
-_DATA_FLAGS = ("prompt_data", "data.prompt_dataset")
+_DATA_FLAGS = ("prompt_data", "data.prompt_dataset", "eval_dataset", "eval.dataset")
 _REWARD_FLAGS = ("remote_rm_url", "reward.remote_url")
 _AGENT_FLAGS = ("agent_func_path", "train.agent_func_path")
 

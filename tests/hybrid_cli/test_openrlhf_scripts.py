@@ -60,10 +60,7 @@ CASES = {
     "dotted/train_prorlv2_math_hybrid_engine.args": Case(
         8,
         "everything colocated on the actor's 8 GPUs, 8 engines",
-        refused={
-            "eval.dataset": "evaluation on a held-out set",
-            "reward.stop_properly_penalty_coef": "rescaling the reward of completions cut",
-        },
+        refused={"reward.stop_properly_penalty_coef": "rescaling the reward of completions cut"},
         pending={
             "algo.dynamic_filtering_enable": "dynamic_filtering",
             "train.dynamic_batch_enable": "use_dynamic_batch",

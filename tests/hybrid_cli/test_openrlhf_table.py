@@ -206,7 +206,7 @@ def test_refusals_name_the_flag_as_spelled_and_the_reason(argv, field, fragment)
         (["--ds.ring_attn_size", "1"], "the value that changes nothing"),
         (["--local_rank", "3"], "has no effect here"),
         (["--actor_init_on_gpu"], "stopped using it"),
-        (["--eval.steps", "-1"], "has no effect here"),
+        (["--ckpt.best_metric_key", "eval_pass1"], "keeps the newest checkpoints"),
         (["--ds.attn_implementation", "flash_attention_3"], "FlashAttention-2"),
     ],
 )

@@ -1,4 +1,5 @@
-"""Start fsdp2_worker.py once per rank on a free local port and collect each rank's RESULT line."""
+"""Start a worker script (fsdp2_worker.py unless told) once per rank on a free local port and collect each rank's
+RESULT line."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(mode: str, world_size: int, folder: Path, timeout_s: float = 180) -> list[dict]:
+def run_ranks(mode: str, world_size: int, folder: Path, timeout_s: float = 180, worker: Path = WORKER) -> list[dict]:
     """Every rank's result, rank 0 first; fails with the ranks' output if any rank failed."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world_size)}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # 2 shared cores
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), mode, str(folder)],
+            [sys.executable, str(worker), mode, str(folder)],
             env={**env, "RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

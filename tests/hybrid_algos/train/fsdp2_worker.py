@@ -2,8 +2,8 @@
 
 A tiny Llama under the FSDP2 engine trains updates of 2 micro-batches per rank on a fixed batch. Modes: ``train``
 (next to a non-sharded reference), ``dtypes`` (mixed precision), ``export`` (weights out bucket by bucket),
-``offload`` (sleep inside and between updates), ``save`` (2 ranks, a DCP checkpoint mid-run) and ``resume`` (any
-rank count, from that checkpoint). Each rank prints one ``RESULT {json}`` line.
+``offload`` (sleep inside and between updates), ``save`` (a DCP checkpoint mid-run) and ``resume`` (1, 2 or 4
+ranks, from that checkpoint). Each rank prints one ``RESULT {json}`` line.
 """
 
 import json
@@ -41,11 +41,11 @@ def batches() -> list[list[torch.Tensor]]:
 
 
 def my_batches() -> list[torch.Tensor]:
-    """This rank's micro-batches of the 2-rank split; a single rank takes both ranks' (the same update)."""
-    per_rank = batches()
-    if dist.get_world_size() == 1:
-        return [ids for rank in per_rank for ids in rank]
-    return per_rank[dist.get_rank()]
+    """This rank's share of the update's 4 micro-batches: the 2-rank split; one rank takes all of them, each of 4
+    ranks one (the same update: the loss and the averaged gradient are means over all 4 micro-batches)."""
+    every = [ids for rank in batches() for ids in rank]
+    per = len(every) // dist.get_world_size()
+    return every[dist.get_rank() * per : (dist.get_rank() + 1) * per]
 
 
 def warmup(update: int) -> float:

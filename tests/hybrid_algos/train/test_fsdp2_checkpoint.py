@@ -1,6 +1,7 @@
 """Checkpoints of the FSDP2 backend through torch.distributed.checkpoint: saved sharded (one file per gloo rank) and
-loaded onto another rank count (2 -> 1, 1 -> 2) by a differently initialised engine, the next updates' losses are
-the saving run's (1e-6), with the learning-rate schedule resumed; an incomplete or missing checkpoint is refused."""
+loaded onto another rank count (2 -> 1, 2 -> 4, 1 -> 2) by a differently initialised engine, the next updates'
+losses are the saving run's (1e-6), with the learning-rate schedule resumed; an incomplete or missing checkpoint is
+refused."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def test_two_rank_checkpoint_resumes_on_one_rank_with_identical_losses(saved_on_
     one = run_ranks("resume", 1, folder)
     assert [r["world"] for r in one] == [1]
     _resumes_identically(two, one)
+
+
+def test_two_rank_checkpoint_resumes_on_four_ranks_with_identical_losses(saved_on_two) -> None:
+    folder, two = saved_on_two
+    four = run_ranks("resume", 4, folder, timeout_s=300)  # 4 processes on 2 shared cores: slower to start
+    assert [r["world"] for r in four] == [4, 4, 4, 4]
+    _resumes_identically(two, four)
 
 
 def test_one_rank_checkpoint_resumes_on_two_ranks_with_identical_losses(tmp_path) -> None:

@@ -1,7 +1,7 @@
 """PPO with ``--trainer fsdp2`` through the real loop on 2 fake GPUs (local Ray, gloo): the actor and the critic each
-sharded over 2 ranks, every role moving its states between phases (the critic's value pass runs with its gradients
-and optimizer offloaded), the weights synced to 2 engines from the shards, DCP checkpoints for both trained roles,
-and a resume from them that carries on."""
+sharded over 2 ranks, the reference too (fully_shard, no optimizer), every role moving its states between phases
+(the critic's value pass runs with its gradients and optimizer offloaded), the weights synced to 2 engines from the
+shards, DCP checkpoints for both trained roles, and a resume from them that carries on."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ def test_ppo_trains_actor_and_critic_under_fsdp2_checkpoints_and_resumes(tmp_pat
         assert math.isfinite(m["critic/value_loss"]) and math.isfinite(m["actor/pg_loss"])
         assert m["bytes/sync"] > 0 and m["bytes/sleep"] > 0 and m["bytes/wake"] > 0
     assert first["residency"].sleeps("actor") and first["residency"].sleeps("critic")
+    # the 2-rank reference is planned (and built) as FSDP2 shards, and the owner moves them like the trainers' states
+    plan = first["residency"]
+    reference = [share for shares in plan.layout.values() for share in shares if share.role == "reference"]
+    assert len(reference) == 2 and all(
+        "fsdp2_gather" in items for share in reference for items in share.size.working.values()
+    )
+    assert plan.sleeps("reference")
     # each trained role's checkpoint is DCP's: the .metadata its coordinator writes after every rank's shards
     for role in ("actor", "critic"):
         saved = list((tmp_path / "checkpoints").glob(f"step-*/{role}/**/.metadata"))

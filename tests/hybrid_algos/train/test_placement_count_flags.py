@@ -1,6 +1,8 @@
 """OpenRLHF's count flags -> plan (``placement.counted_roles``, the meaning of the flags, laid out by
 hybrid_core.placement.counts): the seeds' 8-GPU and 70B (48-GPU) examples, and the flag errors, in flag words."""
 
+from dataclasses import replace
+
 import pytest
 
 from hybrid_algos.train.placement import counted_roles
@@ -9,6 +11,14 @@ from hybrid_algos.train.sections import flag_words
 from hybrid_core.errors import ConfigError, PlacementError
 from hybrid_core.placement import PlacementSpec
 from hybrid_core.placement.settings import PlacementSettings
+
+#: PPO's roles as a run without on-policy distillation has them (the teacher, placed on the actor's GPUs by its
+#: counts, is a role only with --teacher_pretrain); the optional reference and reward model stay: the counts decide them
+RUN = replace(
+    PPO,
+    roles=tuple(r for r in PPO.roles if r.name != "teacher"),
+    phases=tuple(p for p in PPO.phases if p.role != "teacher"),
+)
 
 #: what a flag left out means here (as hybrid-core's count layout took them before the flags' meaning moved here)
 UNSET = dict(critic_num_gpus_per_node=0, ref_num_gpus_per_node=0, reward_num_gpus_per_node=0, colocate_all_models=False)
@@ -25,7 +35,7 @@ def from_counts(vllm_num_engines=0, vllm_tensor_parallel_size=1, cluster_gpus=No
     class Spec:
         def plan(self):
             with flag_words():
-                roles = counted_roles(settings, PPO, vllm_num_engines, vllm_tensor_parallel_size)
+                roles = counted_roles(settings, RUN, vllm_num_engines, vllm_tensor_parallel_size)
                 spec = PlacementSpec.from_counts(
                     roles, gpus_per_node=settings.gpus_per_node, cluster_gpus=cluster_gpus, num_nodes=num_nodes
                 )
@@ -178,15 +188,22 @@ def test_roles_with_zero_gpus_are_absent_and_no_engines_means_one_on_each_actor_
 
 
 def test_a_role_the_counts_do_not_place_needs_ranges():
-    from dataclasses import replace
-
     from hybrid_algos.train.recipe import RoleSpec
 
-    teacher = RoleSpec("teacher", "frozen", "hybrid_algos.train.workers.frozen:ReferenceWorker")
-    recipe = replace(PPO, roles=(*PPO.roles, teacher))
-    with pytest.raises(ConfigError, match="role 'teacher' has no count settings") as err, flag_words():
+    judge = RoleSpec("judge", "frozen", "hybrid_algos.train.workers.frozen:ReferenceWorker")
+    recipe = replace(RUN, roles=(*RUN.roles, judge))
+    with pytest.raises(ConfigError, match="role 'judge' has no count settings") as err, flag_words():
         counted_roles(PlacementSettings(), recipe, 1, 1)
     assert err.value.field == "placement" and "--placement" in str(err.value)
+
+
+def test_a_distillation_teacher_sits_on_the_actors_gpus():
+    settings = PlacementSettings(actor_num_gpus_per_node=4, ref_num_gpus_per_node=2, colocate_all=True)
+    with flag_words():
+        roles = counted_roles(settings, PPO, 4, 1)  # PPO with every optional role, the teacher included
+        plan = PlacementSpec.from_counts(roles).plan()
+    assert plan.roles["teacher"].gpus == plan.roles["actor"].gpus == (0, 1, 2, 3)
+    assert plan.roles["reference"].gpus == (0, 1)
 
 
 def e(field, *fragments):

@@ -22,8 +22,13 @@ OLD_KINDS = {"actor": "trainer", "critic": "trainer", "reference": "frozen", "re
 
 
 def test_ppo_is_the_old_step():
-    assert [(p.name, p.role, p.needs) for p in PPO.residency_phases()] == OLD_STEP
-    assert PPO.kinds == OLD_KINDS
+    # the old step, with on-policy distillation's optional teacher (and its phase, after the reference's) beside it
+    phases = [(p.name, p.role, p.needs) for p in PPO.residency_phases()]
+    assert [p for p in phases if p[1] != "teacher" and p[0] != "eval"] == OLD_STEP
+    # and the evaluation's (with --eval_dataset): a generate phase of the engines, the step's last
+    assert phases[-1] == ("eval", "rollout", {"rollout": ("weights", "kv_cache")})
+    assert phases[3] == ("teacher", "teacher", {"teacher": ("params",)})
+    assert PPO.kinds == {**OLD_KINDS, "teacher": "frozen"}
     sync = next(p for p in PPO.residency_phases() if p.name == "sync")
     assert sync.holds == {("rollout", "weights"): "generate"}
 
@@ -38,6 +43,8 @@ def test_ppo_is_the_old_step():
         (GRPOConfig(), "grpo", ["actor", "reference", "rollout"]),
         (GRPOConfig(advantage_estimator="gae"), "ppo", ["actor", "critic", "reference", "rollout"]),
         (ReinforceConfig(), "reinforce++", ["actor", "reference", "rollout"]),
+        (GRPOConfig(teacher_pretrain="/models/t"), "grpo", ["actor", "reference", "teacher", "rollout"]),
+        (PPOConfig(init_kl_coef=0.0, teacher_pretrain="/t"), "ppo", ["actor", "critic", "teacher", "rollout"]),
     ],
 )
 def test_the_recipe_follows_the_config(config, name, roles):
@@ -47,7 +54,8 @@ def test_the_recipe_follows_the_config(config, name, roles):
     # the reward phase stays (on the driver without a reward model); the others go with their role
     assert [p.name for p in recipe.phases if p.role not in roles] == ["reward"] * (not recipe.has("reward"))
     assert all(set(p.needs) <= set(roles) for p in recipe.phases)
-    assert [p.name for p in recipe.residency_phases()] == [n for n, role, _ in OLD_STEP if role in roles]
+    old_step = [*OLD_STEP[:3], ("teacher", "teacher", {}), *OLD_STEP[3:]]
+    assert [p.name for p in recipe.residency_phases()] == [n for n, role, _ in old_step if role in roles]
 
 
 def test_every_phase_of_the_built_in_recipes_has_its_function():

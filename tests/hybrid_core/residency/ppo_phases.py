@@ -9,8 +9,9 @@ from hybrid_core.residency import build_layout as core_build_layout
 from hybrid_core.residency import plan_residency as core_plan_residency
 from hybrid_core.residency import size_role as core_size_role
 
-#: every phase of PPO's step, in order (the planner skips those whose working role a layout does not have)
-PHASES = tuple(p.residency_phase() for p in PPO.phases)
+#: every phase of PPO's step, in order (the planner skips those whose working role a layout does not have), as a run
+#: without an evaluation dataset has them (the optional ``eval`` phase exists only with one)
+PHASES = tuple(p.residency_phase() for p in PPO.phases if p.when is None)
 KINDS = PPO.kinds
 
 

@@ -11,6 +11,7 @@ Importing this package loads torch and nothing else; the training loop is :mod:`
   :func:`entropy_from_logits`, :func:`aggregate_loss`.
 - engine/trainer mismatch: :func:`rollout_correction` (TIS, IcePop, sequence-level TIS / MIS) and its metrics.
 - DAPO: :func:`informative_groups` (dynamic sampling), :func:`overlong_penalty`.
+- on-policy distillation: :func:`distillation_advantages` (the teacher's per-token reverse KL as the advantage).
 - helpers: masked statistics, discounted returns and GAE, :func:`logprobs_from_logits`.
 
 Bad input raises :class:`AlgoInputError` (a ``ValueError``) naming the argument and the fix.
@@ -27,6 +28,7 @@ from .advantages import (
 )
 from .aggregation import LOSS_AGG_MODES, aggregate_loss
 from .dapo import informative_groups, overlong_penalty
+from .distillation import distillation_advantages
 from .entropy import entropy_from_logits, logprobs_from_logits
 from .errors import AlgoInputError
 from .kl import (
@@ -78,6 +80,7 @@ __all__ = [
     "compute_advantages",
     "compute_policy_loss",
     "discounted_returns",
+    "distillation_advantages",
     "entropy_from_logits",
     "generalized_advantages",
     "get_advantage_estimator",

@@ -65,6 +65,9 @@ class AlgorithmSettings:
     overlong_buffer_len: int | None = None  # the soft overlong penalty over the last N tokens of the length limit
     overlong_penalty_factor: float = 1.0  # the penalty at the length limit
     mask_truncated_completions: bool = False  # completions cut at the length limit leave the policy loss
+    # ---- on-policy distillation (hybrid_algos.distillation; only with a teacher role) --------------------------
+    distill_coef: float = 1.0  # weight of the teacher's per-token reverse KL in the advantage
+    distill_task_coef: float = 1.0  # weight of the task reward's advantage beside it; 0: distillation alone
 
     # ---- what the settings imply -------------------------------------------------------------------------------
     @property
@@ -185,7 +188,22 @@ class AlgorithmSettings:
         self._validate_clip()
         self._validate_correction()
         self._validate_dapo(n_samples_per_prompt, generate_max_len, reward_model)
+        self._validate_distillation()
         return self
+
+    def _validate_distillation(self) -> None:
+        for name in ("distill_coef", "distill_task_coef"):
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise AlgoInputError(
+                    f"algorithm.{name}", f"must be a finite number >= 0, got {value}.", "E.g. 1.0 (or 0 to drop it)."
+                )
+        if self.distill_coef == 0 and self.distill_task_coef == 0:
+            raise AlgoInputError(
+                "algorithm.distill_coef",
+                "with algorithm.distill_task_coef 0 too, every advantage would be 0 and nothing would be learned.",
+                "Give algorithm.distill_coef > 0 (distillation), algorithm.distill_task_coef > 0 (the task), or both.",
+            )
 
     def _validate_estimator(self) -> None:
         known = list_advantage_estimators()

@@ -41,7 +41,7 @@ def dry_run(
     console = console or Console(width=None if _is_terminal() else 132, highlight=False)
     for note in notes:  # yellow: a note says what was chosen for the user (defaults taken, flags translated)
         console.print("[yellow]note:[/yellow] " + escape(note))
-    for name in ("pretrain", "reward_pretrain", "critic_pretrain"):  # a damaged folder is named, not a traceback
+    for name in ("pretrain", "reward_pretrain", "critic_pretrain", "teacher_pretrain"):  # named, not a traceback
         if getattr(config, name) is not None:
             check_model_folder(name, getattr(config, name), trust_remote_code=config.trust_remote_code)
     if config.reward_pretrain is not None:  # a folder without a reward head: refused, or --reward_random_head's note
@@ -70,8 +70,21 @@ def dry_run(
             f"warning: {missing}; the run will stop before it starts unless it is installed.", markup=False
         )  # as markup, the extra ('hybrid-engines[vllm]') would vanish
     prompts = load_prompts(config, console)
-    console.print(step_count(config.rollout_settings(), len(prompts)).describe(), markup=False)  # the loop's own count
+    steps = step_count(config.rollout_settings(), len(prompts))
+    console.print(steps.describe(), markup=False)  # the loop's own count
+    eval_prompts = load_eval_prompts(config, steps.total, console)
     console.print(describe_reward(config), markup=False)  # a path or URL may hold [...]
+    if config.teacher_pretrain is not None:  # the run's own check: the teacher must read the policy's token ids
+        from hybrid_algos.train.model_files import check_same_tokenizer
+
+        check_same_tokenizer(
+            "teacher_pretrain", config.teacher_pretrain, _tokenizer(config), trust_remote_code=config.trust_remote_code
+        )
+        console.print(
+            f"distillation: teacher {config.teacher_pretrain}; each token's advantage = {config.distill_task_coef:g} "
+            f"x the task's - {config.distill_coef:g} x (log p_student - log p_teacher)",
+            markup=False,
+        )
     if config.use_wandb and importlib.util.find_spec("wandb") is None:
         console.print(
             "warning: --use_wandb, but wandb is not installed here; the run will stop before it starts "
@@ -84,7 +97,9 @@ def dry_run(
     if host_memory_gb is not None:
         config = config.replace(host_memory_gb=host_memory_gb).validate()  # the config's own check names the flag
     gpu_bytes, source = gpu_memory(config)
-    prompt_len, generate_len = rollout_lengths(config.rollout_settings(), config.models_settings(), prompts)
+    prompt_len, generate_len = rollout_lengths(
+        config.rollout_settings(), config.models_settings(), [*prompts, *eval_prompts]
+    )
     residency, run_config = build_residency(
         config,
         plan,
@@ -202,6 +217,23 @@ def load_prompts(config: Any, console: Console | None = None) -> list:
             "Lower --rollout_batch_size or give more prompts.",
         )
     (console or Console(highlight=False)).print(f"prompts: {stats.describe()}", markup=False)
+    return prompts
+
+
+def load_eval_prompts(config: Any, total_steps: int, console: Console) -> list:
+    """The evaluation's held-out prompts, loaded as the run loads them, and the line saying how and when they are
+    evaluated (none without --eval_dataset)."""
+    from hybrid_algos.train import evaluation
+    from hybrid_algos.train.sections import flag_text
+
+    settings = config.evaluation_settings()
+    if not settings.enabled:
+        return []
+    prompts, stats = evaluation.load_eval_prompts(config.rollout_settings(), settings, _tokenizer(config))
+    line = evaluation.describe(
+        settings, stats.describe(), total_steps=total_steps, samples_per_step=config.samples_per_step
+    )
+    console.print(flag_text(line), markup=False)
     return prompts
 
 

@@ -477,7 +477,6 @@ def _pending_values(ctx: Context, flag: str, values: dict[str, Any], what: str) 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
 _LORA = "LoRA adapters (hybrid trains every weight)"
-_EVAL = "evaluation on a held-out set during training"
 _MUON = "the Muon optimizer (hybrid trains with Adam)"
 _VLM = "vision-language training (images in the prompts)"
 
@@ -522,7 +521,7 @@ DOTTED_RULES: dict[str, Rule] = {
     "train.async_queue_size": same("async_max_staleness"),
     "train.partial_rollout_enable": same("partial_rollout"),
     # checkpoints
-    "eval.steps": note("evaluation runs only with --eval.dataset, which hybrid does not support."),
+    "eval.steps": same("eval_steps"),
     "ckpt.save_steps": same("save_steps"),
     "logger.logging_steps": same("logging_steps"),
     "ckpt.path": same("ckpt_path"),
@@ -540,7 +539,10 @@ DOTTED_RULES: dict[str, Rule] = {
         instead="Use --max_ckpt_num to bound how many are kept.",
     ),
     "ckpt.load_enable": same("resume_if_exists"),  # load one if there is one, else start fresh
-    "ckpt.best_metric_key": note("it picks the best checkpoint by an evaluation metric; hybrid runs no evaluation."),
+    "ckpt.best_metric_key": note(
+        "it picks the best checkpoint by an evaluation metric; hybrid logs the eval/ metrics "
+        "(--eval_dataset) but keeps the newest checkpoints (--max_ckpt_num)."
+    ),
     "ds.use_universal_ckpt": refuse(
         "DeepSpeed universal checkpoints (reshardable to another GPU count)",
         "hybrid resumes on the same placement; drop this flag.",
@@ -696,10 +698,10 @@ DOTTED_RULES: dict[str, Rule] = {
     "data.prompt_dataset": same("prompt_data"),
     "data.prompt_probs": same("prompt_data_probs"),
     "data.prompt_split": same("prompt_split"),
-    "eval.dataset": refuse(_EVAL, "drop this flag."),
-    "eval.split": note("evaluation runs only with --eval.dataset, which hybrid does not support."),
-    "eval.temperature": note("evaluation runs only with --eval.dataset, which hybrid does not support."),
-    "eval.n_samples_per_prompt": note("evaluation runs only with --eval.dataset, which hybrid does not support."),
+    "eval.dataset": same("eval_dataset"),
+    "eval.split": same("eval_split"),
+    "eval.temperature": same("eval_temperature"),
+    "eval.n_samples_per_prompt": same("eval_n_samples_per_prompt"),
     "data.input_key": same("input_key"),
     "data.label_key": same("label_key"),
     "data.input_template": same("input_template"),

@@ -15,12 +15,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 #: Phases shown, in step order (metric ``time/<phase>``).
-PHASES = ("generate", "infer", "train", "sync", "sleep", "wake")
+PHASES = ("generate", "infer", "train", "sync", "sleep", "wake", "eval")
 
 
 def step_line(m: dict[str, Any]) -> str:
     """``reward 0.512  kl 0.0031  | generate 1.20s infer 0.31s ...  step 2.1s`` for one step's metrics."""
     parts = [f"reward {_num(m.get('reward'))}", f"kl {_num(m.get('kl'), 4)}"]
+    if "eval/reward_mean" in m:  # a step the held-out prompts were evaluated after (--eval_dataset)
+        passed = next((f"  {k[5:]} {_num(v)}" for k, v in m.items() if k.startswith("eval/pass@")), "")
+        parts.append(f"eval {_num(m['eval/reward_mean'])}{passed}")
     times = " ".join(f"{p} {m[f'time/{p}']:.2f}s" for p in PHASES if m.get(f"time/{p}"))
     text = "  ".join(parts)
     if times:
@@ -109,6 +112,9 @@ def summary_table(history: list[dict[str, Any]], summary: dict[str, Any] | None 
     rewards = [float(m["reward"]) for m in history if m.get("reward") is not None]
     if rewards:
         table.add_row("reward first / last / best", f"{rewards[0]:.3f} / {rewards[-1]:.3f} / {max(rewards):.3f}")
+    evals = [float(m["eval/reward_mean"]) for m in history if m.get("eval/reward_mean") is not None]
+    if evals:
+        table.add_row("eval reward first / last / best", f"{evals[0]:.3f} / {evals[-1]:.3f} / {max(evals):.3f}")
     if history and history[-1].get("kl") is not None:
         table.add_row("KL (last step)", f"{float(history[-1]['kl']):.4f}")
     for phase in (*PHASES, "step"):

@@ -21,6 +21,7 @@ from hybrid_engines.registry import validate_settings
 from hybrid_engines.weight_sync.settings import SyncSettings
 
 from .demo import DEMO_SETTINGS
+from .eval_settings import EvalSettings
 from .model_settings import AGENT_TASKS, ModelSettings
 from .rollout_settings import RolloutSettings
 from .run_settings import RunSettings
@@ -202,6 +203,11 @@ class RLConfig:
     overlong_penalty_factor: float = 1.0  # the penalty at generate_max_len
     mask_truncated_completions: bool = False  # completions cut at generate_max_len are left out of the policy loss
 
+    # ---- on-policy distillation (a teacher role scores every sampled token) ---------------------------------
+    teacher_pretrain: str | None = None  # the teacher's model folder (same tokenizer as the policy); None: no teacher
+    distill_coef: float = 1.0  # weight of the teacher's per-token reverse KL in each token's advantage
+    distill_task_coef: float = 1.0  # weight of the task reward's advantage beside it; 0: distillation alone
+
     # ---- agents (multi-turn, tool-using rollouts) ------------------------------------------------------------
     agent_func_path: str | None = (
         None  # environment: FILE.py (OpenRLHF's AgentExecutor, or an Environment class), FILE.py:NAME or module:NAME
@@ -223,6 +229,14 @@ class RLConfig:
     prompt_split: str = "train"
     prompt_data_probs: str | None = None  # comma-separated sampling weights, one per --prompt_data dataset
     input_template: str | None = None  # e.g. "User: {}\nAssistant: " around each plain-text prompt
+
+    # ---- evaluation during training (held-out prompts; train/evaluation.py) -------------------------------------
+    eval_dataset: str | None = None  # JSONL / Parquet file(s) or datasets folder, read like --prompt_data; None: none
+    eval_steps: int = -1  # evaluate after every N steps and after the last; -1: only after the last step
+    eval_split: str = "train"  # the split of a datasets folder (OpenRLHF's default)
+    eval_temperature: float = 0.6  # sampling temperature of the held-out prompts' samples (0: greedy)
+    eval_n_samples_per_prompt: int = 4  # samples per held-out prompt: the k of eval/pass@k
+    eval_pass_threshold: float = 1.0  # a sample passes when its reward is >= this (the built-in tasks' full score)
 
     # ---- saving, logging -------------------------------------------------------------------------------------
     save_path: str = "./runs/hybrid"
@@ -304,7 +318,8 @@ class RLConfig:
     @property
     def needs_old_logprobs(self) -> bool:
         """Whether a step runs the actor's old log-prob pass (:meth:`AlgorithmSettings.needs_old_logprobs`)."""
-        return self.algorithm_settings().needs_old_logprobs(self.single_update)
+        teacher = self.teacher_pretrain is not None  # the distillation term needs them before the update
+        return teacher or self.algorithm_settings().needs_old_logprobs(self.single_update)
 
     @property
     def samples_per_step(self) -> int:
@@ -391,6 +406,10 @@ class RLConfig:
         """The models section: model folders, rewards, the built-in task and model."""
         return build("models", self)
 
+    def evaluation_settings(self) -> EvalSettings:
+        """The evaluation section: the held-out prompts, when they are generated on, how they are scored."""
+        return build("evaluation", self)
+
     def settings(self) -> TrainSettings:
         """The run's settings in sections (:class:`~.train_settings.TrainSettings`): what everything below
         :func:`~.prepare.prepare` reads. Call it on a validated config."""
@@ -429,6 +448,13 @@ class RLConfig:
         self._validate_agent_reward()
         with flag_words():
             self.models_settings().validate(builtin_prompts=self.prompt_data is None)
+        with flag_words():  # the prompts' fields and what scores them are the rollout's and the models' sections'
+            self.evaluation_settings().validate(
+                input_key=self.input_key,
+                async_train=self.async_train,
+                reward_model=self.reward_pretrain is not None,
+                agent=self.uses_agent,
+            )
         from .inactive import check
 
         check(self)  # a setting that would do nothing in this run is refused (the table in inactive.py)

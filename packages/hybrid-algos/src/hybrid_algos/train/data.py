@@ -272,24 +272,26 @@ def resolve_local_paths(values: dict[str, Any]) -> tuple[dict[str, Any], list[st
     (nothing is downloaded at run time)."""
     changes: dict[str, Any] = {}
     notes: list[str] = []
-    for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
+    for name in ("pretrain", "reward_pretrain", "critic_pretrain", "teacher_pretrain"):
         value = values.get(name)
         if isinstance(value, str) and looks_like_hub_id(value):
             path = _from_cache(name, value, "model")
             changes[name] = path
             notes.append(f"--{name} {value}: the Hugging Face cache's copy at {path}")
-    data = values.get("prompt_data")
-    if isinstance(data, str):
+    for field in ("prompt_data", "eval_dataset"):  # the evaluation's prompts are read like the training's
+        data = values.get(field)
+        if not isinstance(data, str):
+            continue
         parts = []
         for part in (p.strip() for p in data.split(",")):
             name, at, sub = part.partition("@")
             if looks_like_hub_id(name):
-                path = _from_cache("prompt_data", name, "dataset")
-                notes.append(f"--prompt_data {name}: the Hugging Face cache's copy at {path}")
+                path = _from_cache(field, name, "dataset")
+                notes.append(f"--{field} {name}: the Hugging Face cache's copy at {path}")
                 part = f"{path}{at}{sub}"
             parts.append(part)
         if ",".join(parts) != data:
-            changes["prompt_data"] = ",".join(parts)
+            changes[field] = ",".join(parts)
     return changes, notes
 
 

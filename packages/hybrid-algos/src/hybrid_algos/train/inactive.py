@@ -175,6 +175,16 @@ RULES: tuple[Rule, ...] = (
         )
         for name in ("reward_num_nodes", "reward_num_gpus_per_node")
     ),
+    # ---- on-policy distillation ----------------------------------------------------------------------------------
+    *(
+        Rule(
+            name,
+            lambda c: c.teacher_pretrain is None,
+            "there is no teacher (no --teacher_pretrain), so no distillation term",
+            "Drop it, or give --teacher_pretrain DIR (a model with the policy's tokenizer).",
+        )
+        for name in ("distill_coef", "distill_task_coef")
+    ),
     # ---- the policy loss ------------------------------------------------------------------------------------------
     Rule(
         "eps_clip",
@@ -274,7 +284,32 @@ RULES: tuple[Rule, ...] = (
             "there is no --prompt_data (the prompts are the built-in task's)",
             "Give --prompt_data FILE, or drop it.",
         )
-        for name in ("input_key", "label_key", "prompt_split", "prompt_data_probs", "input_template")
+        for name in ("prompt_split", "prompt_data_probs")
+    ),
+    *(
+        Rule(  # the evaluation prompts are read with them too
+            name,
+            lambda c: c.prompt_data is None and c.eval_dataset is None,
+            "there is no --prompt_data nor --eval_dataset (the prompts are the built-in task's)",
+            "Give --prompt_data FILE (or --eval_dataset FILE), or drop it.",
+        )
+        for name in ("input_key", "label_key", "input_template")
+    ),
+    *(
+        Rule(
+            name,
+            lambda c: c.eval_dataset is None,
+            "there is no --eval_dataset (no evaluation runs)",
+            "Add --eval_dataset FILE (held-out prompts, read like --prompt_data), or drop it.",
+            openrlhf=name != "eval_pass_threshold",  # OpenRLHF reads its --eval.* only with --eval.dataset too
+        )
+        for name in (
+            "eval_steps",
+            "eval_split",
+            "eval_temperature",
+            "eval_n_samples_per_prompt",
+            "eval_pass_threshold",
+        )
     ),
     Rule(
         "input_template",

@@ -204,6 +204,30 @@ def load_tokenizer(field: str, path: str, *, trust_remote_code: bool) -> Any:
         ) from None
 
 
+def check_same_tokenizer(field: str, path: str, tokenizer: Any, *, trust_remote_code: bool) -> None:
+    """A model that scores the policy's token ids (a distillation teacher) must read them as the policy does: the
+    same vocabulary, and logits over every id of it. Otherwise a ConfigError naming the first difference."""
+    theirs = load_tokenizer(field, path, trust_remote_code=trust_remote_code)
+    ours_vocab, their_vocab = tokenizer.get_vocab(), theirs.get_vocab()
+    if ours_vocab != their_vocab:
+        differ = sorted(t for t in set(ours_vocab) | set(their_vocab) if ours_vocab.get(t) != their_vocab.get(t))
+        raise ConfigError(
+            field,
+            f"the tokenizer in {path} is not the policy's ({len(their_vocab)} tokens against {len(ours_vocab)}; "
+            f"{len(differ)} differ, e.g. {differ[0]!r}: {their_vocab.get(differ[0])} here, "
+            f"{ours_vocab.get(differ[0])} in the policy's): it would score other tokens than the policy sampled.",
+            "Use a teacher of the policy's model family (the same tokenizer files).",
+        )
+    config = read_json(field, os.path.join(path, "config.json"))
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if isinstance(size, int) and size < len(ours_vocab):
+        raise ConfigError(
+            field,
+            f"{path}'s model has logits for {size} token ids; the tokenizer has {len(ours_vocab)}.",
+            "Use a teacher whose vocab_size covers its tokenizer.",
+        )
+
+
 def _first_line(e: BaseException) -> str:
     lines = [line for line in str(e).splitlines() if line.strip()]
     return lines[0][:300] if lines else ""

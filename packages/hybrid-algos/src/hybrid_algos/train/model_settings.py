@@ -30,6 +30,7 @@ class ModelSettings:
     reward_random_head: bool = False
     reward_fn: str | None = None  # "module:function", a .py file or http(s) URL(s); None: the task's rule
     critic_pretrain: str | None = None
+    teacher_pretrain: str | None = None  # on-policy distillation's teacher (the recipe's teacher role)
     task: str = "copy"  # the built-in task when there is no prompt data
     task_length: int = 2
     tiny_model: dict[str, Any] = field(default_factory=dict)  # overrides of the demo model's config
@@ -51,7 +52,7 @@ class ModelSettings:
                 f"must be a positive integer, got {length!r}.",
                 "Give models.task_length a whole number >= 1.",
             )
-        for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
+        for name in ("pretrain", "reward_pretrain", "critic_pretrain", "teacher_pretrain"):
             path = getattr(self, name)
             if path is not None and not os.path.isdir(path):
                 raise ConfigError(

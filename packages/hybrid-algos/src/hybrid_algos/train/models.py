@@ -186,14 +186,20 @@ def chunked_token_scores(
 
 
 def install_token_scores(model: torch.nn.Module) -> torch.nn.Module:
-    """Give a transformers causal LM a ``token_scores=`` forward argument (idempotent; returns the model)."""
+    """Give a transformers causal LM a ``token_scores=`` forward argument (idempotent; returns the model).
+
+    A PEFT wrapper gets the argument itself (its call is the one FSDP2's and DeepSpeed's hooks are on); the backbone
+    and head are those of the transformers model inside it, adapters included."""
+    from .trainer_backends.peft_weights import hf_model
+
     if getattr(model, "_hybrid_token_scores", False):
         return model
     original = model.forward
-    base, head = model.base_model, model.get_output_embeddings()
-    if base is model or head is None:
-        raise ValueError(f"{type(model).__name__} has no separate backbone and LM head to score tokens in chunks")
-    transform = _logit_transform(model.config)
+    m = hf_model(model)  # the transformers model (inside a PEFT wrapper, or the model itself)
+    base, head = m.base_model, m.get_output_embeddings()
+    if base is m or head is None:
+        raise ValueError(f"{type(m).__name__} has no separate backbone and LM head to score tokens in chunks")
+    transform = _logit_transform(m.config)
 
     def forward(*args, token_scores: TokenScoresRequest | None = None, **kwargs):
         if token_scores is None:

@@ -16,6 +16,7 @@ them, and they only turn it into sections.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from hybrid_core.errors import ConfigError
@@ -89,8 +90,9 @@ def counted_roles(
     ``colocate_all``: every role on the actor's GPUs (a role with fewer GPUs takes the first ones), the engines
     filling them exactly; ``colocate_actor_ref``: the reference on the actor's; ``colocate_critic_reward``: the
     reward model on the critic's; every other role gets its own block, in the order actor, engines, critic,
-    reference, reward."""
-    unknown = [r.name for r in recipe.workers if r.name not in COUNT_PREFIXES]
+    reference, reward. A distillation teacher (no OpenRLHF counterpart) sits on the actor's GPUs, as many as the
+    actor's (``--placement teacher=...`` places it elsewhere)."""
+    unknown = [r.name for r in recipe.workers if r.name not in (*COUNT_PREFIXES, "teacher")]
     if unknown:
         raise ConfigError(
             "placement.ranges",
@@ -133,6 +135,9 @@ def counted_roles(
         roles.append(counted("reward", on_actor, every))
     else:
         roles.append(counted("reward", "critic", "placement.colocate_critic_reward", required=True))
+    if recipe.has("teacher"):
+        teacher = counted("actor", "actor", "models.teacher_pretrain", required=True)
+        roles.append(dataclasses.replace(teacher, name="teacher", label="teacher model"))
     return roles
 
 

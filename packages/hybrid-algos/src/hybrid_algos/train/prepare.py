@@ -55,6 +55,7 @@ class Prepared:
     # what a checkpoint records of the flat config ("config", "essentials": resume.check_compatible compares them)
     config_record: dict[str, Any] = field(default_factory=dict)
     config: RLConfig | None = None  # the flat config the run applies, for loop's on_start callbacks only
+    eval_prompts: list = field(default_factory=list)  # the held-out prompts of --eval_dataset (evaluation.py)
 
 
 def prepare(config: RLConfig, recipe: Any = None) -> Prepared:
@@ -81,7 +82,7 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     from hybrid_engines.weight_sync import sync_backend_note, verify_note
 
     from .data import load_prompts, step_count
-    from .model_files import check_model_folder, check_reward_head, load_tokenizer
+    from .model_files import check_model_folder, check_reward_head, check_same_tokenizer, load_tokenizer
     from .resume import find_resume_point
     from .rewards import load_reward_fn
     from .run_folder import check_writable, refuse_or_clear
@@ -106,7 +107,7 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     missing = library_missing(engine.backend)  # the engine registry knows each backend's package
     if missing:
         raise ConfigError("backend", f"--backend {engine.backend}: {missing}.", "Install it, or use --backend hf.")
-    for name in ("pretrain", "reward_pretrain", "critic_pretrain"):
+    for name in ("pretrain", "reward_pretrain", "critic_pretrain", "teacher_pretrain"):
         if getattr(models, name) is not None:
             check_model_folder(name, getattr(models, name), trust_remote_code=models.trust_remote_code)
     notes = [sync_backend_note(settings.sync, sync.mode)]  # an explicit --vllm_sync_backend ipc ignores
@@ -142,8 +143,13 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     tokenizer = load_tokenizer("pretrain", model_path, trust_remote_code=models.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if models.teacher_pretrain is not None:  # the teacher scores the policy's token ids: it must read them alike
+        check_same_tokenizer(
+            "teacher_pretrain", models.teacher_pretrain, tokenizer, trust_remote_code=models.trust_remote_code
+        )
     # a file that is not UTF-8 is a ConfigError there (and in --dry-run)
     prompts = load_prompts(rollout, tokenizer, task)
+    eval_prompts, eval_source = _load_eval(settings, tokenizer, recipe)  # before Ray: a bad file costs nothing
     if agent is not None:
         _note_agent(settings, agent, tokenizer)
     elif models.reward_fn is None:
@@ -155,7 +161,7 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
             "no reward: a --prompt_data run needs --reward_pretrain or --reward_fn.",
             "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.",
         )
-    longest_prompt, max_new_tokens = rollout_lengths(rollout, models, prompts)
+    longest_prompt, max_new_tokens = rollout_lengths(rollout, models, [*prompts, *eval_prompts])  # the engines' context
     steps_per_episode = len(prompts) // rollout.rollout_batch_size
     if steps_per_episode == 0:
         raise ConfigError(
@@ -177,6 +183,11 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     steps = step_count(rollout, len(prompts))  # the count and why: said at the start and by --dry-run
     total = steps.total
     start_lines.insert(0, steps.describe())
+    if eval_prompts:
+        from .evaluation import describe
+
+        line = describe(settings.evaluation, eval_source, total_steps=total, samples_per_step=rollout.samples_per_step)
+        start_lines.insert(1, flag_text(line))
     for line in start_lines:
         log.info("%s", line)
     if run.profile_step > total:
@@ -222,7 +233,28 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
         model_folders=folders,
         config_record={"config": config.to_dict(), "essentials": essentials(config)},
         config=config,
+        eval_prompts=eval_prompts,
     )
+
+
+def _load_eval(settings: TrainSettings, tokenizer: Any, recipe: Any) -> tuple[list, str]:
+    """The held-out prompts of the evaluation section and where they came from (none without a dataset); a recipe
+    of your own without the evaluation's phase would never run them: refused."""
+    from hybrid_core.errors import ConfigError
+
+    if not settings.evaluation.enabled:
+        return [], ""
+    if not any(p.function == "eval" for p in recipe.phases):
+        raise ConfigError(
+            "eval_dataset",
+            f"the recipe {recipe.name!r} has no phase that runs 'eval', so the held-out prompts would never be "
+            "evaluated.",
+            "Add hybrid_algos.train.recipes.EVAL as its last phase, or drop --eval_dataset.",
+        )
+    from .evaluation import load_eval_prompts
+
+    prompts, stats = load_eval_prompts(settings.rollout, settings.evaluation, tokenizer)
+    return prompts, stats.describe()
 
 
 def _load_agent(settings: TrainSettings) -> Any:

@@ -9,7 +9,7 @@ the phases of its step (in order: which role works, what each role must hold on 
 The loop builds one role group per :class:`RoleSpec` (the engines from the ``engine`` role), the placement gives each
 role the GPUs its name has there (OpenRLHF's count flags for the built-in roles, ``--placement`` ranges for any),
 and :mod:`.step` runs each :class:`PhaseSpec`'s function. Adding a role is one :class:`RoleSpec` and the phase that
-uses it (tests/hybrid_algos/train/test_recipe_teacher.py adds a distillation teacher).
+uses it (tests/hybrid_algos/train/test_recipe_new_role.py adds a judge; recipes.py's distillation teacher is one too).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ class PhaseSpec:
     their working memory). ``run``: the function of step.py's phase table that runs it (default: the phase's name).
     ``holds``: (role, state) -> the later phase until which a state this phase fills must stay (the engines' weights
     after a sync). ``driver``: the phase still runs without its role, on the driver (the reward phase scores with a
-    rule function when there is no reward model); it then has no GPU turn."""
+    rule function when there is no reward model); it then has no GPU turn. ``when``: for an optional phase,
+    ``config -> bool``: the phase exists only when it says so (the evaluation's, with an evaluation dataset)."""
 
     name: str
     role: str
@@ -93,6 +94,7 @@ class PhaseSpec:
     run: str = ""
     holds: Mapping[tuple[str, str], str] = field(default_factory=dict)
     driver: bool = False
+    when: Callable[[Any], bool] | None = None
 
     @property
     def function(self) -> str:
@@ -128,12 +130,13 @@ class Recipe:
     # ---- what a run of this recipe has -------------------------------------------------------------------------
     def for_config(self, config: Any) -> Recipe:
         """This recipe for ``config``: its optional roles that the config does not ask for are dropped, with the
-        phases they work in (a ``driver`` phase stays, without its role) and their entries in other phases' needs."""
+        phases they work in (a ``driver`` phase stays, without its role) and their entries in other phases' needs; an
+        optional phase the config does not ask for is dropped too."""
         kept = tuple(r for r in self.roles if r.when is None or r.when(config))
         names = {r.name for r in kept}
         phases = []
         for p in self.phases:
-            if p.role not in names and not p.driver:
+            if (p.role not in names and not p.driver) or (p.when is not None and not p.when(config)):
                 continue
             phases.append(
                 replace(

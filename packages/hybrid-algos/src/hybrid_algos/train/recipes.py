@@ -1,14 +1,17 @@
 """The built-in recipes -- PPO, GRPO, REINFORCE++ -- and the choice of one for a config (:func:`recipe_for`).
 
-    PPO          actor, critic, reference?, reward model?, rollout
-    GRPO         actor, reference?, reward model?, rollout            (no critic)
-    REINFORCE++  actor, reference?, reward model?, rollout            (no critic)
+    PPO          actor, critic, reference?, reward model?, teacher?, rollout
+    GRPO         actor, reference?, reward model?, teacher?, rollout            (no critic)
+    REINFORCE++  actor, reference?, reward model?, teacher?, rollout            (no critic)
 
 ``?``: optional, dropped when the config does not ask for it -- no reference without a KL term (``init_kl_coef``
-0), no reward model with a rule reward (no ``--reward_pretrain``). The step, phase by phase (roles absent from a run
-skip their phases; the reward phase then scores on the driver)::
+0), no reward model with a rule reward (no ``--reward_pretrain``), no teacher without on-policy distillation (no
+``--teacher_pretrain``). The step, phase by phase (roles absent from a run skip their phases; the reward phase then
+scores on the driver)::
 
-    generate -> reward -> reference -> critic_infer -> actor_train -> sync -> critic_train
+    generate -> reward -> reference -> teacher -> critic_infer -> actor_train -> sync -> critic_train -> eval
+
+(``eval`` only with ``--eval_dataset``, and then only at the steps ``--eval_steps`` names: :mod:`.evaluation`.)
 
 GRPO and REINFORCE++ share their step's shape; what differs is the math the config chooses (estimator, KL as a loss
 or in the reward). The recipe follows the estimator, as OpenRLHF's ``train_ppo_ray`` does: one that reads critic
@@ -43,12 +46,21 @@ REWARD_MODEL = RoleSpec(
     value_head=True,
     when=lambda config: config.reward_pretrain is not None,
 )
+#: on-policy distillation: a frozen model of its own folder that scores the student's tokens (hybrid_algos.distillation)
+TEACHER = RoleSpec(
+    "teacher",
+    "frozen",
+    f"{WORKERS}.frozen:ReferenceWorker",
+    model=("teacher_pretrain",),
+    when=lambda config: config.teacher_pretrain is not None,
+)
 ROLLOUT = RoleSpec("rollout", "engine")
 
 GENERATE = PhaseSpec("generate", "rollout", {"rollout": ("weights", "kv_cache")}, work=("generate",))
 #: the reward model scores; without one the phase runs on the driver (a rule function, or the environment's rewards)
 REWARD = PhaseSpec("reward", "reward", {"reward": ("params",)}, work=("infer",), driver=True)
 REFERENCE_LOGPROBS = PhaseSpec("reference", "reference", {"reference": ("params",)}, work=("infer",))
+TEACHER_LOGPROBS = PhaseSpec("teacher", "teacher", {"teacher": ("params",)}, work=("infer",))
 CRITIC_VALUES = PhaseSpec("critic_infer", "critic", {"critic": ("params",)}, work=("infer",))
 #: the actor's old-log-prob pass (when needed) and its PPO epochs; the larger of the two is the phase's memory
 ACTOR_TRAIN = PhaseSpec("actor_train", "actor", {"actor": ("params", "grads", "optimizer")}, work=("train", "infer"))
@@ -62,14 +74,25 @@ SYNC = PhaseSpec(
     holds={("rollout", "weights"): "generate"},
 )
 CRITIC_TRAIN = PhaseSpec("critic_train", "critic", {"critic": ("params", "grads", "optimizer")}, work=("train",))
+#: the held-out prompts, generated on with the weights just trained (after the sync) at the steps --eval_steps names:
+#: a generate phase of the engines, the last of the step (step.py skips it, and its moves, at the other steps)
+EVAL = PhaseSpec(
+    "eval",
+    "rollout",
+    {"rollout": ("weights", "kv_cache")},
+    work=("generate",),
+    when=lambda config: config.eval_dataset is not None,
+)
 
 PPO = Recipe(
     "ppo",
-    (ACTOR, CRITIC, REFERENCE, REWARD_MODEL, ROLLOUT),
-    (GENERATE, REWARD, REFERENCE_LOGPROBS, CRITIC_VALUES, ACTOR_TRAIN, SYNC, CRITIC_TRAIN),
+    (ACTOR, CRITIC, REFERENCE, REWARD_MODEL, TEACHER, ROLLOUT),
+    (GENERATE, REWARD, REFERENCE_LOGPROBS, TEACHER_LOGPROBS, CRITIC_VALUES, ACTOR_TRAIN, SYNC, CRITIC_TRAIN, EVAL),
 )
 GRPO = Recipe(
-    "grpo", (ACTOR, REFERENCE, REWARD_MODEL, ROLLOUT), (GENERATE, REWARD, REFERENCE_LOGPROBS, ACTOR_TRAIN, SYNC)
+    "grpo",
+    (ACTOR, REFERENCE, REWARD_MODEL, TEACHER, ROLLOUT),
+    (GENERATE, REWARD, REFERENCE_LOGPROBS, TEACHER_LOGPROBS, ACTOR_TRAIN, SYNC, EVAL),
 )
 REINFORCE_PP = Recipe("reinforce++", GRPO.roles, GRPO.phases)
 

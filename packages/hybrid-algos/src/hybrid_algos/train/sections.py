@@ -15,6 +15,7 @@ algorithm   ``hybrid_algos.settings.AlgorithmSettings``           advantages, lo
 rollout     ``hybrid_algos.train.rollout_settings.RolloutSettings`` batch shape, sampling, async
 run         ``hybrid_algos.train.run_settings.RunSettings``       saving, logging, Ray, deadlines
 models      ``hybrid_algos.train.model_settings.ModelSettings``   model folders, rewards, the built-in task
+evaluation  ``hybrid_algos.train.eval_settings.EvalSettings``     held-out prompts scored during training
 =========== ===================================================== =====================================
 
 :data:`TABLE` is the one place a flat name meets a section's name. A section's ``validate()`` names its settings as
@@ -46,6 +47,7 @@ SECTIONS: dict[str, str] = {
     "rollout": "hybrid_algos.train.rollout_settings:RolloutSettings",
     "run": "hybrid_algos.train.run_settings:RunSettings",
     "models": "hybrid_algos.train.model_settings:ModelSettings",
+    "evaluation": "hybrid_algos.train.eval_settings:EvalSettings",
 }
 
 #: (flat name, "section.name"). A flat name may feed several sections (``bf16``: the trainer's precision and the
@@ -144,6 +146,8 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("overlong_buffer_len", "algorithm.overlong_buffer_len"),
     ("overlong_penalty_factor", "algorithm.overlong_penalty_factor"),
     ("mask_truncated_completions", "algorithm.mask_truncated_completions"),
+    ("distill_coef", "algorithm.distill_coef"),
+    ("distill_task_coef", "algorithm.distill_task_coef"),
     # ---- rollout (helper U adds its rows here)
     ("rollout_batch_size", "rollout.rollout_batch_size"),
     ("n_samples_per_prompt", "rollout.n_samples_per_prompt"),
@@ -203,6 +207,7 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("pretrain", "models.pretrain"),
     ("trust_remote_code", "models.trust_remote_code"),
     ("reward_pretrain", "models.reward_pretrain"),
+    ("teacher_pretrain", "models.teacher_pretrain"),
     ("reward_random_head", "models.reward_random_head"),
     ("reward_fn", "models.reward_fn"),
     ("critic_pretrain", "models.critic_pretrain"),
@@ -210,6 +215,13 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("task_length", "models.task_length"),
     ("tiny_model", "models.tiny_model"),
     ("plugins", "models.plugins"),
+    # ---- evaluation
+    ("eval_dataset", "evaluation.dataset"),
+    ("eval_steps", "evaluation.steps"),
+    ("eval_split", "evaluation.split"),
+    ("eval_temperature", "evaluation.temperature"),
+    ("eval_n_samples_per_prompt", "evaluation.n_samples_per_prompt"),
+    ("eval_pass_threshold", "evaluation.pass_threshold"),
 )
 
 #: ``section.name``, or ``no_section.name`` for a switch turned off (``--no_flat_name``).

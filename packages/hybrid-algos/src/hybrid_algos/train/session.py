@@ -98,7 +98,8 @@ class TrainingSession(SessionStart):
                     ) from error
                 raise
             self.history.append(metrics)
-            if (step + 1) % run.logging_steps == 0 or step + 1 == total:
+            evaluated = "eval/reward_mean" in metrics  # an evaluation step is logged whatever --logging_steps says
+            if (step + 1) % run.logging_steps == 0 or step + 1 == total or evaluated:
                 emit(callbacks, "on_step", metrics)
             if run.save_steps > 0 and (step + 1) % run.save_steps == 0:
                 owner.tag = f"checkpoint {step + 1}"

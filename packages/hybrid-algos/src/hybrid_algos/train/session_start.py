@@ -193,9 +193,27 @@ class SessionStart(SessionSaves):
             on_phases=self.timeline,
             prompt_pool=prep.prompts,
             agent=self.agent,
+            evaluation=self._evaluation(),
         )
         if prep.resume_from is not None:
             self._resume(prep.resume_from)
+
+    def _evaluation(self) -> Any:
+        """The run's evaluation (:mod:`.evaluation`), or None without held-out prompts: the rollout's sampling at the
+        evaluation's temperature and samples per prompt."""
+        from .evaluation import make_evaluation
+
+        rollout = self.settings.rollout
+        if not self.prep.eval_prompts:
+            return None
+        return make_evaluation(
+            self.prep.eval_prompts,
+            self.settings.evaluation,
+            self.sampling(0),  # type: ignore[attr-defined]  # TrainingSession's (the step's sampling)
+            total_steps=self.prep.total_steps,
+            seed=rollout.seed,
+            samples_per_step=rollout.samples_per_step,
+        )
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """Every engine's constructor arguments: the adapter's own (``engine_kwargs(settings, plan)``) from the

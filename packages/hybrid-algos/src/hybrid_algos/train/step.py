@@ -4,10 +4,12 @@ in :data:`PHASES`. PPO's step, as the hybrid engine runs it on shared GPUs:
     generate      the engines sample n completions per prompt (or n conversations with an environment: agents/)
     reward        a rule function on the driver, or the reward model
     reference     log-probs for the KL term
+    teacher       the teacher's log-probs of the same tokens (on-policy distillation)
     critic_infer  values (PPO)
     actor_train   old log-probs (when needed) -> advantages -> PPO epochs
     sync          the actor's new weights stream into the engines
     critic_train  value updates (PPO)
+    eval          held-out prompts through the engines, scored (only with --eval_dataset, at its steps)
 
 Before each phase the residency owner (:class:`hybrid_core.residency.ResidencyOwner`, built by
 :mod:`hybrid_algos.train.session_start`) makes the GPUs hold what the plan keeps there in that phase: it is the only
@@ -17,7 +19,8 @@ seconds and bytes go into the step's timeline.
 
 A phase function takes ``(ctx, state)`` -- the run's :class:`StepContext` and the step's :class:`StepState`, whose
 rollout it reads and extends -- and is registered by name (``@phase("teacher_logprobs")``); a recipe's
-``PhaseSpec.run`` names it.
+``PhaseSpec.run`` names it. A phase that runs only at some steps says when (``@phase("eval", due=...)``): at the
+other steps it is skipped, residency moves included.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class StepContext:
     on_phases: Callable[[int, list], Any] | None = None  # gets (step, [(phase, start, end), ...]): timeline.py
     prompt_pool: list | None = None  # every prompt: dynamic sampling (dynamic_sampling.py) draws extra ones here
     agent: Any | None = None  # agents.AgentRollout: samples are multi-turn conversations with an environment
+    evaluation: Any | None = None  # evaluation.Evaluation: the held-out prompts and the steps they are generated on
 
     def __post_init__(self) -> None:
         first = self.recipe.phases[0] if self.recipe.phases else None
@@ -110,15 +114,20 @@ class StepState:
 
 #: phase function name -> fn(ctx, state): what a recipe's PhaseSpec.run names
 PHASES: dict[str, Callable[[StepContext, StepState], None]] = {}
+#: phase function name -> due(ctx, step): whether it runs at (0-based) ``step``; a phase not named runs every step
+DUE: dict[str, Callable[[StepContext, int], bool]] = {}
 
 
-def phase(name: str) -> Callable:
-    """Register a phase function under ``name`` (the ``run`` of the recipe phases that call it)."""
+def phase(name: str, *, due: Callable[[StepContext, int], bool] | None = None) -> Callable:
+    """Register a phase function under ``name`` (the ``run`` of the recipe phases that call it); ``due``: for a phase
+    of some steps only, whether it runs at a step (the others skip it, and the residency moves into it)."""
 
     def register(fn: Callable[[StepContext, StepState], None]) -> Callable[[StepContext, StepState], None]:
         if name in PHASES and PHASES[name] is not fn:
             raise ValueError(f"a phase function {name!r} is registered already")
         PHASES[name] = fn
+        if due is not None:
+            DUE[name] = due
         return fn
 
     return register
@@ -154,6 +163,9 @@ def train_on(
     # multi-turn samples: the environment's tokens are masked out of the rollout
     ctx.enter(ctx.after(ctx.recipe.phases[0].name), timer)  # what leaves the GPUs now goes while the driver scores
     for spec in ctx.recipe.phases[1:]:
+        due = DUE.get(spec.function)
+        if due is not None and not due(ctx, step):
+            continue  # a phase of some steps only (the evaluation): not this one, so nothing moves for it either
         ctx.enter(spec.name, timer)  # the engines' weights come back (guarded) for the sync if the plan took them
         PHASES[spec.function](ctx, state)
 
@@ -202,6 +214,15 @@ def _reference_logprobs(ctx: StepContext, s: StepState) -> None:
         s.rollout = s.rollout.with_(ref_logprobs=torch.cat(logprobs))
 
 
+@phase("teacher")
+def _teacher_logprobs(ctx: StepContext, s: StepState) -> None:
+    """The teacher's log-probs of the student's tokens, for the distillation term of the advantages."""
+    teacher = ctx.roles["teacher"]  # the phase is in the step only with the role
+    with s.timer.phase("infer"):
+        logprobs = teacher.call_sharded("logprobs", s.rollout.split(teacher.world_size))
+    s.extras["teacher_logprobs"] = torch.cat(logprobs)
+
+
 @phase("critic_infer")
 def _critic_values(ctx: StepContext, s: StepState) -> None:
     critic = ctx.roles["critic"]  # the phase is in the step only with the role
@@ -219,7 +240,11 @@ def _actor_train(ctx: StepContext, s: StepState) -> None:
             old = actor.call_sharded("logprobs", s.rollout.split(actor.world_size))
             s.rollout = s.rollout.with_(old_logprobs=torch.cat(old))
     s.rollout, s.adv_stats = advantages_for(
-        settings.algorithm, s.rollout, s.kl_coef, n_samples_per_prompt=settings.rollout.n_samples_per_prompt
+        settings.algorithm,
+        s.rollout,
+        s.kl_coef,
+        n_samples_per_prompt=settings.rollout.n_samples_per_prompt,
+        teacher_logprobs=s.extras.get("teacher_logprobs"),
     )
     with s.timer.phase("train"):
         s.actor_stats = actor.call_sharded("train", s.rollout.split(actor.world_size), s.step, s.kl_coef)
@@ -231,6 +256,16 @@ def _sync(ctx: StepContext, s: StepState) -> None:
     with s.timer.phase("sync"):
         sync_stats = ctx.weight_sync.sync(wake_engines=False) if s.sync is None else s.sync()
     s.timer.bytes["sync"] = s.timer.bytes.get("sync", 0) + sync_stats.bytes
+
+
+@phase("eval", due=lambda ctx, step: ctx.evaluation is not None and ctx.evaluation.due(step))
+def _evaluate(ctx: StepContext, s: StepState) -> None:
+    """The held-out prompts with the weights just trained: generated, scored, summed up as ``eval/...`` metrics."""
+    evaluation = ctx.evaluation
+    assert evaluation is not None  # the phase is due only with an evaluation
+    with s.timer.phase("eval"):
+        s.metrics.update(evaluation.run(ctx.engines, ctx.reward, s.step))
+    s.metrics["time/eval"] = s.timer.seconds.get("eval", 0.0)
 
 
 @phase("critic_train")

@@ -19,6 +19,7 @@ from hybrid_core.residency.settings import ResidencySettings
 from hybrid_engines.adapter import EngineSettings
 from hybrid_engines.weight_sync.settings import SyncSettings
 
+from .eval_settings import EvalSettings
 from .model_settings import AGENT_TASKS, ModelSettings
 from .rollout_settings import RolloutSettings
 from .run_settings import RunSettings
@@ -35,6 +36,7 @@ SECTION_NAMES: tuple[str, ...] = (
     "rollout",
     "run",
     "models",
+    "evaluation",
 )
 
 
@@ -52,6 +54,7 @@ class TrainSettings:
     rollout: RolloutSettings
     run: RunSettings
     models: ModelSettings
+    evaluation: EvalSettings
 
     def with_changes(self, **sections: dict[str, Any]) -> TrainSettings:
         """A copy with fields of some sections changed: ``with_changes(trainer={"zero_stage": 1})``."""
@@ -71,8 +74,10 @@ class TrainSettings:
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Whether a step runs the actor's old log-prob pass (:meth:`AlgorithmSettings.needs_old_logprobs`)."""
-        return self.algorithm.needs_old_logprobs(self.rollout.single_update)
+        """Whether a step runs the actor's old log-prob pass (:meth:`AlgorithmSettings.needs_old_logprobs`; a
+        teacher's distillation term needs them before the update, like KL as a reward penalty)."""
+        teacher = self.models.teacher_pretrain is not None
+        return teacher or self.algorithm.needs_old_logprobs(self.rollout.single_update)
 
     @property
     def actor_world_size(self) -> int:

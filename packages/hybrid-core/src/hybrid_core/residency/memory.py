@@ -54,11 +54,13 @@ The optimizer's bytes per parameter of a rank's ZeRO partition (bf16 model; m = 
     DeepSpeed's set-up then took 108 GiB in one process and Ray's memory monitor killed it (H100, 2026-11-24).
   (The fp32 model, without ``bf16``, is counted as before: K = 8, no master copy and no flat gradient buffer; DeepSpeed
   0.19.8 in fact keeps a 4-byte master copy there too under ZeRO >= 1.)
-Frozen models (kind ``frozen``: a reference, a reward model), per GPU: params = b P / (N if z = 3 and N > 1
-    else 1) -- under ZeRO-3 a frozen model is sharded over its role's N ranks as OpenRLHF shards its reference and
-    reward models (DeepSpeed inference engines with the trainers' ZeRO stage), else whole on every rank; working:
-    one forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits T'' V (b + 8), and
-    when sharded the 2 layers' weights ZeRO-3 gathers (as for a trainer).
+Frozen models (kind ``frozen``: a reference, a reward model), per GPU: params = b P / (N if sharded else 1) --
+    sharded over the role's N > 1 ranks as the trainers' parameters are (:func:`frozen_shards`): under ZeRO-3, as
+    OpenRLHF shards its reference and reward models (DeepSpeed inference engines with the trainers' ZeRO stage), and
+    under FSDP2 (``fully_shard``, the trainers' layout, every unit resharded after its forward); else whole on every
+    rank; working: one forward of micro_rollout_batch_size sequences, T'' A b (one layer at a time) + logits
+    T'' V (b + 8), and when sharded the weights the forward gathers: 2 layers under ZeRO-3 (as for a trainer), 2
+    layers and the root unit (embeddings, final norm, head) under FSDP2.
 Engines (kind ``engine``), per GPU of an engine of TP GPUs:
     engines with a pool (vLLM, SGLang: their class says ``MEMORY_POOL``) pre-allocate
                  ``engine_memory_fraction x GPU memory`` (their pool): weights = 2P/TP (bf16) and the
@@ -300,9 +302,9 @@ def size_role(
         return RoleSize(role, kind, states, _working(role, kind, phases, sized), work.context_bytes, exact)
     b, z, n, seq = work.bytes_per_value, work.zero_stage, ranks, work.seq_len
     if kind == "frozen":
-        # ZeRO-3 shards a frozen model over its ranks (one rank: nothing to split, the worker keeps it whole)
-        shards = frozen_shards(z, ranks=n)
-        gather = {"zero3_gather": 2 * shape.layer_params * b} if shards > 1 else {}
+        # ZeRO-3 or FSDP2 shards a frozen model over its ranks (one rank: nothing to split, the worker keeps it whole)
+        shards = frozen_shards(z, ranks=n, backend=work.trainer_backend)
+        gather = _frozen_gather(shape, work) if shards > 1 else {}
         sized = {"infer": {**_forward(shape, work, work.micro_rollout_batch_size * seq), **gather}}
         size = RoleSize(
             role,
@@ -412,11 +414,22 @@ def _working(
     return out
 
 
-def frozen_shards(zero_stage: int, *, ranks: int) -> int:
+def frozen_shards(zero_stage: int, *, ranks: int, backend: str = "deepspeed") -> int:
     """Into how many shards a frozen role (reference, reward model) of ``ranks`` workers splits its parameters: all
-    of its ranks under ZeRO-3 (OpenRLHF's inference engines take the trainers' ZeRO stage), else 1 (whole on each).
-    The training loop's frozen workers shard exactly when this is above 1."""
-    return ranks if zero_stage == 3 and ranks > 1 else 1
+    of its ranks where the trainers' parameters are sharded -- ZeRO-3 (OpenRLHF's inference engines take the
+    trainers' ZeRO stage) or FSDP2 (``backend``, which shards them always) --, else 1 (whole on each). The training
+    loop's frozen workers shard exactly when this is above 1 (``trainer_backends.registry.frozen_sharded``)."""
+    sharded = backend == "fsdp2" or zero_stage == 3
+    return ranks if sharded and ranks > 1 else 1
+
+
+def _frozen_gather(shape: ModelShape, work: Workload) -> dict[str, float]:
+    """The weights a sharded frozen model's forward holds gathered (see the module docstring)."""
+    b = work.bytes_per_value
+    if work.trainer_backend == "fsdp2":
+        root = max(0, shape.num_params - shape.num_layers * shape.layer_params)
+        return {"fsdp2_gather": (2 * shape.layer_params + root) * b}
+    return {"zero3_gather": 2 * shape.layer_params * b}
 
 
 def cpu_adam_bytes(shape: ModelShape, work: Workload, *, ranks: int) -> float:

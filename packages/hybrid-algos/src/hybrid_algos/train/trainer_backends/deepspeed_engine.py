@@ -2,7 +2,8 @@
 
 The workers scale each micro-batch's loss by its share of the update themselves, so ``backward`` is DeepSpeed's with
 ``scale_wrt_gas=False``; full weights are ZeRO-3's gathered groups (or the parameters as they are under ZeRO 0-2);
-checkpoints are DeepSpeed's own, without the ``latest`` file (the run folder names the tag).
+checkpoints are DeepSpeed's own, without the ``latest`` file (the run folder names the tag). A PEFT model's full
+weights come out merged, under the base model's names (:mod:`.peft_weights`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from ..deepspeed_setup import deepspeed_config, make_engine
 from ..workers.settings import TrainerSettings
 from .lr_schedule import lr_schedule
+from .peft_weights import peft_export
 
 
 class DeepSpeedTrainingEngine:
@@ -70,10 +72,12 @@ class DeepSpeedTrainingEngine:
 
     def weight_metas(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """(name, dtype, full shape) of every parameter, without gathering (ZeRO-3 keeps the full shape aside)."""
-        return [
+        metas = [
             (name, p.dtype, tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape))
             for name, p in self.module.named_parameters()
         ]
+        plan = peft_export(self.module)
+        return metas if plan is None else plan.names(metas)
 
     def num_params(self) -> int:
         return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters())
@@ -83,7 +87,14 @@ class DeepSpeedTrainingEngine:
 
         ZeRO-3 shards are gathered in groups of up to ``bucket_bytes`` (one all-gather per group instead of one per
         parameter); each tensor is valid until the next one is requested, which is how the senders consume them.
+        A PEFT model's are merged (a base weight is held until its adapters follow: ZeRO-3 frees a parameter by
+        pointing it at an empty tensor, so the gathered one held here stays valid).
         """
+        plan = peft_export(self.module)
+        weights = self._gathered(bucket_bytes)
+        return weights if plan is None else plan.merged(weights)
+
+    def _gathered(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         named = list(self.module.named_parameters())
         if self.deepspeed.zero_optimization_stage() != 3:
             for name, p in named:

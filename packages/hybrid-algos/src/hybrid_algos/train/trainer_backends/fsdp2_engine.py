@@ -20,6 +20,7 @@ from hybrid_core.errors import ConfigError
 from .fsdp2_checkpoint import load_sharded, save_sharded
 from .fsdp2_setup import FSDP2Options, device_mesh, shard_causal_lm
 from .fsdp2_weights import full_weights
+from .peft_weights import peft_export
 
 
 class FSDP2Engine:
@@ -133,7 +134,9 @@ class FSDP2Engine:
 
     def weight_metas(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         # a DTensor's shape is the full one: no gather
-        return [(n, self.weights_dtype or p.dtype, tuple(p.shape)) for n, p in self.module.named_parameters()]
+        metas = [(n, self.weights_dtype or p.dtype, tuple(p.shape)) for n, p in self.module.named_parameters()]
+        plan = peft_export(self.module)
+        return metas if plan is None else plan.names(metas)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())  # DTensors count their full size

@@ -3,7 +3,8 @@
 Parameters are gathered in order (``DTensor.full_tensor()``, one all-gather each) until the next one would take the
 bucket past its byte budget; the bucket is then handed out and dropped before anything more is gathered. So the
 gathered bytes held at once stay under one bucket plus the largest tensor, never the whole model. Every rank must
-iterate together (each gather is a collective); only what the caller keeps outlives its bucket.
+iterate together (each gather is a collective); only what the caller keeps outlives its bucket. A PEFT model's
+weights come out merged, under the base model's names (:mod:`.peft_weights`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
+from .peft_weights import peft_export
 
 
 def full_weight_buckets(
@@ -41,8 +44,15 @@ def full_weight_buckets(
 def full_weights(
     module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` pairs, gathered bucket by bucket (see :func:`full_weight_buckets`)."""
-    for bucket in full_weight_buckets(module, bucket_bytes, dtype):
+    """``(name, full tensor)`` pairs, gathered bucket by bucket (see :func:`full_weight_buckets`); a PEFT model's
+    merged (an adapted layer's base weight waits for its adapters, which follow it)."""
+    plan = peft_export(module)
+    weights = _handed_out(full_weight_buckets(module, bucket_bytes, dtype))
+    return weights if plan is None else plan.merged(weights)
+
+
+def _handed_out(buckets: Iterator[list[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for bucket in buckets:
         bucket.reverse()
         while bucket:  # pop as we go: a handed-out tensor is not kept alive by the bucket while the next gathers
             yield bucket.pop()

@@ -1,10 +1,14 @@
-"""The one place a trained role's backend is chosen: ``trainer.backend`` -> its engine and its offloader.
+"""The one place a role's backend is chosen: ``trainer.backend`` -> a trained role's engine and its offloader, and
+whether and how a frozen role (reference, reward model) is sharded.
 
-A backend is an engine satisfying :class:`~.engine.TrainingEngine` and an offloader with the residency owner's
-``offload(states)`` / ``reload(states)`` contract; adding one touches its own modules and an entry here.
-``deepspeed``: DeepSpeed's ZeRO engine (:mod:`.deepspeed_engine`), :class:`~hybrid_core.offload.DeepSpeedOffloader`.
+A backend is an engine satisfying :class:`~.engine.TrainingEngine`, an offloader with the residency owner's
+``offload(states)`` / ``reload(states)`` contract, and a way to shard a frozen model with its offloader; adding one
+touches its own modules and an entry here.
+``deepspeed``: DeepSpeed's ZeRO engine (:mod:`.deepspeed_engine`), :class:`~hybrid_core.offload.DeepSpeedOffloader`;
+frozen models under ZeRO-3 as DeepSpeed inference engines (:mod:`..workers.zero3_frozen`).
 ``fsdp2``: torch's ``fully_shard`` (:mod:`.fsdp2_engine`) with AdamW on the shards and DeepSpeed's learning-rate
-schedule (:mod:`.lr_schedule`), :class:`~hybrid_core.offload.fsdp2_offload.FSDP2Offloader`.
+schedule (:mod:`.lr_schedule`), :class:`~hybrid_core.offload.fsdp2_offload.FSDP2Offloader`; frozen models sharded
+by ``fully_shard`` too (:mod:`.fsdp2_frozen`), sleeping through the same offloader.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from hybrid_core.errors import ConfigError
 from hybrid_core.offload import StateMover
+from hybrid_core.residency.memory import frozen_shards
 
 from ..workers.settings import DEEPSPEED_ONLY, TrainerSettings
 from .engine import TrainingEngine
@@ -92,3 +97,30 @@ def make_offloader(trainer: TrainerSettings, engine: Any) -> StateMover:
     from hybrid_core.offload import DeepSpeedOffloader
 
     return DeepSpeedOffloader(engine.deepspeed)
+
+
+def frozen_sharded(trainer: TrainerSettings, ranks: int) -> bool:
+    """Whether a frozen role of ``ranks`` workers shards its parameters over them: the memory model's rule
+    (:func:`~hybrid_core.residency.memory.frozen_shards`), so the plan counts 1/N exactly when the worker holds it."""
+    return frozen_shards(trainer.zero_stage, ranks=ranks, backend=trainer.backend) > 1
+
+
+def shard_frozen(
+    trainer: TrainerSettings, model: torch.nn.Module, device: torch.device, *, micro_batch: int
+) -> tuple[Any, StateMover]:
+    """A frozen role's ``model`` (loaded on the host) sharded over the ranks of the default group by the trainers'
+    backend, to call for its forwards, and the offloader the residency owner moves its shards with (``params``).
+    ``micro_batch``: the role's forward micro-batch (DeepSpeed's config wants one)."""
+    if trainer.backend == "fsdp2":
+        from hybrid_core.offload.fsdp2_offload import FSDP2Offloader
+
+        from .fsdp2_frozen import shard_frozen as fully_shard_frozen
+
+        module = fully_shard_frozen(model, device)
+        return module, FSDP2Offloader(module, None, device=device)
+    if trainer.backend == "deepspeed":
+        from ..workers.zero3_frozen import ShardOffloader, frozen_deepspeed_config, sharded_engine
+
+        engine = sharded_engine(model, frozen_deepspeed_config(trainer, micro_batch=micro_batch))
+        return engine, ShardOffloader(engine.module, device)
+    raise ConfigError("trainer.backend", f"no trainer backend {trainer.backend!r}.", "Use deepspeed or fsdp2.")

@@ -1,6 +1,8 @@
-"""Roles that only run forward passes: the reference policy (KL) and a reward model. Whole on each worker's GPU, or
-under ``trainer.zero_stage`` 3 with several ranks sharded over them as OpenRLHF shards them (:mod:`.zero3_frozen`). They
-sleep with hybrid-core's StateOffloader (weights, or this rank's shards, to pinned host memory and back).
+"""Roles that only run forward passes: the reference policy (KL) and a reward model. Whole on each worker's GPU, or,
+where the trainers' parameters are sharded (``trainer.zero_stage`` 3, or ``trainer.backend`` fsdp2) and the role has
+several ranks, sharded over them by the trainers' backend (``trainer_backends.registry.shard_frozen``: ZeRO-3 as
+OpenRLHF shards them, :mod:`.zero3_frozen`, or FSDP2's ``fully_shard``). Whole, they sleep with hybrid-core's
+StateOffloader; sharded, with their backend's offloader (this rank's shards to pinned host memory and back).
 
 They read the trainer section, ``settings.rollout`` (micro-batch size, sampling temperature), the run's deadline
 (``settings.run.call_timeout_s``) and ``settings.models.trust_remote_code``."""
@@ -12,11 +14,12 @@ from typing import Any
 import torch
 
 from hybrid_core.offload import StateOffloader
-from hybrid_core.residency.memory import frozen_shards
 
 from ..deepspeed_setup import close_rendezvous, init_distributed
 from ..experience import Rollout
 from ..models import load_causal_lm, load_reward_model, response_logprobs, sequence_scores
+from ..trainer_backends.fsdp2_frozen import local_numel
+from ..trainer_backends.registry import frozen_sharded, shard_frozen
 from .base import RoleWorker
 from .policy import attn_implementation, forward_micro_batches
 from .settings import TrainerSettings
@@ -31,8 +34,9 @@ class FrozenWorker(RoleWorker):
 
     @property
     def sharded(self) -> bool:
-        """ZeRO-3 shards this role's parameters over its ranks (the memory model's rule, so the plan counts 1/N)."""
-        return frozen_shards(self.trainer.zero_stage, ranks=self.world_size) > 1
+        """The trainers' backend shards this role's parameters over its ranks (the memory model's rule, so the plan
+        counts 1/N)."""
+        return frozen_sharded(self.trainer, self.world_size)
 
     def setup(
         self, model_path: str, master_addr: str | None = None, master_port: int | None = None, total_steps: int = 0
@@ -44,20 +48,19 @@ class FrozenWorker(RoleWorker):
             self.offloader = StateOffloader(self.model)
             self.freeze_gc()
             return self.where()
-        from .zero3_frozen import ShardOffloader, frozen_deepspeed_config, sharded_engine
-
         if master_addr is None or master_port is None:
             raise ValueError(
-                f"{self.role}: sharded under ZeRO-3 over {self.world_size} ranks, setup needs the "
+                f"{self.role}: sharded ({self.trainer.backend}) over {self.world_size} ranks, setup needs the "
                 "role's rendezvous (master_addr, master_port)"
             )
         settings = self.settings
         store = init_distributed(
             self.rank, self.world_size, master_addr, master_port, timeout_s=settings.run.call_timeout_s
         )
-        ds_config = frozen_deepspeed_config(self.trainer, micro_batch=settings.rollout.micro_rollout_batch_size)
-        self.model = sharded_engine(self.load(model_path), ds_config)  # the forward goes through the engine's hooks
-        self.offloader = ShardOffloader(self.model.module, self.device)
+        # the forward goes through the sharded module's hooks (DeepSpeed's engine, or FSDP2's units)
+        self.model, self.offloader = shard_frozen(
+            self.trainer, self.load(model_path), self.device, micro_batch=settings.rollout.micro_rollout_batch_size
+        )
         close_rendezvous(store, self.rank, self.world_size)
         self.freeze_gc()
         return self.where()
@@ -68,7 +71,9 @@ class FrozenWorker(RoleWorker):
     def held_params(self) -> int:
         """Parameter values this rank holds on its device (its shards when sharded): what the plan counts."""
         module = getattr(self.model, "module", self.model)
-        return sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in module.parameters())
+        if any(hasattr(p, "ds_tensor") for p in module.parameters()):  # ZeRO-3's partitions
+            return sum(p.ds_tensor.numel() for p in module.parameters())
+        return local_numel(module)  # FSDP2's shards, or the whole model
 
 
 class ReferenceWorker(FrozenWorker):
@@ -84,7 +89,7 @@ class ReferenceWorker(FrozenWorker):
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         # sharded: every rank runs the same number of forwards (equal shards, and the token-budget micro-batch
-        # count is agreed across the role's group), or ZeRO-3's gathers would wait for a rank that is done
+        # count is agreed across the role's group), or ZeRO-3's / FSDP2's gathers would wait for a rank that is done
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
         micro_batch = self.settings.rollout.micro_rollout_batch_size
         batches = forward_micro_batches(rollout, self.trainer, micro_batch, self.device)

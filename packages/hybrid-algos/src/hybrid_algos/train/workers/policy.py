@@ -263,7 +263,10 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         if self.rank == 0:
             from transformers import AutoTokenizer
 
-            self.engine.module.save_pretrained(path, state_dict=state)
+            from ..trainer_backends.peft_weights import hf_model
+
+            # a PEFT model's merged weights go in a plain model's folder (PeftModel would save the adapter only)
+            hf_model(self.engine.module).save_pretrained(path, state_dict=state)
             AutoTokenizer.from_pretrained(
                 tokenizer_path, trust_remote_code=self.settings.models.trust_remote_code
             ).save_pretrained(path)

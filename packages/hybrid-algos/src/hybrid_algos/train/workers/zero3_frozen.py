@@ -2,9 +2,10 @@
 shards them (its reference and reward models are DeepSpeed inference engines with the trainers' ``--zero_stage``), so
 a 70B reference on 4 GPUs holds a quarter of its weights on each, gathering one layer at a time for its forward.
 
-The memory model decides the same way (:func:`hybrid_core.residency.memory.frozen_shards`): sharded under
-``trainer.zero_stage`` 3 with more than one rank; with one rank there is nothing to split and the worker keeps the model
-whole.
+The memory model decides the same way (:func:`hybrid_core.residency.memory.frozen_shards`, which
+``trainer_backends.registry`` asks for the worker): sharded under ``trainer.zero_stage`` 3 with more than one rank;
+with one rank there is nothing to split and the worker keeps the model whole. (Under ``trainer.backend`` fsdp2 the
+frozen roles are sharded by ``fully_shard`` instead: ``trainer_backends/fsdp2_frozen.py``.)
 
 DeepSpeed cannot offload the states of an engine without an optimizer (``offload_states`` asserts), so the residency
 plan's moves of a sharded frozen model go through :class:`ShardOffloader`: hybrid-core's ``StateOffloader`` over each

@@ -1,0 +1,68 @@
+"""A PEFT-wrapped (LoRA) actor under the trainer backends, on 2 gloo ranks (fsdp2_peft_worker.py): it trains (the
+loss falls, only the adapters change, the base weights stay bit-identical, the optimizer holds state for the
+adapters only), sleeps and wakes bit-identically, scores log-probs through the actor's chunked pass, and exports
+merged full weights under the base model's names -- W + scale * B @ A, loadable by a plain model and by
+``from_pretrained`` -- under FSDP2 and under DeepSpeed ZeRO-3 alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fsdp2_launch import run_ranks
+
+WORKER = Path(__file__).with_name("fsdp2_peft_worker.py")
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory) -> list[dict]:
+    return run_ranks("fsdp2", 2, tmp_path_factory.mktemp("peft_fsdp2"), worker=WORKER, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def deepspeed(tmp_path_factory) -> list[dict]:
+    return run_ranks("deepspeed", 2, tmp_path_factory.mktemp("peft_ds"), worker=WORKER, timeout_s=400)
+
+
+def test_only_the_adapters_train_under_fsdp2(fsdp2) -> None:
+    for r in fsdp2:
+        assert r["trainable"] and all(".lora_A." in n or ".lora_B." in n for n in r["trainable"])
+        assert r["losses"][-1] < r["losses"][0] - 1e-2  # it learns
+        assert r["changed"] == r["trainable"]  # every adapter moved (B from 0, then A), nothing else did
+        assert r["frozen_identical"]
+        assert r["optimizer_params"] == r["trainable"]  # no Adam state for the frozen base
+
+
+def test_a_peft_role_sleeps_and_wakes_bit_identically(fsdp2) -> None:
+    for r in fsdp2:
+        assert r["asleep_forward_refused"]
+        assert r["round_trip_identical"]
+        assert r["loss_after_wake"] < r["losses"][-1]  # and trains on
+
+
+def test_the_actors_chunked_log_probs_run_through_the_peft_model(fsdp2, deepspeed) -> None:
+    for r in fsdp2 + deepspeed:
+        assert r["logprob_gap"] < 1e-5
+
+
+def test_the_export_is_the_merged_model_under_base_names(fsdp2) -> None:
+    for r in fsdp2:
+        assert r["export_names"] == r["plain_names"]  # what the engines and from_pretrained expect, in order
+        assert not any("lora_" in n or "base_model" in n or "base_layer" in n for n in r["export_names"])
+        assert r["meta_names"] == r["export_names"] and r["meta_shapes_match"]
+        assert r["merge_gap"] < 1e-6  # W + (alpha / r) * B @ A, computed in the test from the full parameters
+        assert r["unadapted_identical"]
+        assert r["plain_vs_peft_logits"] < 1e-5  # a plain Llama with these weights computes what the PEFT one does
+    assert fsdp2[0]["saved_vs_peft_logits"] == 0.0
+    assert "model.safetensors" in fsdp2[0]["saved_files"]
+    assert "adapter_config.json" not in fsdp2[0]["saved_files"]  # a full model, not PEFT's adapter-only save
+
+
+def test_deepspeed_trains_and_exports_the_same_peft_model(fsdp2, deepspeed) -> None:
+    for r, f in zip(deepspeed, fsdp2):
+        assert r["losses"] == pytest.approx(f["losses"], abs=1e-5)  # ZeRO-3 trains what FSDP2 trains
+        assert r["export_names"] == f["plain_names"] and r["meta_names"] == r["export_names"]
+        assert r["meta_shapes_match"]
+        assert r["plain_vs_peft_logits"] < 1e-5
+    assert deepspeed[0]["saved_vs_peft_logits"] == 0.0
