@@ -175,8 +175,8 @@ def test_demo_defaults_vs_openrlhf_defaults(tiny_model_dir):
 @pytest.mark.parametrize(
     "argv, field, text",
     [
-        (["--lora_rank", "64"], "lora_rank", "--lora_rank is OpenRLHF-only: LoRA adapters"),
-        (["--ds.lora.rank", "64"], "ds.lora.rank", "--ds.lora.rank is OpenRLHF-only: LoRA adapters"),
+        (["--load_in_4bit"], "load_in_4bit", "--load_in_4bit is OpenRLHF-only: 4-bit (QLoRA)"),
+        (["--ds.load_in_4bit"], "ds.load_in_4bit", "--ds.load_in_4bit is OpenRLHF-only: 4-bit (QLoRA)"),
         (["--ds.ring_attn_size", "2"], "ds.ring_attn_size", "OpenRLHF-only: ring attention"),
         (["--actor_learning_rte", "1e-6"], "actor_learning_rte", "Did you mean --actor_learning_rate?"),
         (["--train.colocate_al"], "train.colocate_al", "Did you mean --train.colocate_all?"),
@@ -258,7 +258,7 @@ def test_yaml_then_flags_override(tmp_path):
     "text, field, fragment",
     [
         ("actor_learnig_rate: 1e-6\n", "actor_learnig_rate", "Did you mean actor_learning_rate?"),
-        ("lora_rank: 8\n", "lora_rank", "OpenRLHF-only: LoRA"),
+        ("load_in_4bit: true\n", "load_in_4bit", "OpenRLHF-only: 4-bit"),
         ("zero_stage: three\n", "zero_stage", "invalid value 'three'"),
         ("bf16: maybe\n", "bf16", "invalid value"),
         ("dry_run: true\n", "dry_run", "command-line option"),

@@ -17,7 +17,7 @@ from hybrid_cli.main import main
 #: (id, argv after the command, field named in the message); {data} / {dir} / {yaml} are filled in per test.
 CASES = [
     ("unknown flag", ["--zzz_unknown", "1"], "zzz_unknown"),
-    ("unsupported OpenRLHF flag", ["--lora_rank", "8"], "lora_rank"),
+    ("unsupported OpenRLHF flag", ["--load_in_4bit"], "load_in_4bit"),
     ("misspelt flag", ["--actor_learning_rte", "1e-6"], "actor_learning_rte"),
     ("single dash", ["-x"], "x"),
     ("value after a switch", ["--bf16", "true"], "arguments"),

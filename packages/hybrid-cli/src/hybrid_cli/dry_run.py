@@ -90,6 +90,8 @@ def dry_run(
             "warning: --use_wandb, but wandb is not installed here; the run will stop before it starts "
             "unless it is (pip install wandb)."
         )
+    if config.lora_rank:  # how many parameters train (the memory model counts their gradients and moments alone)
+        console.print(lora_line(config), markup=False)
     if gpu_memory_gb is not None and gpu_memory_gb <= 0:
         raise PlacementError("gpu_memory_gb", f"must be > 0, got {gpu_memory_gb}.")
     if gpu_memory_gb is not None:
@@ -271,6 +273,17 @@ def describe_reward(config: Any) -> str:
             "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.",
         )
     return f"reward: the built-in task {config.task!r}'s rule"
+
+
+def lora_line(config: Any) -> str:
+    from hybrid_algos.train.lora import adapter_param_count, describe
+    from hybrid_algos.train.placement import hf_config
+    from hybrid_core.residency.memory import count_params
+
+    models, trainer = config.models_settings(), config.trainer_settings()
+    hf = hf_config(config.pretrain, models)
+    total = count_params(hf, trust_remote_code=config.trust_remote_code)
+    return describe(trainer, adapter_param_count(hf, trainer, trust_remote_code=config.trust_remote_code), total)
 
 
 def _is_terminal() -> bool:

@@ -286,6 +286,17 @@ def _generate_batch(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     )
 
 
+def _lora_targets(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
+    """OpenRLHF's ``--target_modules a b`` (several words) -> ``lora_target_modules a,b``; without adapters OpenRLHF
+    reads none, and neither does hybrid (said in a note)."""
+    names = [str(v) for v in value] if isinstance(value, (list, tuple)) else str(value).split()
+    rank = ctx.fields.get("lora_rank", ctx.value("ds.lora.rank", default=0))
+    if not _int(rank, "ds.lora.rank"):
+        ctx.notes.append(f"--{flag} {' '.join(names)}: no LoRA adapters (--lora_rank 0), so no target is read.")
+        return {}
+    return {"lora_target_modules": ",".join(names)}
+
+
 def _remote_reward(value: Any, ctx: Context, flag: str) -> dict[str, Any]:
     urls = [u.strip() for u in str(value).split(",") if u.strip()]
     files = [u for u in urls if not u.startswith(("http://", "https://"))]
@@ -476,7 +487,6 @@ def _pending_values(ctx: Context, flag: str, values: dict[str, Any], what: str) 
 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
-_LORA = "LoRA adapters (hybrid trains every weight)"
 _MUON = "the Muon optimizer (hybrid trains with Adam)"
 _VLM = "vision-language training (images in the prompts)"
 
@@ -582,10 +592,10 @@ DOTTED_RULES: dict[str, Rule] = {
     "rollout.max_tokens_per_gpu": pending("rollout_max_tokens_per_gpu", None, why="token-budget dynamic batching"),
     "train.max_tokens_per_gpu": pending("train_max_tokens_per_gpu", 16192, why="token-budget dynamic batching"),
     "ds.load_in_4bit": refuse("4-bit (QLoRA) training", "drop this flag."),
-    "ds.lora.rank": only(0, why=_LORA, instead="drop this flag."),
-    "ds.lora.alpha": only(16, why=_LORA, instead="drop this flag."),
-    "ds.lora.target_modules": only("all-linear", why=_LORA, instead="drop this flag."),
-    "ds.lora.dropout": only(0, why=_LORA, instead="drop this flag."),
+    "ds.lora.rank": same("lora_rank"),
+    "ds.lora.alpha": same("lora_alpha"),
+    "ds.lora.target_modules": convert(_lora_targets, "lora_target_modules"),
+    "ds.lora.dropout": same("lora_dropout"),
     # batch shape, lengths
     "ckpt.output_dir": same("save_path"),
     "train.num_episodes": same("num_episodes"),

@@ -175,6 +175,17 @@ RULES: tuple[Rule, ...] = (
         )
         for name in ("reward_num_nodes", "reward_num_gpus_per_node")
     ),
+    # ---- LoRA -----------------------------------------------------------------------------------------------------
+    *(
+        Rule(
+            name,
+            lambda c: not c.lora_rank,
+            "--lora_rank is 0: every weight trains, no adapters",
+            "Drop it, or give --lora_rank R (e.g. 16).",
+            openrlhf=name != "lora_target_modules",  # OpenRLHF's --target_modules: its translation drops it there
+        )
+        for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
+    ),
     # ---- on-policy distillation ----------------------------------------------------------------------------------
     *(
         Rule(

@@ -43,6 +43,7 @@ from .recipe import Recipe
 from .recipes import RECIPES, recipe_for
 from .sections import flag_of, flag_text, flag_words
 from .train_settings import TrainSettings
+from .workers.settings import TrainerSettings
 
 #: The budget's GPU size when neither --gpu_memory_gb nor a local GPU says (an H100 / A100 80GB).
 DEFAULT_GPU_GIB = 80.0
@@ -251,7 +252,7 @@ def _build_residency(settings, placement, folders, prompt_len, generate_len, gpu
         gpu_bytes, _ = gpu_budget(settings.residency)
     if host is None:
         host = host_budget(settings.residency, placement.gpus_per_node)
-    shapes = role_models(settings.models, list(placement.roles), folders, recipe)
+    shapes = role_models(settings.models, list(placement.roles), folders, recipe, trainer=settings.trainer)
     notes = []
     # the roles ZeRO-3 shards: the trainers, and the frozen models too (as OpenRLHF's inference engines do)
     sharded = [placement.roles[r.name] for r in recipe.workers if r.name in placement.roles]
@@ -438,14 +439,25 @@ def hf_config(path: str | None, models: ModelSettings) -> Any:
 
 
 def role_models(
-    models: ModelSettings, roles: list[str], folders: dict[str, str | None], recipe: Recipe
+    models: ModelSettings,
+    roles: list[str],
+    folders: dict[str, str | None],
+    recipe: Recipe,
+    *,
+    trainer: TrainerSettings | None = None,
 ) -> dict[str, ModelShape]:
     """The model shape of each role: of the folder ``folders`` names for it (:meth:`~.recipe.Recipe.model_folders`),
-    with a value head where its recipe entry says so (critic, reward model)."""
+    with a value head where its recipe entry says so (critic, reward model); under LoRA (``trainer``) the actor's
+    trains its adapters' parameters only."""
     out: dict[str, ModelShape] = {}
     for role in roles:
         spec = recipe.role(role)
-        out[role] = model_shape(
-            hf_config(folders[role], models), value_head=spec.value_head, trust_remote_code=models.trust_remote_code
-        )
+        config = hf_config(folders[role], models)
+        shape = model_shape(config, value_head=spec.value_head, trust_remote_code=models.trust_remote_code)
+        if role == "actor" and trainer is not None and trainer.lora:
+            from .lora import adapter_param_count
+
+            adapters = adapter_param_count(config, trainer, trust_remote_code=models.trust_remote_code)
+            shape = dataclasses.replace(shape, trainable_params=adapters)
+        out[role] = shape
     return out

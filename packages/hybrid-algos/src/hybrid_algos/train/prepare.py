@@ -143,6 +143,18 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     tokenizer = load_tokenizer("pretrain", model_path, trust_remote_code=models.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if settings.trainer.lora:  # what trains, said at the start (a target the model lacks is refused here)
+        from hybrid_core.residency.memory import count_params
+
+        from .lora import adapter_param_count
+        from .lora import describe as describe_lora
+        from .placement import hf_config
+
+        hf = hf_config(model_path, models)
+        adapters = adapter_param_count(hf, settings.trainer, trust_remote_code=models.trust_remote_code)
+        start_lines.append(
+            describe_lora(settings.trainer, adapters, count_params(hf, trust_remote_code=models.trust_remote_code))
+        )
     if models.teacher_pretrain is not None:  # the teacher scores the policy's token ids: it must read them alike
         check_same_tokenizer(
             "teacher_pretrain", models.teacher_pretrain, tokenizer, trust_remote_code=models.trust_remote_code

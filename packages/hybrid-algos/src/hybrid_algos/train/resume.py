@@ -32,6 +32,7 @@ ESSENTIALS = (
     "trainer",
     "zero_stage",
     "tiny_model",
+    "lora",
 )
 #: Different from the checkpoint's: allowed, but said.
 NOTED = (
@@ -83,6 +84,8 @@ def essentials(config: Any) -> dict[str, Any]:
         "trainer": config.trainer,  # a DeepSpeed checkpoint and a DCP one are not each other's
         "zero_stage": config.zero_stage,
         "tiny_model": dict(config.tiny_model) if config.pretrain is None else None,
+        # the checkpoint holds an adapted model's parameters (or a plain one's): the other cannot load them
+        "lora": f"rank {config.lora_rank} on {config.lora_target_modules}" if config.lora_rank else None,
     }
 
 

@@ -116,6 +116,10 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("l2", "trainer.weight_decay"),
     ("adam_betas", "trainer.adam_betas"),
     ("max_norm", "trainer.max_grad_norm"),
+    ("lora_rank", "trainer.lora_rank"),
+    ("lora_alpha", "trainer.lora_alpha"),
+    ("lora_dropout", "trainer.lora_dropout"),
+    ("lora_target_modules", "trainer.lora_target_modules"),
     # ---- algorithm (helper T adds its rows here)
     ("advantage_estimator", "algorithm.estimator"),
     ("gamma", "algorithm.gamma"),

@@ -6,7 +6,9 @@ bf16 (else 4), L layers, h hidden size, I MLP width, kv = KV heads x head dim, V
 (prompt_len + generate_len).
 
 Trainers (kind ``trainer``: PPO's actor and critic, say), per GPU -- the ZeRO paper's accounting (Rajbhandari et
-al. 2020), with DeepSpeed's own buffers as DeepSpeed 0.19.8 allocates them (see "The optimizer's bytes" below):
+al. 2020), with DeepSpeed's own buffers as DeepSpeed 0.19.8 allocates them (see "The optimizer's bytes" below).
+Under LoRA (``ModelShape.trainable_params``) every P of the gradients, the optimizer, the flat partitions, the
+reduce buckets and CPU Adam below is the adapters' count instead: the frozen base has parameters only.
     params     = b P / (N if z = 3 else 1)
     grads      = b P / (N if z >= 2 else 1)
     optimizer  = K P / (N if z >= 1 else 1), K = m + s with bf16 (the master weights and Adam's m, v), 8 in fp32
@@ -109,6 +111,12 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     value_head: bool = False  # critic / reward model: a scalar head instead of the LM head
+    trainable_params: int | None = None  # LoRA: the adapters' parameters, the only ones trained; None: all
+
+    @property
+    def trained(self) -> int:
+        """Parameters the optimizer steps (and gradients exist for): the adapters under LoRA, else every one."""
+        return self.num_params if self.trainable_params is None else self.trainable_params
 
     @property
     def kv_dim(self) -> int:
@@ -316,10 +324,11 @@ def size_role(
         return _with_cache(size)
     if work.trainer_backend == "fsdp2":
         return _fsdp2_trainer(role, shape, work, phases, ranks=n)
-    part = shape.num_params / (n if z >= 1 else 1)  # parameters of the rank's optimizer partition
+    # under LoRA the frozen base keeps its parameters but has no gradients and no optimizer state (shape.trained)
+    part = shape.trained / (n if z >= 1 else 1)  # parameters of the rank's optimizer partition
     states = {
         "params": b * shape.num_params / (n if z == 3 else 1),
-        "grads": b * shape.num_params / (n if z >= 2 else 1),
+        "grads": b * shape.trained / (n if z >= 2 else 1),
         "optimizer": work.optimizer_bytes * part,
     }
     gather = {"zero3_gather": 2 * shape.layer_params * b} if z == 3 else {}
@@ -332,7 +341,7 @@ def size_role(
     # DeepSpeed's own buffers: the gradient reduce bucket (reduce_bucket_size elements of the model dtype, capped at
     # 5e8 as the training loop configures it) and, for the optimizer step, the flat gradient partition in the master
     # dtype (or, with CPU Adam under ZeRO-1/2, a GPU staging buffer of the largest parameter).
-    ds_buffers = {"reduce_bucket": b * min(5e8, shape.num_params)}
+    ds_buffers = {"reduce_bucket": b * min(5e8, shape.trained)}
     if work.bf16 and not work.adam_offload and z >= 1:
         # ZeRO-3 steps one sub-group (sub_group_size elements, closed after the parameter that reaches it) at a time
         flat = min(part, ZERO3_SUB_GROUP + shape.largest_param) if z == 3 else part
@@ -368,8 +377,8 @@ def _fsdp2_trainer(role: str, shape: ModelShape, work: Workload, phases: Sequenc
     after the forward; in the backward one layer's unsharded gradients in the fp32 reduce dtype before their
     reduce-scatter. No CPU Adam: nothing stays in host memory."""
     b, m, seq = work.bytes_per_value, work.master_bytes, work.seq_len
-    P = shape.num_params
-    states = {"params": m * P / ranks, "grads": m * P / ranks, "optimizer": 2 * m * P / ranks}
+    P, T = shape.num_params, shape.trained  # T: the trained ones (LoRA's adapters), with gradients and moments
+    states = {"params": m * P / ranks, "grads": m * T / ranks, "optimizer": 2 * m * T / ranks}
     root = max(0, P - shape.num_layers * shape.layer_params)
     gather = {"fsdp2_gather": (2 * shape.layer_params + root) * b}
     tokens = work.micro_train_batch_size * seq
@@ -382,7 +391,7 @@ def _fsdp2_trainer(role: str, shape: ModelShape, work: Workload, phases: Sequenc
         "activations": tokens * saved * b,
         "logits": _logits(shape, work, tokens),
         **gather,
-        "fsdp2_reduce": 4.0 * shape.layer_params,
+        "fsdp2_reduce": 4.0 * shape.layer_params * T / max(P, 1),
     }
     sized = {
         "train": train,
@@ -441,7 +450,7 @@ def cpu_adam_bytes(shape: ModelShape, work: Workload, *, ranks: int) -> float:
     if z == 2 and work.gradient_accumulation and not work.bf16_master_weights:
         per_param += b  # accumulated_grads_in_cpu (with bf16 master weights: views of the master gradient)
     staging = b * shape.largest_param if z in (1, 2) else 0
-    return per_param * shape.num_params / (ranks if z >= 1 else 1) + staging
+    return per_param * shape.trained / (ranks if z >= 1 else 1) + staging
 
 
 def _with_cache(size: RoleSize) -> RoleSize:

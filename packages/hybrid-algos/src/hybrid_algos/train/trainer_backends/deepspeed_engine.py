@@ -82,7 +82,7 @@ class DeepSpeedTrainingEngine:
     def num_params(self) -> int:
         return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in self.module.parameters())
 
-    def full_weights(self, bucket_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, bucket_bytes: int = 1 << 30, *, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (gathered) weights; under ZeRO-3 every rank must iterate together.
 
         ZeRO-3 shards are gathered in groups of up to ``bucket_bytes`` (one all-gather per group instead of one per
@@ -90,7 +90,7 @@ class DeepSpeedTrainingEngine:
         A PEFT model's are merged (a base weight is held until its adapters follow: ZeRO-3 frees a parameter by
         pointing it at an empty tensor, so the gathered one held here stays valid).
         """
-        plan = peft_export(self.module)
+        plan = peft_export(self.module) if merged else None
         weights = self._gathered(bucket_bytes)
         return weights if plan is None else plan.merged(weights)
 

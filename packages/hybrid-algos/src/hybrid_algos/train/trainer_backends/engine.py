@@ -47,8 +47,9 @@ class TrainingEngine(Protocol):
     def load_checkpoint(self, path: str, tag: str) -> None:
         """Raises FileNotFoundError when ``path/tag`` holds no complete checkpoint."""
 
-    def full_weights(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter, full (gathered), by name; collective: every rank iterates together."""
+    def full_weights(self, bucket_bytes: int, *, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, full (gathered), by name; collective: every rank iterates together. A PEFT model's
+        come merged under the base names, or (``merged`` False) as its own parameters, adapters apart."""
 
     def weight_metas(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         """``(name, dtype, full shape)`` of what :meth:`full_weights` hands out, without gathering anything."""

@@ -129,8 +129,8 @@ class FSDP2Engine:
         self.scheduler.load_state_dict(extra["scheduler"])
         self.updates = int(extra["updates"])
 
-    def full_weights(self, bucket_bytes: int = 1 << 30) -> Iterator[tuple[str, torch.Tensor]]:
-        return full_weights(self.module, bucket_bytes, self.weights_dtype)
+    def full_weights(self, bucket_bytes: int = 1 << 30, *, merged: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return full_weights(self.module, bucket_bytes, self.weights_dtype, merged=merged)
 
     def weight_metas(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         # a DTensor's shape is the full one: no gather

@@ -42,11 +42,11 @@ def full_weight_buckets(
 
 
 def full_weights(
-    module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None
+    module: torch.nn.Module, bucket_bytes: int, dtype: torch.dtype | None = None, *, merged: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` pairs, gathered bucket by bucket (see :func:`full_weight_buckets`); a PEFT model's
-    merged (an adapted layer's base weight waits for its adapters, which follow it)."""
-    plan = peft_export(module)
+    merged (an adapted layer's base weight waits for its adapters, which follow it) unless ``merged`` is False."""
+    plan = peft_export(module) if merged else None
     weights = _handed_out(full_weight_buckets(module, bucket_bytes, dtype))
     return weights if plan is None else plan.merged(weights)
 

@@ -6,6 +6,7 @@ run's seed, deadline and ``save_hf_ckpt`` (``settings.run``) and ``settings.mode
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,8 @@ from .settings import TrainerSettings
 
 #: With run.save_hf_ckpt, each checkpoint's actor folder holds the policy in Hugging Face format here.
 HF_CHECKPOINT_DIR = "huggingface"
+#: Under LoRA, beside a saved model's merged weights: the adapter alone (PEFT's format)
+ADAPTER_DIR = "adapter"
 
 
 class PolicyWorker(TrainerWeightSource, RoleWorker):
@@ -48,6 +51,10 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             gradient_checkpointing=activation_checkpointing_by_loader(trainer),
             trust_remote_code=settings.models.trust_remote_code,
         )
+        if trainer.lora:  # the adapters only train (hybrid_algos.train.lora); the engines get merged weights
+            from ..lora import apply_lora
+
+            model = apply_lora(model, trainer)
         self.model_path = model_path
         self.engine = make_training_engine(
             trainer,
@@ -255,11 +262,20 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             raise FileNotFoundError(f"actor rank {self.rank}: {e}") from e
 
     def save_pretrained(self, path: str, tokenizer_path: str) -> None:
-        """Hugging Face format (loadable by transformers and vLLM); rank 0 writes, all ranks gather."""
+        """Hugging Face format (loadable by transformers and vLLM); rank 0 writes, all ranks gather. Under LoRA the
+        folder holds the merged model, and ``adapter/`` the adapter alone (PEFT's format: ``PeftModel.from_pretrained``
+        over the base model)."""
         state = {}
         for name, tensor in self.named_weights():
             if self.rank == 0:
                 state[name] = tensor.detach().to("cpu", copy=True)
+        if self.trainer.lora:
+            adapter = {}
+            for name, tensor in self.engine.full_weights(1 << 30, merged=False):
+                if self.rank == 0 and "lora_" in name:
+                    adapter[name] = tensor.detach().to("cpu", copy=True)
+            if self.rank == 0:
+                self.engine.module.save_pretrained(os.path.join(path, ADAPTER_DIR), state_dict=adapter)
         if self.rank == 0:
             from transformers import AutoTokenizer
 

@@ -52,6 +52,15 @@ class TrainerSettings:
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0  # gradient clipping
+    # ---- LoRA (the actor's adapters: hybrid_algos.train.lora) ----------------------------------------------------
+    lora_rank: int = 0  # 0: every weight trains; > 0: PEFT LoRA adapters of this rank, the base frozen
+    lora_alpha: int = 16  # the adapters' scale is lora_alpha / lora_rank
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"  # PEFT's target_modules: all-linear, or module names, comma-separated
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
 
     @property
     def train_token_budget(self) -> int:
@@ -102,6 +111,9 @@ class TrainerSettings:
                 raise ConfigError(
                     f"trainer.{name}", f"must be a fraction in [0, 1], got {value!r}.", f"E.g. trainer.{name} 0.1."
                 )
+        from ..lora import validate_lora
+
+        validate_lora(self)
         for name in ("train_max_tokens", "rollout_max_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -1,0 +1,121 @@
+"""LoRA on the actor: PEFT adapters over a frozen base (``--lora_rank``, ``--lora_alpha``, ``--lora_dropout``,
+``--lora_target_modules``; OpenRLHF's ``--lora_rank`` / ``--ds.lora.*``).
+
+Only the adapters train: gradients and optimizer state exist for them alone (the memory model counts them,
+:func:`adapter_param_count`), under either trainer backend. The engines still receive full weights -- each adapted
+layer merged, ``W + (alpha / r) B A``, under the base model's names (:mod:`.trainer_backends.peft_weights`) -- so any
+engine serves the policy; sending the adapter alone is not built yet. The final model is saved merged (a plain
+Hugging Face folder) with the adapter beside it (``adapter/``, PEFT's format). The critic keeps training every weight:
+LoRA on a value head's model is refused, not half-done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+from hybrid_core.errors import ConfigError
+
+#: PEFT's shorthand for every linear layer but the output head
+ALL_LINEAR = "all-linear"
+
+
+def target_modules(trainer: Any) -> str | list[str]:
+    """The settings' ``lora_target_modules`` as PEFT takes them."""
+    text = trainer.lora_target_modules.strip()
+    return ALL_LINEAR if text == ALL_LINEAR else [t for t in (p.strip() for p in text.split(",")) if t]
+
+
+def validate_lora(trainer: Any) -> None:
+    """The LoRA settings' checks (:meth:`TrainerSettings.validate` calls it), naming ``trainer.<field>``."""
+    rank = trainer.lora_rank
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigError(
+            "trainer.lora_rank", f"must be a whole number >= 0, got {rank!r}.", "E.g. 16; 0 trains every weight."
+        )
+    if not trainer.lora:
+        return
+    if not trainer.lora_alpha > 0:
+        raise ConfigError("trainer.lora_alpha", f"must be > 0, got {trainer.lora_alpha}.", "E.g. 2 x the rank.")
+    if not 0 <= trainer.lora_dropout < 1:
+        raise ConfigError(
+            "trainer.lora_dropout", f"must be in [0, 1), got {trainer.lora_dropout}.", "E.g. 0 (OpenRLHF's default)."
+        )
+    if not target_modules(trainer):
+        raise ConfigError(
+            "trainer.lora_target_modules",
+            "names no module.",
+            "Use all-linear, or module names such as q_proj,k_proj,v_proj,o_proj.",
+        )
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError(
+            "trainer.lora_rank",
+            "LoRA adapters are PEFT's, and peft is not installed.",
+            "pip install 'hybrid-algos[train,lora]' (or 'peft>=0.13').",
+        )
+
+
+def lora_config(trainer: Any) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=trainer.lora_rank,
+        lora_alpha=trainer.lora_alpha,
+        lora_dropout=trainer.lora_dropout,
+        target_modules=target_modules(trainer),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model: Any, trainer: Any) -> Any:
+    """``model`` wrapped with the adapters (PEFT freezes every base weight); with gradient checkpointing the
+    inputs' embeddings require gradients, else a checkpointed segment whose inputs need none would give the
+    adapters inside it no gradient."""
+    from peft import get_peft_model
+
+    if trainer.gradient_checkpointing:
+        model.enable_input_require_grads()
+    return get_peft_model(model, lora_config(trainer))
+
+
+def adapter_param_count(hf_config: Any, trainer: Any, *, trust_remote_code: bool = False) -> int:
+    """The adapters' parameters for a model of ``hf_config``: PEFT applied to the model built on the meta device
+    (exact, nothing allocated). A target naming no module of the model is a ConfigError here, before Ray starts."""
+    key = (hf_config.to_json_string(), trainer.lora_rank, trainer.lora_target_modules, trust_remote_code)
+    return _count(key, hf_config, trainer, trust_remote_code)
+
+
+#: the counts made, by the config's content and the LoRA settings (the planner sizes the models again on a replan)
+_COUNTS: dict[tuple, int] = {}
+
+
+def _count(key: tuple, hf_config: Any, trainer: Any, trust_remote_code: bool) -> int:
+    if key in _COUNTS:
+        return _COUNTS[key]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        try:
+            model = apply_lora(model, dataclasses.replace(trainer, gradient_checkpointing=False))
+        except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
+            raise ConfigError(
+                "trainer.lora_target_modules",
+                f"{trainer.lora_target_modules!r}: {str(e).splitlines()[0][:300]}",
+                "Name modules the model has (e.g. q_proj,v_proj for Llama / Qwen), or use all-linear.",
+            ) from None
+    count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    _COUNTS[key] = count
+    return count
+
+
+def describe(trainer: Any, adapters: int, total: int) -> str:
+    """The dry run's and the start's line about LoRA."""
+    return (
+        f"LoRA: rank {trainer.lora_rank}, alpha {trainer.lora_alpha}, targets {trainer.lora_target_modules}: "
+        f"{adapters / 1e6:.2f}M adapter parameters train ({100 * adapters / max(total, 1):.2f} % of "
+        f"{total / 1e9:.2f}B), the base is frozen; the engines receive the merged weights after each update"
+    )
