@@ -80,18 +80,14 @@ def apply_lora(model: Any, trainer: Any) -> Any:
     return get_peft_model(model, lora_config(trainer))
 
 
-def adapter_param_count(hf_config: Any, trainer: Any, *, trust_remote_code: bool = False) -> int:
-    """The adapters' parameters for a model of ``hf_config``: PEFT applied to the model built on the meta device
-    (exact, nothing allocated). A target naming no module of the model is a ConfigError here, before Ray starts."""
-    key = (hf_config.to_json_string(), trainer.lora_rank, trainer.lora_target_modules, trust_remote_code)
-    return _count(key, hf_config, trainer, trust_remote_code)
-
-
 #: the counts made, by the config's content and the LoRA settings (the planner sizes the models again on a replan)
 _COUNTS: dict[tuple, int] = {}
 
 
-def _count(key: tuple, hf_config: Any, trainer: Any, trust_remote_code: bool) -> int:
+def adapter_param_count(hf_config: Any, trainer: Any, *, trust_remote_code: bool = False) -> int:
+    """The adapters' parameters for a model of ``hf_config``: PEFT applied to the model built on the meta device
+    (exact, nothing allocated). A target naming no module of the model is a ConfigError here, before Ray starts."""
+    key = (hf_config.to_json_string(), trainer.lora_rank, trainer.lora_target_modules, trust_remote_code)
     if key in _COUNTS:
         return _COUNTS[key]
     import torch
