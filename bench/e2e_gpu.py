@@ -64,8 +64,6 @@ def command(args, model: str, data: str, save: str) -> list[str]:
         "1",
         "--vllm_tensor_parallel_size",
         "1",
-        "--zero_stage",
-        str(args.zero_stage),
         "--bf16",
         "--rollout_batch_size",
         str(prompts),
@@ -96,6 +94,10 @@ def command(args, model: str, data: str, save: str) -> list[str]:
         "--residency",
         args.residency,
     ]
+    if args.trainer == "fsdp2":  # DeepSpeed's --zero_stage is refused under FSDP2 (it shards per decoder layer)
+        cmd += ["--trainer", "fsdp2"]
+    else:
+        cmd += ["--zero_stage", str(args.zero_stage)]
     if args.backend != "hf":  # the built-in engine has no memory pool (nor CUDA graphs): hybrid refuses these there
         cmd += ["--vllm_gpu_memory_utilization", str(args.gpu_util)]
     if args.sleep_level:
@@ -181,6 +183,7 @@ def main() -> int:
     ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing (always on above 357m)")
     ap.add_argument("--split", action="store_true", help="engine on GPU 1, trainer on GPU 0")
     ap.add_argument("--zero_stage", type=int, default=3, help="the actor's ZeRO stage (the issue's set-up: 3)")
+    ap.add_argument("--trainer", choices=["deepspeed", "fsdp2"], default="deepspeed", help="the trainer backend")
     ap.add_argument(
         "--kl", type=float, default=0.001, help="--init_kl_coef; 0 runs no reference model (TRL's default beta = 0)"
     )
@@ -197,7 +200,8 @@ def main() -> int:
 
     workdir = args.workdir or ("/tmp/peer" if args.size == "357m" else f"/tmp/peer-{args.size}")
     model, data = build(workdir, size=args.size, **({"layers": 2, "hidden": 112} if args.small else {}))
-    tag = f"{args.algo}-{args.size}-{'split' if args.split else 'colocated'}{'-' + args.tag if args.tag else ''}"
+    tag = f"{args.algo}-{args.size}-{'split' if args.split else 'colocated'}"
+    tag += ("-fsdp2" if args.trainer == "fsdp2" else "") + (f"-{args.tag}" if args.tag else "")
     save = os.path.join(workdir, "runs", tag)
     cmd = command(args, model, data, save)
     print("command:", shlex.join(cmd), flush=True)

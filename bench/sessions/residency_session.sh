@@ -28,6 +28,10 @@
 #                                                     # E_MICRO64=1 ours in TRL's micro-batch of 64, E_PROFILE=1 that run
 #                                                     # again with step 6 under the profilers (--profile_step), E_EXTRA="FLAGS"
 #                                                     # ours in TRL's micro-batch with those hybrid flags (an A/B variant)
+#   bash bench/sessions/residency_session.sh ws       # issue 34: the weight sync's verification cost, split and profiled
+#   bash bench/sessions/residency_session.sh fs       # issue 37: DeepSpeed then FSDP2 on the 1.5B workload (train phase ratio;
+#                                                     # FS_BACKEND=hf: the built-in engine, no vLLM needed)
+#   bash bench/sessions/residency_session.sh f7       # issue 37: ~7B under FSDP2 in bf16, then TRL, the same call
 #   bash bench/sessions/residency_session.sh f        # issue 21: async vs the synchronous auto plan, 1.5B, one GPU (F_MPS=1:
 #                                                     # the async run under CUDA MPS)
 #   bash bench/sessions/residency_session.sh g        # generate overhead (recorded; G_REC=0: not), the same with vLLM multi-process
@@ -48,6 +52,8 @@ OUT=${OUT:-/tmp/out}; LOGS=/tmp/logs/$1; mkdir -p "$OUT" "$LOGS"
 PY=python3
 t0=$(date +%s)
 left() { echo $(( ${1} - ($(date +%s) - t0) )); }   # seconds left of a phase budget
+# a run's deadline: what is left of the phase's budget (PHASE_BUDGET, default 560 s), at most RUN_TIMEOUT when set
+run_limit() { local b; b=$(left ${PHASE_BUDGET:-560}); [ -n "${RUN_TIMEOUT:-}" ] && [ "$RUN_TIMEOUT" -lt "$b" ] && b=$RUN_TIMEOUT; echo $b; }
 pack() { tar -czf "$OUT/$1.tgz" -C /tmp/logs "$1" 2>/dev/null; }
 wait_for() { for i in $(seq 120); do grep -q "$1" /tmp/logs/stage_bg.log 2>/dev/null && return 0; sleep 5; done; return 1; }
 # Rows a bench appends on the device go to this call's copy of RESULTS.md, which the next call's transfer replaces:
@@ -69,12 +75,12 @@ monitor() {  # the load and the busiest processes every 10 s, beside the timings
 trl() {  # $1 label, then the peer's arguments
   local label=$1; shift
   RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 \
-    timeout $(left 560) $PY bench/trl_grpo_peer.py "$@" > $LOGS/trl_$label.log 2>&1
+    timeout $(run_limit) $PY bench/trl_grpo_peer.py "$@" > $LOGS/trl_$label.log 2>&1
   echo "trl $label rc=$?"; grep RESULT $LOGS/trl_$label.log | tail -1 | tee $OUT/trl_$label.json
 }
 ours() {  # $1 label, then e2e_gpu.py arguments
   local label=$1; shift
-  OUT=$LOGS timeout $(left 560) $PY bench/e2e_gpu.py --tag $label "$@" > $LOGS/ours_$label.log 2>&1
+  OUT=$LOGS timeout $(run_limit) $PY bench/e2e_gpu.py --tag $label "$@" > $LOGS/ours_$label.log 2>&1
   echo "ours $label rc=$?"; grep -E "median step|^peak |generated tokens" $LOGS/ours_$label.log | tail -6
   cp $LOGS/e2e-*$label*.json $OUT/ 2>/dev/null
   for run in /tmp/peer*/runs/*$label; do  # what the offline analysis needs: phases, plan, metrics, memory samples
@@ -104,11 +110,16 @@ stage)
           $PY bench/packing_gpu.py --record --dynamic --packed-attention auto segments sdpa-mask \
           > /tmp/logs/bg/packing.log 2>&1; echo gpubench ) &"
     [ "${STAGE_GPU_BENCHES:-1}" = 1 ] || gpu=""
+    # STAGE_SMOKE=1: FSDP2 end to end on the GPU with the built-in engine (357M, 3 steps), a check before the timed
+    # phases (its log: /tmp/logs/bg/smoke_f2.log, "smoke rc=" in stage_bg.log)
+    smoke="OUT=/tmp/logs/bg timeout 400 $PY bench/e2e_gpu.py --size 357m --backend hf --trainer fsdp2 --steps 3 \
+        --warmup 1 --micro 16 --tag smoke > /tmp/logs/bg/smoke_f2.log 2>&1; echo smoke rc=\$?;"
+    [ "${STAGE_SMOKE:-0}" = 1 ] || smoke=""
     builds=""; for size in ${STAGE_SIZES-1.5b 7b}; do
       builds="$builds $PY bench/peer_workload.py /tmp/peer-$size $size && echo built${size//./}; "; done
     setsid nohup bash -c "$PY bench/peer_workload.py /tmp/peer 357m && echo built357; \
       $PY -c 'from deepspeed.ops.op_builder import FusedAdamBuilder as B; B().load()' && echo builtadam; \
-      $gpu $builds wait; echo bg-all-done" \
+      $smoke $gpu $builds wait; echo bg-all-done" \
       > /tmp/logs/stage_bg.log 2>&1 < /dev/null & )
   echo "staged base wheels; background builds and benches started"
   ;;
@@ -196,6 +207,61 @@ if trl and m64:
           f"(TRL {statistics.median(trl):.3f} s / ours {statistics.median(m64):.3f} s)")
 PY
   pack e
+  ;;
+ws)
+  # issue 34: the weight sync's verification cost, split per side (--verbose) with both sides' profiles (--profile);
+  # WS_RECORD=1 records the rows (into this phase's rows.md)
+  cleanup; OUT=$LOGS timeout $(left ${PHASE_BUDGET:-300}) $PY bench/weight_sync.py --mode ipc --verbose ${WS_PROFILE---profile} \
+    ${WS_RECORD:+--record} > $LOGS/weight_sync.log 2>&1
+  echo "weight sync rc=$?"; grep -vE "^\s*$" $LOGS/weight_sync.log | tail -${WS_LINES:-60}; cat $LOGS/rows.md 2>/dev/null
+  pack ws
+  ;;
+fs)
+  # issue 37: the trainer backends on the 1.5B workload (reference + KL, vLLM colocated, one GPU), DeepSpeed
+  # (--zero_stage 3: one rank runs it as ZeRO-1) then FSDP2, the same call; FS_STEPS measured steps after one warm-up
+  wait_for built15; wait_for builtadam; cleanup; monitor
+  # FS_BACKEND=hf: the built-in engine (no vLLM carried; the train phase is the same work)
+  fsb="--backend ${FS_BACKEND:-vllm}"
+  ours fs_ds --size 1.5b --steps ${FS_STEPS:-4} --warmup 1 --micro 8 --gpu_util 0.3 $fsb -- ${FS_FLAGS:-}; cleanup
+  ours fs_f2 --size 1.5b --steps ${FS_STEPS:-4} --warmup 1 --micro 8 --gpu_util 0.3 $fsb --trainer fsdp2 -- ${FS_FLAGS:-}
+  grep -E "Error|error:" $LOGS/ours_fs_f2.log | tail -5
+  kill $MON 2>/dev/null
+  $PY - $OUT <<'PY'
+import glob, json, sys
+runs = {k: json.load(open(f)) for k in ("fs_ds", "fs_f2") for f in glob.glob(f"{sys.argv[1]}/e2e-*{k}*.json")}
+if len(runs) == 2 and all("phases_s" in r for r in runs.values()):
+    ds, f2 = (runs[k]["phases_s"]["train"] for k in ("fs_ds", "fs_f2"))
+    print(f"fsdp2 vs deepspeed train x = {ds / f2:.3f} (train DeepSpeed {ds:.3f} s / FSDP2 {f2:.3f} s); step "
+          f"{runs['fs_ds']['step_s']:.3f} / {runs['fs_f2']['step_s']:.3f} s; peak error FSDP2 "
+          f"{runs['fs_f2'].get('peaks', {}).get('worst_error_pct')}")
+PY
+  pack fs
+  ;;
+f7)
+  # issue 37: ~7B (bench/peer_workload.py's 6.5B Qwen2 shape) under FSDP2 in TRL's precision (bf16 master weights and
+  # Adam state) + reference + vLLM on one GPU, then TRL on the same folder (F7_TRL=0: not), the same call
+  cleanup; monitor; free -g | head -2
+  if [ ! -f /tmp/peer-7b/model/config.json ]; then
+    PEER_BUILD_DEVICE=cuda timeout 300 $PY bench/peer_workload.py /tmp/peer-7b 7b > $LOGS/build7b.log 2>&1
+    echo "7b build rc=$? in $(( $(date +%s) - t0 )) s"; cleanup
+  fi
+  ours f7 --size 7b --steps ${F7_STEPS:-3} --warmup 1 --gpu_util 0.2 --micro 4 --trainer fsdp2 -- \
+    --bf16_master_weights --bf16_optimizer_states --no_final_checkpoint ${F7_FLAGS:-}
+  grep -E "^(generate|infer|train|sync|sleep|wake) |residency|peak error|Error|error:" $LOGS/ours_f7.log | tail -14
+  if [ "${F7_TRL:-1}" = 1 ]; then cleanup
+    trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps ${F7_TRL_STEPS:-3} --gpu_util 0.2
+  fi
+  kill $MON 2>/dev/null; free -g | head -2
+  $PY - $OUT <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+ours = [json.load(open(f)) for f in glob.glob(f"{out}/e2e-*f7*.json")]
+trl = [json.loads(open(f).read().split("RESULT", 1)[-1]) for f in glob.glob(f"{out}/trl_7b.json") if open(f).read().strip()]
+if ours and trl and "step_s" in ours[0]:
+    print(f"speedup vs TRL 7B x = {trl[0]['median_step_s'] / ours[0]['step_s']:.3f} (TRL {trl[0]['median_step_s']:.2f} s / "
+          f"ours FSDP2 {ours[0]['step_s']:.2f} s)")
+PY
+  pack f7
   ;;
 f)
   # issue 21: --async_train against the synchronous auto plan on the 1.5B workload, one GPU, same call
