@@ -15,9 +15,15 @@
 Per-step time: the median ``time/step`` of the steps after the warm-up. For an asynchronous run it is the trainer's
 step including its wait for the batch, so it is the loop's wall-clock per step, as for the synchronous runs.
 
+CUDA MPS: ``--mps on`` gives every run ``--mps on`` (each starts and stops a CUDA MPS daemon of its own; its log
+in ``<run>/logs/mps``), so the synchronous baseline is measured under the same MPS condition as the asynchronous
+run and a ratio is the overlap's alone. ``--async_under_mps`` (older) puts only the asynchronous colocated run under
+MPS.
+
     python bench/async_gpu.py --size 1.5b                  # one H100: the colocated row
     python bench/async_gpu.py --size 1.5b --gpus 2         # two GPUs: also the split and partial-rollout rows
     python bench/async_gpu.py --size 1.5b --gpus 2 --record   # ... and append the rows to bench/RESULTS.md
+    python bench/async_gpu.py --size 1.5b --mps on         # every run under the run's own CUDA MPS daemon
     python bench/async_gpu.py --small                      # tiny model, built-in engine, CPU: checks the logic
 """
 
@@ -59,54 +65,22 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--small", action="store_true", help="2-layer model, --backend hf, short runs (CPU)")
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     ap.add_argument(
+        "--mps",
+        choices=("on", "off"),
+        default="off",
+        help="on: every run (the synchronous baselines and the asynchronous runs) with the run's own CUDA MPS "
+        "daemon (--mps on of the run), so a ratio is the overlap's alone, not MPS's",
+    )
+    ap.add_argument(
         "--async_under_mps",
         action="store_true",
-        help="run the asynchronous colocated run under CUDA MPS (a private nvidia-cuda-mps-control daemon "
-        "started for that run and stopped after it; the synchronous runs stay without): without "
-        "MPS the engine's and the trainer's kernels take turns on the GPU",
+        help="only the asynchronous colocated run with --mps on (the synchronous runs without): the older "
+        "comparison, which credits MPS's gain to the overlap; --mps on measures both sides under it",
     )
     args = ap.parse_args()
     if args.small:
         args.backend, args.steps, args.warmup, args.size = "hf", 3, 1, "357m"
     return args
-
-
-class MPS:
-    """A private CUDA MPS control daemon for one run (its own pipe and log folders, quit afterwards): kernels of
-    the processes sharing the GPU can then run at the same time instead of taking turns. Changes no GPU setting."""
-
-    def __init__(self, root: str = "/tmp/hybrid-mps"):
-        self.env = {"CUDA_MPS_PIPE_DIRECTORY": f"{root}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{root}/log"}
-
-    def __enter__(self) -> dict:
-        import shutil
-
-        if shutil.which("nvidia-cuda-mps-control") is None:
-            raise SystemExit("--async_under_mps: nvidia-cuda-mps-control is not on PATH here")
-        for d in self.env.values():
-            os.makedirs(d, exist_ok=True)
-        subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env}, check=True, timeout=30)
-        from hybrid_core.mps import mps_pipe_directory  # what the run's own note reads: the daemon's pipe
-
-        for _ in range(50):
-            if mps_pipe_directory(self.env):
-                break
-            time.sleep(0.2)
-        else:
-            raise SystemExit(
-                f"--async_under_mps: no MPS control pipe in {self.env['CUDA_MPS_PIPE_DIRECTORY']} after 10 s"
-            )
-        print(f"[mps] control daemon started ({self.env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
-        return self.env
-
-    def __exit__(self, *exc) -> None:
-        subprocess.run(
-            ["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **self.env}, timeout=60
-        )
-        time.sleep(2)
-        log = os.path.join(self.env["CUDA_MPS_LOG_DIRECTORY"], "control.log")
-        if os.path.exists(log):
-            print("[mps] control.log tail:\n" + "".join(open(log).readlines()[-6:]), flush=True)
 
 
 def run(
@@ -118,7 +92,6 @@ def run(
     split: bool,
     residency: str = "auto",
     extra: tuple[str, ...] = (),
-    env_extra: dict | None = None,
 ) -> dict:
     e2e = SimpleNamespace(
         size=args.size,
@@ -139,6 +112,8 @@ def run(
     )
     save = os.path.join(args.workdir, "runs", f"async-{name}")
     cmd = [*command(e2e, model, data, save), "--overwrite", *extra]
+    if args.mps == "on" and "--mps" not in extra:  # the run starts and stops its own daemon
+        cmd += ["--mps", "on"]
     if args.small:  # short generations, no bf16 kernels needed on a CPU
         cmd += [
             "--generate_max_len",
@@ -166,7 +141,6 @@ def run(
                 os.environ.get("PYTHONPATH", ""),
             ]
         ),
-        **(env_extra or {}),
     }
     print(f"[{name}] {shlex.join(cmd)}", flush=True)
     start = time.time()
@@ -210,11 +184,10 @@ def main() -> int:
             args, model, data, f"sync-colocated-{residency}", split=False, residency=residency
         )
     best = min((r["step_s"], k) for k, r in results.items())
-    if args.async_under_mps:
-        with MPS() as mps_env:
-            results["async-colocated"] = run(
-                args, model, data, "async-colocated-mps", split=False, extra=("--async_train",), env_extra=mps_env
-            )
+    if args.async_under_mps and args.mps == "off":
+        results["async-colocated"] = run(
+            args, model, data, "async-colocated-mps", split=False, extra=("--async_train", "--mps", "on")
+        )
     else:
         results["async-colocated"] = run(args, model, data, "async-colocated", split=False, extra=("--async_train",))
     fell_back = results["async-colocated"]["async"] != "async"
@@ -224,7 +197,7 @@ def main() -> int:
             best[0] / results["async-colocated"]["step_s"],
             f"x (sync: {best[1]} {best[0]:.2f} s/step, of {'/'.join(args.sync_plans)}; "
             f"async {results['async-colocated']['step_s']:.2f} "
-            f"s/step{' under CUDA MPS (synchronous runs without)' if args.async_under_mps else ''}"
+            f"s/step{_mps_words(args)}"
             f"{'; FELL BACK to synchronous turns' if fell_back else ''}; goal >= 1.3)",
             record=not fell_back,
         )
@@ -262,6 +235,12 @@ def main() -> int:
     if args.record and not args.small:
         print(f"appended {append_results(rows, device)} rows to bench/RESULTS.md")
     return 0
+
+
+def _mps_words(args) -> str:
+    if args.mps == "on":
+        return "; every run under CUDA MPS"
+    return " under CUDA MPS (synchronous runs without)" if args.async_under_mps else ""
 
 
 def _gpu_label(gpus: int) -> str:

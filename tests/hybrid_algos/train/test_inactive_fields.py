@@ -190,6 +190,7 @@ def _cases(data: str) -> list[tuple[type, dict]]:
         (P, {**off, "vllm_is_correction_type": "icepop"}),
         (P, {"async_max_staleness": 2}),
         (P, {"partial_rollout": True}),
+        (P, {"mps_engine_share": 60}),
         (P, {"train_max_tokens_per_gpu": 4096}),
         (P, {"rollout_max_tokens_per_gpu": 4096}),
         (P, {"overlong_penalty_factor": 0.5}),

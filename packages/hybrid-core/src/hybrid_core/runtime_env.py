@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 #: Forwarded from the driver when set there (exact names, then prefixes).
@@ -43,6 +43,12 @@ def set_worker_env(env: Mapping[str, str]) -> None:
 
             raise ConfigError("env", f"{key!r} is not a valid environment variable name.")
         _extra[key] = str(value)
+
+
+def drop_worker_env(names: Iterable[str]) -> None:
+    """Take back variables :func:`set_worker_env` added (a run's own, once it ended), for workers started later."""
+    for key in names:
+        _extra.pop(key, None)
 
 
 def worker_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:

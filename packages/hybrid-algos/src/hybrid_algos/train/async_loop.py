@@ -11,8 +11,14 @@ as an uninterrupted one, and a sample is at most N versions old when it is train
 With ``--partial_rollout`` the update does not wait: a generation in flight is paused between two decoding steps
 (:class:`hybrid_engines.protocol.PausableEngine`), the weights go over, and it resumes with them; its tokens carry
 the version that sampled them, and the mismatch correction -- the engine's log-probs are the behaviour policy,
-token by token -- covers both parts. Such runs depend on timing, so they are not reproducible step for step, and a
-generation still running at a checkpoint is made again after ``--resume`` (with the restored weights).
+token by token -- covers both parts. Such runs depend on timing, so they are not reproducible step for step.
+
+Checkpoints lose nothing (:meth:`AsyncRunner.checkpoint_state`): they keep every batch generated ahead of the trainer,
+and the generation in flight (or due to start) as a record -- its step, weight version, prompts and sampling seed.
+``--resume`` trains on the kept batches and makes the one in flight again first, from that record, with the
+restored weights, which are the version the rule above gives it: the same batch, token for token, where the engine
+seeds each sample (the built-in engine, or ``--seeded_sampling``). With partial rollouts, whose batches depend on
+timing, it is made with the restored weights only.
 
 Bounded: the trainer waits at most ``--step_timeout_s`` for a batch and the boundary as long for a generation to
 end; past that the run ends with an error naming the rollout role and the step it was generating (with every
@@ -37,7 +43,9 @@ from .step import train_on
 class AsyncRunner:
     """The producer thread and the trainer's side of the queue (made by :class:`.session.TrainingSession`)."""
 
-    def __init__(self, session: Any, mode: str, restored: list[dict] | None = None):
+    def __init__(
+        self, session: Any, mode: str, restored: list[dict] | None = None, in_flight: dict[str, Any] | None = None
+    ):
         rollout = session.settings.rollout
         self.session, self.ctx, self.mode = session, session.ctx, mode
         self.max_staleness = rollout.async_max_staleness
@@ -52,7 +60,15 @@ class AsyncRunner:
                 self.queue[batch.step] = batch
         self.version = session.start_step  # the engines' weights: restored ones after a resume
         self.next_gen = max(self.queue, default=session.start_step - 1) + 1
+        # The generation a checkpoint caught in flight (or due to start): the resumed producer makes it first, from
+        # the prompts and seed the checkpoint recorded (see :meth:`checkpoint_state`).
+        self.replay: tuple[int, list, int | None] | None = None
+        if in_flight is not None:
+            j, prompts, seed = _in_flight_from_json(in_flight, session.prep.prompts)
+            if j == self.next_gen:
+                self.replay = (j, prompts, seed)
         self.generating: int | None = None
+        self.generating_what: tuple[list, int | None, int] | None = None  # its prompts, sampling seed, version
         self.holding = False  # a weight update is under way: no new generation starts
         self.error: BaseException | None = None
         self.stopped = False
@@ -68,7 +84,7 @@ class AsyncRunner:
     def _produce(self) -> None:
         from hybrid_core.remote import deadline
 
-        session = self.session
+        j: int | None = None
         try:
             while True:
                 with self.cv:
@@ -77,19 +93,32 @@ class AsyncRunner:
                             return
                         self.cv.wait(1.0)
                     j, version = self.next_gen, self.version
-                    self.generating = j
+                    prompts, sampling = self._inputs(j)
+                    self.generating, self.generating_what = j, (prompts, sampling.seed, version)
                 start = time.time()
                 with deadline(self.timeout_s, f"generating step {j + 1} (asynchronous)"):
-                    sampled = sample_rollout(self.ctx, j, session.prompts_for(j), session.sampling(j))
+                    sampled = sample_rollout(self.ctx, j, prompts, sampling)
                 batch = make_batch(j, sampled, version, start, time.time())
                 with self.cv:
                     self.queue[j] = batch
-                    self.generating, self.next_gen = None, j + 1
+                    self.generating, self.generating_what, self.next_gen = None, None, j + 1
                     self.cv.notify_all()
-        except BaseException as error:  # the trainer re-raises it, named
+        except BaseException as error:  # the trainer re-raises it, named after the step it was generating
             with self.cv:
-                self.error = error
+                self.error = error if j is None else _named(error, j)
                 self.cv.notify_all()
+
+    def _inputs(self, j: int) -> tuple[list, Any]:
+        """Batch ``j``'s prompts and sampling parameters: the checkpoint's record of the generation it caught in
+        flight, else the data order's (:meth:`.session.TrainingSession.prompts_for`: a function of --seed and the
+        step, as is the sampling seed). Dynamic sampling's extra rounds draw theirs from (seed, step, round)."""
+        import dataclasses
+
+        sampling = self.session.sampling(j)
+        if self.replay is not None and self.replay[0] == j:
+            _, prompts, seed = self.replay
+            return list(prompts), dataclasses.replace(sampling, seed=seed)
+        return self.session.prompts_for(j), sampling
 
     def _may_generate(self) -> bool:
         return (
@@ -170,11 +199,7 @@ class AsyncRunner:
         return stats
 
     def _raise_producer_error(self) -> None:
-        if self.error is not None:  # the engines' errors name the role and rank; this names the step
-            if sys.version_info >= (3, 11):  # add_note is 3.11's (3.10 raises the error without the note)
-                self.error.add_note(
-                    f"(raised by the asynchronous rollout producer, generating step {self.next_gen + 1})"
-                )
+        if self.error is not None:  # the engines' errors name the role and rank; _named adds the step
             raise self.error
 
     def _stalled(self, what: str) -> str:
@@ -208,12 +233,29 @@ class AsyncRunner:
                 self.cv.wait(min(left, 1.0))
 
     # ---- checkpoints and tear-down -----------------------------------------------------------------------------
-    def state(self, next_step: int) -> list[dict[str, Any]]:
-        """The batches generated for steps >= ``next_step`` (JSON; the driver state of a checkpoint)."""
-        index = {id(p): i for i, p in enumerate(self.session.prep.prompts)}
+    def checkpoint_state(self, next_step: int) -> dict[str, Any]:
+        """What a checkpoint that resumes at ``next_step`` keeps of the producer (JSON, in the driver state), taken at
+        one moment: ``async_queue``, every batch generated ahead for steps >= ``next_step``, and ``async_in_flight``,
+        the generation running (or due to start: the engines hold the version it needs) -- its step, the weight
+        version it uses, its prompts (indices into the prompt set) and sampling seed -- or None. A resumed run trains
+        on the queue and makes the generation in flight again first, from these prompts and this seed, with the
+        restored weights: the version the rule gives it (see the module docstring), so it is the same batch."""
+        prompts = self.session.prep.prompts
+        index = {id(p): i for i, p in enumerate(prompts)}
         with self.cv:
             batches = [self.queue[j] for j in sorted(self.queue) if j >= next_step]
-        return [batch_to_json(b, index) for b in batches]
+            if self.generating is not None and self.generating_what is not None:
+                j, (step_prompts, seed, version) = self.generating, self.generating_what
+            elif self._may_generate():  # the producer is about to start it
+                j, version = self.next_gen, self.version
+                step_prompts, sampling = self._inputs(j)
+                seed = sampling.seed
+            else:
+                j = None
+        in_flight = None
+        if j is not None and j >= next_step:
+            in_flight = {"step": j, "version": version, "prompts": [index[id(p)] for p in step_prompts], "seed": seed}
+        return {"async_queue": [batch_to_json(b, index) for b in batches], "async_in_flight": in_flight}
 
     def close(self) -> None:
         with self.cv:
@@ -221,3 +263,43 @@ class AsyncRunner:
             self.cv.notify_all()
         if self.thread is not None:
             self.thread.join(5.0)  # a generation in flight ends with the engines' shutdown
+
+
+def _in_flight_from_json(data: dict[str, Any], prompts: Any) -> tuple[int, list, int | None]:
+    from .checkpoint import CheckpointError
+
+    try:
+        seed = data["seed"]
+        return int(data["step"]), [prompts[int(i)] for i in data["prompts"]], None if seed is None else int(seed)
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"the checkpoint's record of the generation in flight is damaged ({type(e).__name__}: {e}). "
+            "Fix: resume from an earlier checkpoint (delete this one), or start fresh."
+        ) from None
+
+
+def _named(error: BaseException, step: int) -> BaseException:
+    """The producer's failure, saying it happened generating batch ``step`` (the trainer, which raises it, is at an
+    earlier step: its own label names that one). A hybrid error becomes one of its type whose message starts with
+    it (``error`` its cause); any other (a bug: its traceback is what matters) is kept, with a note on 3.11+."""
+    from hybrid_core.errors import ConfigError, HybridError
+
+    what = f"the asynchronous rollout producer, generating step {step + 1}"
+    try:
+        if isinstance(error, ConfigError):
+            named: BaseException = type(error)(error.field, f"{what}: {error.problem}", error.fix)
+        elif isinstance(error, HybridError):
+            named = type(error)(f"{what}: {error}")
+            named.__dict__.update(error.__dict__)  # e.g. dump_stacks
+        else:
+            return _noted(error, what)
+    except TypeError:  # an error type with its own constructor arguments
+        return _noted(error, what)
+    named.__cause__ = error
+    return named
+
+
+def _noted(error: BaseException, what: str) -> BaseException:
+    if sys.version_info >= (3, 11):  # add_note is 3.11's (3.10 raises the error without the note)
+        error.add_note(f"(raised by {what})")
+    return error

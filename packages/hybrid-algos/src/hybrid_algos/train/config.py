@@ -269,6 +269,10 @@ class RLConfig:
     num_gpus: int | None = None  # local Ray only: GPUs to declare (CPU machines use this for the demo)
     call_timeout_s: float = 600.0  # deadline of each remote call, turn wait and collective
     step_timeout_s: float = 3600.0  # budget of one whole step (or checkpoint); then stacks are dumped and the run ends
+    # off | on (a CUDA MPS control daemon of the run's own, or the run is refused) | auto (on where generation
+    # overlaps training on shared GPUs and MPS can start)
+    mps: str = "off"
+    mps_engine_share: int | None = None  # under MPS on shared GPUs: the engines' SM percentage, the trainers the rest
 
     # ---------------------------------------------------------------------------------------------------------
     #: The fields the user set (command line, --config file), recorded by the CLI (:meth:`record_given`); None: a

@@ -241,6 +241,16 @@ RULES: tuple[Rule, ...] = (
         "it pauses generations at a weight update, which only happens while they run with --async_train",
         "Add --async_train, or drop --partial_rollout.",
     ),
+    Rule(
+        "mps_engine_share",
+        lambda c: c.mps == "off" or not c.async_train,
+        lambda c: (
+            "--mps off starts no CUDA MPS daemon"
+            if c.mps == "off"
+            else "without --async_train the engines and the trainers take turns on a GPU (a share only slows each)"
+        ),
+        "Add --mps on (or auto) and --async_train, or drop it.",
+    ),
     # ---- batches --------------------------------------------------------------------------------------------------
     *(
         Rule(

@@ -31,9 +31,12 @@ def train(config: RLConfig, *, callbacks: Sequence[Any] = (), recipe: Any = None
     checkpoint is saved, then :class:`~.failures.Terminated` (a KeyboardInterrupt) is raised; a lost Ray GCS ends the
     run at once with :class:`~.failures.ClusterLost`. However it ends, the roles, engines, a Ray started here and
     every process they started on this node (:mod:`hybrid_core.run_processes`) are ended before it returns."""
+    from hybrid_core.mps_daemon import daemon_for_run
+
     prep = prepare(config, recipe)
-    try:
-        return _train_prepared(prep, callbacks)
+    try:  # `--mps on|auto`: the run's own CUDA MPS daemon outlives Ray's workers (started before, stopped after)
+        with daemon_for_run(prep.mps, os.path.join(prep.run_dir, "logs", "mps"), prep.settings.run.ray_temp_dir):
+            return _train_prepared(prep, callbacks)
     finally:
         prep.locks.release()  # the folder is free for the next run (a run that dies leaves a lock that is stale)
 

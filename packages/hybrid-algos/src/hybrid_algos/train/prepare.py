@@ -10,6 +10,7 @@ checkpoint saves. Everything after reads the sections.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -56,6 +57,7 @@ class Prepared:
     config_record: dict[str, Any] = field(default_factory=dict)
     config: RLConfig | None = None  # the flat config the run applies, for loop's on_start callbacks only
     eval_prompts: list = field(default_factory=list)  # the held-out prompts of --eval_dataset (evaluation.py)
+    mps: Any = None  # hybrid_core.mps_daemon.MpsDecision: whether the run starts a CUDA MPS daemon of its own
 
 
 def prepare(config: RLConfig, recipe: Any = None) -> Prepared:
@@ -223,6 +225,10 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     mode, note = async_mode(settings.rollout, plan, residency)
     if mode == "sync":  # --async_train on GPUs too small for both: synchronous turns, said in the plan's notes
         residency.notes.append(note)
+    mps = decide_mps(settings.run, mode)  # `--mps on` that cannot start is refused here, before Ray
+    if mps.note:
+        log.info("note: %s", mps.note)
+        start_lines.append(f"note: {mps.note}")
     return Prepared(
         settings,
         plan,
@@ -246,7 +252,23 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
         config_record={"config": config.to_dict(), "essentials": essentials(config)},
         config=config,
         eval_prompts=eval_prompts,
+        mps=mps,
     )
+
+
+def decide_mps(run: Any, async_mode: str, **probe: Any) -> Any:
+    """The run's CUDA MPS decision (:func:`hybrid_core.mps_daemon.decide`) in the flags' words: ``--mps on`` where a
+    daemon cannot start is a ConfigError naming ``--mps``; ``auto`` resolves to on or off, its note saying why."""
+    from hybrid_core.mps_daemon import decide
+
+    from .sections import flag_text, flag_words
+
+    joined = run.address or os.environ.get("RAY_ADDRESS") or None
+    with flag_words():
+        decision = decide(
+            run.mps, async_mode=async_mode, engine_share=run.mps_engine_share, joined_cluster=joined, **probe
+        )
+    return dataclasses.replace(decision, note=flag_text(decision.note)) if decision.note else decision
 
 
 def _load_eval(settings: TrainSettings, tokenizer: Any, recipe: Any) -> tuple[list, str]:

@@ -44,6 +44,9 @@ class RunSettings:
     num_gpus: int | None = None
     call_timeout_s: float = 600.0
     step_timeout_s: float = 3600.0
+    # ---- CUDA MPS (hybrid_core.mps_daemon: why off is the default)
+    mps: str = "off"  # auto | on | off
+    mps_engine_share: int | None = None  # the engines' SM percentage under MPS (the other workers: the rest)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -97,6 +100,21 @@ class RunSettings:
                     f"must be a finite number of seconds > 0, got {value}.",
                     f"Every wait has a deadline; e.g. run.{name} 600.",
                 )
+        from hybrid_core.mps_daemon import MODES
+
+        if self.mps not in MODES:
+            raise ConfigError(
+                "run.mps",
+                f"must be one of {', '.join(MODES)}, got {self.mps!r}.",
+                "E.g. run.mps auto: a CUDA MPS daemon of the run's own where generation overlaps training.",
+            )
+        share = self.mps_engine_share
+        if share is not None and (isinstance(share, bool) or not isinstance(share, int) or not 1 <= share <= 99):
+            raise ConfigError(
+                "run.mps_engine_share",
+                f"must be a whole percentage from 1 to 99 (the trainers get the rest), got {share!r}.",
+                "E.g. run.mps_engine_share 60; leave it out for no SM limit.",
+            )
         if self.address and self.num_gpus is not None:
             raise ConfigError(
                 "run.num_gpus",

@@ -13,7 +13,7 @@ residency   ``hybrid_core.residency.settings.ResidencySettings``  what stays on 
 trainer     ``hybrid_algos.train.workers.settings.TrainerSettings`` DeepSpeed, precision, optimizer
 algorithm   ``hybrid_algos.settings.AlgorithmSettings``           advantages, losses, KL, corrections
 rollout     ``hybrid_algos.train.rollout_settings.RolloutSettings`` batch shape, sampling, async
-run         ``hybrid_algos.train.run_settings.RunSettings``       saving, logging, Ray, deadlines
+run         ``hybrid_algos.train.run_settings.RunSettings``       saving, logging, Ray, deadlines, MPS
 models      ``hybrid_algos.train.model_settings.ModelSettings``   model folders, rewards, the built-in task
 evaluation  ``hybrid_algos.train.eval_settings.EvalSettings``     held-out prompts scored during training
 =========== ===================================================== =====================================
@@ -207,6 +207,8 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("num_gpus", "run.num_gpus"),
     ("call_timeout_s", "run.call_timeout_s"),
     ("step_timeout_s", "run.step_timeout_s"),
+    ("mps", "run.mps"),
+    ("mps_engine_share", "run.mps_engine_share"),
     # ---- models (helper U)
     ("pretrain", "models.pretrain"),
     ("trust_remote_code", "models.trust_remote_code"),

@@ -68,9 +68,10 @@ class TrainingSession(SessionStart):
         if self.async_mode in ("split", "shared"):
             from .async_loop import AsyncRunner
 
-            self.runner = AsyncRunner(self, self.async_mode, self.restored_queue)
+            self.runner = AsyncRunner(self, self.async_mode, self.restored_queue, self.restored_in_flight)
             self.runner.start()
         owner = self.started_owner
+        advisor = _share_advisor(self.prep.mps)
         for step in range(self.start_step, total):
             owner.tag = step
             # the asynchronous producer's batch of this step, if it has one
@@ -97,6 +98,8 @@ class TrainingSession(SessionStart):
                         f"{_first_line(error)}), so no checkpoint of it was saved."
                     ) from error
                 raise
+            if advisor is not None and self.async_mode == "shared":  # both sides at once: the SM split matters
+                metrics.update(_advise_shares(advisor, step, metrics))
             self.history.append(metrics)
             evaluated = "eval/reward_mean" in metrics  # an evaluation step is logged whatever --logging_steps says
             if (step + 1) % run.logging_steps == 0 or step + 1 == total or evaluated:
@@ -304,6 +307,22 @@ def emit(callbacks: Sequence[Any], event: str, payload: Any) -> None:
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0].rstrip(".") if lines else type(error).__name__
+
+
+def _share_advisor(mps: Any) -> Any:
+    """A :class:`hybrid_core.mps_daemon.ShareAdvisor` when the run started its own MPS daemon, else None."""
+    from hybrid_core.mps_daemon import ShareAdvisor
+
+    return ShareAdvisor(mps.shares) if mps is not None and mps.start else None
+
+
+def _advise_shares(advisor: Any, step: int, metrics: dict[str, float]) -> dict[str, float]:
+    """The step's ``mps/*`` metrics from its phase times (the trainer side: its inference passes and training)."""
+    trainer_s = metrics.get("time/train", 0.0) + metrics.get("time/infer", 0.0)
+    found, note = advisor.observe(step, metrics.get("time/generate", 0.0), trainer_s)
+    if note:
+        log.info("note: %s", note)
+    return found
 
 
 def _refines_after(steps_done: int) -> bool:

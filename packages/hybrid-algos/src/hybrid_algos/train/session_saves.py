@@ -29,8 +29,13 @@ class SessionSaves(SessionState):
             "reward_norm": self.reward.state_dict(),
             "history": self.history,
             **self.prep.config_record,  # "config" and "essentials": what a resume is checked against
-            # batches generated ahead of the trainer (asynchronous training): a resumed run trains on them
-            "async_queue": self.runner.state(next_step) if self.runner is not None else [],
+            # batches generated ahead of the trainer (asynchronous training), which a resumed run trains on, and the
+            # generation in flight, which it makes again from the prompts and seed recorded
+            **(
+                self.runner.checkpoint_state(next_step)
+                if self.runner is not None
+                else {"async_queue": [], "async_in_flight": None}
+            ),
         }
 
     def save_checkpoint(self, next_step: int) -> str:
@@ -61,6 +66,7 @@ class SessionSaves(SessionState):
         # the steps done after this checkpoint are done again: their spans go (the writer appends at the new end)
         drop_steps_from(os.path.join(self.prep.run_dir, "timeline.jsonl"), self.start_step)
         self.restored_queue = list(state.get("async_queue") or [])
+        self.restored_in_flight = state.get("async_in_flight")  # None in checkpoints of older versions
         if self.restored_queue and not self.settings.rollout.async_train:
             log.warning(
                 "the checkpoint holds %d batches generated ahead (--async_train); this run is synchronous "

@@ -136,6 +136,7 @@ class SessionStart(SessionSaves):
             engine_kwargs=self._engine_kwargs(),
             timeout_s=timeout,
             max_concurrency=4 if pausing else 1,
+            env_vars=prep.mps.engine_env() if prep.mps else None,  # their SM share under the run's MPS daemon
         )
         self.engine_where = engines.call("where")
         owner.add_role("rollout", engines)

@@ -62,6 +62,7 @@ class SessionState:
             None  # async_loop.AsyncRunner with --async_train (split, or shared GPUs that fit)
         )
         self.restored_queue: list[dict] = []  # the generated batches a resumed asynchronous run continues with
+        self.restored_in_flight: dict | None = None  # and the generation its checkpoint caught in flight
         self.preemption: Preemption | None = (
             None  # failures.Preemption (train() sets it): SIGTERM during a step waits for its end
         )
