@@ -222,7 +222,8 @@ fs)
   wait_for built15; wait_for builtadam; cleanup; monitor
   # FS_BACKEND=hf: the built-in engine (no vLLM carried; the train phase is the same work)
   fsb="--backend ${FS_BACKEND:-vllm}"
-  ours fs_ds --size 1.5b --steps ${FS_STEPS:-4} --warmup 1 --micro 8 --gpu_util 0.3 $fsb -- ${FS_FLAGS:-}; cleanup
+  # FS_DS=0: FSDP2 only (the DeepSpeed run of an earlier call stands: its json is in that call's $OUT)
+  [ "${FS_DS:-1}" = 1 ] && { ours fs_ds --size 1.5b --steps ${FS_STEPS:-4} --warmup 1 --micro 8 --gpu_util 0.3 $fsb -- ${FS_FLAGS:-}; cleanup; }
   ours fs_f2 --size 1.5b --steps ${FS_STEPS:-4} --warmup 1 --micro 8 --gpu_util 0.3 $fsb --trainer fsdp2 -- ${FS_FLAGS:-}
   grep -E "Error|error:" $LOGS/ours_fs_f2.log | tail -5
   kill $MON 2>/dev/null

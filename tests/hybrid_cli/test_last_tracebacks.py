@@ -169,7 +169,7 @@ INTERRUPTED = textwrap.dedent("""
     import ray
     from hybrid_cli import main as cli
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)  # not one running beside
 
     def run_until_interrupted(argv):
         # the run, interrupted with Ray still up: where a second Ctrl-C cut its tear-down short

@@ -112,7 +112,7 @@ def test_the_judge_phase_runs_on_a_real_judge_worker(models, tmp_path, registere
     recipe = judge_recipe(judge).for_config(cfg)
     prompts = [[1, 5, 6], [1, 7]]
     rollout = Rollout.from_generations(prompts, [[[8, 9, 2]], [[5, 2]]], pad_id=0)
-    ray.init(num_gpus=1, num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_gpus=1, num_cpus=2, include_dashboard=False)  # not one running beside
     try:
         placed = place(PlacementSpec.from_ranges({"judge": "0"}).plan(), timeout_s=120)
         spec = recipe.role("judge")
