@@ -71,6 +71,14 @@ FIGURES = (
     ),
     Figure("~7B + reference + vLLM on one 80 GB GPU, ours", "grpo step s 7B auto", "s/step"),
     Figure("~7B, TRL on the same folder and batch (bf16 weights and AdamW state)", "TRL grpo step s 7B", "s/step"),
+    # Issue 37: the FSDP2 trainer (--trainer fsdp2) on the same workloads.
+    Figure(
+        "~7B, FSDP2 (bf16 master + Adam) + reference + vLLM, one GPU, vs TRL at its default",
+        "speedup vs TRL 7B x",
+        "x",
+        ">= 1.2",
+    ),
+    Figure("FSDP2 vs DeepSpeed, train phase, 1.5B + reference, one GPU", "fsdp2 vs deepspeed train x", "x"),
     Figure("OpenRLHF 0.11.2 on the same GPU and folder, 357M (both sleeping)", "speedup vs OpenRLHF x", "x", ">= 1.5"),
     Figure("OpenRLHF, 357M with ZeRO-3 + reference (both sleeping)", "speedup vs OpenRLHF zero3ref x", "x", ">= 1.5"),
     Figure("OpenRLHF, ~1.5B (ours packing; both sleeping)", "speedup vs OpenRLHF 1.5B x", "x", ">= 1.5"),
