@@ -66,6 +66,19 @@ def logprob_gap(eng) -> float:
     return float((chunked - full).abs().max())
 
 
+def base_gaps(eng) -> tuple[float, float]:
+    """The reference under LoRA (PolicyWorker.base_logprobs): the engine's forward with its adapters off against the
+    untouched base model's, and with them on (trained: apart)."""
+    ids = my_batches()[0]
+    eng.eval()
+    with torch.no_grad():
+        want = model(0).eval()(input_ids=ids).logits
+        with eng.module.disable_adapter():
+            off = eng(input_ids=ids).logits
+        on = eng(input_ids=ids).logits
+    return float((off - want).abs().max()), float((on - want).abs().max())
+
+
 def run(backend: str, folder: str) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -101,6 +114,7 @@ def run(backend: str, folder: str) -> dict:
         out["loss_after_wake"] = update(eng, my_batches())
         expected = expected_merge(full_state(eng))
     out["logprob_gap"] = logprob_gap(eng)
+    out["base_gap"], out["adapted_gap"] = base_gaps(eng)
 
     exported = {n: t.detach().clone() for n, t in eng.full_weights(1 << 12)}  # small buckets: many of them
     out["export_names"] = list(exported)

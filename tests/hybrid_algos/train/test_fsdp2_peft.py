@@ -66,3 +66,9 @@ def test_deepspeed_trains_and_exports_the_same_peft_model(fsdp2, deepspeed) -> N
         assert r["meta_shapes_match"]
         assert r["plain_vs_peft_logits"] < 1e-5
     assert deepspeed[0]["saved_vs_peft_logits"] == 0.0
+
+
+def test_the_base_with_adapters_off_is_the_untouched_model_the_reference_under_lora(fsdp2, deepspeed) -> None:
+    for r in fsdp2 + deepspeed:
+        assert r["base_gap"] < 1e-5  # what PolicyWorker.base_logprobs scores with: the reference, no second copy
+        assert r["adapted_gap"] > 1e-4  # the trained adapters do move the policy away from it

@@ -142,7 +142,16 @@ def test_a_lora_adapter_learns_the_copy_task_and_is_saved_beside_the_merged_mode
     crossed = next((i + 1 for i, r in enumerate(rewards) if r >= 0.9), None)
     assert crossed is not None and crossed <= 12, rewards
     assert sum(rewards[-4:]) / 4 >= 0.9, rewards
-    assert any("LoRA: rank 8" in line for line in said)
+    assert any("LoRA: rank 8" in line and "no reference model is loaded" in line for line in said)
+    # the KL's reference is the actor's base with the adapters off: equal to the policy before the first update
+    # (PEFT starts B at zero), apart from it once the adapters learned (a reference that kept them on stays at 0)
+    kls = [m["kl"] for m in summary["history"]]
+    assert abs(kls[0]) < 1e-6 and max(abs(k) for k in kls[-4:]) > 1e-4, kls
+    import json
+
+    plan = json.load(open(tmp_path / "run" / "residency.json"))
+    text = json.dumps(plan)
+    assert '"reference"' not in text and '"reference_base"' in text  # no reference model: the actor's phase
 
     final = summary["final_model"]
     base = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "tiny-model"))
@@ -177,3 +186,42 @@ def test_the_dry_run_says_what_trains(tmp_path, capsys):
         tiny_model_config(), TrainerSettings(lora_rank=4, lora_target_modules="q_proj,v_proj")
     )
     assert f"LoRA: rank 4, alpha 16, targets q_proj,v_proj: {adapters / 1e6:.2f}M" in capsys.readouterr().out
+
+
+def test_under_lora_the_reference_is_the_actors_frozen_base_not_a_second_model(tmp_path):
+    from hybrid_algos.train.placement import build_plan, build_residency
+    from hybrid_algos.train.recipes import recipe_for
+    from hybrid_core.residency import GiB, HostBudget
+
+    def plan_of(**kw):
+        settings = {k: v for k, v in {**DEMO_SETTINGS, **kw}.items() if v is not None}
+        cfg = GRPOConfig(save_path=str(tmp_path / str(len(kw))), **settings).validate()
+        recipe = recipe_for(cfg)
+        plan, _ = build_residency(
+            cfg, build_plan(cfg), None, prompt_len=8, generate_len=8, gpu_bytes=80 * GiB, host=HostBudget(None, "-")
+        )
+        return cfg, recipe, {s.role for s in plan.layout[0]}
+
+    cfg, full, roles = plan_of()
+    assert cfg.uses_reference and full.has("reference") and "reference" in roles
+    assert [p.name for p in full.phases if "reference" in p.name] == ["reference"]
+    cfg, lora, roles = plan_of(lora_rank=4)
+    assert cfg.uses_reference and not lora.has("reference") and "reference" not in roles  # one copy of the weights
+    phase = next(p for p in lora.phases if p.name == "reference_base")
+    assert phase.role == "actor" and dict(phase.needs) == {"actor": ("params",)}
+    _, no_kl, _ = plan_of(lora_rank=4, init_kl_coef=0.0, use_kl_loss=None, kl_estimator=None)
+    assert not any("reference" in p.name for p in no_kl.phases)  # no KL term: neither phase
+
+
+def test_reference_placement_flags_under_lora_are_refused_on_hybrids_line_and_noted_on_openrlhfs(tmp_path):
+    from hybrid_algos.train.tiny import save_tiny_model
+    from hybrid_cli.main import load_config
+
+    model = save_tiny_model(str(tmp_path / "model"))
+
+    with pytest.raises(ConfigError, match="frozen base") as e:
+        GRPOConfig(lora_rank=4, ref_num_gpus_per_node=2).record_given({"ref_num_gpus_per_node"}).validate()
+    assert e.value.field.endswith("ref_num_gpus_per_node")
+    argv = ["--pretrain", model, "--actor_num_gpus_per_node", "1", "--ref_num_nodes", "1", "--ref_num_gpus_per_node"]
+    _, _, notes = load_config("grpo", [*argv, "2", "--lora_rank", "4", "--n_samples_per_prompt", "4"])
+    assert any("frozen base" in n and "ref_num_gpus_per_node" in n for n in notes), notes

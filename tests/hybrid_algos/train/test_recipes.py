@@ -24,10 +24,12 @@ OLD_KINDS = {"actor": "trainer", "critic": "trainer", "reference": "frozen", "re
 def test_ppo_is_the_old_step():
     # the old step, with on-policy distillation's optional teacher (and its phase, after the reference's) beside it
     phases = [(p.name, p.role, p.needs) for p in PPO.residency_phases()]
-    assert [p for p in phases if p[1] != "teacher" and p[0] != "eval"] == OLD_STEP
+    assert [p for p in phases if p[1] != "teacher" and p[0] not in ("eval", "reference_base")] == OLD_STEP
+    # under LoRA the reference's phase is the actor's (its frozen base): right after the reference model's
+    assert phases[3] == ("reference_base", "actor", {"actor": ("params",)})
     # and the evaluation's (with --eval_dataset): a generate phase of the engines, the step's last
     assert phases[-1] == ("eval", "rollout", {"rollout": ("weights", "kv_cache")})
-    assert phases[3] == ("teacher", "teacher", {"teacher": ("params",)})
+    assert phases[4] == ("teacher", "teacher", {"teacher": ("params",)})
     assert PPO.kinds == {**OLD_KINDS, "teacher": "frozen"}
     sync = next(p for p in PPO.residency_phases() if p.name == "sync")
     assert sync.holds == {("rollout", "weights"): "generate"}

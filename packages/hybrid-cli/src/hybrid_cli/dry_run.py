@@ -283,7 +283,8 @@ def lora_line(config: Any) -> str:
     models, trainer = config.models_settings(), config.trainer_settings()
     hf = hf_config(config.pretrain, models)
     total = count_params(hf, trust_remote_code=config.trust_remote_code)
-    return describe(trainer, adapter_param_count(hf, trainer, trust_remote_code=config.trust_remote_code), total)
+    adapters = adapter_param_count(hf, trainer, trust_remote_code=config.trust_remote_code)
+    return describe(trainer, adapters, total, reference=config.uses_reference)
 
 
 def _is_terminal() -> bool:

@@ -186,6 +186,17 @@ RULES: tuple[Rule, ...] = (
         )
         for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
     ),
+    *(
+        Rule(
+            name,
+            lambda c: bool(c.lora_rank and c.uses_reference),
+            "under LoRA the reference is the actor's own frozen base (its adapters off): no reference model is "
+            "loaded or placed",
+            "Drop it: the reference's log-probs come from the actor's GPUs.",
+            openrlhf=True,  # OpenRLHF loads a second copy there; the log-probs are the same
+        )
+        for name in ("ref_num_nodes", "ref_num_gpus_per_node", "colocate_actor_ref")
+    ),
     # ---- on-policy distillation ----------------------------------------------------------------------------------
     *(
         Rule(

@@ -5,7 +5,9 @@ Only the adapters train: gradients and optimizer state exist for them alone (the
 :func:`adapter_param_count`), under either trainer backend. The engines still receive full weights -- each adapted
 layer merged, ``W + (alpha / r) B A``, under the base model's names (:mod:`.trainer_backends.peft_weights`) -- so any
 engine serves the policy; sending the adapter alone is not built yet. The final model is saved merged (a plain
-Hugging Face folder) with the adapter beside it (``adapter/``, PEFT's format). The critic keeps training every weight:
+Hugging Face folder) with the adapter beside it (``adapter/``, PEFT's format). With a KL term the reference is the
+frozen base itself -- the actor's forward with its adapters off (recipes.py's ``reference_base`` phase) -- so no
+reference model is loaded and the planner holds one copy of the weights. The critic keeps training every weight:
 LoRA on a value head's model is refused, not half-done.
 """
 
@@ -108,10 +110,17 @@ def adapter_param_count(hf_config: Any, trainer: Any, *, trust_remote_code: bool
     return count
 
 
-def describe(trainer: Any, adapters: int, total: int) -> str:
-    """The dry run's and the start's line about LoRA."""
+def describe(trainer: Any, adapters: int, total: int, *, reference: bool = False) -> str:
+    """The dry run's and the start's line about LoRA (``reference``: the run has a KL term, whose reference is then
+    the actor's frozen base)."""
     return (
         f"LoRA: rank {trainer.lora_rank}, alpha {trainer.lora_alpha}, targets {trainer.lora_target_modules}: "
         f"{adapters / 1e6:.2f}M adapter parameters train ({100 * adapters / max(total, 1):.2f} % of "
         f"{total / 1e9:.2f}B), the base is frozen; the engines receive the merged weights after each update"
+        + (
+            "; the reference is that frozen base (the actor's forward with its adapters off): no reference model "
+            "is loaded (OpenRLHF loads a second copy; the log-probs are the same)"
+            if reference
+            else ""
+        )
     )

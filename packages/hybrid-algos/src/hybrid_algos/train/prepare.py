@@ -155,7 +155,12 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
         hf = hf_config(model_path, models)
         adapters = adapter_param_count(hf, settings.trainer, trust_remote_code=models.trust_remote_code)
         start_lines.append(
-            describe_lora(settings.trainer, adapters, count_params(hf, trust_remote_code=models.trust_remote_code))
+            describe_lora(
+                settings.trainer,
+                adapters,
+                count_params(hf, trust_remote_code=models.trust_remote_code),
+                reference=settings.algorithm.uses_reference,
+            )
         )
     if models.teacher_pretrain is not None:  # the teacher scores the policy's token ids: it must read them alike
         check_same_tokenizer(

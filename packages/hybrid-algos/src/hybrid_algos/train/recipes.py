@@ -5,9 +5,9 @@
     REINFORCE++  actor, reference?, reward model?, teacher?, rollout            (no critic)
 
 ``?``: optional, dropped when the config does not ask for it -- no reference without a KL term (``init_kl_coef``
-0), no reward model with a rule reward (no ``--reward_pretrain``), no teacher without on-policy distillation (no
-``--teacher_pretrain``). The step, phase by phase (roles absent from a run skip their phases; the reward phase then
-scores on the driver)::
+0), none loaded under LoRA (the ``reference_base`` phase asks the actor, its adapters off), no reward model with a
+rule reward (no ``--reward_pretrain``), no teacher without on-policy distillation (no ``--teacher_pretrain``).
+The step, phase by phase (roles absent from a run skip their phases; the reward phase then scores on the driver)::
 
     generate -> reward -> reference -> teacher -> critic_infer -> actor_train -> sync -> critic_train -> eval
 
@@ -35,8 +35,19 @@ CRITIC = RoleSpec(
     model=("critic_pretrain", "reward_pretrain", POLICY),
     value_head=True,
 )
+
+
+def reference_is_base(config: Any) -> bool:
+    """With LoRA on the actor the reference (the policy's folder, untouched) is the actor's own frozen base: its
+    log-probs come from the actor with the adapters off, and no reference model is loaded."""
+    return bool(config.uses_reference and config.lora_rank)
+
+
 REFERENCE = RoleSpec(
-    "reference", "frozen", f"{WORKERS}.frozen:ReferenceWorker", when=lambda config: config.uses_reference
+    "reference",
+    "frozen",
+    f"{WORKERS}.frozen:ReferenceWorker",
+    when=lambda config: config.uses_reference and not reference_is_base(config),
 )
 REWARD_MODEL = RoleSpec(
     "reward",
@@ -60,6 +71,10 @@ GENERATE = PhaseSpec("generate", "rollout", {"rollout": ("weights", "kv_cache")}
 #: the reward model scores; without one the phase runs on the driver (a rule function, or the environment's rewards)
 REWARD = PhaseSpec("reward", "reward", {"reward": ("params",)}, work=("infer",), driver=True)
 REFERENCE_LOGPROBS = PhaseSpec("reference", "reference", {"reference": ("params",)}, work=("infer",))
+#: the same log-probs under LoRA, from the actor's frozen base (adapters off): the actor's parameters are all it needs
+REFERENCE_FROM_BASE = PhaseSpec(
+    "reference_base", "actor", {"actor": ("params",)}, work=("infer",), when=reference_is_base
+)
 TEACHER_LOGPROBS = PhaseSpec("teacher", "teacher", {"teacher": ("params",)}, work=("infer",))
 CRITIC_VALUES = PhaseSpec("critic_infer", "critic", {"critic": ("params",)}, work=("infer",))
 #: the actor's old-log-prob pass (when needed) and its PPO epochs; the larger of the two is the phase's memory
@@ -87,12 +102,23 @@ EVAL = PhaseSpec(
 PPO = Recipe(
     "ppo",
     (ACTOR, CRITIC, REFERENCE, REWARD_MODEL, TEACHER, ROLLOUT),
-    (GENERATE, REWARD, REFERENCE_LOGPROBS, TEACHER_LOGPROBS, CRITIC_VALUES, ACTOR_TRAIN, SYNC, CRITIC_TRAIN, EVAL),
+    (
+        GENERATE,
+        REWARD,
+        REFERENCE_LOGPROBS,
+        REFERENCE_FROM_BASE,
+        TEACHER_LOGPROBS,
+        CRITIC_VALUES,
+        ACTOR_TRAIN,
+        SYNC,
+        CRITIC_TRAIN,
+        EVAL,
+    ),
 )
 GRPO = Recipe(
     "grpo",
     (ACTOR, REFERENCE, REWARD_MODEL, TEACHER, ROLLOUT),
-    (GENERATE, REWARD, REFERENCE_LOGPROBS, TEACHER_LOGPROBS, ACTOR_TRAIN, SYNC, EVAL),
+    (GENERATE, REWARD, REFERENCE_LOGPROBS, REFERENCE_FROM_BASE, TEACHER_LOGPROBS, ACTOR_TRAIN, SYNC, EVAL),
 )
 REINFORCE_PP = Recipe("reinforce++", GRPO.roles, GRPO.phases)
 

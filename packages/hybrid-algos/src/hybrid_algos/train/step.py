@@ -3,7 +3,7 @@ in :data:`PHASES`. PPO's step, as the hybrid engine runs it on shared GPUs:
 
     generate      the engines sample n completions per prompt (or n conversations with an environment: agents/)
     reward        a rule function on the driver, or the reward model
-    reference     log-probs for the KL term
+    reference     log-probs for the KL term (under LoRA: reference_base, the actor with its adapters off)
     teacher       the teacher's log-probs of the same tokens (on-policy distillation)
     critic_infer  values (PPO)
     actor_train   old log-probs (when needed) -> advantages -> PPO epochs
@@ -211,6 +211,14 @@ def _reference_logprobs(ctx: StepContext, s: StepState) -> None:
     ref = ctx.roles["reference"]  # the phase is in the step only with the role
     with s.timer.phase("infer"):
         logprobs = ref.call_sharded("logprobs", s.rollout.split(ref.world_size))
+        s.rollout = s.rollout.with_(ref_logprobs=torch.cat(logprobs))
+
+
+@phase("reference_base")
+def _reference_from_base(ctx: StepContext, s: StepState) -> None:
+    """Under LoRA: the reference's log-probs from the actor's frozen base (adapters off), no reference model."""
+    with s.timer.phase("infer"):
+        logprobs = ctx.actor.call_sharded("base_logprobs", s.rollout.split(ctx.actor.world_size))
         s.rollout = s.rollout.with_(ref_logprobs=torch.cat(logprobs))
 
 

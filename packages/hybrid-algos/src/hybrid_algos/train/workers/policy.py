@@ -100,6 +100,31 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                     self._raw_old[key] = scores.raw()[row].cpu()
         return out
 
+    @torch.no_grad()
+    def base_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """Under LoRA, the reference's log-probs from this worker's own frozen base: the same forward as
+        :meth:`logprobs` with the adapters switched off (PEFT's ``disable_adapter``). The reference is the policy's
+        folder untouched, which is exactly the base the adapters sit on, so no second copy of the weights is loaded
+        (recipes.py: the ``reference_base`` phase)."""
+        if not self.trainer.lora:
+            raise RuntimeError("base_logprobs needs LoRA adapters on the actor (trainer.lora_rank > 0)")
+        shape = self.settings.rollout
+        self.engine.eval()
+        out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+        with self.engine.module.disable_adapter():
+            for mb, index in forward_micro_batches(rollout, self.trainer, shape.micro_rollout_batch_size, self.device):
+                dev = mb.to(self.device)
+                scores = response_token_scores(
+                    self.engine,
+                    dev.sequences,
+                    dev.attention_mask,
+                    dev.response_len,
+                    temperature=shape.temperature,
+                    packed=self.trainer.packing,
+                )
+                out[index, : mb.response_len] = scores.logprobs.cpu()
+        return out
+
     # ---- update ----------------------------------------------------------------------------------------------------
     def train(self, rollout: Rollout, step: int, kl_coef: float) -> dict[str, float]:
         """Policy-loss epochs over this rank's shard, one optimizer update per ``rollout.train_batch_size`` samples.
