@@ -78,27 +78,9 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         When the rollout correction needs the log-probs at temperature 1 (the engines report raw log-probs) and the
         sampling temperature is not 1, those are kept on this worker for ``train`` (by sample content).
         """
-        shape = self.settings.rollout
-        self.engine.eval()
         need_raw = self._needs_raw_logprobs()
         self._raw_old = {}
-        out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        for mb, index in forward_micro_batches(rollout, self.trainer, shape.micro_rollout_batch_size, self.device):
-            dev = mb.to(self.device)
-            scores = response_token_scores(
-                self.engine,
-                dev.sequences,
-                dev.attention_mask,
-                dev.response_len,
-                temperature=shape.temperature,
-                raw=need_raw,
-                packed=self.trainer.packing,
-            )
-            out[index, : mb.response_len] = scores.logprobs.cpu()
-            if need_raw:
-                for row, key in enumerate(sample_keys(mb)):
-                    self._raw_old[key] = scores.raw()[row].cpu()
-        return out
+        return self._response_logprobs(rollout, keep_raw=need_raw)
 
     @torch.no_grad()
     def base_logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -108,21 +90,30 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         (recipes.py: the ``reference_base`` phase)."""
         if not self.trainer.lora:
             raise RuntimeError("base_logprobs needs LoRA adapters on the actor (trainer.lora_rank > 0)")
+        with self.engine.module.disable_adapter():
+            return self._response_logprobs(rollout, keep_raw=False)
+
+    def _response_logprobs(self, rollout: Rollout, *, keep_raw: bool) -> torch.Tensor:
+        """The responses' log-probs through the engine, micro-batch by micro-batch; ``keep_raw``: the temperature-1
+        log-probs kept in ``_raw_old`` too (by sample content)."""
         shape = self.settings.rollout
         self.engine.eval()
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
-        with self.engine.module.disable_adapter():
-            for mb, index in forward_micro_batches(rollout, self.trainer, shape.micro_rollout_batch_size, self.device):
-                dev = mb.to(self.device)
-                scores = response_token_scores(
-                    self.engine,
-                    dev.sequences,
-                    dev.attention_mask,
-                    dev.response_len,
-                    temperature=shape.temperature,
-                    packed=self.trainer.packing,
-                )
-                out[index, : mb.response_len] = scores.logprobs.cpu()
+        for mb, index in forward_micro_batches(rollout, self.trainer, shape.micro_rollout_batch_size, self.device):
+            dev = mb.to(self.device)
+            scores = response_token_scores(
+                self.engine,
+                dev.sequences,
+                dev.attention_mask,
+                dev.response_len,
+                temperature=shape.temperature,
+                raw=keep_raw,
+                packed=self.trainer.packing,
+            )
+            out[index, : mb.response_len] = scores.logprobs.cpu()
+            if keep_raw:
+                for row, key in enumerate(sample_keys(mb)):
+                    self._raw_old[key] = scores.raw()[row].cpu()
         return out
 
     # ---- update ----------------------------------------------------------------------------------------------------
