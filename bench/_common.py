@@ -75,8 +75,9 @@ class Row:
     record: bool = True  # False: printed only (diagnostics), not appended to RESULTS.md
 
 
-def llama_config(small: bool):
-    """The ~1B Llama of the issue (hidden 2048, 16 layers, intermediate 5632, vocab 32000), or a tiny one."""
+def llama_config(small: bool, size: str = "1b"):
+    """The ~1B Llama of the issue (hidden 2048, 16 layers, intermediate 5632, vocab 32000), a Llama-2-7B-shaped one
+    (``size`` "7b": hidden 4096, 32 layers, intermediate 11008; 6.7B), or a tiny one."""
     from transformers import LlamaConfig
 
     if small:
@@ -89,6 +90,19 @@ def llama_config(small: bool):
             num_key_value_heads=4,
             max_position_embeddings=128,
         )
+    if size == "7b":
+        return LlamaConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+        )
+    if size != "1b":
+        raise ValueError(f"llama_config: size {size!r} is not 1b or 7b")
     return LlamaConfig(
         vocab_size=32000,
         hidden_size=2048,
@@ -101,8 +115,9 @@ def llama_config(small: bool):
     )
 
 
-def build_llama(small: bool, device, dtype):
-    """A randomly initialised model built directly on ``device`` in ``dtype`` (nothing is downloaded)."""
+def build_llama(small: bool, device, dtype, size: str = "1b"):
+    """A randomly initialised model built directly on ``device`` in ``dtype`` (nothing is downloaded); ``size`` as
+    for :func:`llama_config`."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -110,7 +125,7 @@ def build_llama(small: bool, device, dtype):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(llama_config(small))
+            model = LlamaForCausalLM(llama_config(small, size))
     finally:
         torch.set_default_dtype(previous)
     return model.to(device=device, dtype=dtype)

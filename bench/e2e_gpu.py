@@ -246,6 +246,10 @@ def main() -> int:
         for p, v in result["phases_s"].items():
             print(f"{p:<10} {v:>10.3f}")
         print("reward per step:", " ".join(f"{r:.3f}" for r in result["rewards"]))
+    summary_json = os.path.join(save, "summary.json")
+    if os.path.exists(summary_json):  # where the run's start went, before its first step (the one clock skips it)
+        result["setup_s"] = json.load(open(summary_json)).get("setup_seconds") or {}
+        print("set-up s:", ", ".join(f"{k} {v:.1f}" for k, v in result["setup_s"].items()))
     if sampler is not None and "step_s" in result and os.path.exists(os.path.join(save, "residency.json")):
         result["peaks"] = peak_error(save, samples_csv, args.warmup)
         for phase, r in result["peaks"]["phases"].items():

@@ -38,6 +38,13 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny model on CPU")
     ap.add_argument(
+        "--size",
+        choices=("1b", "7b"),
+        default="1b",
+        help="the model synced: the ~1B Llama (1.9 GB in bf16, the rows' default) or a 6.7B one (13.5 GB; rows "
+        "named ... 7B %%)",
+    )
+    ap.add_argument(
         "--mode",
         choices=("auto", "ipc", "nccl", "both"),
         default="auto",
@@ -90,7 +97,21 @@ def _clear_fault() -> None:
     os.environ.pop(faults.ENV, None)
 
 
-def ipc_engine(small: bool, device: str, requests, replies) -> None:
+def _activities(device) -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    return [*acts, torch.profiler.ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else acts
+
+
+def _print_profile(title: str, prof) -> None:
+    """The ops of one profiled sync by CPU time and, on a GPU, by CUDA time (what verification adds shows against the
+    unverified sync's tables)."""
+    table = prof.key_averages()
+    print(f"== profile: {title}, by CPU time\n{table.table(sort_by='cpu_time_total', row_limit=14)}", flush=True)
+    if any(getattr(e, "device_time_total", 0) for e in table):
+        print(f"== profile: {title}, by device time\n{table.table(sort_by='self_device_time_total', row_limit=10)}")
+
+
+def ipc_engine(shape: tuple[bool, str], device: str, requests, replies) -> None:
     """Holds its own model on the same device; loads IPC buckets into it (verified against its parameters) and
     acknowledges each."""
     from hybrid_core.errors import WeightSyncMismatch
@@ -101,7 +122,7 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         torch.manual_seed(1)  # different weights than the sender's until synced
-        model = build_llama(small, dev, _dtype(dev))
+        model = build_llama(*shape[:1], dev, _dtype(dev), size=shape[1])
         params = dict(model.named_parameters())
         busy: list[float] = []
 
@@ -114,13 +135,13 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
         while (msg := requests.get(timeout=600)) is not None:
             if msg == "fingerprint":
                 replies.put(("fingerprint", fingerprint(model)))
-            elif isinstance(msg, tuple) and msg[0] == "profile":  # --profile: the engine's side of the sampled syncs
+            elif isinstance(msg, tuple) and msg[0] == "profile":  # --profile: the engine's side of a sync
                 if msg[1]:
-                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                    prof = torch.profiler.profile(activities=_activities(dev))
                     prof.__enter__()
                 else:
                     prof.__exit__(None, None, None)
-                    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+                    _print_profile(f"engine, {msg[2]} sync", prof)
                 replies.put(("ok", None))
             elif msg == "busy":  # seconds spent in load_ipc_bucket since the last ask (the engine's share of a sync)
                 replies.put(("busy", sum(busy)))
@@ -144,7 +165,7 @@ def ipc_engine(small: bool, device: str, requests, replies) -> None:
 
 
 def group_engine(
-    small: bool, device: str, port: int, backend: str, bucket_bytes: int, timeout: float, requests, replies
+    shape: tuple[bool, str], device: str, port: int, backend: str, bucket_bytes: int, timeout: float, requests, replies
 ) -> None:
     """Rank 1 of a sync group: receives broadcast buckets into its own model on its own device (verified against
     its parameters when the sender sends checksums)."""
@@ -156,7 +177,7 @@ def group_engine(
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         torch.manual_seed(1)
-        model = build_llama(small, dev, _dtype(dev))
+        model = build_llama(*shape[:1], dev, _dtype(dev), size=shape[1])
         params = dict(model.named_parameters())
         group = create_sync_group("127.0.0.1", port, 1, 2, backend=backend, timeout_s=timeout, device=dev)
         receiver = WeightReceiver(group, bucket_bytes, device=dev)
@@ -246,10 +267,10 @@ def _time_sender_checksums() -> _SenderChecksumTimes:
 def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
     from hybrid_core.weight_sync import IpcBucketSender
 
-    model = build_llama(args.small, device, _dtype(device))
+    model = build_llama(args.small, device, _dtype(device), size=args.size)
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
-    engine = ctx.Process(target=ipc_engine, args=(args.small, str(device), requests, replies), daemon=True)
+    engine = ctx.Process(target=ipc_engine, args=((args.small, args.size), str(device), requests, replies), daemon=True)
     engine.start()
     try:
         _reply(replies, "ready", args.timeout)
@@ -276,11 +297,12 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
         for r in range(args.rounds):
             acked.clear()
             mode, sender.verify = policy(r)
-            profiling = args.profile and mode == "sampled" and len(MODES) * PERIOD < r <= len(MODES) * (PERIOD + 4)
+            # a late sampled sync and the unverified one after it, CPU and CUDA time, each side
+            profiling = args.profile and mode != "full" and len(MODES) * (PERIOD + 3) < r <= len(MODES) * (PERIOD + 4)
             if profiling:
                 requests.put(("profile", True))
                 _reply(replies, "ok", args.timeout)
-                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                prof = torch.profiler.profile(activities=_activities(device))
                 prof.__enter__()
             sender_sums.clear()
             start = time.perf_counter()
@@ -289,8 +311,8 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
             sender_sums.settle()
             if profiling:
                 prof.__exit__(None, None, None)
-                sender_profile.append(prof)
-                requests.put(("profile", False))
+                sender_profile.append((mode, prof))
+                requests.put(("profile", False, mode))
                 _reply(replies, "ok", args.timeout)
             requests.put("busy")
             busy = _reply(replies, "busy", args.timeout)
@@ -313,8 +335,8 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
                 f"{seconds * 1e3:.1f} ms ({stats.bytes / seconds / 1e9:.1f} GB/s)",
                 flush=True,
             )
-        if sender_profile:
-            print(sender_profile[-1].key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+        for mode, prof in sender_profile:
+            _print_profile(f"sender, {mode} sync", prof)
         for mode, values in engine_busy.items():
             what = mode if "sender" in mode else f"{mode} engine load_ipc_bucket"
             print(f"{what}: median {statistics.median(values) * 1e3:.2f} ms a sync", flush=True)
@@ -353,6 +375,7 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
     print("ipc: engine weights bit-exact", flush=True)
     _check_caught("ipc", caught)
     what = "CUDA IPC buckets" if device.type == "cuda" else "shared-memory buckets, CPU"
+    what += ", 6.7B Llama, 13.5 GB" if args.size == "7b" else ""
     rows += [
         Row(
             "weight sync GB/s",
@@ -376,14 +399,14 @@ def bench_group(args, device: torch.device, rows: list[Row]) -> None:
     sender_dev = torch.device("cuda", 0) if on_gpu else device
     engine_dev = "cuda:1" if on_gpu else "cpu"
     bucket_bytes = int(args.bucket_mb * (1 << 20))
-    model = build_llama(args.small, sender_dev, _dtype(sender_dev))
+    model = build_llama(args.small, sender_dev, _dtype(sender_dev), size=args.size)
     metas = [TensorMeta.of(n, p) for n, p in model.named_parameters()]
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
     port = free_port()
     engine = ctx.Process(
         target=group_engine,
-        args=(args.small, engine_dev, port, backend, bucket_bytes, args.timeout, requests, replies),
+        args=((args.small, args.size), engine_dev, port, backend, bucket_bytes, args.timeout, requests, replies),
         daemon=True,
     )
     engine.start()
@@ -472,9 +495,10 @@ def overhead_rows(times: dict[str, list[float]], what: str, args, paths: str) ->
     n = len(times["sampled"]) // PERIOD * PERIOD or len(times["sampled"])
     off = statistics.mean(times["off"][:n])
     rows = []
+    size = " 7B" if args.size == "7b" else ""  # the 1B rows keep the issue's metric names
     for mode, name, how in (
-        ("sampled", "weight sync verify overhead %", f"sampled: 1/{PERIOD} of the bytes a sync"),
-        ("full", "weight sync verify overhead full %", "full: every piece"),
+        ("sampled", f"weight sync verify overhead{size} %", f"sampled: 1/{PERIOD} of the bytes a sync"),
+        ("full", f"weight sync verify overhead full{size} %", "full: every piece"),
     ):
         on = statistics.mean(times[mode][:n])
         pct = (on - off) / off * 100

@@ -28,6 +28,7 @@
 #                                                     # E_MICRO64=1 ours in TRL's micro-batch of 64, E_PROFILE=1 that run
 #                                                     # again with step 6 under the profilers (--profile_step), E_EXTRA="FLAGS"
 #                                                     # ours in TRL's micro-batch with those hybrid flags (an A/B variant)
+#   bash bench/sessions/residency_session.sh pr       # issue 34: bench/peer_ratio.py (ours | TRL default | TRL sleep, 3 turns)
 #   bash bench/sessions/residency_session.sh ws       # issue 34: the weight sync's verification cost, split and profiled
 #   bash bench/sessions/residency_session.sh fs       # issue 37: DeepSpeed then FSDP2 on the 1.5B workload (train phase ratio;
 #                                                     # FS_BACKEND=hf: the built-in engine, no vLLM needed)
@@ -212,9 +213,20 @@ ws)
   # issue 34: the weight sync's verification cost, split per side (--verbose) with both sides' profiles (--profile);
   # WS_RECORD=1 records the rows (into this phase's rows.md)
   cleanup; OUT=$LOGS timeout $(left ${PHASE_BUDGET:-300}) $PY bench/weight_sync.py --mode ipc --verbose ${WS_PROFILE---profile} \
-    ${WS_RECORD:+--record} > $LOGS/weight_sync.log 2>&1
+    ${WS_RECORD:+--record} ${WS_ARGS:-} > $LOGS/weight_sync.log 2>&1
   echo "weight sync rc=$?"; grep -vE "^\s*$" $LOGS/weight_sync.log | tail -${WS_LINES:-60}; cat $LOGS/rows.md 2>/dev/null
   pack ws
+  ;;
+pr)
+  # issue 34 section 5: bench/peer_ratio.py's fair protocol, ours against TRL at its default and with sleep, turns
+  # alternating in this call; PR_WORKLOAD (default 357m-matched), PR_PEERS, PR_TURNS (default 3), PR_TIMEOUT per side
+  wait_for built357; wait_for builtadam; cleanup; monitor
+  timeout $(left ${PHASE_BUDGET:-585}) $PY bench/peer_ratio.py --workload ${PR_WORKLOAD:-357m-matched} \
+    ${PR_PEERS:+--peers $PR_PEERS} --turns ${PR_TURNS:-3} --run_timeout ${PR_TIMEOUT:-240} --out $LOGS/ratio --record \
+    > $LOGS/peer_ratio.log 2>&1
+  echo "peer ratio rc=$?"; grep -vE "^\s*$" $LOGS/peer_ratio.log | tail -${PR_LINES:-40}; cat $LOGS/rows.md 2>/dev/null
+  cp $LOGS/ratio/*.json $OUT/ 2>/dev/null; kill $MON 2>/dev/null
+  pack pr
   ;;
 fs)
   # issue 37: the trainer backends on the 1.5B workload (reference + KL, vLLM colocated, one GPU), DeepSpeed
@@ -241,16 +253,19 @@ PY
 f7)
   # issue 37: ~7B (bench/peer_workload.py's 6.5B Qwen2 shape) under FSDP2 in TRL's precision (bf16 master weights and
   # Adam state) + reference + vLLM on one GPU, then TRL on the same folder (F7_TRL=0: not), the same call
+  rm -rf /tmp/peer*/runs /tmp/logs/ratio  # the 7B save needs the disk (64 GB: ENOSPC on 2026-12-04)
   cleanup; monitor; free -g | head -2
   if [ ! -f /tmp/peer-7b/model/config.json ]; then
     PEER_BUILD_DEVICE=cuda timeout 300 $PY bench/peer_workload.py /tmp/peer-7b 7b > $LOGS/build7b.log 2>&1
     echo "7b build rc=$? in $(( $(date +%s) - t0 )) s"; cleanup
   fi
-  ours f7 --size 7b --steps ${F7_STEPS:-3} --warmup 1 --gpu_util 0.2 --micro 4 --trainer fsdp2 -- \
+  # F7_WARMUP (default 1): the steps dropped on both sides (one clock: bench/_common.py)
+  ours f7 --size 7b --steps ${F7_STEPS:-3} --warmup ${F7_WARMUP:-1} --gpu_util 0.2 --micro 4 --trainer fsdp2 -- \
     --bf16_master_weights --bf16_optimizer_states --no_final_checkpoint ${F7_FLAGS:-}
   grep -E "^(generate|infer|train|sync|sleep|wake) |residency|peak error|Error|error:" $LOGS/ours_f7.log | tail -14
   if [ "${F7_TRL:-1}" = 1 ]; then cleanup
-    trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps ${F7_TRL_STEPS:-3} --gpu_util 0.2
+    trl 7b /tmp/peer-7b/model vllm --prompts 16 --max_new 512 --micro 4 --ckpt --steps ${F7_TRL_STEPS:-${F7_STEPS:-3}} \
+      --warmup ${F7_WARMUP:-1} --gpu_util 0.2
   fi
   kill $MON 2>/dev/null; free -g | head -2
   $PY - $OUT <<'PY'

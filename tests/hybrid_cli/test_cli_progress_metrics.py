@@ -1,5 +1,6 @@
 """Progress display, metrics writers, and how ``hybrid ppo`` wires them to the training loop."""
 
+import importlib.machinery
 import io
 import json
 import sys
@@ -70,6 +71,14 @@ def test_live_progress_bar_runs():
 
 def test_summary_of_no_steps():
     assert "steps" in rendered(summary_table([]))
+
+
+def test_summary_shows_where_the_set_up_went():
+    setup = {"placement group": 1.2, "role models loaded": 40.5, "engines started": 61.0, "weight sync ready": 3.3}
+    out = rendered(summary_table([step_metrics(0, 0.1)], {"setup_seconds": setup}))
+    assert "set-up s" in out and "106.0" in out  # the total
+    assert out.index("engines started 61.0") < out.index("role models loaded 40.5")  # the slowest first
+    assert "set-up s" not in rendered(summary_table([step_metrics(0, 0.1)], {}))
 
 
 def test_metrics_jsonl_one_line_per_step_and_resume_continues_after_the_checkpoint(tmp_path):
@@ -148,6 +157,9 @@ def test_wandb_receives_metrics_and_a_redacted_config(tmp_path, monkeypatch):
             calls.append(("init", kwargs))
             return Run()
 
+    # a module spec: libraries imported later in this process (accelerate, through transformers) probe
+    # importlib.util.find_spec("wandb"), which raises for a module without one
+    FakeWandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
     monkeypatch.setitem(sys.modules, "wandb", FakeWandb)
     from hybrid_cli.main import load_config
 

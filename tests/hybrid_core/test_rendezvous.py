@@ -111,6 +111,24 @@ def test_a_store_listens_on_loopback_only_and_stops_once_the_group_formed():
         store.get("k")
 
 
+def test_a_store_that_will_close_turns_off_nccls_poll_of_it(monkeypatch):
+    """NCCL's heartbeat monitor would poll the closed store every second and log a warning each time."""
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT", raising=False)
+    monkeypatch.delenv(rendezvous.KEEP_OPEN_ENV, raising=False)
+    store = rendezvous.open_store("127.0.0.1", rendezvous.free_port(), 1, is_master=True, timeout=TIMEOUT)
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "0"
+    store.close_when_formed(0, 1)
+    monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")  # the user's own setting stands
+    store = rendezvous.open_store("127.0.0.1", rendezvous.free_port(), 1, is_master=True, timeout=TIMEOUT)
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    store.close_when_formed(0, 1)
+    monkeypatch.delenv("TORCH_NCCL_DUMP_ON_TIMEOUT")
+    monkeypatch.setenv(rendezvous.KEEP_OPEN_ENV, "1")  # a store kept open can carry the flag: NCCL's default
+    store = rendezvous.open_store("127.0.0.1", rendezvous.free_port(), 1, is_master=True, timeout=TIMEOUT)
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ
+    store.close_when_formed(0, 1)
+
+
 def test_keep_open_leaves_the_store_listening_on_its_address(monkeypatch):
     """HYBRID_RENDEZVOUS_KEEP_OPEN=1: the way back should a library need the store after set-up (still loopback)."""
     monkeypatch.setenv(rendezvous.KEEP_OPEN_ENV, "1")

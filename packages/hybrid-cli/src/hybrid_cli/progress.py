@@ -104,7 +104,8 @@ class ProgressDisplay:
 
 
 def summary_table(history: list[dict[str, Any]], summary: dict[str, Any] | None = None) -> Table:
-    """Steps, reward (first / last / best), final KL, mean seconds per phase and bytes moved, saved paths."""
+    """Steps, reward (first / last / best), final KL, mean seconds per phase and bytes moved, the set-up's seconds,
+    saved paths."""
     table = Table(title="training summary", show_header=True)
     table.add_column("")
     table.add_column("value", justify="right")
@@ -125,6 +126,10 @@ def summary_table(history: list[dict[str, Any]], summary: dict[str, Any] | None 
         values = [float(m[f"bytes/{what}"]) for m in history if m.get(f"bytes/{what}")]
         if values:
             table.add_row(f"{what} GB/step (mean)", f"{sum(values) / len(values) / 1e9:.3f}")
+    setup = (summary or {}).get("setup_seconds") or {}
+    if setup:  # where a run's start went (placement, models, engines, weight sync): the slowest stages first
+        slowest = sorted(setup.items(), key=lambda kv: -kv[1])[:4]
+        table.add_row("set-up s", f"{sum(setup.values()):.1f} ({', '.join(f'{k} {v:.1f}' for k, v in slowest)})")
     for key in ("run_dir", "final_model", "last_checkpoint"):  # saved places, only those that exist
         value = (summary or {}).get(key)
         if isinstance(value, str) and os.path.exists(value):

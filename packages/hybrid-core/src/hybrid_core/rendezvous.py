@@ -188,6 +188,12 @@ def open_store(
     host: str, port: int, world_size: int, *, is_master: bool, timeout: timedelta, what: str = "rendezvous"
 ) -> RendezvousStore:
     """A ``TCPStore`` at ``host:port``; on rank 0 (``is_master``) its server listens on ``host`` only."""
+    if os.environ.get(KEEP_OPEN_ENV, "") in ("", "0"):
+        # NCCL's heartbeat monitor polls the default group's store every second for another rank's "dump your
+        # traces" flag (TORCH_NCCL_DUMP_ON_TIMEOUT). This store closes once the groups are formed
+        # (close_when_formed), so every poll would only log "Failed to check the 'should dump' flag on TCPStore"
+        # for the rest of the run; without the store no flag could come anyway. An explicit setting is kept.
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
     if is_master:
         listener = socket.socket(_family(host), socket.SOCK_STREAM)
         try:

@@ -24,6 +24,11 @@ from typing import Any
 import torch
 
 BLOCK = 2048  # words per program
+#: Words of 1 and 2 bytes are summed in int32, row by row of a block seen as [BLOCK // COLS, COLS]: int64 products
+#: and sums cost the GPU several instructions each (the all-int64 kernel read ~1 TB/s of an H200's ~4.8), and these
+#: cannot overflow: |V| <= 2**15 + 2**8 < 2**16, so a row's sum of V < 2**23 and of c * V (c < COLS) < 2**30. Only
+#: the rows' totals go to int64: sum_j j V_j = sum_r (r * COLS * rowsum_r + sum_c c V_rc).
+COLS = 128
 _MAX_LAYOUTS = 64  # tables kept (a sync's buckets, times the word sizes in use)
 
 
@@ -77,7 +82,15 @@ def _build() -> dict[str, Any]:
 
     @triton.jit
     def pieces_checksum_words(
-        w_ptr, out_ptr, block_piece, block_word, piece_offset, piece_words, S: tl.constexpr, BLOCK: tl.constexpr
+        w_ptr,
+        out_ptr,
+        block_piece,
+        block_word,
+        piece_offset,
+        piece_words,
+        S: tl.constexpr,
+        BLOCK: tl.constexpr,
+        COLS: tl.constexpr,
     ):
         # w_ptr: the buffer as S-byte signed integers. Loading whole words (coalesced, vectorised) instead of S
         # strided bytes is what makes the check cheap: the byte kernel ran at ~0.4 TB/s on an H200.
@@ -86,22 +99,42 @@ def _build() -> dict[str, Any]:
         k0 = tl.load(block_word + pid)
         base = tl.load(piece_offset + piece) // S  # the piece's first word (its byte offset is a multiple of S)
         n_words = tl.load(piece_words + piece)
-        j = tl.arange(0, BLOCK)
-        k = k0 + j
-        w = tl.load(w_ptr + base + k, mask=k < n_words, other=0).to(tl.int64)  # sign-extended
         # w reads the top byte signed and the lower ones unsigned; V_k reads every byte signed: a lower byte >= 128
         # is 256 less, i.e. it takes one from the byte above it (a jit helper for this would be out of the kernels'
         # sight here: Triton looks called functions up in the module's globals, and this module imports it lazily)
-        v = w
-        for i in tl.static_range(S - 1):
-            v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
-        s0 = tl.sum(v, axis=0)
-        s1 = tl.sum(v * j.to(tl.int64), axis=0)
+        if S <= 2:  # see COLS: per-row sums in int32, only the BLOCK // COLS row totals in int64
+            r = tl.arange(0, BLOCK // COLS)
+            c = tl.arange(0, COLS)
+            k = k0 + (r[:, None] * COLS + c[None, :])
+            w = tl.load(w_ptr + base + k, mask=k < n_words, other=0).to(tl.int32)  # sign-extended
+            v = w
+            for i in tl.static_range(S - 1):
+                v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
+            rows = tl.sum(v, axis=1).to(tl.int64)
+            weighted = tl.sum(v * c[None, :], axis=1).to(tl.int64)
+            s0 = tl.sum(rows, axis=0)
+            s1 = tl.sum((r * COLS).to(tl.int64) * rows + weighted, axis=0)
+        else:
+            j = tl.arange(0, BLOCK)
+            k = k0 + j
+            w = tl.load(w_ptr + base + k, mask=k < n_words, other=0).to(tl.int64)  # sign-extended
+            v = w
+            for i in tl.static_range(S - 1):
+                v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
+            s0 = tl.sum(v, axis=0)
+            s1 = tl.sum(v * j.to(tl.int64), axis=0)
         tl.atomic_add(out_ptr + piece, (2 * k0 + 1) * s0 + 2 * s1)  # integer adds: exact in any order
 
     @triton.jit
     def tensors_checksum_words(
-        addresses, out_ptr, block_piece, block_word, piece_words, S: tl.constexpr, BLOCK: tl.constexpr
+        addresses,
+        out_ptr,
+        block_piece,
+        block_word,
+        piece_words,
+        S: tl.constexpr,
+        BLOCK: tl.constexpr,
+        COLS: tl.constexpr,
     ):
         # pieces in separate tensors: a table of their addresses instead of offsets into one buffer (the receiver
         # checks the engine's own tensors where they are, without copying them into one buffer first)
@@ -118,14 +151,27 @@ def _build() -> dict[str, Any]:
         else:
             w_ptr = address.to(tl.pointer_type(tl.int64))
         n_words = tl.load(piece_words + piece)
-        j = tl.arange(0, BLOCK)
-        k = k0 + j
-        w = tl.load(w_ptr + k, mask=k < n_words, other=0).to(tl.int64)
-        v = w  # as in pieces_checksum_words
-        for i in tl.static_range(S - 1):
-            v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
-        s0 = tl.sum(v, axis=0)
-        s1 = tl.sum(v * j.to(tl.int64), axis=0)
+        if S <= 2:  # as in pieces_checksum_words
+            r = tl.arange(0, BLOCK // COLS)
+            c = tl.arange(0, COLS)
+            k = k0 + (r[:, None] * COLS + c[None, :])
+            w = tl.load(w_ptr + k, mask=k < n_words, other=0).to(tl.int32)
+            v = w
+            for i in tl.static_range(S - 1):
+                v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
+            rows = tl.sum(v, axis=1).to(tl.int64)
+            weighted = tl.sum(v * c[None, :], axis=1).to(tl.int64)
+            s0 = tl.sum(rows, axis=0)
+            s1 = tl.sum((r * COLS).to(tl.int64) * rows + weighted, axis=0)
+        else:
+            j = tl.arange(0, BLOCK)
+            k = k0 + j
+            w = tl.load(w_ptr + k, mask=k < n_words, other=0).to(tl.int64)
+            v = w  # as in pieces_checksum_words
+            for i in tl.static_range(S - 1):
+                v -= ((w >> (8 * i + 7)) & 1) << (8 * i + 8)
+            s0 = tl.sum(v, axis=0)
+            s1 = tl.sum(v * j.to(tl.int64), axis=0)
         tl.atomic_add(out_ptr + piece, (2 * k0 + 1) * s0 + 2 * s1)
 
     return {"bytes": pieces_checksum_bytes, "words": pieces_checksum_words, "tensors": tensors_checksum_words}
@@ -172,7 +218,9 @@ def piece_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequen
     # the buckets' pieces always start on a word boundary (64-byte placement): whole words load at full bandwidth
     if on_words and buffer.data_ptr() % s == 0 and buffer.numel() % s == 0:
         words = buffer.view(_WORD_DTYPES[s])
-        _kernel("words")[grid](words, out, block_piece, block_word, piece_offset, piece_words, S=s, BLOCK=BLOCK)
+        _kernel("words")[grid](
+            words, out, block_piece, block_word, piece_offset, piece_words, S=s, BLOCK=BLOCK, COLS=COLS
+        )
     else:
         _kernel("bytes")[grid](buffer, out, block_piece, block_word, piece_offset, piece_words, S=s, BLOCK=BLOCK)
     return out
@@ -196,5 +244,5 @@ def tensors_checksums(datas: Sequence[torch.Tensor], s: int) -> torch.Tensor:
     (block_piece, block_word, piece_address, piece_words), _ = _layout(datas[0].device, addresses, nbytes, s)
     out = torch.zeros(len(datas), dtype=torch.int64, device=datas[0].device)
     grid = (block_piece.numel(),)
-    _kernel("tensors")[grid](piece_address, out, block_piece, block_word, piece_words, S=s, BLOCK=BLOCK)
+    _kernel("tensors")[grid](piece_address, out, block_piece, block_word, piece_words, S=s, BLOCK=BLOCK, COLS=COLS)
     return out

@@ -200,6 +200,8 @@ def _self_test(device: torch.device) -> str:
         try:
             # odd lengths and offsets too: the kernel masks its last block and reads unaligned bytes
             cases = [(data, s) for s in _SIZES] + [(data[1:-7], s) for s in _SIZES] + [(data[:5], 1)]
+            for byte in (-128, 127, -1):  # the largest word values of every size: the int32 sums' bounds
+                cases += [(torch.full((64 * 1024,), byte, dtype=torch.int8, device=device), s) for s in _SIZES]
             single = all(int(checksum_kernel.checksum(d, s)) == _definition(d, s) for d, s in cases)
             offsets, sizes = (1, 4096 + 3, 40000), (4096, 16 * 4099, 8)  # several pieces of one buffer, one launch
             many = checksum_kernel.piece_checksums(data, offsets, sizes, 1).tolist() == [
@@ -213,6 +215,7 @@ def _self_test(device: torch.device) -> str:
                 ]
             for s in _SIZES:  # pieces in separate tensors, read in place (the receiver's engine tensors)
                 parts = [data[o : o + n].clone() for o, n in ((0, 64 * s), (64 * s, 4099 * s), (8192 * s, 8 * s))]
+                parts.append(torch.full((4099 * s,), -128, dtype=torch.int8, device=device))
                 many = many and checksum_kernel.tensors_checksums(parts, s).tolist() == [
                     _definition(part, s) for part in parts
                 ]
