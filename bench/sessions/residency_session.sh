@@ -28,6 +28,7 @@
 #                                                     # E_MICRO64=1 ours in TRL's micro-batch of 64, E_PROFILE=1 that run
 #                                                     # again with step 6 under the profilers (--profile_step), E_EXTRA="FLAGS"
 #                                                     # ours in TRL's micro-batch with those hybrid flags (an A/B variant)
+#   bash bench/sessions/residency_session.sh tr       # issue 37: the train phase alone, DeepSpeed vs FSDP2 options (trainer_gpu.py)
 #   bash bench/sessions/residency_session.sh pr       # issue 34: bench/peer_ratio.py (ours | TRL default | TRL sleep, 3 turns)
 #   bash bench/sessions/residency_session.sh ws       # issue 34: the weight sync's verification cost, split and profiled
 #   bash bench/sessions/residency_session.sh fs       # issue 37: DeepSpeed then FSDP2 on the 1.5B workload (train phase ratio;
@@ -216,6 +217,16 @@ ws)
     ${WS_RECORD:+--record} ${WS_ARGS:-} > $LOGS/weight_sync.log 2>&1
   echo "weight sync rc=$?"; grep -vE "^\s*$" $LOGS/weight_sync.log | tail -${WS_LINES:-60}; cat $LOGS/rows.md 2>/dev/null
   pack ws
+  ;;
+tr)
+  # issue 37: the train phase alone (bench/trainer_gpu.py): DeepSpeed ZeRO-1 against FSDP2 and its options, one GPU,
+  # the same micro-batches; TR_ARGS replaces the default shape/variants, TR_PROFILE=1 profiles each variant's last step
+  wait_for builtadam; cleanup
+  RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 OUT=$LOGS timeout $(left ${PHASE_BUDGET:-300}) $PY bench/trainer_gpu.py \
+    ${TR_ARGS:---size 1.5b --micro 8 --seq 1280 --micro_batches 16 --steps 3} ${TR_PROFILE:+--profile} \
+    > $LOGS/trainer.log 2>&1
+  echo "trainer rc=$?"; grep -vE "^\s*$|^-+" $LOGS/trainer.log | tail -${TR_LINES:-16}; cp $LOGS/trainer_gpu.json $OUT/ 2>/dev/null
+  pack tr
   ;;
 pr)
   # issue 34 section 5: bench/peer_ratio.py's fair protocol, ours against TRL at its default and with sleep, turns
