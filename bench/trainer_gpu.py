@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -183,6 +184,7 @@ def main() -> None:
         try:
             results.append(run_variant(variant, cfg, device, args))
         except Exception as e:  # one variant failing (out of memory) leaves the others' figures
+            traceback.print_exc()
             print(f"{variant}: failed: {type(e).__name__}: {e}", flush=True)
             results.append({"variant": variant, "error": f"{type(e).__name__}: {e}"})
             gc.collect()

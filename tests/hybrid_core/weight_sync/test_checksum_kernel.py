@@ -51,3 +51,26 @@ def test_every_piece_of_a_buffer_gets_the_definitions_checksum():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_layout_tables_stay_cached_across_a_runs_cycle_of_layouts(monkeypatch):
+    """A sync cycles through ~80 layouts at 7B (buckets in full mode, sampled groups); a cache smaller than the cycle
+    (64, FIFO, before) rebuilt every table before its next use. The tables are plain tensors: built on the CPU here."""
+    import torch
+
+    from hybrid_core.weight_sync import checksum_kernel as ck
+
+    monkeypatch.setattr(ck, "_LAYOUTS", type(ck._LAYOUTS)())
+    cpu = torch.device("cpu")
+    keys = [((0, 8192 * i), (8192, 4096), 2) for i in range(120)]
+    first = [ck._layout(cpu, o, n, s)[0][0] for o, n, s in keys]
+    again = [ck._layout(cpu, o, n, s)[0][0] for o, n, s in keys]
+    assert all(a is b for a, b in zip(first, again))  # every one a hit on the second pass
+    monkeypatch.setattr(ck, "_MAX_LAYOUTS", 10)  # past the bound: the least recently used go first
+    ck._layout(cpu, *keys[5][:2], 2)  # touched: now the most recent
+    ck._layout(cpu, (0,), (64,), 2)
+    assert len(ck._LAYOUTS) == 10
+    assert ck._layout(cpu, *keys[5][:2], 2)[0][0] is first[5] and ck._layout(cpu, *keys[0][:2], 2)[0][0] is not first[0]
+    monkeypatch.setattr(ck, "_MAX_LAYOUT_BYTES", 1)  # the device bytes bound keeps the newest alone
+    ck._layout(cpu, (0,), (128,), 2)
+    assert len(ck._LAYOUTS) == 1

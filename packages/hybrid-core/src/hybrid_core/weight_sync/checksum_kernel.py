@@ -18,6 +18,7 @@ missing or the test fails, the other paths give the same values.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,12 @@ BLOCK = 2048  # words per program
 #: cannot overflow: |V| <= 2**15 + 2**8 < 2**16, so a row's sum of V < 2**23 and of c * V (c < COLS) < 2**30. Only
 #: the rows' totals go to int64: sum_j j V_j = sum_r (r * COLS * rowsum_r + sum_c c V_rc).
 COLS = 128
-_MAX_LAYOUTS = 64  # tables kept (a sync's buckets, times the word sizes in use)
+#: tables kept, least recently used first out. A sync uses one layout per bucket in full mode and one or two per
+#: sampled group (PERIOD of them), times the word sizes in use: ~80 at 7B with 512 MB buckets. A bound below what a
+#: run cycles through evicts every table before its next use (64 did at 7B: verification cost 35 % of the sync), so
+#: it is set far above, and the tables' device bytes are bounded too (a 512 MB bucket's are ~1.5 MB).
+_MAX_LAYOUTS = 1024
+_MAX_LAYOUT_BYTES = 1 << 30
 
 
 def available() -> bool:
@@ -181,7 +187,7 @@ def _build() -> dict[str, Any]:
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-_LAYOUTS: dict[tuple[Any, ...], tuple[tuple[torch.Tensor, ...], bool]] = {}
+_LAYOUTS: OrderedDict[tuple[Any, ...], tuple[tuple[torch.Tensor, ...], bool]] = OrderedDict()
 
 
 def _layout(
@@ -190,7 +196,9 @@ def _layout(
     """The kernel's tables for this layout, and whether every piece starts on a word boundary (both cached)."""
     key = (device, s, tuple(offsets), tuple(nbytes))
     layout = _LAYOUTS.get(key)
-    if layout is None:
+    if layout is not None:
+        _LAYOUTS.move_to_end(key)
+    else:
         words = torch.tensor([n // s for n in nbytes], dtype=torch.int64)
         blocks = torch.clamp((words + BLOCK - 1) // BLOCK, min=1)  # an empty piece still gets its (zero) block
         block_piece = torch.repeat_interleave(torch.arange(len(nbytes)), blocks)
@@ -203,9 +211,13 @@ def _layout(
             words.to(device),
         )
         layout = _LAYOUTS[key] = (tables, all(o % s == 0 for o in offsets))
-        while len(_LAYOUTS) > _MAX_LAYOUTS:
-            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        while len(_LAYOUTS) > 1 and (len(_LAYOUTS) > _MAX_LAYOUTS or _layout_bytes() > _MAX_LAYOUT_BYTES):
+            _LAYOUTS.popitem(last=False)
     return layout
+
+
+def _layout_bytes() -> int:
+    return sum(t.numel() * t.element_size() for tables, _ in _LAYOUTS.values() for t in tables)
 
 
 def piece_checksums(buffer: torch.Tensor, offsets: Sequence[int], nbytes: Sequence[int], s: int) -> torch.Tensor:
