@@ -121,6 +121,26 @@ def run(backend: str, folder: str) -> dict:
     out["meta_names"] = [n for n, _, _ in eng.weight_metas()]
     out["meta_shapes_match"] = all(tuple(exported[n].shape) == s for n, _, s in eng.weight_metas())
     out["plain_names"] = [n for n, _ in model(0).named_parameters()]
+    # adapter-only sync: the adapter's tensors alone, gathered full, under PEFT's saved-adapter names; with the
+    # untouched base they give the merged export back (W + scale * B @ A)
+    from hybrid_algos.train.trainer_backends.peft_weights import adapter_metas, adapter_names, adapter_weights
+
+    names = adapter_names(eng.module)
+    dtype = getattr(eng, "weights_dtype", None)
+    sent = {n: t.detach().clone() for n, t in adapter_weights(eng.module, names, dtype)}
+    out["adapter_names"] = sorted(sent)
+    out["adapter_metas_match"] = [(n, tuple(s)) for n, _, s in adapter_metas(eng.module, names, dtype)] == [
+        (n, tuple(t.shape)) for n, t in sent.items()
+    ]
+    base = dict(model(0).named_parameters())
+    gaps = []
+    for wire, a in sent.items():
+        if ".lora_A." in wire:
+            layer = wire.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = sent[wire.replace(".lora_A.", ".lora_B.")]
+            want = base[f"{layer}.weight"].detach() + (ALPHA / RANK_R) * (b @ a)
+            gaps.append(float((exported[f"{layer}.weight"] - want).abs().max()))
+    out["adapter_merge_gap"] = max(gaps)
     if backend == "fsdp2":
         out["merge_gap"] = max(float((exported[n] - expected[n]).abs().max()) for n in expected)
         out["unadapted_identical"] = all(

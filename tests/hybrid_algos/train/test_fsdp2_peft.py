@@ -72,3 +72,20 @@ def test_the_base_with_adapters_off_is_the_untouched_model_the_reference_under_l
     for r in fsdp2 + deepspeed:
         assert r["base_gap"] < 1e-5  # what PolicyWorker.base_logprobs scores with: the reference, no second copy
         assert r["adapted_gap"] > 1e-4  # the trained adapters do move the policy away from it
+
+
+def test_the_adapter_alone_is_gathered_full_under_pefts_saved_names(fsdp2, deepspeed) -> None:
+    """What an adapter-only sync sends (peft_weights.adapter_weights): only the lora_A / lora_B tensors, gathered
+    whole from FSDP2's shards and ZeRO-3's partitions, under PEFT's saved-adapter names; with the frozen base they
+    are the merged export."""
+    layers = {n.split(".")[2] for n in fsdp2[0]["plain_names"] if n.startswith("model.layers.")}
+    want = sorted(
+        f"base_model.model.model.layers.{i}.self_attn.{t}.lora_{ab}.weight"
+        for i in layers
+        for t in ("q_proj", "v_proj")
+        for ab in "AB"
+    )
+    for r in fsdp2 + deepspeed:
+        assert r["adapter_names"] == want
+        assert r["adapter_metas_match"]  # the broadcast path's metas: names and full shapes, no gather
+        assert r["adapter_merge_gap"] < 1e-5

@@ -180,6 +180,7 @@ def _cases(data: str) -> list[tuple[type, dict]]:
         (G, {"lora_alpha": 32}),
         (G, {"lora_dropout": 0.1}),
         (G, {"lora_target_modules": "q_proj"}),
+        (G, {"lora_sync": "merged"}),
         (G, {"lora_rank": 4, "ref_num_nodes": 2}),  # under LoRA the reference is the actor's base
         (G, {"lora_rank": 4, "ref_num_gpus_per_node": 2}),
         (G, {"lora_rank": 4, "colocate_all_models": False, "colocate_actor_ref": True}),

@@ -143,6 +143,10 @@ def test_a_lora_adapter_learns_the_copy_task_and_is_saved_beside_the_merged_mode
     assert crossed is not None and crossed <= 12, rewards
     assert sum(rewards[-4:]) / 4 >= 0.9, rewards
     assert any("LoRA: rank 8" in line and "no reference model is loaded" in line for line in said)
+    # the built-in engine takes the adapter alone: every sync carries its fp32 tensors and nothing else
+    assert any("LoRA weight sync: adapter only" in line for line in said), said
+    adapter_bytes = 4 * adapter_param_count(tiny_model_config(), TrainerSettings(lora_rank=8, lora_alpha=16))
+    assert [m["bytes/sync"] for m in summary["history"]] == [adapter_bytes] * len(rewards)
     # the KL's reference is the actor's base with the adapters off: equal to the policy before the first update
     # (PEFT starts B at zero), apart from it once the adapters learned (a reference that kept them on stays at 0)
     kls = [m["kl"] for m in summary["history"]]

@@ -79,6 +79,7 @@ def test_token_prompts_and_outputs_have_the_fields_the_adapter_reads():
     from vllm.outputs import CompletionOutput, RequestOutput
 
     assert "prompt_token_ids" in TokensPrompt.__required_keys__
+    assert "multi_modal_data" in TokensPrompt.__optional_keys__  # a prompt's images (hybrid_engines.multimodal)
     assert {"token_ids", "logprobs", "finish_reason"} <= {f.name for f in dataclasses.fields(CompletionOutput)}
     assert "outputs" in _params(RequestOutput.__init__)
     assert "logprob" in {f.name for f in dataclasses.fields(Logprob)}
@@ -155,3 +156,49 @@ def test_partial_rollout_names_exist_as_the_adapter_calls_them():
 
     source = inspect.getsource(core.EngineCore.pause_scheduler)
     assert "PAUSED_ALL" in source and '"keep"' in source  # keep: requests stay queued, nothing is scheduled
+
+
+def test_the_lora_path_loads_an_adapter_by_tensor_with_vllms_own_calls():
+    """Adapter-only sync (LoRA): the engine arguments, the LoRARequest it sends, and every vLLM name the worker
+    extension uses to make an adapter from tensors in memory -- PEFTHelper.from_dict, LoRAModel.from_lora_tensors
+    (run here on the CPU with the wire names the trainer sends), the worker's LoRA manager and its model manager."""
+    from vllm.config.lora import LoRAConfig, MaxLoRARanks
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
+
+    from hybrid_engines.weight_sync.adapter import AdapterSpec
+
+    assert tuple(sorted(typing.get_args(MaxLoRARanks))) == vllm_engine.VLLM_MAX_LORA_RANKS
+    request = LoRARequest(**vllm_engine.HYBRID_LORA)
+    assert set(vllm_engine.VLLM_LORA_REQUEST_FIELDS) <= set(LoRARequest.__struct_fields__)
+    assert request.lora_int_id == vllm_engine.HYBRID_LORA_ID > 0
+    spec = AdapterSpec(rank=16, alpha=32, target_modules="all-linear")
+    helper = PEFTHelper.from_dict(spec.peft_config())
+    helper.validate_legal(LoRAConfig(max_lora_rank=vllm_engine.vllm_max_lora_rank(spec.rank)))
+    assert helper.r == 16 and abs(helper.vllm_lora_scaling_factor - spec.scaling) < 1e-9
+    used = {"lora_model_id", "tensors", "peft_helper", "device", "dtype", "model_vocab_size", "weights_mapper"}
+    assert used <= _params(LoRAModel.from_lora_tensors)
+    import torch
+
+    wire = "base_model.model.model.layers.0.self_attn.q_proj"
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=1,
+        tensors={f"{wire}.lora_A.weight": torch.zeros(16, 64), f"{wire}.lora_B.weight": torch.zeros(64, 16)},
+        peft_helper=helper,
+        device="cpu",
+        dtype=torch.float32,
+        model_vocab_size=100,
+        weights_mapper=None,
+    )
+    assert set(lora.loras) == {"model.layers.0.self_attn.q_proj"} and lora.id == 1  # our names parse as vLLM's
+    assert all(callable(getattr(LRUCacheWorkerLoRAManager, m, None)) for m in ("list_adapters", "remove_adapter"))
+    assert all(callable(getattr(LoRAModelManager, m, None)) for m in ("add_adapter", "activate_adapter"))
+    source = inspect.getsource(WorkerLoRAManager)
+    for attr in ("self._adapter_manager", "self.vocab_size", "self.lora_config", "lora_dtype", "hf_to_vllm_mapper"):
+        assert attr in source, f"vLLM's WorkerLoRAManager no longer has {attr}"
+    from vllm.v1.worker import lora_model_runner_mixin
+
+    assert "self.lora_manager = LRUCacheWorkerLoRAManager(" in inspect.getsource(lora_model_runner_mixin)

@@ -92,6 +92,7 @@ def dry_run(
         )
     if config.lora_rank:  # how many parameters train (the memory model counts their gradients and moments alone)
         console.print(lora_line(config), markup=False)
+        console.print(lora_sync_line(config), markup=False)  # adapter-only syncs, or merged, and why
     if gpu_memory_gb is not None and gpu_memory_gb <= 0:
         raise PlacementError("gpu_memory_gb", f"must be > 0, got {gpu_memory_gb}.")
     if gpu_memory_gb is not None:
@@ -211,7 +212,12 @@ def load_prompts(config: Any, console: Console | None = None) -> list:
     from hybrid_algos.train.tasks import task_from_config
 
     task = task_from_config(config.models_settings()) if config.prompt_data is None else None
-    prompts, stats = load_prompt_set(config.rollout_settings(), _tokenizer(config), task)
+    tokenizer, vision = _tokenizer(config), None
+    if config.max_images_per_prompt > 0 and config.pretrain:  # the images through the model's processor, as a run
+        from hybrid_algos.train.vision import load_vision_processor
+
+        vision = load_vision_processor(config.pretrain, tokenizer, trust_remote_code=config.trust_remote_code)
+    prompts, stats = load_prompt_set(config.rollout_settings(), tokenizer, task, vision=vision)
     if len(prompts) < config.rollout_batch_size:
         raise ConfigError(
             "rollout_batch_size",
@@ -273,6 +279,15 @@ def describe_reward(config: Any) -> str:
             "Add --reward_fn my_module:my_reward (rule-based) or --reward_pretrain DIR.",
         )
     return f"reward: the built-in task {config.task!r}'s rule"
+
+
+def lora_sync_line(config: Any) -> str:
+    """What the run's syncs send under LoRA (the adapter alone, or merged full weights) and why: the run's own line."""
+    from hybrid_algos.train.lora import sync_choice
+    from hybrid_algos.train.sections import flag_text, flag_words
+
+    with flag_words():
+        return flag_text(sync_choice(config.settings()).line)
 
 
 def lora_line(config: Any) -> str:

@@ -488,7 +488,7 @@ def _pending_values(ctx: Context, flag: str, values: dict[str, Any], what: str) 
 
 # ---- the table ------------------------------------------------------------------------------------------------------
 _MUON = "the Muon optimizer (hybrid trains with Adam)"
-_VLM = "vision-language training (images in the prompts)"
+_VLM = "a frozen vision encoder in vision-language training (the vision tower trains with the rest for now)"
 
 #: The rule of every flag of OpenRLHF 0.11.2's parser.
 DOTTED_RULES: dict[str, Rule] = {
@@ -728,8 +728,8 @@ DOTTED_RULES: dict[str, Rule] = {
     "algo.dynamic_filtering_range": pending(
         "dynamic_filtering_reward_range", (0.0, 1.0), why="dynamic sampling (filtering groups by reward)"
     ),
-    "data.image_key": only("images", why=_VLM, instead="drop this flag."),
-    "data.max_images_per_prompt": only(0, why=_VLM, instead="drop this flag."),
+    "data.image_key": same("image_key"),  # vision-language prompts: train/images.py
+    "data.max_images_per_prompt": same("max_images_per_prompt"),
     "actor.freeze_visual_encoder": refuse(_VLM, "drop this flag."),
     "logger.tensorboard_dir": convert(_tensorboard_dir, "use_tensorboard"),
     "use_ms": refuse(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import GenerationOutput, InferenceEngine, PausableEngine, SamplingParams
+from .protocol import GenerationOutput, InferenceEngine, MultimodalInput, PausableEngine, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -25,7 +25,15 @@ _LAZY = {
     "launch_engines": "hybrid_engines.ray_engines",
 }
 
-__all__ = ["GenerationOutput", "InferenceEngine", "PausableEngine", "SamplingParams", "__version__", *_LAZY]
+__all__ = [
+    "GenerationOutput",
+    "InferenceEngine",
+    "MultimodalInput",
+    "PausableEngine",
+    "SamplingParams",
+    "__version__",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

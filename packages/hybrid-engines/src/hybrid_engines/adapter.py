@@ -82,6 +82,8 @@ class EnginePlan:
     shares_gpus: bool = False  # a trainer shares the engines' GPUs: the residency plan may free their memory
     seeded_sampling: bool = False  # every sample carries a seed of its own (the adapter's seeds_samples(settings))
     partial_rollout: bool = False  # weight updates may land while a generation is in flight (pause / resume)
+    # adapter-only sync: the engines apply this LoRA adapter (a weight_sync.adapter.AdapterSpec; None: full weights)
+    lora: Any = None
 
 
 class EngineAdapter:
@@ -140,6 +142,14 @@ class EngineAdapter:
         trainer on their GPUs), checked before Ray starts; None: it can."""
         return None
 
+    @classmethod
+    def adapter_refusal(cls, spec: Any) -> str | None:
+        """Why these engines cannot take the LoRA adapter ``spec`` alone at each sync (the run then sends merged full
+        weights: :mod:`.weight_sync.adapter`); None: they can. By default they cannot: an engine that can is built
+        with ``lora=spec`` (``engine_kwargs`` reads ``plan.lora``) and loads the adapter's tensors, under their
+        wire names, in ``update_weights`` / ``update_weights_from_ipc``."""
+        return f"{cls.__name__} does not load LoRA adapters"
+
 
 def pooled_engine_kwargs(settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
     """The arguments every engine with a memory pool of its own takes, under vLLM's names (the SGLang adapter maps
@@ -161,4 +171,6 @@ def pooled_engine_kwargs(settings: EngineSettings, plan: EnginePlan) -> dict[str
     }
     if plan.partial_rollout:  # only adds: generation goes through the adapters' pausable paths
         kwargs["pausable"] = True
+    if plan.lora is not None:  # adapter-only sync: the engine applies the run's LoRA adapter
+        kwargs["lora"] = plan.lora
     return kwargs

@@ -6,6 +6,9 @@ the whole :class:`~hybrid_engines.protocol.InferenceEngine` protocol for real:
 * ``generate`` — see :mod:`hybrid_engines.hf_generation` (batching, cache) and :mod:`hybrid_engines.hf_sampling`
   (sampling, per-row seeds). Log-probabilities are those of the raw model (float32 ``log_softmax`` of the logits,
   before temperature / top-k / top-p / min-tokens suppression).
+* Images (``multimodal``, vision-language folders such as Qwen2-VL, loaded as ``AutoModelForImageTextToText``): the
+  engine makes each prompt's pixel values with the folder's image processor and prefills with them and the 3-D
+  rotary positions (:mod:`hybrid_engines.multimodal`, the same function as the trainer's forward).
 * Stop tokens are ``params.stop_token_ids`` plus, when ``stop_at_eos`` (default, as vLLM and SGLang do), the
   model's EOS ids from its generation config (or config). A stop token ends its completion and is included in it.
 * ``sleep(1)`` offloads parameters *and* buffers to host memory with hybrid_core's ``StateOffloader``; ``sleep(2)``
@@ -16,6 +19,12 @@ the whole :class:`~hybrid_engines.protocol.InferenceEngine` protocol for real:
   by generating before waking the KV cache fails here too, with a clear error.
 * After ``sleep(2)``, ``wake_up(["weights"])`` allocates uninitialised parameters; every parameter must then be
   loaded (``update_weights`` / ``update_weights_from_ipc``) before ``generate`` accepts a call.
+* LoRA (``lora=AdapterSpec``, adapter-only weight sync: :mod:`hybrid_engines.weight_sync.adapter`): the model is
+  wrapped with PEFT's ``LoraConfig`` of the run (its LoRA layers inside the transformers model, which generates as
+  before), and every weight update then carries the adapter's ``lora_A`` / ``lora_B`` tensors alone, under their
+  PEFT saved-adapter names, loaded in place into the layers' own tensors (and read back from them by the sync's
+  verification). The base is never merged or sent again; a sync that leaves an adapter tensor out is refused
+  naming it (a half-updated adapter would generate silently wrong).
 * Partial rollouts (:class:`~hybrid_engines.protocol.PausableEngine`): calls may come from several threads (a Ray
   actor with ``max_concurrency`` > 1). One decoding loop runs at a time (its KV cache is what the memory budget
   counts); ``pause_generation()`` parks it between two decoding steps with its rows and cache, a weight update may
@@ -43,10 +52,12 @@ from .adapter import EngineAdapter, EnginePlan, EngineSettings
 from .hf_generation import decode
 from .hf_sampling import row_seeds, row_uniforms
 from .hf_weights import NamedWeights
-from .protocol import WAKE_TAGS, GenerationOutput, SamplingParams
+from .protocol import WAKE_TAGS, GenerationOutput, MultimodalInput, SamplingParams
 
 if TYPE_CHECKING:
     from hybrid_core.weight_sync import SyncGroup
+
+    from .weight_sync.adapter import AdapterSpec
 
 
 class EngineStateError(HybridError, RuntimeError):
@@ -62,6 +73,7 @@ class HFEngine(EngineAdapter):
     model's own. ``max_batch_size`` bounds the rows (prompts x n) decoded together, rounded to whole prompts.
     ``seed`` seeds the weights of a config-built model and the seeds of calls whose ``params.seed`` is ``None``.
     ``trust_remote_code`` lets transformers run the code a model folder ships (off: such a folder is refused).
+    ``lora``: the LoRA adapter this engine applies (adapter-only weight sync; see the module docstring).
     """
 
     NEEDS_GPU = False  # runs on CPU too
@@ -71,6 +83,13 @@ class HFEngine(EngineAdapter):
     @classmethod
     def placement_refusal(cls, *, tp: int, shares_gpus: bool) -> str | None:
         return f"the built-in engine runs on one GPU, and these engines have TP {tp}" if tp > 1 else None
+
+    @classmethod
+    def adapter_refusal(cls, spec: AdapterSpec) -> str | None:
+        """The built-in engine applies adapters through PEFT (the trainer's own LoRA code), when it is installed."""
+        import importlib.util
+
+        return None if importlib.util.find_spec("peft") else "peft is not installed where the engines run"
 
     @classmethod
     def check_settings(cls, settings: EngineSettings) -> None:
@@ -87,12 +106,15 @@ class HFEngine(EngineAdapter):
     def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
         """The model, seed and dtype: this engine pauses at a weight update whatever it was built with, keeps no
         memory pool to size and has no context limit to set."""
-        return {
+        kwargs: dict[str, Any] = {
             "model": plan.model_path,
             "seed": settings.seed,
             "trust_remote_code": settings.trust_remote_code,
             "dtype": "bfloat16" if settings.bf16 else "float32",
         }
+        if plan.lora is not None:
+            kwargs["lora"] = plan.lora
+        return kwargs
 
     def __init__(
         self,
@@ -105,6 +127,7 @@ class HFEngine(EngineAdapter):
         stop_at_eos: bool = True,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
+        lora: AdapterSpec | None = None,
     ):
         if max_batch_size < 1:
             raise ConfigError("max_batch_size", f"must be >= 1, got {max_batch_size}.")
@@ -114,13 +137,22 @@ class HFEngine(EngineAdapter):
             _build_model(model, _as_dtype(dtype), seed, attn_implementation, trust_remote_code).to(self.device).eval()
         )
         self.model.requires_grad_(False)
-        self.weights = NamedWeights(self.model, self.device)
+        self.lora = lora
+        self._adapter: dict[str, str] = {}  # wire name -> the engine's parameter (LoRA: the adapter's tensors)
+        self._adapter_seen: set[str] = set()  # what the IPC sync under way has loaded of them
+        if lora is not None:
+            self.model, self._adapter = _with_adapter(self.model, lora, self.device)
+        self.weights = NamedWeights(self.model, self.device, aliases=self._adapter)
         self._rng = random.Random(seed)
         self._eos = _eos_ids(self.model) if stop_at_eos else ()
         self._vocab = self.model.get_input_embeddings().num_embeddings
-        pad = self.model.config.pad_token_id
+        text_config = self.model.config.get_text_config()  # a vision-language config keeps these in text_config
+        pad = getattr(text_config, "pad_token_id", None)
         self._pad_id = pad if isinstance(pad, int) and 0 <= pad < self._vocab else 0
-        self._max_len = getattr(self.model.config, "max_position_embeddings", None)
+        self._image_source = model if isinstance(model, str) else None  # its image processor, when images come
+        self._image_processor: Any = None
+        self._trust_remote_code = trust_remote_code
+        self._max_len = getattr(text_config, "max_position_embeddings", None)
         self._keep_last = "logits_to_keep" in _forward_params(self.model)
         self._offloader = None
         self._weights_state = "awake"  # "awake" | "offloaded" (sleep 1) | "discarded" (sleep 2)
@@ -137,11 +169,16 @@ class HFEngine(EngineAdapter):
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        multimodal: Sequence[MultimodalInput | None] | None = None,
     ) -> list[list[GenerationOutput]]:
-        """``params.n`` completions per prompt, in prompt order."""
+        """``params.n`` completions per prompt, in prompt order; ``multimodal[i]``: prompt ``i``'s images (their
+        pixel values made here with the model folder's image processor: :mod:`hybrid_engines.multimodal`)."""
         self._require_ready("generate")
         prompts = self._check_prompts(prompt_token_ids, params)
+        images = self._pixel_inputs(multimodal, len(prompts))
         stop = sorted(set(params.stop_token_ids) | set(self._eos))
         bad = [s for s in stop if not 0 <= s < self._vocab]
         if bad:
@@ -170,6 +207,7 @@ class HFEngine(EngineAdapter):
                     keep_last_logits=self._keep_last,
                     with_logprobs=params.logprobs,
                     before_forward=self._before_forward,
+                    multimodal=[images[i] for i in chunk] if images is not None else None,
                 )
             tokens, logprobs = batch.tokens.tolist(), batch.logprobs.tolist()
             lengths, stopped, versions = batch.lengths.tolist(), batch.stopped.tolist(), batch.versions.tolist()
@@ -188,6 +226,22 @@ class HFEngine(EngineAdapter):
                     )
                 results[i] = outs
         return results  # type: ignore[return-value]
+
+    def _pixel_inputs(self, multimodal, prompts: int) -> list[MultimodalInput | None] | None:
+        from .multimodal import check_multimodal, load_image_processor, with_pixels
+
+        check_multimodal(multimodal, prompts)
+        if multimodal is None or all(m is None or not m.images for m in multimodal):
+            return None
+        if self._image_processor is None and any(m is not None and m.pixel_values is None for m in multimodal):
+            if self._image_source is None:
+                raise ConfigError(
+                    "multimodal",
+                    "this engine was built from a model object, so it has no image processor to make pixel values.",
+                    "Build it from the model folder, or pass MultimodalInput(pixel_values=...).",
+                )
+            self._image_processor = load_image_processor(self._image_source, trust_remote_code=self._trust_remote_code)
+        return with_pixels(multimodal, self._image_processor)
 
     # ---- partial rollouts: pause, weight update, resume -------------------------------------------------------
     def pause_generation(self, timeout_s: float = 600.0) -> dict:
@@ -360,6 +414,9 @@ class HFEngine(EngineAdapter):
         self._require_weights_on_device("update_weights")
         self._require_not_decoding("update_weights")
         problem = self.weights.check([(m.name, tuple(m.shape)) for m in metas])
+        left_out = self._adapter_left_out({m.name for m in metas})
+        if left_out:
+            problem = " and ".join(p for p in (problem, left_out) if p)
         receiver = WeightReceiver(self._group, bucket_bytes, self.device)
         if problem:
             receiver.receive(metas, lambda items: None)
@@ -381,9 +438,27 @@ class HFEngine(EngineAdapter):
             if problem:
                 raise ConfigError("bucket", problem, "Send the engine model's own parameter names and shapes.")
             self.weights.load(items)
+            self._adapter_seen.update(name for name, _ in items)
             _synchronize(self.device)
 
-        return load_ipc_bucket(bucket, load, self.weights.read_back)  # verified against the model
+        if self._adapter and getattr(bucket, "index", 0) == 0:
+            self._adapter_seen = set()  # a new sync
+        stats = load_ipc_bucket(bucket, load, self.weights.read_back)  # verified against the model
+        if self._adapter and getattr(bucket, "last", True):
+            left_out = self._adapter_left_out(self._adapter_seen)
+            if left_out:
+                raise EngineStateError(f"update_weights_from_ipc: {left_out}")
+        return stats
+
+    def _adapter_left_out(self, names: set[str]) -> str | None:
+        """Under LoRA, the adapter tensors a sync of ``names`` leaves out (None: it brings all of them)."""
+        missing = sorted(set(self._adapter) - names)
+        if not missing:
+            return None
+        return (
+            f"the sync leaves {len(missing)} of the adapter's {len(self._adapter)} tensors out, e.g. {missing[:3]} "
+            "(the engine would generate with a stale adapter)"
+        )
 
     def reset_prefix_cache(self) -> None:
         """Nothing to do: this engine keeps no prefix cache across calls (the KV cache lives inside ``generate``)."""
@@ -462,7 +537,9 @@ class HFEngine(EngineAdapter):
 def _build_model(
     model: Any, dtype: torch.dtype | None, seed: int, attn_implementation: str | None, trust_remote_code: bool = False
 ):
-    from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+    from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+    from .multimodal import auto_model_class
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if isinstance(model, PreTrainedModel):
@@ -470,13 +547,36 @@ def _build_model(
     if isinstance(model, PretrainedConfig):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            built = AutoModelForCausalLM.from_config(model, **kwargs)
+            built = auto_model_class(model).from_config(model, **kwargs)
         return built.to(dtype) if dtype is not None else built
     if isinstance(model, str):
-        return AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        return auto_model_class(config).from_pretrained(  # a vision-language folder is not a causal LM class
             model, dtype=dtype if dtype is not None else "auto", trust_remote_code=trust_remote_code, **kwargs
         )
     raise ConfigError("model", f"expected a path, a PreTrainedModel or a PretrainedConfig, got {type(model).__name__}.")
+
+
+def _with_adapter(model: Any, spec: AdapterSpec, device: torch.device) -> tuple[Any, dict[str, str]]:
+    """``model`` with the LoRA layers of ``spec`` inside it (PEFT's ``get_peft_model``; the transformers model is kept,
+    so generation is unchanged), and each adapter tensor's wire name -> its parameter name in that model."""
+    from peft import LoraConfig, get_peft_model
+
+    from .weight_sync.adapter import PEFT_PREFIX, wire_name
+
+    config = {k: v for k, v in spec.peft_config().items() if k != "peft_type"}
+    dtype = model.get_input_embeddings().weight.dtype
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)  # B starts at zero (the adapter does nothing until the first sync); A is drawn
+        wrapped = get_peft_model(model, LoraConfig(**config)).get_base_model()
+    wrapped.requires_grad_(False)
+    names = {}
+    for name, p in wrapped.named_parameters():
+        wire = wire_name(name)
+        if wire is not None:
+            names[PEFT_PREFIX + wire] = name
+            p.data = p.data.to(dtype)  # in the engine's dtype, as vLLM keeps adapters (PEFT would keep fp32)
+    return wrapped.eval(), names
 
 
 def _as_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -492,7 +592,7 @@ def _eos_ids(model) -> tuple[int, ...]:
     gen = getattr(model, "generation_config", None)
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
+        eos = getattr(model.config.get_text_config(), "eos_token_id", None)
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))

@@ -25,7 +25,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from .hf_sampling import choose_tokens
-from .protocol import SamplingParams
+from .multimodal import vision_forward_inputs
+from .protocol import MultimodalInput, SamplingParams
 
 #: Drop finished rows from the batch once this fraction of the live rows has stopped.
 _COMPACT_FRACTION = 0.25
@@ -65,16 +66,24 @@ def decode(
     keep_last_logits: bool,
     with_logprobs: bool = True,
     before_forward: Callable[[], int] | None = None,
+    multimodal: Sequence[MultimodalInput | None] | None = None,
 ) -> DecodedBatch:
     """Generate ``params.n`` completions for each prompt; ``uniforms [rows, max_new_tokens]`` drive sampling.
-    ``before_forward``: see the module docstring (None: version 0, nothing can pause the loop)."""
+    ``before_forward``: see the module docstring (None: version 0, nothing can pause the loop). ``multimodal``: per
+    prompt its images with their pixel values, or None; the prefill then gets the pixel values, grids and the 3-D
+    rotary positions of :func:`~hybrid_engines.multimodal.vision_forward_inputs` (the trainer's too), and decoding
+    goes on from each row's largest position + 1."""
     device = stop_ids.device
     version = before_forward() if before_forward is not None else 0
     n, steps = params.n, params.max_new_tokens
     ids, mask = left_pad(prompts, pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
     cache = DynamicCache(config=model.config)
-    extra = {"logits_to_keep": 1} if keep_last_logits else {}
+    extra: dict = {"logits_to_keep": 1} if keep_last_logits else {}
+    vision = vision_forward_inputs(model, ids, mask, multimodal)
+    if vision:
+        positions = vision.pop("position_ids")  # [3, B, T]
+        extra.update(vision)
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **extra
     )
@@ -83,8 +92,10 @@ def decode(
         cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
-        positions = positions.repeat_interleave(n, dim=0)
-    next_pos = positions[:, -1:] + 1
+        positions = positions.repeat_interleave(n, dim=-2)  # the rows' axis of [B, T] and of [3, B, T]
+    # M-RoPE ([3, B, T]): the next text position is one past the largest of any axis
+    last = positions.amax(dim=0).amax(dim=-1, keepdim=True) if positions.dim() == 3 else positions[:, -1:]
+    next_pos = last + 1
 
     rows_total = len(prompts) * n
     tokens = torch.zeros(rows_total, steps, dtype=torch.long, device=device)

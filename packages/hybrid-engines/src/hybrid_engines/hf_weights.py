@@ -3,7 +3,8 @@
 Names are the model's own ``named_parameters()`` names, tied weights included under every name they have (a
 trainer may send ``lm_head.weight``, ``model.embed_tokens.weight`` or both; both land in the one shared tensor).
 Persistent buffers can be loaded by name too. After :meth:`discard` every parameter is "unloaded" until a tensor
-arrives for it (under any of its names).
+arrives for it (under any of its names). ``aliases`` adds names of the sender's for some parameters (under LoRA: the
+adapter tensors' PEFT saved-adapter names -> the LoRA layers' parameters).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import torch
 
 
 class NamedWeights:
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, aliases: dict[str, str] | None = None):
         self.device = device
         self.params: dict[str, torch.nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        self.aliases = dict(aliases or {})
         non_persistent = {
             f"{prefix}.{b}" if prefix else b
             for prefix, mod in model.named_modules()
@@ -30,6 +32,7 @@ class NamedWeights:
         self._unloaded: set[int] = set()
 
     def _target(self, name: str) -> torch.Tensor | None:
+        name = self.aliases.get(name, name)
         return self.params.get(name, self.buffers.get(name))
 
     def read_back(self, name: str) -> torch.Tensor | None:

@@ -74,6 +74,22 @@ class GenerationOutput:
     weight_versions: list[int] | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class MultimodalInput:
+    """A prompt's images, given to ``generate`` beside its token ids (``multimodal[i]`` for prompt ``i``).
+
+    ``images``: the encoded image files (PNG / JPEG bytes), what vLLM (``multi_modal_data``) and SGLang
+    (``image_data``) decode and process themselves. ``image_grid_thw`` ``[images, 3]``: each image's patch grid as
+    the model's processor made it when the prompt was encoded -- the prompt's token ids already hold each image's
+    placeholder tokens, expanded to ``grid.prod() / merge_size**2``. ``pixel_values`` ``[patches, dim]``: the
+    processor's pixels, when the caller has them (the built-in engine and the trainer otherwise make them with the
+    model folder's image processor, checked against the grid: :mod:`hybrid_engines.multimodal`)."""
+
+    images: tuple[bytes, ...]
+    pixel_values: Any = None
+    image_grid_thw: Any = None
+
+
 @runtime_checkable
 class InferenceEngine(Protocol):
     """What the training loop needs from an inference engine.
@@ -82,10 +98,16 @@ class InferenceEngine(Protocol):
     and frees the KV cache; ``level=2`` discards weights too, so weights must be re-synced (``update_weights``)
     before the next ``generate``. ``wake_up(tags)`` brings back "weights" and/or "kv_cache" (all when ``None``).
     ``release_kv_cache()`` frees the KV cache alone.
+
+    ``multimodal`` (optional): per prompt its :class:`MultimodalInput` or None (text only). An engine that cannot
+    take images refuses a call that has any, naming the backend; it never drops them.
     """
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        multimodal: Sequence[MultimodalInput | None] | None = None,
     ) -> list[list[GenerationOutput]]: ...
 
     def sleep(self, level: int = 1) -> TransferStats: ...

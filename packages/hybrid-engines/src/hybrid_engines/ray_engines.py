@@ -193,16 +193,18 @@ class EngineActor:
             "torch_threads": torch.get_num_threads(),
         }
 
-    def generate(self, prompt_token_ids, params):
+    def generate(self, prompt_token_ids, params, multimodal=None):
         maybe_inject(self.role, "generate", self.rank)
         with self._gc_pause:
-            return self.engine.generate(prompt_token_ids, params)
+            if multimodal is None:  # text only: the call every engine takes
+                return self.engine.generate(prompt_token_ids, params)
+            return self.engine.generate(prompt_token_ids, params, multimodal)
 
-    def generate_timed(self, prompt_token_ids, params) -> dict[str, Any]:
+    def generate_timed(self, prompt_token_ids, params, multimodal=None) -> dict[str, Any]:
         """``generate``, with when it ran in this process (Unix seconds): the step timeline of asynchronous training
         places generation next to the trainer's phases."""
         start = time.time()
-        outputs = self.generate(prompt_token_ids, params)
+        outputs = self.generate(prompt_token_ids, params, multimodal)
         return {"outputs": outputs, "start": start, "end": time.time()}
 
     # ---- partial rollouts (engines that implement hybrid_engines.protocol.PausableEngine) --------------------------
@@ -320,26 +322,47 @@ class EngineGroup:
         return self.wait(refs, method, timeout_s)
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, *, timeout_s: float | None = None
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        timeout_s: float | None = None,
+        multimodal: Sequence[Any] | None = None,
     ) -> list[list[GenerationOutput]]:
         """Split the prompts across the engines, generate, and return the outputs in prompt order.
 
         Identical prompts go to the same engine, so a seeded call gives the same samples on any number of engines
-        (the built-in engine keys its randomness on the prompt and on repeats of it within a call)."""
+        (the built-in engine keys its randomness on the prompt and on repeats of it within a call). ``multimodal``:
+        each prompt's images (``MultimodalInput`` or None), sent with it."""
         shares = split_prompts(prompt_token_ids, self.num_engines)
         ranks = [r for r, share in enumerate(shares) if share]
-        refs = [self.actors[r].generate.remote([prompt_token_ids[i] for i in shares[r]], params) for r in ranks]
+        refs = [
+            self.actors[r].generate.remote(
+                [prompt_token_ids[i] for i in shares[r]], params, _share(multimodal, shares[r])
+            )
+            for r in ranks
+        ]
         results = self.wait(refs, "generate", timeout_s, ranks)
         return _in_prompt_order(len(prompt_token_ids), shares, ranks, results)
 
     def submit_generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, *, what: str = "generate"
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        what: str = "generate",
+        multimodal: Sequence[Any] | None = None,
     ) -> PendingGeneration:
         """Start a generation without waiting for it (asynchronous training: it runs while the trainer works);
         :meth:`PendingGeneration.result` collects it, in prompt order, with when each engine ran it."""
         shares = split_prompts(prompt_token_ids, self.num_engines)
         ranks = [r for r, share in enumerate(shares) if share]
-        refs = [self.actors[r].generate_timed.remote([prompt_token_ids[i] for i in shares[r]], params) for r in ranks]
+        refs = [
+            self.actors[r].generate_timed.remote(
+                [prompt_token_ids[i] for i in shares[r]], params, _share(multimodal, shares[r])
+            )
+            for r in ranks
+        ]
         return PendingGeneration(self, len(prompt_token_ids), shares, ranks, refs, what)
 
     def pause_generation(self, *, timeout_s: float | None = None) -> list[dict]:
@@ -462,6 +485,13 @@ def _in_prompt_order(count: int, shares: list[list[int]], ranks: list[int], resu
         for i, outputs in zip(shares[r], res):
             out[i] = outputs
     return out
+
+
+def _share(multimodal: Sequence[Any] | None, indices: Sequence[int]) -> list[Any] | None:
+    """One engine's part of the prompts' multimodal inputs (None: a text-only call)."""
+    if multimodal is None or all(m is None for m in multimodal):
+        return None
+    return [multimodal[i] for i in indices]
 
 
 def split_prompts(prompts: Sequence[Sequence[int]], num_engines: int) -> list[list[int]]:

@@ -103,7 +103,7 @@ SGLANG_SERVER_ARGS = {
 }
 #: ``sglang.Engine`` methods used, with the keyword arguments passed (contract-tested).
 SGLANG_ENGINE_METHODS = {
-    "generate": ("input_ids", "sampling_params", "return_logprob"),
+    "generate": ("input_ids", "sampling_params", "return_logprob", "image_data"),
     "release_memory_occupation": ("tags",),
     "resume_memory_occupation": ("tags",),
     "init_weights_update_group": (
@@ -179,6 +179,12 @@ class SGLangEngine(EngineAdapter):
     def weight_transport(cls) -> SGLangTransport:
         """The trainer's side of this engine's weight sync (SGLang's own group and formats)."""
         return SGLangTransport()
+
+    @classmethod
+    def adapter_refusal(cls, spec: Any) -> str | None:
+        """Under LoRA this adapter sends merged full weights: it does not hand SGLang an adapter by tensor (SGLang's
+        receiving code is its own, in its own formats; adding the adapter path there is not built)."""
+        return "the SGLang adapter does not load LoRA adapters by tensor (not built; SGLang receives merged weights)"
 
     @classmethod
     def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
@@ -271,11 +277,13 @@ class SGLangEngine(EngineAdapter):
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, multimodal=None
     ) -> list[list[GenerationOutput]]:
-        """``params.n`` completions per prompt, in prompt order."""
+        """``params.n`` completions per prompt, in prompt order; ``multimodal[i]``: prompt ``i``'s images, given to
+        SGLang as the request's ``image_data`` (the token ids hold the placeholders, expanded)."""
         self._require_ready("generate")
         prompts = check_prompts(prompt_token_ids)
+        images = sglang_prompt_images(multimodal, len(prompts), pausable=self.pausable)
         rows = expand_rows(prompts, params)
         if not self.deterministic and any(r.seed is not None for r in rows):
             raise ConfigError(
@@ -290,8 +298,12 @@ class SGLangEngine(EngineAdapter):
         ]
         if self.pausable:
             return self._generate_streamed(prompts, rows, sampling, params)
+        extra = {} if images is None else {"image_data": [images[r.prompt] for r in rows]}
         outs = self.engine.generate(
-            input_ids=[prompts[r.prompt] for r in rows], sampling_params=sampling, return_logprob=params.logprobs
+            input_ids=[prompts[r.prompt] for r in rows],
+            sampling_params=sampling,
+            return_logprob=params.logprobs,
+            **extra,
         )
         return self._outputs(prompts, rows, outs, params)
 
@@ -724,3 +736,20 @@ def _require_raw_logprobs() -> None:
             "logprobs, but the protocol promises the raw model's.",
             "Unset it or set it to 1.",
         )
+
+
+def sglang_prompt_images(multimodal, prompts: int, *, pausable: bool) -> list[Any] | None:
+    """Per prompt its images for SGLang's ``image_data`` (None: a text-only call). Streamed rows (partial rollouts)
+    do not carry images yet: refused, not dropped."""
+    from .multimodal import check_multimodal, sglang_image_data
+
+    check_multimodal(multimodal, prompts)
+    if multimodal is None or all(m is None or not m.images for m in multimodal):
+        return None
+    if pausable:
+        raise ConfigError(
+            "partial_rollout",
+            "the SGLang engine's partial rollouts (streamed rows) do not take images yet.",
+            "Drop --partial_rollout for vision-language training.",
+        )
+    return [sglang_image_data(m) for m in multimodal]

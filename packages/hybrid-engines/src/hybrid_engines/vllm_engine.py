@@ -12,6 +12,13 @@
 * Weight updates: a worker extension (:mod:`hybrid_engines.vllm_worker`) joins hybrid-core's weight-sync group
   (broadcast path, ``update_weights``) or maps CUDA-IPC buckets of a colocated trainer (``update_weights_from_ipc``),
   and loads through the model's own ``load_weights``. The prefix cache is reset after every update.
+* LoRA (``lora=AdapterSpec``: adapter-only weight sync, :mod:`hybrid_engines.weight_sync.adapter`): the engine is
+  built with ``enable_lora=True``, ``max_lora_rank`` the smallest of vLLM's allowed ranks that holds the run's
+  (:func:`vllm_max_lora_rank`) and one adapter slot; every update then carries the adapter's tensors alone, which
+  the worker extension turns into vLLM's adapter in memory (no file) under the run's one id, replaced at each sync
+  (a request paused across a sync goes on with the new adapter, as it would with new weights). From the first
+  update on, every request carries that ``LoRARequest``; before it the engine serves the base, which is the policy
+  then (PEFT starts each adapter's B at zero; a resumed run syncs before it generates).
 * Partial rollouts (``pausable=True``; :class:`~hybrid_engines.protocol.PausableEngine`): ``generate`` adds its
   requests to the engine (``LLM._preprocess_cmpl_one`` renders them as ``LLM.generate`` does, then
   ``LLMEngine.add_request``) and steps it itself (``LLMEngine.step``), so calls from several threads share one
@@ -88,10 +95,14 @@ VLLM_LLM_KWARGS = (
     "logprobs_mode",
     "distributed_executor_backend",
     "async_scheduling",
+    # LoRA (adapter-only sync)
+    "enable_lora",
+    "max_lora_rank",
+    "max_loras",
 )
 #: ``vllm.LLM`` methods this adapter calls, with the keyword arguments it passes (contract-tested).
 VLLM_LLM_METHODS = {
-    "generate": ("prompts", "sampling_params", "use_tqdm"),
+    "generate": ("prompts", "sampling_params", "use_tqdm", "lora_request"),
     "sleep": ("level",),
     "wake_up": ("tags",),
     "collective_rpc": ("method", "timeout", "args", "kwargs"),
@@ -105,7 +116,37 @@ VLLM_KEEP_PAUSE: dict[str, dict[str, Any]] = {
     "wake_up": {"tags": ["scheduling"]},
 }
 #: ``LLMEngine`` (``LLM.llm_engine``) methods the stepping loop calls, with the arguments it passes.
-VLLM_ENGINE_METHODS = {"add_request": ("request_id", "prompt", "params"), "step": (), "abort_request": ("request_ids",)}
+VLLM_ENGINE_METHODS = {
+    "add_request": ("request_id", "prompt", "params", "lora_request"),
+    "step": (),
+    "abort_request": ("request_ids",),
+}
+#: ``vllm.config.lora.MaxLoRARanks`` in 0.26 (contract-tested): the values ``max_lora_rank`` may take
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: ``vllm.lora.request.LoRARequest`` fields the adapter sets (contract-tested)
+VLLM_LORA_REQUEST_FIELDS = ("lora_name", "lora_int_id", "lora_path")
+#: the run's one adapter: its id in vLLM's LoRA manager (> 0), its name, and the path field vLLM requires, never
+#: read (the adapter is in the manager before any request names it)
+HYBRID_LORA_ID = 1
+HYBRID_LORA: dict[str, Any] = {
+    "lora_name": "hybrid-policy",
+    "lora_int_id": HYBRID_LORA_ID,
+    "lora_path": "hybrid-adapter-sent-by-tensor",
+}
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM 0.26 accepts that holds an adapter of ``rank``."""
+    for allowed in VLLM_MAX_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ConfigError(
+        "trainer.lora_rank",
+        f"{rank}: vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}.",
+        "Use a smaller --lora_rank, or --lora_sync merged.",
+    )
+
+
 #: vLLM 0.26 sleep-mode tags (``LLM.wake_up`` docstring: "weights", "kv_cache", "scheduling").
 VLLM_WAKE_TAGS = {"weights": "weights", "kv_cache": "kv_cache"}
 
@@ -144,6 +185,13 @@ class VLLMEngine(EngineAdapter):
     # weight_transport() and check_settings(): EngineAdapter's (hybrid-core's format, received by .vllm_worker)
 
     @classmethod
+    def adapter_refusal(cls, spec: Any) -> str | None:
+        """vLLM applies LoRA adapters of rank <= 512 (``enable_lora``), received by tensor in the worker extension."""
+        if spec.rank > VLLM_MAX_LORA_RANKS[-1]:
+            return f"vLLM serves adapters of rank <= {VLLM_MAX_LORA_RANKS[-1]}, and --lora_rank is {spec.rank}"
+        return None
+
+    @classmethod
     def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
         """Every engine setting, under this constructor's names (:func:`.adapter.pooled_engine_kwargs`)."""
         return pooled_engine_kwargs(settings, plan)
@@ -168,6 +216,7 @@ class VLLMEngine(EngineAdapter):
         rpc_timeout_s: float = 600.0,
         pausable: bool = False,
         ports: PortWindow | None = None,
+        lora: Any = None,
         **extra: Any,
     ):
         _check_args(
@@ -198,6 +247,8 @@ class VLLMEngine(EngineAdapter):
             kwargs["distributed_executor_backend"] = "ray"
         if pausable:
             kwargs["async_scheduling"] = False  # a step's tokens come from that step's forward (version marks)
+        if lora is not None:  # adapter-only sync: one adapter slot, sized for the run's rank
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora.rank), max_loras=1)
         kwargs.update(extra)
         self._vllm = vllm
         self.llm = vllm.LLM(**kwargs)
@@ -213,6 +264,8 @@ class VLLMEngine(EngineAdapter):
         self._closed = False
         self.pausable = pausable
         self.ports = ports
+        self.lora = lora
+        self._lora_request: Any = None  # set by the first adapter sync; every request carries it from then on
         self._version = 0
         # the stepping loop of partial rollouts (see the module docstring)
         self._cv = threading.Condition()
@@ -223,34 +276,39 @@ class VLLMEngine(EngineAdapter):
 
     # ---- generation --------------------------------------------------------------------------------------------
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams
+        self, prompt_token_ids: Sequence[Sequence[int]], params: SamplingParams, multimodal=None
     ) -> list[list[GenerationOutput]]:
-        """``params.n`` completions per prompt, in prompt order."""
+        """``params.n`` completions per prompt, in prompt order; ``multimodal[i]``: prompt ``i``'s images, given to
+        vLLM as the prompt's ``multi_modal_data`` (the token ids hold the placeholders, expanded)."""
         self._require_ready("generate")
         prompts = check_prompts(prompt_token_ids)
+        mm = vllm_prompt_images(multimodal, len(prompts), pausable=self.pausable)
         rows = expand_rows(prompts, params)
         make = self._vllm.SamplingParams
         if per_prompt_requests(rows, params) and not self.pausable:  # vLLM fans each prompt out into n samples
-            return self._generate_per_prompt(prompts, params)
+            return self._generate_per_prompt(prompts, params, mm)
         if all(r.seed is None for r in rows):  # one object for every row
             sampling: Any = make(**vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos))
         else:
             sampling = [make(**vllm_sampling_kwargs(params, seed=r.seed, stop_at_eos=self.stop_at_eos)) for r in rows]
-        requests = [{"prompt_token_ids": prompts[r.prompt]} for r in rows]
+        requests = [{"prompt_token_ids": prompts[r.prompt], **mm[r.prompt]} for r in rows]
         if self.pausable:
             return self._generate_stepping(prompts, rows, requests, sampling, params)
-        outputs = self.llm.generate(prompts=requests, sampling_params=sampling, use_tqdm=False)
+        outputs = self.llm.generate(prompts=requests, sampling_params=sampling, use_tqdm=False, **self._with_lora())
         results: list[list[Any]] = [[None] * params.n for _ in prompts]
         for row, out in zip(rows, outputs, strict=True):
             results[row.prompt][row.sample] = self._output(prompts[row.prompt], out.outputs[0], params)
         return results
 
-    def _generate_per_prompt(self, prompts, params: SamplingParams) -> list[list[GenerationOutput]]:
+    def _generate_per_prompt(self, prompts, params: SamplingParams, mm=None) -> list[list[GenerationOutput]]:
         sampling = self._vllm.SamplingParams(
             **vllm_sampling_kwargs(params, seed=None, stop_at_eos=self.stop_at_eos, n=params.n)
         )
         outputs = self.llm.generate(
-            prompts=[{"prompt_token_ids": p} for p in prompts], sampling_params=sampling, use_tqdm=False
+            prompts=[{"prompt_token_ids": p, **(mm[i] if mm else {})} for i, p in enumerate(prompts)],
+            sampling_params=sampling,
+            use_tqdm=False,
+            **self._with_lora(),
         )
         results = []
         for prompt, out in zip(prompts, outputs, strict=True):
@@ -338,7 +396,7 @@ class VLLMEngine(EngineAdapter):
         with self._cv:
             adds, self._adds = self._adds, []
         for rid, request, sp in adds:
-            engine.add_request(rid, self.llm._preprocess_cmpl_one(request, None), sp)
+            engine.add_request(rid, self.llm._preprocess_cmpl_one(request, None), sp, **self._with_lora())
         try:
             outputs = engine.step()
         except BaseException as error:
@@ -534,6 +592,10 @@ class VLLMEngine(EngineAdapter):
         self._require_weights_on_device("update_weights")
         self._require_not_stepping("update_weights")
         wire = [(m.name, m.dtype, tuple(m.shape)) for m in metas]
+        if self.lora is not None:  # the adapter's tensors alone
+            results = self._rpc("hybrid_receive_adapter", wire, bucket_bytes, *self._adapter_args())
+            self._lora_request = self._make_lora_request()
+            return self._after_update(results, "vllm adapter sync")
         results = self._rpc("hybrid_receive_weights", wire, bucket_bytes, self.weight_loading == "layerwise")
         return self._after_update(results, "vllm weight sync")
 
@@ -551,11 +613,25 @@ class VLLMEngine(EngineAdapter):
         self._require_weights_on_device("update_weights_from_ipc")
         self._require_not_stepping("update_weights_from_ipc")
         buckets = list(bucket) if isinstance(bucket, (list, tuple)) else [bucket]
-        return self._after_update(
-            self._rpc("hybrid_load_ipc", buckets),
-            "vllm weight sync ipc",
-            reset=any(getattr(b, "last", True) for b in buckets),
-        )
+        last = any(getattr(b, "last", True) for b in buckets)
+        if self.lora is not None:  # the adapter's tensors alone; the last bucket makes them the adapter
+            results = self._rpc("hybrid_load_adapter_ipc", buckets, *self._adapter_args())
+            if last:
+                self._lora_request = self._make_lora_request()
+            return self._after_update(results, "vllm adapter sync ipc", reset=last)
+        return self._after_update(self._rpc("hybrid_load_ipc", buckets), "vllm weight sync ipc", reset=last)
+
+    def _adapter_args(self) -> tuple[dict[str, Any], int]:
+        return self.lora.peft_config(), HYBRID_LORA_ID
+
+    def _make_lora_request(self) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(**HYBRID_LORA)
+
+    def _with_lora(self) -> dict[str, Any]:
+        """``lora_request=`` for vLLM's calls once the adapter is loaded (nothing otherwise)."""
+        return {} if self._lora_request is None else {"lora_request": self._lora_request}
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (their KV was computed with the old weights). With requests paused in flight
@@ -742,3 +818,20 @@ def _set_ray_placement(
         os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(int(b)) for b in bundle_indices)
     if gpus_per_worker is not None:
         os.environ["VLLM_RAY_PER_WORKER_GPUS"] = str(float(gpus_per_worker))
+
+
+def vllm_prompt_images(multimodal, prompts: int, *, pausable: bool) -> list[dict[str, Any]]:
+    """Per prompt the ``TokensPrompt`` keys of its images (``multi_modal_data``; ``{}`` for none). Partial rollouts
+    (the stepping loop) do not carry images yet: refused, not dropped."""
+    from .multimodal import check_multimodal, vllm_multimodal_data
+
+    check_multimodal(multimodal, prompts)
+    if multimodal is None:
+        return [{} for _ in range(prompts)]
+    if pausable and any(m is not None and m.images for m in multimodal):
+        raise ConfigError(
+            "partial_rollout",
+            "the vLLM engine's partial rollouts (its stepping loop) do not take images yet.",
+            "Drop --partial_rollout for vision-language training.",
+        )
+    return [vllm_multimodal_data(m) for m in multimodal]

@@ -14,6 +14,16 @@ are fused, sharded or post-processed, so no byte of them can be compared with a 
 worker checks the bytes it received (the buckets it hands to ``load_weights``) against the trainer's checksums, and
 ``_hybrid_result`` reports the parameters ``load_weights`` never reached after a level-2 sleep. A mismatch raises
 ``WeightSyncMismatch`` (after the whole stream, so the trainer is not left waiting), naming the parameter.
+
+LoRA (adapter-only sync, ``hybrid_engines.weight_sync.adapter``): ``hybrid_receive_adapter`` /
+``hybrid_load_adapter_ipc`` receive the adapter's tensors over the same transports (checked against the trainer's
+checksums over this worker's own copies of them, the tensors the adapter is built from), then build vLLM's
+``LoRAModel`` from them in memory (``LoRAModel.from_lora_tensors`` with a ``PEFTHelper.from_dict`` of the run's LoRA
+config, as vLLM's own ``WorkerLoRAManager._load_adapter`` does from a file) and put it in the worker's LoRA manager
+under the run's one adapter id, replacing the previous one (``remove_adapter``, then the model manager's
+``add_adapter`` / ``activate_adapter``, the calls ``add_dummy_lora`` makes for its warm-up adapters): no file is
+written or read, and a request carrying that id finds it loaded. A sync whose tensors do not pair up (an A without
+its B) or name other modules than the last one is refused, naming them.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ RPC_METHODS = (
     "hybrid_receive_weights",
     "hybrid_load_ipc",
     "hybrid_expect_full_reload",
+    "hybrid_receive_adapter",
+    "hybrid_load_adapter_ipc",
     "hybrid_release_kv_cache",
     "hybrid_reacquire_kv_cache",
 )
@@ -58,6 +70,8 @@ class HybridWorkerExtension:
         _hybrid_receiver: WeightReceiver | None
         _hybrid_missing: set[str]
         _hybrid_kv_released: Sequence[int]
+        _hybrid_adapter_parts: dict[str, torch.Tensor]
+        _hybrid_adapter_names: frozenset[str]
 
     # ---- introspection -------------------------------------------------------------------------------------------
     def hybrid_free_bytes(self) -> int:
@@ -146,6 +160,15 @@ class HybridWorkerExtension:
         """
         from hybrid_core.weight_sync import load_ipc_bucket
 
+        mine = self._hybrid_my_bucket(buckets)
+        model = self.get_model()
+        loaded: set[str] = set()
+        with _on(self._hybrid_device()):
+            stats = load_ipc_bucket(mine, lambda pairs: loaded.update(model.load_weights(pairs) or ()))
+        return self._hybrid_result(stats.bytes, stats.seconds, loaded)
+
+    def _hybrid_my_bucket(self, buckets: Sequence[Any]) -> Any:
+        """The bucket of ``buckets`` (one per GPU of the engine) that lives on this worker's GPU."""
         dev = self._hybrid_device()
         uuid = str(torch.cuda.get_device_properties(dev).uuid) if dev.type == "cuda" else ""  # "": CPU shm buckets
         mine = [b for b in buckets if b.handle is not None and b.handle.device_uuid == uuid]
@@ -157,11 +180,95 @@ class HybridWorkerExtension:
                 f"GPU, got {len(mine)} of {len(buckets)}. Colocate a trainer rank with every engine "
                 "worker's GPU, or use the broadcast path (update_weights)."
             )
-        model = self.get_model()
-        loaded: set[str] = set()
-        with _on(dev):
-            stats = load_ipc_bucket(mine[0], lambda pairs: loaded.update(model.load_weights(pairs) or ()))
-        return self._hybrid_result(stats.bytes, stats.seconds, loaded)
+        return mine[0]
+
+    # ---- LoRA: the adapter alone ------------------------------------------------------------------------------
+    def hybrid_receive_adapter(
+        self,
+        metas: Sequence[tuple[str, str, Sequence[int]]],
+        bucket_bytes: int,
+        peft_config: dict[str, Any],
+        lora_id: int,
+    ) -> dict[str, Any]:
+        """Receive one broadcast adapter sync (the trainer's ``WeightSender`` of the adapter's tensors, under PEFT's
+        saved-adapter names) and make it the adapter ``lora_id`` (see the module docstring)."""
+        from hybrid_core.weight_sync import TensorMeta, WeightReceiver
+
+        group = getattr(self, "_hybrid_group", None)
+        if group is None:
+            raise RuntimeError(f"vLLM worker rank {self.rank}: no weight-sync group; call init_weight_update_group.")
+        receiver = getattr(self, "_hybrid_receiver", None)
+        if receiver is None or receiver.bucket_bytes != bucket_bytes:
+            receiver = self._hybrid_receiver = WeightReceiver(group, bucket_bytes, self._hybrid_device())
+        parts: dict[str, torch.Tensor] = {}
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            for name, t in pairs:
+                parts[name] = t.clone()  # the receive buffers are reused; the adapter is built after the stream
+
+        with _on(self._hybrid_device()):
+            stats = receiver.receive(
+                [TensorMeta(name, dtype, tuple(shape)) for name, dtype, shape in metas], load, parts.get
+            )
+            self._hybrid_set_adapter(parts, peft_config, lora_id)
+        return self._hybrid_result(stats.bytes, stats.seconds, set())
+
+    def hybrid_load_adapter_ipc(
+        self, buckets: Sequence[Any], peft_config: dict[str, Any], lora_id: int
+    ) -> dict[str, Any]:
+        """One CUDA-IPC bucket of an adapter sync (the one on this worker's GPU, as :meth:`hybrid_load_ipc`); the
+        sync's last bucket makes the tensors received the adapter ``lora_id``."""
+        from hybrid_core.weight_sync import load_ipc_bucket
+
+        mine = self._hybrid_my_bucket(buckets)
+        if mine.index == 0:
+            self._hybrid_adapter_parts = {}  # a new sync
+        parts = self._hybrid_adapter_parts
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            for name, t in pairs:
+                parts[name] = t.clone()  # the trainer reuses the bucket once this returns
+
+        with _on(self._hybrid_device()):
+            stats = load_ipc_bucket(mine, load, parts.get)
+            if mine.last:
+                self._hybrid_adapter_parts = {}
+                self._hybrid_set_adapter(parts, peft_config, lora_id)
+        return self._hybrid_result(stats.bytes, stats.seconds, set())
+
+    def _hybrid_set_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict[str, Any], lora_id: int) -> None:
+        """vLLM's ``LoRAModel`` from ``tensors`` in memory, in the LoRA manager as ``lora_id`` (replacing the last)."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        names = frozenset(tensors)
+        unpaired = sorted(n for n in names if _partner(n) not in names)
+        before = getattr(self, "_hybrid_adapter_names", None)
+        if unpaired or not names or (before is not None and names != before):
+            changed = sorted(names ^ before) if before is not None else []
+            raise RuntimeError(
+                f"vLLM worker rank {self.rank}: the adapter sync brought {len(names)} tensors; unpaired: "
+                f"{unpaired[:3]}; unlike the last sync's: {changed[:3]}. Send every lora_A with its lora_B, the "
+                "same modules each sync."
+            )
+        manager = self.model_runner.lora_manager  # vLLM's LRUCacheWorkerLoRAManager (LLM(enable_lora=True))
+        helper = PEFTHelper.from_dict(peft_config)
+        helper.validate_legal(manager.lora_config)  # the rank against max_lora_rank, as a file's config is checked
+        model = manager._adapter_manager.model
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id,
+            tensors=tensors,
+            peft_helper=helper,
+            device=str(self._hybrid_device()),  # already here: no round trip through host memory
+            dtype=manager.lora_config.lora_dtype,
+            model_vocab_size=manager.vocab_size,
+            weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
+        )
+        if lora_id in manager.list_adapters():
+            manager.remove_adapter(lora_id)
+        manager._adapter_manager.add_adapter(lora)
+        manager._adapter_manager.activate_adapter(lora_id)
+        self._hybrid_adapter_names = names
 
     # ---- the KV cache alone (residency) --------------------------------------------------------------------------
     def hybrid_release_kv_cache(self) -> int:
@@ -274,6 +381,11 @@ class _LayerwiseReload:
 
         finalize_layerwise_reload(self.model, self.model_config)
         torch.cuda.synchronize()
+
+
+def _partner(name: str) -> str:
+    """The other half of an adapter tensor: ``...lora_A.weight`` <-> ``...lora_B.weight``."""
+    return name.replace(".lora_A.", ".lora_B.") if ".lora_A." in name else name.replace(".lora_B.", ".lora_A.")
 
 
 def _on(device: torch.device):

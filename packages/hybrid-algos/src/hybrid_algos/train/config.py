@@ -119,6 +119,8 @@ class RLConfig:
     lora_alpha: int = 16  # adapter scale = lora_alpha / lora_rank
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"  # all-linear, or module names, comma-separated (q_proj,v_proj)
+    # what each weight sync sends under LoRA (hf and vllm engines take the adapter alone; others get merged weights)
+    lora_sync: str = "auto"  # auto: adapter-only where the engines take it, else merged | adapter | merged
 
     # ---- residency (what stays on each GPU; hybrid_core.residency) -------------------------------------------
     # auto: planned from the memory budget | all-sleep: every shared role moves | manual: only the sleep flags
@@ -234,6 +236,10 @@ class RLConfig:
     prompt_split: str = "train"
     prompt_data_probs: str | None = None  # comma-separated sampling weights, one per --prompt_data dataset
     input_template: str | None = None  # e.g. "User: {}\nAssistant: " around each plain-text prompt
+    # vision-language prompts (train/images.py): the record field of a prompt's images (paths relative to the
+    # dataset file, base64 or bytes), and the most images one prompt may hold; 0 = text training (OpenRLHF's default)
+    image_key: str = "images"
+    max_images_per_prompt: int = 0
 
     # ---- evaluation during training (held-out prompts; train/evaluation.py) -------------------------------------
     eval_dataset: str | None = None  # JSONL / Parquet file(s) or datasets folder, read like --prompt_data; None: none
@@ -462,6 +468,7 @@ class RLConfig:
         with flag_words():  # the trainers' ZeRO stage is an argument: DeepSpeed moves its states only under ZeRO 1-3
             self.residency_settings().validate(zero_stage=self.zero_stage)
         self._validate_agent_reward()
+        self._validate_images()
         with flag_words():
             self.models_settings().validate(builtin_prompts=self.prompt_data is None)
         with flag_words():  # the prompts' fields and what scores them are the rollout's and the models' sections'
@@ -475,6 +482,40 @@ class RLConfig:
 
         check(self)  # a setting that would do nothing in this run is refused (the table in inactive.py)
         return self
+
+    def _validate_images(self) -> None:
+        """Vision-language training (train/images.py, train/vision.py) crosses the rollout, models, trainer and
+        engine sections: a role or mode that would see the image tokens without the images is refused by name."""
+        if self.max_images_per_prompt <= 0:
+            return
+        if self.pretrain is None:
+            raise ConfigError(
+                "pretrain",
+                "the built-in tiny model is a text model; prompts with images need a vision-language model.",
+                "Give --pretrain a Qwen2-VL / Qwen2.5-VL folder (train/tiny_vlm.py builds a tiny one).",
+            )
+        refused = [
+            ("packing_samples", self.packing_samples, "packed micro-batches"),
+            ("critic", self.uses_critic, "PPO's critic (its values would not see the images)"),
+            ("reward_pretrain", self.reward_pretrain is not None, "a reward model (it would score without them)"),
+            ("teacher_pretrain", self.teacher_pretrain is not None, "a distillation teacher"),
+            ("eval_dataset", self.eval_dataset is not None, "evaluation prompts"),
+            ("lora_rank", bool(self.lora_rank), "LoRA adapters"),
+            ("partial_rollout", self.partial_rollout and self.backend != "hf", f"{self.backend}'s partial rollouts"),
+        ]
+        for flag, on, what in refused:
+            if on:
+                fix = (
+                    "Use GRPO or REINFORCE++ (--advantage_estimator grpo / reinforce)"
+                    if flag == "critic"
+                    else (f"Drop --{flag}")
+                )
+                raise ConfigError(
+                    flag,
+                    f"{what} do not take images yet (vision-language training: --max_images_per_prompt "
+                    f"{self.max_images_per_prompt}).",
+                    f"{fix}, or train on text (--max_images_per_prompt 0).",
+                )
 
     def _validate_agent_reward(self) -> None:
         # crosses the rollout (is this a multi-turn run?) and the models (where rewards come from) sections

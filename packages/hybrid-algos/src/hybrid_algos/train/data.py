@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_core.errors import ConfigError
 
+from .input_template import apply_input_template
 from .prompt_sources import parse_probs, split_sources
 from .tasks import BOS, FIRST_SYMBOL_ID, SEP, LookupTask, Prompt, SyntheticTask
 
@@ -72,15 +73,17 @@ class PromptStats:
 
 
 def load_prompts(
-    rollout: RolloutSettings, tokenizer: Any, task: SyntheticTask | LookupTask | None = None
+    rollout: RolloutSettings, tokenizer: Any, task: SyntheticTask | LookupTask | None = None, *, vision: Any = None
 ) -> list[Prompt]:
     """The prompts of a run: ``rollout.prompt_data`` encoded with ``tokenizer``, or the built-in ``task``'s prompts
-    (``task_from_config(models)``; needed when there is no prompt data)."""
-    return load_prompt_set(rollout, tokenizer, task)[0]
+    (``task_from_config(models)``; needed when there is no prompt data). ``vision``: the model's
+    :class:`~hybrid_algos.train.vision.VisionProcessor` when the prompts hold images
+    (``rollout.max_images_per_prompt`` > 0: :mod:`.images`, :mod:`.vision`)."""
+    return load_prompt_set(rollout, tokenizer, task, vision=vision)[0]
 
 
 def load_prompt_set(
-    rollout: RolloutSettings, tokenizer: Any, task: SyntheticTask | LookupTask | None = None
+    rollout: RolloutSettings, tokenizer: Any, task: SyntheticTask | LookupTask | None = None, *, vision: Any = None
 ) -> tuple[list[Prompt], PromptStats]:
     """Like :func:`load_prompts`, also returning what was read and dropped."""
     if rollout.prompt_data is None:
@@ -99,6 +102,14 @@ def load_prompt_set(
     for source in sources:
         records = read_records(source.path, split=rollout.prompt_split, given=source.given)
         records = records[: rollout.max_samples]
+        if rollout.max_images_per_prompt > 0 or vision is not None:
+            prompts, lost = _encode_with_images(records, rollout, vision, source.given, source.path)
+            groups.append(prompts)
+            read, dropped = read + len(records), dropped + lost
+            continue
+        from .vision import check_text_records
+
+        check_text_records(records, rollout, source.given, source.path)
         prompts, lost = encode_records(
             records,
             tokenizer,
@@ -120,6 +131,31 @@ def load_prompt_set(
     if dropped:
         log.warning("%s", stats.describe())
     return prompts, stats
+
+
+def _encode_with_images(
+    records: list[dict[str, Any]], rollout: RolloutSettings, vision: Any, source: str, path: str
+) -> tuple[list[Prompt], int]:
+    from .vision import encode_image_records
+
+    if vision is None:
+        raise TypeError("load_prompt_set: prompts with images need the model's processor (vision=...)")
+    _check_key("input_key", rollout.input_key or "", records, source)
+    if rollout.label_key:
+        _check_key("label_key", rollout.label_key, records, source)
+    return encode_image_records(
+        records,
+        vision,
+        input_key=rollout.input_key or "",
+        image_key=rollout.image_key,
+        max_images=rollout.max_images_per_prompt,
+        label_key=rollout.label_key,
+        apply_chat_template=rollout.apply_chat_template,
+        prompt_max_len=rollout.prompt_max_len,
+        source=source,
+        path=path,
+        input_template=rollout.input_template,
+    )
 
 
 # ---- how many steps the prompts make -------------------------------------------------------------------------------
@@ -522,7 +558,7 @@ def encode_records(
         value = record[input_key]
         text = _render(value, tokenizer, apply_chat_template, i, input_key, source)
         if input_template and not apply_chat_template:
-            text = _apply_template(input_template, text)
+            text = apply_input_template(input_template, text)
         ids = list(tokenizer(text, add_special_tokens=not apply_chat_template)["input_ids"])
         if len(ids) > prompt_max_len:
             dropped += 1
@@ -575,14 +611,3 @@ def _render(value: Any, tokenizer: Any, apply_chat_template: bool, index: int, k
             "Point --input_key at a text field (or a list of chat messages with --apply_chat_template).",
         )
     return value
-
-
-def _apply_template(template: str, text: str) -> str:
-    """OpenRLHF's --input_template: ``{}`` marks where the prompt goes."""
-    if "{}" not in template:
-        raise ConfigError(
-            "input_template",
-            f"{template!r} has no {{}} to put the prompt in.",
-            'E.g. --input_template "User: {}\\nAssistant: ".',
-        )
-    return template.replace("{}", text, 1)

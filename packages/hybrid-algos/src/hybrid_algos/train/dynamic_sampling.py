@@ -57,6 +57,7 @@ class Sampled:
             else None,
             action_masks=[[o.extra.get("action_mask") for o in outs] for outs in self.outputs] if multi_turn else None,
             sample_prompts=[[o.prompt_token_ids for o in outs] for outs in self.outputs] if multi_turn else None,
+            images=prompt_images(self.prompts),
         )
 
 
@@ -67,8 +68,18 @@ def _generate(ctx: Any, step: int, prompts: Sequence[Any], sampling: Any, *, sco
     if agent is not None:
         batch = agent.run(ctx.engines, prompts, sampling, step)
         return batch.outputs, batch.rewards, batch
-    outputs = ctx.engines.generate([p.prompt_ids for p in prompts], sampling)
+    images = prompt_images(prompts)
+    if images is None:
+        outputs = ctx.engines.generate([p.prompt_ids for p in prompts], sampling)
+    else:  # each prompt's images go with its token ids (hybrid_engines.multimodal)
+        outputs = ctx.engines.generate([p.prompt_ids for p in prompts], sampling, multimodal=images)
     return outputs, ctx.reward.score(prompts, outputs) if score else None, None
+
+
+def prompt_images(prompts: Sequence[Any]) -> list[Any] | None:
+    """Each prompt's images (``Prompt.images``), or None when no prompt has any (a text-only call)."""
+    images = [getattr(p, "images", None) for p in prompts]
+    return images if any(m is not None for m in images) else None
 
 
 def _agent_metrics(batches: list) -> dict[str, float]:

@@ -5,6 +5,10 @@ response tokens the policy produced (the stop token included). In a multi-turn s
 also holds the environment's replies between the model's turns: attended to (``attention_mask`` 1) but with
 ``action_mask`` 0, so no loss, KL, advantage or mismatch statistic sees them. Samples are prompt-major: the ``n``
 samples of prompt 0, then of prompt 1, so ``group`` (the prompt index) is what GRPO / RLOO group by.
+
+A vision-language rollout also carries each sample's images (``images[b]``: its prompt's
+:class:`~hybrid_engines.protocol.MultimodalInput`, or None), through every slice, shard and micro-batch, so the
+trainer's forward gets the pixel values and grids the engine had; the ``n`` samples of a prompt share one object.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,6 +47,7 @@ class Rollout:
     advantages: torch.Tensor | None = None  # [B, R]
     returns: torch.Tensor | None = None  # [B, R]
     sample_mask: torch.Tensor | None = None  # [B] bool: False = left out of the policy loss (a truncated completion)
+    images: list[Any] | None = None  # [B] MultimodalInput or None per sample (vision-language prompts); None: text
 
     @property
     def batch_size(self) -> int:
@@ -72,12 +78,14 @@ class Rollout:
         *,
         action_masks: Sequence[Sequence[Sequence[int] | None]] | None = None,
         sample_prompts: Sequence[Sequence[Sequence[int]]] | None = None,
+        images: Sequence[Any] | None = None,
     ) -> Rollout:
         """Build from per-prompt lists of completions (``completions[i]`` = the samples of prompt ``i``).
 
         Multi-turn samples: ``action_masks[i][j]`` (1 = the model's token, 0 = the environment's; None = all the
         model's) and ``sample_prompts[i][j]`` (the prompt the sample really started from, when the environment
-        rewrote it) are nested like ``completions``."""
+        rewrote it) are nested like ``completions``. ``images[i]``: prompt ``i``'s images (``MultimodalInput`` or
+        None), given to each of its samples."""
         flat_prompts, flat_resp, flat_lp, flat_mask, group = [], [], [], [], []
         for i, (prompt, samples) in enumerate(zip(prompts, completions)):
             for j, resp in enumerate(samples):
@@ -113,7 +121,10 @@ class Rollout:
                     elp[b, : len(r)] = torch.tensor(flat_lp[b][: len(r)], dtype=torch.float32)
         if elp is not None:
             elp = elp * act  # an environment token has no engine log-prob: 0, as at padding
-        return cls(seq, att, act, torch.tensor(group, dtype=torch.long), engine_logprobs=elp)
+        per_sample = None
+        if images is not None and any(m is not None for m in images):
+            per_sample = [images[i] for i in group]
+        return cls(seq, att, act, torch.tensor(group, dtype=torch.long), engine_logprobs=elp, images=per_sample)
 
     # ---- slicing ------------------------------------------------------------------------------------------------
     def select(self, index: torch.Tensor | slice) -> Rollout:
@@ -122,7 +133,9 @@ class Rollout:
             **{
                 f.name: (v[index] if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
                 for f in dataclasses.fields(self)
+                if f.name != "images"
             },
+            images=_select_list(self.images, index),
         )
 
     def split(self, parts: int) -> list[Rollout]:
@@ -167,10 +180,12 @@ class Rollout:
     @staticmethod
     def cat(parts: Sequence[Rollout]) -> Rollout:
         """Concatenate shards with the same layout (as returned by :meth:`split`)."""
-        out = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(Rollout):
             values = [getattr(p, f.name) for p in parts]
             out[f.name] = torch.cat(values) if all(isinstance(v, torch.Tensor) for v in values) else None
+        if any(p.images is not None for p in parts):
+            out["images"] = [m for p in parts for m in (p.images or [None] * p.batch_size)]
         return Rollout(**out)
 
     def to(self, device: torch.device | str) -> Rollout:
@@ -185,3 +200,15 @@ class Rollout:
 
     def with_(self, **fields: torch.Tensor) -> Rollout:
         return dataclasses.replace(self, **fields)
+
+
+def _select_list(values: list[Any] | None, index: torch.Tensor | slice) -> list[Any] | None:
+    """``values[index]`` for a per-sample list, indexed like the tensors (a slice, or a tensor of indices / a mask)."""
+    if values is None:
+        return None
+    if isinstance(index, slice):
+        return values[index]
+    index = torch.as_tensor(index)
+    if index.dtype == torch.bool:
+        index = index.nonzero().squeeze(-1)
+    return [values[i] for i in index.reshape(-1).tolist()]

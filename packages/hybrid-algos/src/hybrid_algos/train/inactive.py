@@ -182,9 +182,10 @@ RULES: tuple[Rule, ...] = (
             lambda c: not c.lora_rank,
             "--lora_rank is 0: every weight trains, no adapters",
             "Drop it, or give --lora_rank R (e.g. 16).",
-            openrlhf=name != "lora_target_modules",  # OpenRLHF's --target_modules: its translation drops it there
+            # OpenRLHF's --target_modules: its translation drops it there; --lora_sync is hybrid's own
+            openrlhf=name in ("lora_alpha", "lora_dropout"),
         )
-        for name in ("lora_alpha", "lora_dropout", "lora_target_modules")
+        for name in ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync")
     ),
     *(
         Rule(

@@ -2,9 +2,12 @@
 ``--lora_target_modules``; OpenRLHF's ``--lora_rank`` / ``--ds.lora.*``).
 
 Only the adapters train: gradients and optimizer state exist for them alone (the memory model counts them,
-:func:`adapter_param_count`), under either trainer backend. The engines still receive full weights -- each adapted
-layer merged, ``W + (alpha / r) B A``, under the base model's names (:mod:`.trainer_backends.peft_weights`) -- so any
-engine serves the policy; sending the adapter alone is not built yet. The final model is saved merged (a plain
+:func:`adapter_param_count`), under either trainer backend. Where the engines can apply the adapter (the built-in
+engine and vLLM) they load the base once and each sync sends only the adapter's tensors (:func:`sync_choice`,
+``hybrid_engines.weight_sync.adapter``: ``--lora_sync auto|adapter|merged``); elsewhere (SGLang, engines sleeping at
+level 2, ``--lora_sync merged``) they receive full weights -- each adapted layer merged, ``W + (alpha / r) B A``,
+under the base model's names (:mod:`.trainer_backends.peft_weights`) -- and the run's start says which and why.
+The final model is saved merged (a plain
 Hugging Face folder) with the adapter beside it (``adapter/``, PEFT's format). With a KL term the reference is the
 frozen base itself -- the actor's forward with its adapters off (recipes.py's ``reference_base`` phase) -- so no
 reference model is loaded and the planner holds one copy of the weights. The critic keeps training every weight:
@@ -71,6 +74,25 @@ def lora_config(trainer: Any) -> Any:
     )
 
 
+def adapter_spec(trainer: Any) -> Any:
+    """The adapter the engines apply under adapter-only sync (``hybrid_engines.weight_sync.adapter.AdapterSpec``)."""
+    from hybrid_engines.weight_sync.adapter import AdapterSpec
+
+    targets = target_modules(trainer)
+    return AdapterSpec(trainer.lora_rank, trainer.lora_alpha, targets if isinstance(targets, str) else tuple(targets))
+
+
+def sync_choice(settings: Any) -> Any:
+    """A run's ``AdapterChoice`` (adapter-only or merged syncs, and the line saying why), or None without LoRA;
+    ``settings``: the run's ``TrainSettings``. Raises the ``sync.lora adapter`` refusals (before Ray starts)."""
+    from hybrid_engines.weight_sync.adapter import choose_adapter_sync
+
+    spec = adapter_spec(settings.trainer) if settings.trainer.lora else None
+    return choose_adapter_sync(
+        settings.sync, settings.engine.backend, spec, engine_sleep_level=settings.engine.sleep_level
+    )
+
+
 def apply_lora(model: Any, trainer: Any) -> Any:
     """``model`` wrapped with the adapters (PEFT freezes every base weight); with gradient checkpointing the
     inputs' embeddings require gradients, else a checkpointed segment whose inputs need none would give the
@@ -116,7 +138,7 @@ def describe(trainer: Any, adapters: int, total: int, *, reference: bool = False
     return (
         f"LoRA: rank {trainer.lora_rank}, alpha {trainer.lora_alpha}, targets {trainer.lora_target_modules}: "
         f"{adapters / 1e6:.2f}M adapter parameters train ({100 * adapters / max(total, 1):.2f} % of "
-        f"{total / 1e9:.2f}B), the base is frozen; the engines receive the merged weights after each update"
+        f"{total / 1e9:.2f}B), the base is frozen"
         + (
             "; the reference is that frozen base (the actor's forward with its adapters off): no reference model "
             "is loaded (OpenRLHF loads a second copy; the log-probs are the same)"

@@ -19,6 +19,12 @@ Two things keep a trainer's memory bounded by what it really needs:
   here, from lengths already on the host. Results equal the padded path's
   (tests/hybrid_algos/train/test_packing.py).
 
+Images (vision-language rollouts): a micro-batch's samples' images (``Rollout.images``, pixel values made by the
+worker: :func:`hybrid_engines.multimodal.with_pixels`) go into the forward with their grids and the model's 3-D
+rotary positions, from the same function the built-in engine's prefill uses
+(:func:`hybrid_engines.multimodal.vision_forward_inputs`), so both score the same inputs. Packing does not take
+images yet (refused before the run starts).
+
 The chunked head runs *inside* the model's forward (an extra ``token_scores=`` argument installed on the
 transformers model by :func:`install_token_scores`), so a DeepSpeed engine's forward and backward hooks see it as
 part of the model. Logit transforms some architectures apply after the head (soft-capping, scaling) are applied;
@@ -28,11 +34,14 @@ a warning) if an unknown transform makes them differ.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
+
+from hybrid_engines.multimodal import apply_placeholder_ids, vision_forward_inputs
 
 from .packed_attention import attach_segments, segments_from_lengths
 from .packed_attention import install as install_packed_attention
@@ -62,23 +71,33 @@ class ModelInputs:
     rows: torch.Tensor  # [M] where each result goes in [B, R]
     cols: torch.Tensor
     shape: tuple[int, int]  # (B, R)
+    extra: dict = dataclasses.field(default_factory=dict)  # more forward arguments: pixel values, image grids
 
 
 def model_inputs(
-    sequences: torch.Tensor, attention_mask: torch.Tensor, response_len: int, *, packed: bool = False
+    sequences: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_len: int,
+    *,
+    packed: bool = False,
+    model: torch.nn.Module | None = None,
+    images: list | None = None,
 ) -> ModelInputs:
-    """The forward's inputs for ``[B, P+R]`` sequences, padded as they are or packed into one row."""
+    """The forward's inputs for ``[B, P+R]`` sequences, padded as they are or packed into one row; with
+    ``images`` (per row, of a vision-language ``model``) the pixel values, grids and 3-D positions too."""
     B, T = sequences.shape
     R, P = response_len, sequences.shape[1] - response_len
     valid = attention_mask.bool()
     resp_valid = valid[:, P:]
     rows, cols = resp_valid.nonzero(as_tuple=True)  # every real response token, row-major
     targets = sequences[:, P:][rows, cols]
+    vision = vision_forward_inputs(model, sequences, attention_mask, images, prompt_len=P) if images else {}
+    if vision and packed:
+        raise ValueError("packed micro-batches do not take images yet (--packing_samples is refused with images)")
     if not packed:
         positions = rows * T + (P - 1 + cols)
-        return ModelInputs(
-            sequences, attention_mask, position_ids_from_mask(attention_mask), positions, targets, rows, cols, (B, R)
-        )
+        position_ids = vision.pop("position_ids") if vision else position_ids_from_mask(attention_mask)
+        return ModelInputs(sequences, attention_mask, position_ids, positions, targets, rows, cols, (B, R), vision)
     lengths = valid.sum(-1)
     if bool((valid[:, :P].sum(-1) == 0).any()):
         raise ValueError("packing needs a prompt token before every response (a row has an empty prompt)")
@@ -202,6 +221,7 @@ def install_token_scores(model: torch.nn.Module) -> torch.nn.Module:
     transform = _logit_transform(m.config)
 
     def forward(*args, token_scores: TokenScoresRequest | None = None, **kwargs):
+        kwargs = apply_placeholder_ids(m, kwargs)  # a response's generated image tokens are text (multimodal.py)
         if token_scores is None:
             return original(*args, **kwargs)
         kwargs.pop("use_cache", None)
@@ -235,17 +255,19 @@ def _chunked_matches_full(model, hf, inputs: ModelInputs, temperature: float) ->
     try:
         with torch.no_grad():
             req = TokenScoresRequest(keep, targets, temperature)
+            # text positions of the first row (M-RoPE's [3, B, T] too): what the head sees is all this compares
+            first_pos = inputs.position_ids[:, :1] if inputs.position_ids.dim() == 3 else inputs.position_ids[:1]
             mine = model(
                 input_ids=inputs.input_ids[:1],
                 attention_mask=_first(inputs.attention_mask),
-                position_ids=inputs.position_ids[:1],
+                position_ids=first_pos,
                 token_scores=req,
             )[0]
             try:
                 out = model(
                     input_ids=inputs.input_ids[:1],
                     attention_mask=_first(inputs.attention_mask),
-                    position_ids=inputs.position_ids[:1],
+                    position_ids=first_pos,
                     use_cache=False,
                     logits_to_keep=keep,
                 )
@@ -263,6 +285,13 @@ def _chunked_matches_full(model, hf, inputs: ModelInputs, temperature: float) ->
             type(hf).__name__,
         )
     return ok
+
+
+def _hf(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself): the one with the config and rope index."""
+    from .trainer_backends.peft_weights import hf_model
+
+    return hf_model(model)
 
 
 def _first(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -297,12 +326,14 @@ def response_token_scores(
     raw: bool = False,
     packed: bool = False,
     chunk_bytes: int = LOGITS_CHUNK_BYTES,
+    images: list | None = None,
 ) -> TokenScores:
     """Log-probs (and entropy, raw log-probs) of the response tokens under ``model`` (a transformers causal LM
-    or a DeepSpeed engine holding one), in float32, without full-vocabulary logits for the micro-batch."""
-    inputs = model_inputs(sequences, attention_mask, response_len, packed=packed)
-    temperature = temperature if temperature > 0 else 1.0  # greedy sampling has no tempered distribution: score raw
+    or a DeepSpeed engine holding one), in float32, without full-vocabulary logits for the micro-batch.
+    ``images``: per row its ``MultimodalInput`` with pixel values, or None (see the module docstring)."""
     hf = install_token_scores(_unwrap(model))
+    inputs = model_inputs(sequences, attention_mask, response_len, packed=packed, model=_hf(hf), images=images)
+    temperature = temperature if temperature > 0 else 1.0  # greedy sampling has no tempered distribution: score raw
     if packed:
         install_packed_attention(hf)
     if hf._hybrid_chunked_ok is None:
@@ -316,6 +347,7 @@ def response_token_scores(
             attention_mask=inputs.attention_mask,
             position_ids=inputs.position_ids,
             token_scores=req,
+            **inputs.extra,
         )
     out = [_scatter(x, inputs) for x in out]
     return TokenScores(out[0], out[1] if entropy else None, out[-1] if raw else None)
@@ -328,6 +360,7 @@ def _full_logits_scores(model, inputs: ModelInputs, temperature: float, entropy:
         attention_mask=inputs.attention_mask,
         position_ids=inputs.position_ids,
         use_cache=False,
+        **inputs.extra,
     )
     logits = out.logits.reshape(-1, out.logits.shape[-1]).index_select(0, inputs.positions)
     return _score_chunk(lambda h: h, logits, inputs.targets, temperature, entropy, raw, ())
@@ -343,6 +376,7 @@ def response_logprobs(
     temperature: float = ...,
     return_entropy: Literal[False] = ...,
     packed: bool = ...,
+    images: list | None = ...,
 ) -> torch.Tensor: ...
 @overload
 def response_logprobs(
@@ -354,6 +388,7 @@ def response_logprobs(
     temperature: float = ...,
     return_entropy: Literal[True],
     packed: bool = ...,
+    images: list | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -366,6 +401,7 @@ def response_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     packed: bool = False,
+    images: list | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities ``[B, R]`` of the response tokens (the last ``response_len`` columns) under ``model``.
 
@@ -374,7 +410,14 @@ def response_logprobs(
     docstring); 0 at padding.
     """
     scores = response_token_scores(
-        model, sequences, attention_mask, response_len, temperature=temperature, entropy=return_entropy, packed=packed
+        model,
+        sequences,
+        attention_mask,
+        response_len,
+        temperature=temperature,
+        entropy=return_entropy,
+        packed=packed,
+        images=images,
     )
     return (scores.logprobs, scores.entropy) if return_entropy else scores.logprobs
 
@@ -422,9 +465,12 @@ def load_causal_lm(
     gradient_checkpointing: bool = False,
     trust_remote_code: bool = False,
 ) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(
+    from hybrid_engines.multimodal import auto_model_class
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = auto_model_class(config).from_pretrained(  # a vision-language folder: its image-text-to-text class
         path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
     if gradient_checkpointing:

@@ -58,6 +58,8 @@ class Prepared:
     config: RLConfig | None = None  # the flat config the run applies, for loop's on_start callbacks only
     eval_prompts: list = field(default_factory=list)  # the held-out prompts of --eval_dataset (evaluation.py)
     mps: Any = None  # hybrid_core.mps_daemon.MpsDecision: whether the run starts a CUDA MPS daemon of its own
+    # hybrid_engines.weight_sync.adapter.AdapterChoice under LoRA: adapter-only or merged syncs (None: no LoRA)
+    lora_sync: Any = None
 
 
 def prepare(config: RLConfig, recipe: Any = None) -> Prepared:
@@ -84,6 +86,7 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     from hybrid_engines.weight_sync import sync_backend_note, verify_note
 
     from .data import load_prompts, step_count
+    from .lora import sync_choice
     from .model_files import check_model_folder, check_reward_head, check_same_tokenizer, load_tokenizer
     from .resume import find_resume_point
     from .rewards import load_reward_fn
@@ -100,6 +103,7 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     check_sleep_flags(settings.residency, engine, plan, recipe)
     with flag_words():  # a weight-sync path the placement cannot take fails here, before Ray
         sync = choose_sync(settings.sync, engine.backend, plan)
+        lora_sync = sync_choice(settings)  # under LoRA: the adapter alone, or merged full weights (and why)
     if run.num_gpus is not None and run.num_gpus < plan.num_gpus:
         raise ConfigError(
             "num_gpus",
@@ -162,12 +166,18 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
                 reference=settings.algorithm.uses_reference,
             )
         )
+        start_lines.append(flag_text(lora_sync.line))
     if models.teacher_pretrain is not None:  # the teacher scores the policy's token ids: it must read them alike
         check_same_tokenizer(
             "teacher_pretrain", models.teacher_pretrain, tokenizer, trust_remote_code=models.trust_remote_code
         )
     # a file that is not UTF-8 is a ConfigError there (and in --dry-run)
-    prompts = load_prompts(rollout, tokenizer, task)
+    vision = None
+    if rollout.images:  # vision-language prompts: the model's own processor (train/vision.py)
+        from .vision import load_vision_processor
+
+        vision = load_vision_processor(model_path, tokenizer, trust_remote_code=models.trust_remote_code)
+    prompts = load_prompts(rollout, tokenizer, task, vision=vision)
     eval_prompts, eval_source = _load_eval(settings, tokenizer, recipe)  # before Ray: a bad file costs nothing
     if agent is not None:
         _note_agent(settings, agent, tokenizer)
@@ -258,6 +268,7 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
         config=config,
         eval_prompts=eval_prompts,
         mps=mps,
+        lora_sync=lora_sync,
     )
 
 

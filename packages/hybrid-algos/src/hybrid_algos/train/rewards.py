@@ -6,6 +6,13 @@ A reward function is called once per step with the whole batch::
 
 (TRL's reward functions take ``prompts, completions, **kwargs`` too, so they plug in.)
 
+Vision-language prompts (``--max_images_per_prompt``): the function also gets ``images``, one entry per completion,
+the list of its prompt's images as RGB PIL images (the ``n`` completions of a prompt share the same list; the
+prompt text it gets holds the model's image placeholders). It is passed only in runs whose prompts hold images, so
+a text reward function needs no new argument; one for images declares it (or ``**kwargs``)::
+
+    fn(prompts, completions, *, prompt_ids, completion_ids, labels, images) -> list[float]
+
 It is user code running in the driver, so it is held to the same rules as the roles: it runs within the step's
 budget (``--step_timeout_s``; in a thread the driver can give up on, its stack written to the log folder when it
 hangs), and an exception or an answer that is not one finite number per completion ends the run with an error
@@ -141,7 +148,13 @@ class RewardScorer:
                 c_ids.append(list(out.token_ids))
                 c_text.append(self.decode(out.token_ids))
                 labels.append(prompt.label)
-        values = self._call(p_text, c_text, prompt_ids=p_ids, completion_ids=c_ids, labels=labels)
+        extra = {}
+        if any(getattr(p, "images", None) is not None for p in prompts):  # vision-language: the images too
+            from hybrid_engines.multimodal import decode_images
+
+            per_prompt = [decode_images(p.images) if p.images is not None else [] for p in prompts]
+            extra["images"] = [per_prompt[i] for i, outs in enumerate(outputs) for _ in outs]
+        values = self._call(p_text, c_text, prompt_ids=p_ids, completion_ids=c_ids, labels=labels, **extra)
         return self._check(values, len(c_ids))
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:

@@ -64,6 +64,8 @@ class RolloutSettings:
     prompt_split: str = "train"
     prompt_data_probs: str | None = None
     input_template: str | None = None
+    image_key: str = "images"  # vision-language prompts: train/images.py
+    max_images_per_prompt: int = 0  # 0: text training; a record with images is then refused
     seed: int = 42  # the prompts' order and the built-in task's draws
     # ---- multi-turn agents
     agent_func_path: str | None = None
@@ -118,6 +120,7 @@ class RolloutSettings:
         self._validate_sampling()
         self._validate_agent()
         self._validate_batches(actor_gpus, grouped_estimator)
+        self._validate_images()
         if self.prompt_data is not None:
             from .prompt_sources import check_prompt_sources
 
@@ -129,6 +132,37 @@ class RolloutSettings:
                     "Add e.g. rollout.input_key prompt.",
                 )
         return self
+
+    @property
+    def images(self) -> bool:
+        """Whether the prompts may hold images (vision-language training)."""
+        return self.max_images_per_prompt > 0
+
+    def _validate_images(self) -> None:
+        n = self.max_images_per_prompt
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(
+                "rollout.max_images_per_prompt",
+                f"must be a whole number >= 0, got {n!r}.",
+                "0 trains on text; N > 0 lets each prompt hold up to N images.",
+            )
+        if not isinstance(self.image_key, str) or not self.image_key:
+            raise ConfigError("rollout.image_key", f"must name a record field, got {self.image_key!r}.")
+        if not self.images:
+            return
+        if self.prompt_data is None:
+            raise ConfigError(
+                "rollout.max_images_per_prompt",
+                "images come with your prompts (--prompt_data); the built-in tasks are text.",
+                "Add --prompt_data FILE (records with images), or drop --max_images_per_prompt.",
+            )
+        for flag, on in (("agent_func_path", self.agent_func_path is not None),):
+            if on:
+                raise ConfigError(
+                    f"rollout.{flag}",
+                    "multi-turn environments do not take images yet (vision-language training is single-turn).",
+                    f"Drop --{flag}, or --max_images_per_prompt.",
+                )
 
     def _validate_async(self, corrected: bool) -> None:
         staleness = self.async_max_staleness

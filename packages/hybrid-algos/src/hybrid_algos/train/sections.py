@@ -71,6 +71,7 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("weight_sync", "sync.transport"),
     ("verify_weight_sync", "sync.verify"),
     ("vllm_sync_backend", "sync.group_backend"),
+    ("lora_sync", "sync.lora"),
     # ---- placement
     ("actor_num_nodes", "placement.actor_num_nodes"),
     ("actor_num_gpus_per_node", "placement.actor_num_gpus_per_node"),
@@ -177,6 +178,8 @@ TABLE: tuple[tuple[str, str], ...] = (
     ("prompt_split", "rollout.prompt_split"),
     ("prompt_data_probs", "rollout.prompt_data_probs"),
     ("input_template", "rollout.input_template"),
+    ("image_key", "rollout.image_key"),
+    ("max_images_per_prompt", "rollout.max_images_per_prompt"),
     ("seed", "rollout.seed"),
     ("agent_func_path", "rollout.agent_func_path"),
     ("max_turns", "rollout.max_turns"),

@@ -152,6 +152,7 @@ class SessionStart(SessionSaves):
             transport=prep.sync.transport,
             timeout_s=timeout,
             verify=settings.sync.verify,
+            adapter_only=_adapter_spec(prep) is not None,
         )
         self.weight_sync.setup()
         clock.lap("weight sync ready")
@@ -229,6 +230,7 @@ class SessionStart(SessionSaves):
             shares_gpus=bool(self.prep.plan.shared_gpus("rollout")),
             seeded_sampling=self.seeded_sampling(),
             partial_rollout=settings.rollout.partial_rollout,
+            lora=_adapter_spec(self.prep),  # adapter-only sync under LoRA
         )
         return engine_spec(settings.engine.backend).engine_kwargs(settings.engine, plan)
 
@@ -239,3 +241,9 @@ class SessionStart(SessionSaves):
 
         engine = self.settings.engine
         return engine_spec(engine.backend).seeds_samples(engine)
+
+
+def _adapter_spec(prep: Any) -> Any:
+    """The LoRA adapter the engines apply when the run's syncs carry it alone (``Prepared.lora_sync``), else None."""
+    choice = getattr(prep, "lora_sync", None)  # a Prepared has it; stand-ins of one may not
+    return choice.spec if choice is not None else None

@@ -27,11 +27,14 @@ BOS, SEP, EOS = 1, 3, 2
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its token ids, its text and what a rule reward needs to score an answer."""
+    """One prompt: its token ids, its text and what a rule reward needs to score an answer; ``images``: a
+    vision-language prompt's images (``hybrid_engines.MultimodalInput``; its placeholder tokens are in
+    ``prompt_ids``, expanded), None for text."""
 
     prompt_ids: list[int]
     text: str
     label: Any = None
+    images: Any = None
 
 
 @dataclass(frozen=True)

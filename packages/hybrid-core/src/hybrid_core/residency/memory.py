@@ -190,6 +190,11 @@ def _count_params(hf_config: Any, value_head: bool, trust_remote_code: bool) -> 
             "model", "sizing a model from its config needs transformers.", "pip install transformers"
         ) from e
     auto = AutoModel if value_head else AutoModelForCausalLM
+    if getattr(hf_config, "vision_config", None) is not None and not value_head:
+        # a vision-language model (Qwen2-VL): its vision tower's parameters count too, in every state of the role
+        from transformers import AutoModelForImageTextToText
+
+        auto = AutoModelForImageTextToText
     with torch.device("meta"):
         model = (
             auto.from_config(hf_config, trust_remote_code=trust_remote_code)

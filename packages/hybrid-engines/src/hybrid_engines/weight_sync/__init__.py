@@ -14,7 +14,8 @@ Either way the trainer side is the engine's :class:`~.transport.WeightTransport`
 
 Modules: :mod:`.settings` (the run's sync section, :class:`~.settings.SyncSettings`), :mod:`.choice` (which path,
 before Ray), :mod:`.driver` (:class:`WeightSync` on the driver, :class:`TrainerWeightSource` mixed into the trainer's
-workers), :mod:`.transport` (hybrid-core's wire format, the trainer's side), :mod:`.sglang` (SGLang's). The
+workers), :mod:`.transport` (hybrid-core's wire format, the trainer's side), :mod:`.sglang` (SGLang's),
+:mod:`.adapter` (under LoRA: the adapter alone each sync where the engines take it, else merged weights). The
 wire-level pieces (buckets, sender / receiver, checksums) are ``hybrid_core.weight_sync``'s.
 """
 

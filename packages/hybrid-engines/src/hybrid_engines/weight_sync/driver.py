@@ -25,7 +25,8 @@ class TrainerWeightSource:
     """Mixed into the trainer's worker (a Ray actor): its side of :class:`WeightSync`.
 
     The worker provides ``named_weights()`` (full tensors in checkpoint names; under ZeRO-3 every rank iterates
-    together), ``weight_metas()``, ``rank`` and ``device``.
+    together), ``weight_metas()``, ``rank`` and ``device``; for adapter-only syncs (``adapter=True``, LoRA:
+    :mod:`.adapter`) also ``adapter_weights()`` / ``adapter_metas()``, the same for the adapter's tensors alone.
     """
 
     _weight_group: Any = None
@@ -35,6 +36,12 @@ class TrainerWeightSource:
         device: Any
 
         def named_weights(self) -> Iterator[tuple[str, Any]]: ...
+
+        def adapter_weights(self) -> Iterator[tuple[str, Any]]: ...
+
+    def _sync_tensors(self, adapter: bool) -> Iterator[tuple[str, Any]]:
+        """What one sync sends: the full weights, or (``adapter``) the LoRA adapter's tensors alone."""
+        return self.adapter_weights() if adapter else self.named_weights()
 
     def init_sync_group(
         self,
@@ -51,10 +58,13 @@ class TrainerWeightSource:
                 master_addr, master_port, world_size, backend=backend, timeout_s=timeout_s, device=self.device
             )
 
-    def send_weights(self, transport: WeightTransport, bucket_bytes: int, verify: Any = True) -> dict:
+    def send_weights(
+        self, transport: WeightTransport, bucket_bytes: int, verify: Any = True, adapter: bool = False
+    ) -> dict:
         """Broadcast the weights to every engine worker (rank 0 sends; other ranks only help gather ZeRO-3 shards);
-        ``verify``: with the checksums the engines check (where the transport has them)."""
-        weights = self.named_weights()
+        ``verify``: with the checksums the engines check (where the transport has them); ``adapter``: the LoRA
+        adapter's tensors alone."""
+        weights = self._sync_tensors(adapter)
         if self.rank != 0:
             for _ in weights:
                 pass
@@ -72,12 +82,14 @@ class TrainerWeightSource:
         peers: list[int] | None = None,
         engine_index: int | None = None,
         verify: Any = True,
+        adapter: bool = False,
     ) -> dict:
         """Colocated: hand buckets on this rank's GPU to the engine there (``peers``: the ranks one TP engine
-        spans, this one among them; ``engine_index``: that engine's number, for errors)."""
+        spans, this one among them; ``engine_index``: that engine's number, for errors; ``adapter``: the LoRA
+        adapter's tensors alone)."""
         engine_name = "rollout engine" if engine_index is None else f"rollout engine {engine_index}"
         return transport.send_ipc(
-            self.named_weights(),
+            self._sync_tensors(adapter),
             engine,
             bucket_bytes=bucket_bytes,
             device=self.device,
@@ -104,7 +116,8 @@ class WeightSync:
     piece of every sync; "off" or False: none): every sync is checked by the engines against the trainer's
     checksums, and a mismatch ends it with :class:`~hybrid_core.errors.WeightSyncMismatch` naming the engine and the
     parameter (a transport without checksums, SGLang's, is not checked:
-    :func:`~hybrid_engines.weight_sync.choice.verify_note`)."""
+    :func:`~hybrid_engines.weight_sync.choice.verify_note`). ``adapter_only``: a LoRA run whose engines take the
+    adapter alone (:mod:`.adapter`; they were built with its spec): each sync sends only its tensors."""
 
     def __init__(
         self,
@@ -120,10 +133,12 @@ class WeightSync:
         trainer_role: str = "actor",
         engine_role: str = "rollout",
         verify: bool | str = True,
+        adapter_only: bool = False,
     ):
         if mode not in ("ipc", "broadcast"):
             raise ConfigError("mode", f"must be 'ipc' or 'broadcast', got {mode!r}.", "Use choose_sync(...).mode.")
         self.mode, self.actor, self.engines = mode, actor, engines
+        self.adapter_only = adapter_only
         self.bucket_bytes, self.backend, self.timeout_s = bucket_bytes, backend, timeout_s
         if transport is None and engines is not None:
             transport = engine_spec(engines.backend).weight_transport()
@@ -192,6 +207,7 @@ class WeightSync:
                         self.peers[r],
                         self.engine_for_rank[r],
                         policy,
+                        self.adapter_only,
                     ),
                 )
                 for r, w in enumerate(self.actor.workers)
@@ -208,10 +224,15 @@ class WeightSync:
                     "sync() before setup(): the broadcast group does not exist yet.",
                     "Call WeightSync.setup() once after the engines start.",
                 )
-            metas = ray.get(self.actor.workers[0].weight_metas.remote(), timeout=self.timeout_s)
+            source = self.actor.workers[0]
+            metas_of = source.adapter_metas if self.adapter_only else source.weight_metas
+            metas = ray.get(metas_of.remote(), timeout=self.timeout_s)
             engine_refs = self.engines.update_weights_async(metas, bucket_bytes=self.bucket_bytes)
             actor_refs = [
-                (f"actor rank {r}: send_weights", w.send_weights.remote(self.transport, self.bucket_bytes, policy))
+                (
+                    f"actor rank {r}: send_weights",
+                    w.send_weights.remote(self.transport, self.bucket_bytes, policy, self.adapter_only),
+                )
                 for r, w in enumerate(self.actor.workers)
             ]
             results = _wait_for_sync(

@@ -17,6 +17,9 @@ TRANSPORTS = ("auto", "ipc", "broadcast")
 VERIFY_MODES = ("sampled", "full", "off")
 #: The broadcast group's collective backends.
 GROUP_BACKENDS = ("nccl", "gloo")
+#: What a LoRA run's syncs carry (``adapter.py``): auto (the adapter alone where the engines take it, else merged
+#: full weights), adapter (refused where the engines cannot take it) or merged.
+LORA_MODES = ("auto", "adapter", "merged")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class SyncSettings:
     # sampled: the first sync checks every tensor, later ones a rotating 1/32 | full: every sync all | off
     verify: str = "sampled"
     group_backend: str | None = None  # the broadcast group's (GROUP_BACKENDS); None: nccl with CUDA, gloo without
+    lora: str = "auto"  # under LoRA (LORA_MODES): auto | adapter (the adapter alone each sync) | merged full weights
 
     @property
     def bucket_bytes(self) -> int:
@@ -46,6 +50,7 @@ class SyncSettings:
         for name, value, choices in (
             ("transport", self.transport, TRANSPORTS),
             ("verify", self.verify, VERIFY_MODES),
+            ("lora", self.lora, LORA_MODES),
         ):
             if value not in choices:
                 raise ConfigError(

@@ -10,6 +10,10 @@ until its adapters' tensors arrive (they follow it in parameter order), so no mo
 What this code cannot merge exactly (DoRA and other LoRA variants, LoRA biases, adapted embeddings or convolutions,
 ``modules_to_save`` copies, an adapter already merged) is refused by name, never exported wrong.
 
+For syncs that send the adapter alone (``hybrid_engines.weight_sync.adapter``), :func:`adapter_weights` hands out only
+the adapter's A / B tensors, gathered whole, under PEFT's saved-adapter names (:func:`adapter_names`; the same
+refusals first).
+
 ``peft`` is imported only when it is already loaded: a model wrapped by it cannot exist otherwise, so plain models
 cost nothing and need no ``peft`` install.
 """
@@ -173,3 +177,63 @@ def hf_model(module: torch.nn.Module) -> torch.nn.Module:
     folder with the merged weights (a ``PeftModel`` would save only the adapter)."""
     peft = sys.modules.get("peft")
     return module.get_base_model() if peft is not None and isinstance(module, peft.PeftModel) else module
+
+
+# ---- adapter-only weight sync (hybrid_engines.weight_sync.adapter) ------------------------------------------------
+def adapter_names(module: torch.nn.Module) -> dict[str, str]:
+    """Each adapter tensor of a PEFT model -- parameter name -> its wire name, PEFT's saved-adapter name
+    (``base_model.model.<hf module>.lora_A.weight``) -- for syncs that send the adapter alone. What the engines could
+    not apply as this one adapter (several active adapters, and everything :func:`peft_export` refuses: DoRA, LoRA
+    biases, modules_to_save, ...) is a ConfigError naming it."""
+    from hybrid_engines.weight_sync.adapter import PEFT_PREFIX
+
+    plan = peft_export(module)
+    if plan is None:
+        raise ConfigError("peft", "adapter-only weight sync needs a PEFT (LoRA) model, and this one has no adapter.")
+    names: dict[str, str] = {}
+    for pname, merge in plan.merges.items():
+        kind, _ = merge.parts[pname]
+        if kind == "weight":
+            continue
+        if len(merge.scaling) != 1:
+            raise ConfigError(
+                "peft",
+                f"{merge.export} has {len(merge.scaling)} active adapters; the engines apply one.",
+                "Train one adapter, or use sync.lora merged (--lora_sync merged).",
+            )
+        names[pname] = f"{PEFT_PREFIX}{merge.export.removesuffix('.weight')}.{kind}.weight"
+    return names
+
+
+def adapter_metas(
+    module: torch.nn.Module, names: dict[str, str], dtype: torch.dtype | None = None
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``(wire name, dtype, full shape)`` of the adapter tensors :func:`adapter_weights` hands out (no gather: ZeRO-3
+    keeps the full shape aside, a DTensor's shape is the full one)."""
+    return [
+        (names[n], dtype or p.dtype, tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape))
+        for n, p in module.named_parameters()
+        if n in names
+    ]
+
+
+def adapter_weights(
+    module: torch.nn.Module, names: dict[str, str], dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapter's tensors alone, full, under their wire names (``dtype``: cast on the way, as the backend's full
+    weights are). Only they are gathered -- ZeRO-3 partitions together in one group, FSDP2's DTensors one by one --,
+    so a sync costs the adapter's bytes, not the model's; collective: every rank iterates together."""
+    import contextlib
+
+    params = [(n, p) for n, p in module.named_parameters() if n in names]
+    partitioned = [p for _, p in params if hasattr(p, "ds_id")]  # ZeRO-3's
+    gathered: Any = contextlib.nullcontext()
+    if partitioned:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+    with torch.no_grad(), gathered:
+        for name, p in params:
+            tensor = p.detach() if dtype is None else p.detach().to(dtype)
+            full = getattr(tensor, "full_tensor", None)  # a DTensor (FSDP2): the all-gather of its shards
+            yield names[name], full() if full is not None else tensor

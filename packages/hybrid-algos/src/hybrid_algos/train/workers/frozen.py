@@ -20,6 +20,7 @@ from ..experience import Rollout
 from ..models import load_causal_lm, load_reward_model, response_logprobs, sequence_scores
 from ..trainer_backends.fsdp2_frozen import local_numel
 from ..trainer_backends.registry import frozen_sharded, shard_frozen
+from ..vision import rollout_pixels
 from .base import RoleWorker
 from .policy import attn_implementation, forward_micro_batches
 from .settings import TrainerSettings
@@ -43,6 +44,7 @@ class FrozenWorker(RoleWorker):
     ) -> dict[str, Any]:
         """Load the model. ``master_addr`` / ``master_port``: the role's rendezvous (as the trainers get it), used
         only when the role is sharded; ``total_steps`` is the trainers' and means nothing here."""
+        self.model_path = model_path  # its image processor, for vision-language rollouts
         if not self.sharded:
             self.model = self.load(model_path).to(self.device)
             self.offloader = StateOffloader(self.model)
@@ -92,6 +94,7 @@ class ReferenceWorker(FrozenWorker):
         # count is agreed across the role's group), or ZeRO-3's / FSDP2's gathers would wait for a rank that is done
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
         micro_batch = self.settings.rollout.micro_rollout_batch_size
+        rollout = rollout_pixels(rollout, self)  # a vision-language rollout's pixel values (train/vision.py)
         batches = forward_micro_batches(rollout, self.trainer, micro_batch, self.device)
         for mb, index in batches:  # by tokens with trainer.dynamic_batch
             dev = mb.to(self.device)
@@ -102,6 +105,7 @@ class ReferenceWorker(FrozenWorker):
                 dev.response_len,
                 temperature=self.settings.rollout.temperature,
                 packed=self.trainer.packing,
+                images=mb.images,
             )
             out[index, : mb.response_len] = lp.cpu()
         return out

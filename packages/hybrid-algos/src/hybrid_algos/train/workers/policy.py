@@ -27,6 +27,7 @@ from ..trainer_backends.registry import (
     model_dtype,
 )
 from ..update_guard import UpdateGuard
+from ..vision import rollout_pixels
 from .base import RoleWorker
 from .settings import TrainerSettings
 
@@ -51,7 +52,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             gradient_checkpointing=activation_checkpointing_by_loader(trainer),
             trust_remote_code=settings.models.trust_remote_code,
         )
-        if trainer.lora:  # the adapters only train (hybrid_algos.train.lora); the engines get merged weights
+        if trainer.lora:  # the adapters only train (hybrid_algos.train.lora); the engines get them or merged weights
             from ..lora import apply_lora
 
             model = apply_lora(model, trainer)
@@ -99,6 +100,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
         shape = self.settings.rollout
         self.engine.eval()
         out = torch.zeros(rollout.action_mask.shape, dtype=torch.float32)
+        rollout = rollout_pixels(rollout, self)  # a vision-language rollout's pixel values (train/vision.py)
         for mb, index in forward_micro_batches(rollout, self.trainer, shape.micro_rollout_batch_size, self.device):
             dev = mb.to(self.device)
             scores = response_token_scores(
@@ -109,6 +111,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                 temperature=shape.temperature,
                 raw=keep_raw,
                 packed=self.trainer.packing,
+                images=mb.images,
             )
             out[index, : mb.response_len] = scores.logprobs.cpu()
             if keep_raw:
@@ -146,6 +149,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                 "--no_enable_vllm_is_correction"
             )
         need_raw = self._needs_raw_logprobs()
+        rollout = rollout_pixels(rollout, self)  # a vision-language rollout's pixel values (train/vision.py)
         guard = UpdateGuard(self.role, self.rank)  # in place of DeepSpeed's per-tensor overflow scan
         stats = DeviceMeans()  # read once at the end: a read per micro-batch would stall the backward's launch
         kl_sums = DeviceMeans()
@@ -174,6 +178,7 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
                         entropy=need_entropy,
                         raw=raw_now,
                         packed=self.trainer.packing,
+                        images=mb.images,
                     )
                     logp = scores.logprobs
                     old = mb.old_logprobs
@@ -260,6 +265,33 @@ class PolicyWorker(TrainerWeightSource, RoleWorker):
             TensorMeta(name, str(dtype).removeprefix("torch."), shape)
             for name, dtype, shape in self.engine.weight_metas()
         ]
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Under LoRA, the adapter's tensors alone, full, under PEFT's saved-adapter names (an adapter-only sync:
+        ``hybrid_engines.weight_sync.adapter``), in the dtype the backend's full weights go out in; every rank
+        iterates together."""
+        from ..trainer_backends.peft_weights import adapter_weights
+
+        return adapter_weights(self.engine.module, self._adapter_names(), getattr(self.engine, "weights_dtype", None))
+
+    def adapter_metas(self) -> list:
+        from hybrid_core.weight_sync import TensorMeta
+
+        from ..trainer_backends.peft_weights import adapter_metas
+
+        cast = getattr(self.engine, "weights_dtype", None)
+        return [
+            TensorMeta(name, str(dtype).removeprefix("torch."), shape)
+            for name, dtype, shape in adapter_metas(self.engine.module, self._adapter_names(), cast)
+        ]
+
+    def _adapter_names(self) -> dict[str, str]:
+        names = getattr(self, "_adapter_map", None)
+        if names is None:
+            from ..trainer_backends.peft_weights import adapter_names
+
+            names = self._adapter_map = adapter_names(self.engine.module)
+        return names
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, tag: str) -> None:
@@ -396,7 +428,15 @@ def engine_logprobs_given(rollout: Rollout) -> bool:
 def sample_keys(rollout: Rollout) -> list[bytes]:
     """One key per sample from its real tokens: equal samples share a key, and so their log-probs."""
     valid = rollout.attention_mask.bool()
-    return [rollout.sequences[i][valid[i]].numpy().tobytes() for i in range(rollout.batch_size)]
+    keys = [rollout.sequences[i][valid[i]].numpy().tobytes() for i in range(rollout.batch_size)]
+    if rollout.images is not None:  # the same tokens about other images are other samples
+        import hashlib
+
+        keys = [
+            k + hashlib.blake2b(b"".join(m.images), digest_size=16).digest() if m is not None else k
+            for k, m in zip(keys, rollout.images)
+        ]
+    return keys
 
 
 class MismatchStats:
