@@ -91,3 +91,13 @@ def test_each_adapter_builds_its_engines_kwargs(backend, expected):
     )
     assert engine_spec(backend).engine_kwargs(config.engine_settings(), plan) == expected
     assert TrainingSession._engine_kwargs(session(backend=backend, bf16=True, seed=7, **settings)) == expected
+
+
+def test_vllm_budgets_the_images_a_prompt_may_hold():
+    settings = GRPOConfig(backend="vllm").settings().engine
+    text = engine_spec("vllm").engine_kwargs(settings, EnginePlan(model_path="/m"))
+    assert "limit_mm_per_prompt" not in text  # a text run leaves vLLM's default
+    images = engine_spec("vllm").engine_kwargs(settings, EnginePlan(model_path="/m", max_images_per_prompt=3))
+    assert images["limit_mm_per_prompt"] == {"image": 3}
+    s = session(backend="vllm", max_images_per_prompt=2, pretrain="/models/m")
+    assert TrainingSession._engine_kwargs(s)["limit_mm_per_prompt"] == {"image": 2}

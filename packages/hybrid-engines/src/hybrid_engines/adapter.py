@@ -84,6 +84,7 @@ class EnginePlan:
     partial_rollout: bool = False  # weight updates may land while a generation is in flight (pause / resume)
     # adapter-only sync: the engines apply this LoRA adapter (a weight_sync.adapter.AdapterSpec; None: full weights)
     lora: Any = None
+    max_images_per_prompt: int = 0  # the most images one prompt holds (0: text); engines that budget them take it
 
 
 class EngineAdapter:

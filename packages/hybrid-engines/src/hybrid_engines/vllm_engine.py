@@ -99,6 +99,8 @@ VLLM_LLM_KWARGS = (
     "enable_lora",
     "max_lora_rank",
     "max_loras",
+    # vision-language prompts (engine_kwargs)
+    "limit_mm_per_prompt",
 )
 #: ``vllm.LLM`` methods this adapter calls, with the keyword arguments it passes (contract-tested).
 VLLM_LLM_METHODS = {
@@ -193,8 +195,13 @@ class VLLMEngine(EngineAdapter):
 
     @classmethod
     def engine_kwargs(cls, settings: EngineSettings, plan: EnginePlan) -> dict[str, Any]:
-        """Every engine setting, under this constructor's names (:func:`.adapter.pooled_engine_kwargs`)."""
-        return pooled_engine_kwargs(settings, plan)
+        """Every engine setting, under this constructor's names (:func:`.adapter.pooled_engine_kwargs`), and the
+        images a prompt may hold: vLLM sizes its multimodal budget (and profiles its memory) by
+        ``limit_mm_per_prompt``, and refuses a prompt with more images than it allows."""
+        kwargs = pooled_engine_kwargs(settings, plan)
+        if plan.max_images_per_prompt > 0:
+            kwargs["limit_mm_per_prompt"] = {"image": plan.max_images_per_prompt}
+        return kwargs
 
     def __init__(
         self,

@@ -231,6 +231,7 @@ class SessionStart(SessionSaves):
             seeded_sampling=self.seeded_sampling(),
             partial_rollout=settings.rollout.partial_rollout,
             lora=_adapter_spec(self.prep),  # adapter-only sync under LoRA
+            max_images_per_prompt=settings.rollout.max_images_per_prompt,
         )
         return engine_spec(settings.engine.backend).engine_kwargs(settings.engine, plan)
 
