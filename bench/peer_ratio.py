@@ -143,9 +143,10 @@ WORKLOADS = {
 }
 
 
-def turn_order(sides: list[str], turns: int) -> list[list[str]]:
-    """ABC, CBA, ABC, ...: each side runs early in one turn and late in the next."""
-    return [list(sides) if t % 2 == 0 else list(reversed(sides)) for t in range(turns)]
+def turn_order(sides: list[str], turns: int, offset: int = 0) -> list[list[str]]:
+    """ABC, CBA, ABC, ...: each side runs early in one turn and late in the next (``offset``: the turns of earlier
+    calls, so that a call of one turn continues the alternation)."""
+    return [list(sides) if (t + offset) % 2 == 0 else list(reversed(sides)) for t in range(turns)]
 
 
 # ---- the sides' commands -------------------------------------------------------------------------------------------
@@ -457,6 +458,13 @@ def parse(argv: list[str]):
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="357m-matched")
     ap.add_argument("--turns", type=int, default=MIN_TURNS, help=f"turns in this call (rows need >= {MIN_TURNS})")
     ap.add_argument(
+        "--turn_offset",
+        type=int,
+        default=0,
+        help="turns already run in earlier calls: this call's turns continue their order and numbering (a call too "
+        "short for three turns runs one; `report` joins the calls' JSONs, each turn's ratio still of one call)",
+    )
+    ap.add_argument(
         "--peers",
         nargs="+",
         choices=PEERS,
@@ -520,7 +528,7 @@ def parse(argv: list[str]):
     )
     args.out = args.out or os.path.join("/tmp/peer_ratio", args.workload)
     why = []
-    if args.record and args.turns < MIN_TURNS:
+    if args.record and args.turns + args.turn_offset < MIN_TURNS:
         why.append(f"--turns {args.turns}: a ratio row is the median of >= {MIN_TURNS} same-call ratios")
     if args.small:
         why.append("--small: a 2-layer model")
@@ -565,7 +573,7 @@ def build_workload(args) -> None:
 
 
 def run(args) -> dict:
-    order = turn_order(args.sides, args.turns)
+    order = turn_order(args.sides, args.turns, args.turn_offset)
     data = {
         "workload": args.workload,
         "what": WORKLOADS[args.workload].what,
@@ -589,8 +597,8 @@ def run(args) -> dict:
     for old in glob.glob(os.path.join(args.out, "t*-*")):  # an earlier run's turns: this JSON describes this run
         shutil.rmtree(old, ignore_errors=True)
     json_path = os.path.join(args.out, f"peer_ratio-{args.workload}.json")
-    for turn, sides in enumerate(order, start=1):
-        print(f"\nturn {turn}/{args.turns}: {', '.join(sides)}", flush=True)
+    for turn, sides in enumerate(order, start=1 + args.turn_offset):
+        print(f"\nturn {turn}/{args.turns + args.turn_offset}: {', '.join(sides)}", flush=True)
         for position, side in enumerate(sides, start=1):
             side_dir = os.path.join(args.out, f"t{turn}-{side}")
             os.makedirs(side_dir)
@@ -649,7 +657,7 @@ def _load() -> str | None:
 
 
 def dry(args) -> None:
-    for turn, sides in enumerate(turn_order(args.sides, args.turns), start=1):
+    for turn, sides in enumerate(turn_order(args.sides, args.turns, args.turn_offset), start=1 + args.turn_offset):
         print(f"turn {turn}: {', '.join(sides)}")
         for side in sides:
             cmd, env = side_command(side, turn, args, args.scripts)
@@ -657,13 +665,44 @@ def dry(args) -> None:
             print(f"  [{side}] " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(cmd))
 
 
+#: what the calls joined by `report` must share: one workload and protocol, measured by one code
+JOINED_KEYS = ("workload", "sides", "steps", "warmup", "code", "device")
+
+
+def join_calls(datas: list[dict]) -> dict:
+    """The JSONs of several calls (``--turn_offset``) as one run: their turns in order. Each turn's ratio is of one
+    call (both sides ran in it); the calls must share workload, sides, steps, warm-up, code and device, and each
+    turn number may come from one call only."""
+    first = datas[0]
+    for d in datas[1:]:
+        differ = [k for k in JOINED_KEYS if d.get(k) != first.get(k)]
+        if differ:
+            raise SystemExit(f"report: the calls differ in {', '.join(differ)}: they cannot make one row")
+    seen: set[int] = set()
+    for d in datas:
+        turns = {r["turn"] for r in d["runs"]}
+        if turns & seen:
+            raise SystemExit(f"report: turn {min(turns & seen)} is in two calls: run the later ones with --turn_offset")
+        seen |= turns
+    joined = dict(first)
+    joined["runs"] = [r for d in datas for r in d["runs"]]
+    joined["turns"] = sum(d["turns"] for d in datas)
+    joined["command"] = " ; ".join(d["command"] for d in datas)
+    why = [d["why_not_recordable"] for d in datas if not d.get("recordable")]
+    joined.update(recordable=not why, why_not_recordable="; ".join(filter(None, why)) or None)
+    return joined
+
+
 def report_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="peer_ratio.py report", description="the rows of a run's JSON")
-    ap.add_argument("json", help="peer_ratio-<workload>.json of a run")
+    ap.add_argument(
+        "json", nargs="+", help="peer_ratio-<workload>.json of a run, or of each call of one (--turn_offset)"
+    )
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md (or $BENCH_RESULTS)")
     ap.add_argument("--device", default=None, help="device label (default: the JSON's)")
     a = ap.parse_args(argv)
-    return report(json.load(open(a.json)), a.record, a.device)
+    datas = [json.load(open(path)) for path in a.json]
+    return report(join_calls(datas) if len(datas) > 1 else datas[0], a.record, a.device)
 
 
 def main(argv: list[str] | None = None) -> int:

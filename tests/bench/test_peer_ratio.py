@@ -180,6 +180,33 @@ def test_a_row_is_the_median_of_the_turns_ratios_with_min_max_and_a_failed_turn_
     assert "| `python bench/peer_ratio.py` |" in text
 
 
+def test_calls_of_one_turn_each_join_into_one_row(tmp_path, capsys):
+    """A call too short for three turns runs one (--turn_offset continues the order); `report` joins the calls'
+    JSONs: each turn's ratio is still of one call, and calls of another code, workload or machine do not join."""
+    assert pr.turn_order(["ours", "trl-default"], 1, offset=1) == [["trl-default", "ours"]]
+    args, _ = pr.parse(["--workload", "357m-matched", "--turns", "1", "--turn_offset", "2", "--record"])
+    assert args.why_not_recordable is None  # three turns in all: a row may come of them
+    with pytest.raises(SystemExit):
+        pr.parse(["--workload", "357m-matched", "--turns", "1", "--turn_offset", "1", "--record"])
+    paths = []
+    for t, (o, d) in enumerate([(1.0, 1.3), (1.0, 1.5), (2.0, 2.8)], start=1):
+        data = {**_data([_entry(t, "ours", o), _entry(t, "trl-default", d)], sides=("ours", "trl-default"))}
+        data.update(code="abc", turns=1)
+        paths.append(tmp_path / f"call{t}.json")
+        paths[-1].write_text(json.dumps(data))
+    joined = pr.join_calls([json.loads(p.read_text()) for p in paths])
+    (row,) = pr.ratio_rows(joined)[0]
+    assert row.record and row.value == pytest.approx(1.4)  # the median of 1.3, 1.5, 1.4
+    assert "min-max over 3 turns" in row.unit and joined["turns"] == 3
+    assert pr.main(["report", *map(str, paths)]) == 0
+    assert "speedup vs TRL default x" in capsys.readouterr().out
+    other = json.loads(paths[2].read_text())
+    with pytest.raises(SystemExit, match="differ in code"):
+        pr.join_calls([json.loads(paths[0].read_text()), {**other, "code": "def"}])
+    with pytest.raises(SystemExit, match="turn 1 is in two calls"):
+        pr.join_calls([json.loads(paths[0].read_text()), json.loads(paths[0].read_text())])
+
+
 def test_a_peer_that_failed_with_too_few_ratios_is_recorded_as_failed_never_a_figure():
     runs = []
     for t, (o, d) in enumerate([(1.0, None), (1.0, 1.4), (1.0, None)], start=1):
