@@ -196,9 +196,9 @@ def test_bad_flags_name_the_flag(argv, field, text):
 
 
 def test_unknown_flag_exit_status_and_message(capsys):
-    assert main(["ppo", "--lora_rank", "8", "--dry-run"]) == 2
+    assert main(["ppo", "--load_in_4bit", "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hybrid: error: lora_rank:") and "--lora_rank" in err
+    assert err.startswith("hybrid: error: load_in_4bit:") and "--load_in_4bit" in err
     assert main(["pp0"]) == 2
     assert "invalid choice" in capsys.readouterr().err
 

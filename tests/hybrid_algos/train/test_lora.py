@@ -1,6 +1,6 @@
-"""LoRA on the actor (hybrid_algos.train.lora): its settings refused where wrong, the adapters counted exactly (the
-memory model's input: gradients and moments for them alone), the plan's actor sized so, and OpenRLHF's LoRA flags
-(dotted and flat, several target words) meaning the same settings."""
+"""LoRA on the actor (hybrid_algos.train.lora; the critic's: test_critic_lora.py): its settings refused where wrong,
+the adapters counted exactly (the memory model's input: gradients and moments for them alone), the plan's actor
+sized so, and OpenRLHF's LoRA flags (dotted and flat, several target words) meaning the same settings."""
 
 from __future__ import annotations
 
@@ -56,10 +56,10 @@ def test_bad_lora_settings_name_the_flag(kw, field):
     assert e.value.field == field
 
 
-def test_lora_with_a_critic_is_refused_not_half_done():
-    with pytest.raises(ConfigError, match="critic") as e:
-        PPOConfig(lora_rank=8).validate()
-    assert e.value.field == "lora_rank" and "GRPO" in (e.value.fix or "")
+def test_lora_with_a_critic_adapts_the_critic_too():
+    """OpenRLHF's meaning: one --lora_rank for the actor and the critic (test_critic_lora.py trains it)."""
+    cfg = PPOConfig(lora_rank=8).validate()
+    assert cfg.uses_critic and cfg.trainer_settings().lora
 
 
 def test_the_plan_gives_the_actor_gradients_and_moments_for_its_adapters_only(tmp_path):

@@ -291,15 +291,20 @@ def lora_sync_line(config: Any) -> str:
 
 
 def lora_line(config: Any) -> str:
-    from hybrid_algos.train.lora import adapter_param_count, describe
+    from hybrid_algos.train.lora import adapter_param_count, critic_count, describe
     from hybrid_algos.train.placement import hf_config
+    from hybrid_algos.train.recipes import recipe_for
     from hybrid_core.residency.memory import count_params
 
     models, trainer = config.models_settings(), config.trainer_settings()
     hf = hf_config(config.pretrain, models)
     total = count_params(hf, trust_remote_code=config.trust_remote_code)
     adapters = adapter_param_count(hf, trainer, trust_remote_code=config.trust_remote_code)
-    return describe(trainer, adapters, total, reference=config.uses_reference)
+    recipe, critic = recipe_for(config), None
+    if recipe.has("critic"):  # PPO's critic: adapted too, on its own folder
+        critic_hf = hf_config(recipe.role("critic").model_folder(config, config.pretrain), models)
+        critic = critic_count(critic_hf, trainer, trust_remote_code=config.trust_remote_code)
+    return describe(trainer, adapters, total, reference=config.uses_reference, critic=critic)
 
 
 def _is_terminal() -> bool:

@@ -114,7 +114,7 @@ class RLConfig:
     l2: float = 0.0  # weight decay
     adam_betas: tuple[float, float] = (0.9, 0.95)
     max_norm: float = 1.0
-    # LoRA on the actor (PEFT adapters, the base frozen; hybrid_algos.train.lora)
+    # LoRA on the actor and PPO's critic, as OpenRLHF's one flag (PEFT adapters, the base frozen; train/lora.py)
     lora_rank: int = 0  # 0: train every weight; > 0: LoRA adapters of this rank (needs peft)
     lora_alpha: int = 16  # adapter scale = lora_alpha / lora_rank
     lora_dropout: float = 0.0
@@ -454,13 +454,6 @@ class RLConfig:
             self.run_settings().validate()
         with flag_words():
             self.trainer_settings().validate()
-        if self.lora_rank and self.uses_critic:  # crosses the trainer and algorithm sections
-            raise ConfigError(
-                "lora_rank",
-                f"LoRA adapters train the actor only, and --advantage_estimator {self.advantage_estimator} also "
-                "trains a critic (a value head's model, which would need its head trained beside the adapters).",
-                "Use GRPO / REINFORCE++ (an estimator without a critic) with --lora_rank, or drop --lora_rank.",
-            )
         if isinstance(self.verify_weight_sync, bool):  # a config from before the modes: on = the default
             self.verify_weight_sync = "sampled" if self.verify_weight_sync else "off"
         with flag_words():

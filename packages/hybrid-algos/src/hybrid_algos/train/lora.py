@@ -1,5 +1,5 @@
-"""LoRA on the actor: PEFT adapters over a frozen base (``--lora_rank``, ``--lora_alpha``, ``--lora_dropout``,
-``--lora_target_modules``; OpenRLHF's ``--lora_rank`` / ``--ds.lora.*``).
+"""LoRA on the actor and the critic: PEFT adapters over a frozen base (``--lora_rank``, ``--lora_alpha``,
+``--lora_dropout``, ``--lora_target_modules``; OpenRLHF's ``--lora_rank`` / ``--ds.lora.*``).
 
 Only the adapters train: gradients and optimizer state exist for them alone (the memory model counts them,
 :func:`adapter_param_count`), under either trainer backend. Where the engines can apply the adapter (the built-in
@@ -10,8 +10,13 @@ under the base model's names (:mod:`.trainer_backends.peft_weights`) -- and the 
 The final model is saved merged (a plain
 Hugging Face folder) with the adapter beside it (``adapter/``, PEFT's format). With a KL term the reference is the
 frozen base itself -- the actor's forward with its adapters off (recipes.py's ``reference_base`` phase) -- so no
-reference model is loaded and the planner holds one copy of the weights. The critic keeps training every weight:
-LoRA on a value head's model is refused, not half-done.
+reference model is loaded and the planner holds one copy of the weights.
+
+One flag for both trained roles, as OpenRLHF's ``--lora_rank``: PPO's critic (``hybrid ppo``, GAE) gets adapters of
+the same rank, alpha, dropout and targets on its backbone, and its value head -- new, or a reward model's -- trains
+whole beside them (PEFT's ``modules_to_save``: :func:`value_head_name`), so its gradients and optimizer state are
+for the adapters and the head alone (:func:`adapter_param_count` with ``value_head``). The critic sends no weights
+anywhere; its checkpoints hold its adapters and head (the backend's state, and ``adapter/`` in PEFT's format).
 """
 
 from __future__ import annotations
@@ -61,7 +66,9 @@ def validate_lora(trainer: Any) -> None:
         )
 
 
-def lora_config(trainer: Any) -> Any:
+def lora_config(trainer: Any, value_head: str | None = None) -> Any:
+    """PEFT's config: a causal LM's adapters, or (``value_head``: the head module's name) a value model's, whose
+    head trains whole beside them (``modules_to_save``; PEFT gives it no adapter, even under all-linear)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -70,7 +77,28 @@ def lora_config(trainer: Any) -> Any:
         lora_dropout=trainer.lora_dropout,
         target_modules=target_modules(trainer),
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type="CAUSAL_LM" if value_head is None else "TOKEN_CLS",
+        modules_to_save=None if value_head is None else [value_head],
+    )
+
+
+#: The value head of a transformers ``*ForTokenClassification`` model (models.load_critic): ``score`` (Llama, Qwen,
+#: Mistral, Gemma, ...) or ``classifier`` (the BERT-style ones)
+VALUE_HEADS = ("score", "classifier")
+
+
+def value_head_name(model: Any) -> str:
+    """The critic's head module (what trains whole beside the adapters); a ConfigError for a model without one."""
+    import torch
+
+    for name in VALUE_HEADS:
+        if isinstance(getattr(model, name, None), torch.nn.Module):
+            return name
+    raise ConfigError(
+        "trainer.lora_rank",
+        f"the critic's model ({type(model).__name__}) has no value head named {' or '.join(VALUE_HEADS)}, so LoRA "
+        "cannot train its head beside the adapters.",
+        "Use GRPO / REINFORCE++ (no critic) with --lora_rank, or drop --lora_rank.",
     )
 
 
@@ -93,34 +121,56 @@ def sync_choice(settings: Any) -> Any:
     )
 
 
-def apply_lora(model: Any, trainer: Any) -> Any:
-    """``model`` wrapped with the adapters (PEFT freezes every base weight); with gradient checkpointing the
+def apply_lora(model: Any, trainer: Any, *, value_head: bool = False) -> Any:
+    """``model`` wrapped with the adapters (PEFT freezes every base weight); ``value_head``: ``model`` is the
+    critic's value model, whose head trains whole (:func:`value_head_name`). With gradient checkpointing the
     inputs' embeddings require gradients, else a checkpointed segment whose inputs need none would give the
     adapters inside it no gradient."""
     from peft import get_peft_model
 
+    head = value_head_name(model) if value_head else None
+    targets = target_modules(trainer)
+    if head is not None and not isinstance(targets, str) and head in targets:  # all-linear leaves the head alone
+        raise ConfigError(
+            "trainer.lora_target_modules",
+            f"{head!r} is the critic's value head, which trains whole beside the adapters: it takes no adapter.",
+            f"Drop {head} from --lora_target_modules (the actor's LM head is lm_head).",
+        )
     if trainer.gradient_checkpointing:
         model.enable_input_require_grads()
-    return get_peft_model(model, lora_config(trainer))
+    return get_peft_model(model, lora_config(trainer, head))
 
 
 #: the counts made, by the config's content and the LoRA settings (the planner sizes the models again on a replan)
 _COUNTS: dict[tuple, int] = {}
 
 
-def adapter_param_count(hf_config: Any, trainer: Any, *, trust_remote_code: bool = False) -> int:
-    """The adapters' parameters for a model of ``hf_config``: PEFT applied to the model built on the meta device
-    (exact, nothing allocated). A target naming no module of the model is a ConfigError here, before Ray starts."""
-    key = (hf_config.to_json_string(), trainer.lora_rank, trainer.lora_target_modules, trust_remote_code)
+def adapter_param_count(
+    hf_config: Any, trainer: Any, *, value_head: bool = False, trust_remote_code: bool = False
+) -> int:
+    """The parameters that train under LoRA for a model of ``hf_config``: PEFT applied to the model built on the meta
+    device (exact, nothing allocated). ``value_head``: the critic's value model (models.load_critic), whose count is
+    its adapters and its whole head. A target naming no module of the model is a ConfigError here, before Ray
+    starts."""
+    key = (hf_config.to_json_string(), trainer.lora_rank, trainer.lora_target_modules, value_head, trust_remote_code)
     if key in _COUNTS:
         return _COUNTS[key]
+    import copy
+
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        if value_head:  # as load_critic builds it: a one-output token head
+            config = copy.deepcopy(hf_config)
+            config.num_labels = 1
+            model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
         try:
-            model = apply_lora(model, dataclasses.replace(trainer, gradient_checkpointing=False))
+            model = apply_lora(model, dataclasses.replace(trainer, gradient_checkpointing=False), value_head=value_head)
+        except ConfigError:
+            raise
         except ValueError as e:  # PEFT: "Target modules {...} not found in the base model"
             raise ConfigError(
                 "trainer.lora_target_modules",
@@ -132,9 +182,22 @@ def adapter_param_count(hf_config: Any, trainer: Any, *, trust_remote_code: bool
     return count
 
 
-def describe(trainer: Any, adapters: int, total: int, *, reference: bool = False) -> str:
+def critic_count(hf_config: Any, trainer: Any, *, trust_remote_code: bool = False) -> tuple[int, int]:
+    """The critic's trained parameters under LoRA (adapters and value head) and its total, for :func:`describe`;
+    ``hf_config``: the config of the critic's folder (``Recipe.role("critic").model_folder``)."""
+    from hybrid_core.residency.memory import count_params
+
+    return (
+        adapter_param_count(hf_config, trainer, value_head=True, trust_remote_code=trust_remote_code),
+        count_params(hf_config, value_head=True, trust_remote_code=trust_remote_code),
+    )
+
+
+def describe(
+    trainer: Any, adapters: int, total: int, *, reference: bool = False, critic: tuple[int, int] | None = None
+) -> str:
     """The dry run's and the start's line about LoRA (``reference``: the run has a KL term, whose reference is then
-    the actor's frozen base)."""
+    the actor's frozen base; ``critic``: the run trains a critic, its trained and total parameters)."""
     return (
         f"LoRA: rank {trainer.lora_rank}, alpha {trainer.lora_alpha}, targets {trainer.lora_target_modules}: "
         f"{adapters / 1e6:.2f}M adapter parameters train ({100 * adapters / max(total, 1):.2f} % of "
@@ -143,6 +206,13 @@ def describe(trainer: Any, adapters: int, total: int, *, reference: bool = False
             "; the reference is that frozen base (the actor's forward with its adapters off): no reference model "
             "is loaded (OpenRLHF loads a second copy; the log-probs are the same)"
             if reference
+            else ""
+        )
+        + (
+            f"; the critic too (one --lora_rank for both, as OpenRLHF's): {critic[0] / 1e6:.2f}M adapter and "
+            f"value-head parameters train ({100 * critic[0] / max(critic[1], 1):.2f} % of {critic[1] / 1e9:.2f}B), "
+            "its base frozen, its value head whole"
+            if critic is not None
             else ""
         )
     )

@@ -447,17 +447,19 @@ def role_models(
     trainer: TrainerSettings | None = None,
 ) -> dict[str, ModelShape]:
     """The model shape of each role: of the folder ``folders`` names for it (:meth:`~.recipe.Recipe.model_folders`),
-    with a value head where its recipe entry says so (critic, reward model); under LoRA (``trainer``) the actor's
-    trains its adapters' parameters only."""
+    with a value head where its recipe entry says so (critic, reward model); under LoRA (``trainer``) the actor
+    trains its adapters' parameters only, and the critic its adapters' and its value head's."""
     out: dict[str, ModelShape] = {}
     for role in roles:
         spec = recipe.role(role)
         config = hf_config(folders[role], models)
         shape = model_shape(config, value_head=spec.value_head, trust_remote_code=models.trust_remote_code)
-        if role == "actor" and trainer is not None and trainer.lora:
+        if role in ("actor", "critic") and trainer is not None and trainer.lora:  # one --lora_rank for both
             from .lora import adapter_param_count
 
-            adapters = adapter_param_count(config, trainer, trust_remote_code=models.trust_remote_code)
+            adapters = adapter_param_count(
+                config, trainer, value_head=role == "critic", trust_remote_code=models.trust_remote_code
+            )
             shape = dataclasses.replace(shape, trainable_params=adapters)
         out[role] = shape
     return out

@@ -152,18 +152,23 @@ def _prepare(config: RLConfig, locks: Any, recipe: Any) -> Prepared:
     if settings.trainer.lora:  # what trains, said at the start (a target the model lacks is refused here)
         from hybrid_core.residency.memory import count_params
 
-        from .lora import adapter_param_count
+        from .lora import adapter_param_count, critic_count
         from .lora import describe as describe_lora
         from .placement import hf_config
 
         hf = hf_config(model_path, models)
         adapters = adapter_param_count(hf, settings.trainer, trust_remote_code=models.trust_remote_code)
+        critic = None
+        if recipe.has("critic"):  # its own folder (--critic_pretrain, a reward model's, else the policy's)
+            critic_hf = hf_config(recipe.role("critic").model_folder(config, model_path), models)
+            critic = critic_count(critic_hf, settings.trainer, trust_remote_code=models.trust_remote_code)
         start_lines.append(
             describe_lora(
                 settings.trainer,
                 adapters,
                 count_params(hf, trust_remote_code=models.trust_remote_code),
                 reference=settings.algorithm.uses_reference,
+                critic=critic,  # PPO's: adapted too
             )
         )
         start_lines.append(flag_text(lora_sync.line))

@@ -8,7 +8,8 @@ bf16 (else 4), L layers, h hidden size, I MLP width, kv = KV heads x head dim, V
 Trainers (kind ``trainer``: PPO's actor and critic, say), per GPU -- the ZeRO paper's accounting (Rajbhandari et
 al. 2020), with DeepSpeed's own buffers as DeepSpeed 0.19.8 allocates them (see "The optimizer's bytes" below).
 Under LoRA (``ModelShape.trainable_params``) every P of the gradients, the optimizer, the flat partitions, the
-reduce buckets and CPU Adam below is the adapters' count instead: the frozen base has parameters only.
+reduce buckets and CPU Adam below is the adapters' count instead (PPO's critic: its adapters' and its value head's,
+which trains whole): the frozen base has parameters only.
     params     = b P / (N if z = 3 else 1)
     grads      = b P / (N if z >= 2 else 1)
     optimizer  = K P / (N if z >= 1 else 1), K = m + s with bf16 (the master weights and Adam's m, v), 8 in fp32
@@ -111,7 +112,7 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     value_head: bool = False  # critic / reward model: a scalar head instead of the LM head
-    trainable_params: int | None = None  # LoRA: the adapters' parameters, the only ones trained; None: all
+    trainable_params: int | None = None  # LoRA: the adapters' parameters (a critic's: and its head's); None: all
 
     @property
     def trained(self) -> int:

@@ -1,11 +1,13 @@
 """The critic role (PPO): a value model under its trainer backend (DeepSpeed or FSDP2) with sleep, per-token
-values and clipped value updates.
+values and clipped value updates; under LoRA (the actor's ``--lora_rank``, as OpenRLHF's one flag for both) PEFT
+adapters on its backbone, its value head training whole beside them (:mod:`hybrid_algos.train.lora`).
 
 It reads the trainer and algorithm sections, the rollout's batch shape (``settings.rollout``), the run's seed and
 deadline (``settings.run``) and ``settings.models.trust_remote_code``."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -22,7 +24,14 @@ from ..trainer_backends.registry import (
 )
 from ..update_guard import UpdateGuard
 from .base import RoleWorker
-from .policy import DeviceMeans, attn_implementation, forward_micro_batches, train_micro_batches, update_shape
+from .policy import (
+    ADAPTER_DIR,
+    DeviceMeans,
+    attn_implementation,
+    forward_micro_batches,
+    train_micro_batches,
+    update_shape,
+)
 
 
 class CriticWorker(RoleWorker):
@@ -38,6 +47,10 @@ class CriticWorker(RoleWorker):
             gradient_checkpointing=activation_checkpointing_by_loader(trainer),
             trust_remote_code=settings.models.trust_remote_code,
         )
+        if trainer.lora:  # the adapters and the value head train, the base is frozen
+            from ..lora import apply_lora
+
+            model = apply_lora(model, trainer, value_head=True)
         self.engine = make_training_engine(  # the actor's schedule (lr_warmup_ratio, lr_scheduler)
             trainer,
             model,
@@ -110,7 +123,23 @@ class CriticWorker(RoleWorker):
         return stats.result()
 
     def save_checkpoint(self, path: str, tag: str) -> None:
+        """The backend's state under ``path`` (a resume loads it: adapters, head and optimizer); under LoRA also the
+        adapters and the value head alone in ``path/adapter`` (PEFT's format: ``PeftModel.from_pretrained`` over the
+        critic's base model, ``models.load_critic``)."""
         self.engine.save_checkpoint(path, tag)
+        if self.trainer.lora:
+            self.save_adapter(os.path.join(path, ADAPTER_DIR))
+
+    def save_adapter(self, path: str) -> None:
+        """The trained parameters alone -- adapters and value head, gathered full; every rank iterates together,
+        rank 0 writes -- in PEFT's format."""
+        from ..trainer_backends.peft_weights import adapter_weights
+
+        module = self.engine.module
+        names = {n: n for n, p in module.named_parameters() if p.requires_grad}
+        state = {n: t.detach().to("cpu", copy=True) for n, t in adapter_weights(module, names)}
+        if self.rank == 0:
+            module.save_pretrained(path, state_dict=state)
 
     def load_checkpoint(self, path: str, tag: str) -> None:
         try:

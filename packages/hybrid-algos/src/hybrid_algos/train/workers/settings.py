@@ -52,7 +52,7 @@ class TrainerSettings:
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0  # gradient clipping
-    # ---- LoRA (the actor's adapters: hybrid_algos.train.lora) ----------------------------------------------------
+    # ---- LoRA (the actor's and the critic's adapters: train/lora.py) -----------------------------------------------
     lora_rank: int = 0  # 0: every weight trains; > 0: PEFT LoRA adapters of this rank, the base frozen
     lora_alpha: int = 16  # the adapters' scale is lora_alpha / lora_rank
     lora_dropout: float = 0.0
