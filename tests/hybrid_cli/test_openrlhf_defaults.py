@@ -140,6 +140,8 @@ TABLE = {
     "label_key": ("data.label_key", "label_key", same),
     "input_template": ("data.input_template", "input_template", same),
     "apply_chat_template": ("data.apply_chat_template", "apply_chat_template", same),
+    "image_key": ("data.image_key", "image_key", same),
+    "max_images_per_prompt": ("data.max_images_per_prompt", "max_images_per_prompt", same),
     "lora_rank": ("ds.lora.rank", "lora_rank", same),
     "lora_alpha": ("ds.lora.alpha", "lora_alpha", same),
     "lora_dropout": ("ds.lora.dropout", "lora_dropout", same),
