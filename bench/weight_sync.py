@@ -62,6 +62,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of a late sampled sync, both sides")
     ap.add_argument("--verbose", action="store_true", help="print each round's split (engine, sender checksums)")
+    ap.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="with --profile: also write each profiled sync's Chrome trace (both sides) to DIR (the timeline shows "
+        "where a checked sync waits)",
+    )
+    ap.add_argument(
+        "--mps",
+        action="store_true",
+        help="run both processes under a CUDA MPS control daemon of the bench's own (hybrid_core.mps_daemon; its "
+        "kernels may then overlap instead of time-slicing the GPU); the rows get ' MPS' in their names",
+    )
     return ap.parse_args()
 
 
@@ -102,16 +115,23 @@ def _activities(device) -> list:
     return [*acts, torch.profiler.ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else acts
 
 
-def _print_profile(title: str, prof) -> None:
+def _print_profile(title: str, prof, trace_dir: str | None = None) -> None:
     """The ops of one profiled sync by CPU time and, on a GPU, by CUDA time (what verification adds shows against the
-    unverified sync's tables)."""
+    unverified sync's tables); with ``trace_dir`` its Chrome trace too."""
+    if trace_dir:
+        import os
+
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, "ws_trace_" + title.replace(", ", "_").replace(" ", "_") + ".json")
+        prof.export_chrome_trace(path)
+        print(f"== trace: {path}", flush=True)
     table = prof.key_averages()
     print(f"== profile: {title}, by CPU time\n{table.table(sort_by='cpu_time_total', row_limit=14)}", flush=True)
     if any(getattr(e, "device_time_total", 0) for e in table):
         print(f"== profile: {title}, by device time\n{table.table(sort_by='self_device_time_total', row_limit=10)}")
 
 
-def ipc_engine(shape: tuple[bool, str], device: str, requests, replies) -> None:
+def ipc_engine(shape: tuple[bool, str], device: str, requests, replies, trace_dir: str | None = None) -> None:
     """Holds its own model on the same device; loads IPC buckets into it (verified against its parameters) and
     acknowledges each."""
     from hybrid_core.errors import WeightSyncMismatch
@@ -141,7 +161,7 @@ def ipc_engine(shape: tuple[bool, str], device: str, requests, replies) -> None:
                     prof.__enter__()
                 else:
                     prof.__exit__(None, None, None)
-                    _print_profile(f"engine, {msg[2]} sync", prof)
+                    _print_profile(f"engine, {msg[2]} sync", prof, trace_dir)
                 replies.put(("ok", None))
             elif msg == "busy":  # seconds spent in load_ipc_bucket since the last ask (the engine's share of a sync)
                 replies.put(("busy", sum(busy)))
@@ -270,7 +290,9 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
     model = build_llama(args.small, device, _dtype(device), size=args.size)
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
-    engine = ctx.Process(target=ipc_engine, args=((args.small, args.size), str(device), requests, replies), daemon=True)
+    engine = ctx.Process(
+        target=ipc_engine, args=((args.small, args.size), str(device), requests, replies, args.trace), daemon=True
+    )
     engine.start()
     try:
         _reply(replies, "ready", args.timeout)
@@ -336,7 +358,7 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
                 flush=True,
             )
         for mode, prof in sender_profile:
-            _print_profile(f"sender, {mode} sync", prof)
+            _print_profile(f"sender, {mode} sync", prof, args.trace)
         for mode, values in engine_busy.items():
             what = mode if "sender" in mode else f"{mode} engine load_ipc_bucket"
             print(f"{what}: median {statistics.median(values) * 1e3:.2f} ms a sync", flush=True)
@@ -375,10 +397,11 @@ def bench_ipc(args, device: torch.device, rows: list[Row]) -> None:
     print("ipc: engine weights bit-exact", flush=True)
     _check_caught("ipc", caught)
     what = "CUDA IPC buckets" if device.type == "cuda" else "shared-memory buckets, CPU"
+    what += ", both processes under CUDA MPS" if args.mps else ""
     what += ", 6.7B Llama, 13.5 GB" if args.size == "7b" else ""
     rows += [
         Row(
-            "weight sync GB/s",
+            "weight sync" + (" 7B" if args.size == "7b" else "") + (" MPS" if args.mps else "") + " GB/s",
             statistics.median(rates[1:] or rates),
             f"GB/s ({what}, {args.bucket_mb:g} MB, median, verified)",
         ),
@@ -496,6 +519,7 @@ def overhead_rows(times: dict[str, list[float]], what: str, args, paths: str) ->
     off = statistics.mean(times["off"][:n])
     rows = []
     size = " 7B" if args.size == "7b" else ""  # the 1B rows keep the issue's metric names
+    size += " MPS" if args.mps else ""
     for mode, name, how in (
         ("sampled", f"weight sync verify overhead{size} %", f"sampled: 1/{PERIOD} of the bytes a sync"),
         ("full", f"weight sync verify overhead full{size} %", "full: every piece"),
@@ -539,6 +563,27 @@ def main() -> int:
         args.rounds = 1 + len(MODES) * (3 * PERIOD if not args.small else 2)  # GPU: 1 rotation warm, 2 measured
     if args.bucket_mb is None:
         args.bucket_mb = 1 / 32 if args.small else 512  # small: many buckets, some tensors larger than one
+    if args.mps and args.small:
+        print("--mps needs a GPU", file=sys.stderr)
+        return 2
+    daemon = None
+    if args.mps:  # before this process or the engine's creates a CUDA context: both become MPS clients
+        import os
+        import tempfile
+
+        from hybrid_core.mps_daemon import MpsDaemon
+
+        daemon = MpsDaemon(tempfile.mkdtemp(prefix="ws-mps-log-"))
+        os.environ.update(daemon.start())
+        print(f"CUDA MPS: a control daemon of this bench's own ({daemon.pipe_dir})", flush=True)
+    try:
+        return _run(args)
+    finally:
+        if daemon is not None:
+            daemon.stop()
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.small:
         device = torch.device("cpu")
     else:
