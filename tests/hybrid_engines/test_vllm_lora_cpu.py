@@ -42,33 +42,62 @@ def adapter(seed: int) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-class FakeLoRAManager:
-    """Records what the worker does with vLLM's ``LRUCacheWorkerLoRAManager`` (the calls the contract test checks)."""
+class FakeMapper:
+    """The model's ``hf_to_vllm_mapper``: vLLM's LoRA loading uses its unstacked variant (q_proj stays q_proj)."""
 
-    def __init__(self):
-        self.lora_config = SimpleNamespace(max_lora_rank=8, lora_dtype=torch.float32)
-        self.vocab_size = 100
-        self.adapters: dict[int, object] = {}
-        self.calls: list[tuple] = []
-        self._adapter_manager = SimpleNamespace(
-            model=SimpleNamespace(hf_to_vllm_mapper=None), add_adapter=self._add, activate_adapter=self._activate
-        )
+    unstacked = SimpleNamespace(name="unstacked mapper")
 
-    def list_adapters(self):
-        return set(self.adapters)
+    def get_unstacked_mapper(self):
+        return self.unstacked
+
+
+class FakeModelManager:
+    """Records what the worker does with vLLM's ``LRUCacheLoRAModelManager`` (the calls the contract test checks)."""
+
+    def __init__(self, calls: list[tuple], capacity: int = 1):
+        self.calls, self.capacity, self.adapters = calls, capacity, {}
+        self.model = SimpleNamespace(hf_to_vllm_mapper=FakeMapper(), lora_skip_prefixes=None)
+        self.supported_lora_modules = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # Qwen2's, as vLLM lists
+        self.packed_modules_mapping = {
+            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+            "gate_up_proj": ["gate_proj", "up_proj"],
+        }
+
+    def __len__(self):
+        return len(self.adapters)
 
     def remove_adapter(self, lora_id):
         self.calls.append(("remove", lora_id))
         return self.adapters.pop(lora_id, None) is not None
 
-    def _add(self, lora):
+    def remove_oldest_adapter(self):
+        oldest = next(iter(self.adapters))
+        self.calls.append(("evict", oldest))
+        del self.adapters[oldest]
+        return True
+
+    def add_adapter(self, lora):
         self.calls.append(("add", lora.id))
         self.adapters[lora.id] = lora
         return True
 
-    def _activate(self, lora_id):
+    def activate_adapter(self, lora_id):
         self.calls.append(("activate", lora_id))
         return True
+
+
+class FakeLoRAManager:
+    """vLLM's ``LRUCacheWorkerLoRAManager``: the attributes the worker reads, and its model manager."""
+
+    def __init__(self):
+        self.lora_config = SimpleNamespace(max_lora_rank=8, lora_dtype=torch.float32)
+        self.vocab_size, self.max_position_embeddings = 100, 4096
+        self.calls: list[tuple] = []
+        self._adapter_manager = FakeModelManager(self.calls)
+
+    @property
+    def adapters(self):
+        return self._adapter_manager.adapters
 
 
 class CpuWorker(HybridWorkerExtension):
@@ -106,7 +135,9 @@ def engine(monkeypatch):
         @classmethod
         def from_lora_tensors(cls, **kw):
             built.append(kw)
-            return SimpleNamespace(id=kw["lora_model_id"], tensors=dict(kw["tensors"]), kw=kw)
+            # vLLM's parse_fine_tuned_lora_name of PEFT's names: the module's name, one entry per A/B pair
+            loras = {n.removeprefix("base_model.model.").rsplit(".", 2)[0]: None for n in kw["tensors"]}
+            return SimpleNamespace(id=kw["lora_model_id"], tensors=dict(kw["tensors"]), loras=loras, kw=kw)
 
     class PEFTHelper:
         @classmethod
@@ -179,8 +210,11 @@ def test_an_adapter_sync_becomes_vllms_adapter_by_tensor_and_every_generate_then
     sent, got = broadcast(engine, first)
     assert got.bytes == sent.bytes == sum(t.numel() * t.element_size() for _, t in first)
     (call,) = engine.built
-    assert call["peft_helper"].config == SPEC.peft_config() and call["lora_model_id"] == 1
+    assert call["peft_helper"].config == {**SPEC.peft_config(), "vllm_max_position_embeddings": 4096}
+    assert call["lora_model_id"] == 1
     assert call["device"] == "cpu" and call["dtype"] == torch.float32 and call["model_vocab_size"] == 100
+    # vLLM's _load_adapter's mapper: q_proj/v_proj kept for add_adapter to pack into qkv_proj's slices
+    assert call["weights_mapper"] is FakeMapper.unstacked and call["skip_prefixes"] is None
     assert all(torch.equal(call["tensors"][n], t) for n, t in first) and len(call["tensors"]) == len(first)
     engine.generate([[1, 2]], params)
     request = engine.llm.requests[-1]
@@ -189,7 +223,7 @@ def test_an_adapter_sync_becomes_vllms_adapter_by_tensor_and_every_generate_then
     stats = ipc(engine, second)
     assert stats.bytes == sent.bytes
     manager = engine.llm.worker.model_runner.lora_manager
-    assert manager.calls == [("add", 1), ("activate", 1), ("remove", 1), ("add", 1), ("activate", 1)]
+    assert manager.calls == [("remove", 1), ("add", 1), ("activate", 1)] * 2  # LRUCacheWorkerLoRAManager's order
     assert all(torch.equal(manager.adapters[1].tensors[n], t) for n, t in second)
     engine.generate([[1, 2]], params)
     assert engine.llm.requests[-1].lora_int_id == 1
@@ -218,3 +252,38 @@ def test_an_adapter_that_does_not_pair_up_or_changes_modules_is_refused(engine):
     other = [(n.replace("v_proj", "k_proj"), t) for n, t in adapter(2)]
     with pytest.raises(RuntimeError, match="unlike the last sync"):
         ipc(engine, other)
+
+
+def test_a_full_adapter_cache_gives_up_its_oldest_as_vllms_own_add_adapter_does(engine):
+    manager = engine.llm.worker.model_runner.lora_manager
+    manager.adapters[7] = SimpleNamespace(id=7)  # another adapter fills the cache (max_cpu_loras = 1)
+    ipc(engine, adapter(1))
+    assert manager.calls == [("remove", 1), ("evict", 7), ("add", 1), ("activate", 1)]
+    assert set(manager.adapters) == {1}
+
+
+def test_an_adapter_naming_modules_vllm_has_no_layer_for_is_refused(engine):
+    other = [(n.replace("self_attn.v_proj", "self_attn.rotary"), t) for n, t in adapter(1)]
+    with pytest.raises(RuntimeError, match="no LoRA layer for") as e:
+        ipc(engine, other)
+    assert "model.layers.0.self_attn.rotary" in str(e.value)
+    assert engine.llm.worker.model_runner.lora_manager.calls == []  # nothing removed or added
+
+
+def test_vllms_expected_lora_modules_take_the_parts_of_packed_modules_and_not_the_packed_name():
+    """``_load_adapter``'s expected names: an adapter's ``qkv_proj`` (what the model's loading mapper makes of
+    ``q_proj``, the IndexError in the merged layer's ``set_lora``) is not one of them; its parts are."""
+    from hybrid_engines.vllm_worker import _unexpected_lora_modules
+
+    supported = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    layer = "model.layers.0"
+    parts = [f"{layer}.self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    parts += [f"{layer}.mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+    assert _unexpected_lora_modules(parts, supported, packed) == []
+    fused = [f"{layer}.self_attn.qkv_proj", f"{layer}.mlp.gate_up_proj", f"{layer}.mlp.down_proj"]
+    assert _unexpected_lora_modules(fused, supported, packed) == sorted(fused[:2])
+    # MoE experts: the suffix from ".experts" on is checked, as from_local_checkpoint checks it
+    moe = {"experts": ["experts.0.gate_proj", "experts.0.down_proj"]}
+    names = [f"{layer}.mlp.experts.0.gate_proj", f"{layer}.mlp.experts.1.gate_proj", f"{layer}.mlp.experts.base_layer"]
+    assert _unexpected_lora_modules(names, ["experts"], moe) == [names[1]]

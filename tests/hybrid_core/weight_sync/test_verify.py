@@ -302,18 +302,93 @@ def ipc_sync(named, *, verify=True, stale: str | None = None):
     return held, buckets
 
 
+def sent_sums(buckets) -> dict[int, tuple[int, ...]]:
+    """The sender's checksums by bucket index, whichever bucket carried them."""
+    return {index: sums for b in buckets for index, sums in b.sums}
+
+
 def test_ipc_buckets_carry_checksums_and_a_clean_sync_verifies(no_faults):
     named = weights()
     held, buckets = ipc_sync(named)
-    assert all(b.checksums is not None and len(b.checksums) == len(b.entries) for b in buckets if b.entries)
+    assert all(b.checked is not None and all(b.checked) for b in buckets if b.entries)
+    sums = sent_sums(buckets)  # every checked bucket's checksums arrive, one per checked entry ...
+    assert {b.index: len(b.entries) for b in buckets if b.entries} == {i: len(v) for i, v in sums.items()}
+    for b in buckets:  # ... with the bucket itself where nothing follows it, else with the next one
+        if b.entries:
+            carrier = b if (b.last or not b.reusable) else next(c for c in buckets if c.index == b.index + 1)
+            assert b.index in dict(carrier.sums)
+    assert len({b.sync for b in buckets}) == 1
     assert all(torch.equal(held[n], t) for n, t in named)
     _, unchecked = ipc_sync(named, verify=False)
-    assert all(b.checksums is None for b in unchecked)
+    assert all(b.checked is None and not b.sums for b in unchecked)
+
+
+@pytest.mark.parametrize("corrupt_first_loaded", [False, True])
+def test_an_engine_taking_the_buckets_out_of_order_still_checks_the_whole_sync(no_faults, corrupt_first_loaded):
+    """An engine serving calls concurrently (max_concurrency > 1) may load a sync's buckets in any order: the
+    comparison waits until every bucket is in, and a corruption in the bucket loaded first is still named."""
+    named = weights()
+    held = {n: torch.zeros_like(t) for n, t in named}
+
+    def load(pairs):
+        for name, tensor in pairs:
+            held[name].copy_(tensor)
+
+    buckets = []
+    sender = IpcBucketSender(20000, device="cpu")  # two buckets, no buffer reused: [embed, q, norm, mask], [lm_head]
+    try:
+        sender.send(named, deliver=buckets.append, wait=lambda _: None)
+        assert [b.index for b in buckets] == [0, 1] and buckets[1].last
+        if corrupt_first_loaded:
+            no_faults.setenv(faults.ENV, "receiver:bucket:corrupt:1")
+        load_ipc_bucket(buckets[1], load, held.get)  # the last bucket first: nothing compared yet
+        if corrupt_first_loaded:
+            with pytest.raises(WeightSyncMismatch, match=r"lm_head\.weight \(bucket 1"):
+                load_ipc_bucket(buckets[0], load, held.get)
+        else:
+            load_ipc_bucket(buckets[0], load, held.get)
+            assert all(torch.equal(held[n], t) for n, t in named)
+    finally:
+        sender.close()
+
+
+def test_late_checksums_are_the_sending_buckets_and_a_missing_one_is_refused(no_faults):
+    """The checksums a later bucket carries are the earlier bucket's own (recomputed here from the tensors), and a
+    receiver that never gets a checked bucket's checksums fails the sync instead of passing it unchecked."""
+    from dataclasses import replace
+
+    from hybrid_core.weight_sync.verify import tensors_checksums
+
+    named = weights()
+    _, buckets = ipc_sync(named)
+    tensors = dict(named)
+    for b in buckets:
+        if b.entries:
+            mine = [tensor_bytes(tensors[m.name]) for m, _ in b.entries]
+            sizes = [t.element_size() for t in (tensors[m.name] for m, _ in b.entries)]
+            assert sent_sums(buckets)[b.index] == tuple(tensors_checksums(mine, sizes).tolist())
+    held = {n: torch.zeros_like(t) for n, t in named}
+
+    def load(pairs):
+        for name, tensor in pairs:
+            held[name].copy_(tensor)
+
+    late = next(b for b in buckets if b.sums and b.sums[0][0] != b.index)  # carries another bucket's checksums
+    sender = IpcBucketSender(BUCKET, device="cpu")
+    try:
+        with pytest.raises(WeightSyncMismatch, match=r"checksums on one side only"):
+            sender.send(
+                named,
+                deliver=lambda b: load_ipc_bucket(replace(b, sums=()) if b.index == late.index else b, load, held.get),
+                wait=lambda _: None,
+            )
+    finally:
+        sender.close()
 
 
 def test_an_ipc_bucket_corrupted_in_flight_or_loaded_stale_names_the_parameter(no_faults):
     no_faults.setenv(faults.ENV, "receiver:bucket:corrupt:2")
-    with pytest.raises(WeightSyncMismatch, match=r"IPC receiver: 1 of 3 tensor piece\(s\) differ .*layer\.0\.q\."):
+    with pytest.raises(WeightSyncMismatch, match=r"IPC receiver: 1 of \d+ tensor piece\(s\) differ .*layer\.0\.q\."):
         ipc_sync(weights())  # bucket 0: the oversize embedding alone; bucket 1 starts with q
     no_faults.delenv(faults.ENV)
     with pytest.raises(WeightSyncMismatch, match=r"lm_head\.weight \(bucket \d+, checked in the engine's parameter"):
@@ -399,11 +474,13 @@ def test_a_sampled_sync_checks_only_its_pieces_and_the_first_one_checks_all(pair
 def test_ipc_buckets_in_sampled_mode_carry_only_the_sampled_checksums(no_faults):
     named = weights()
     _, first = ipc_sync(named, verify=VerifyPolicy("sampled", 0))
-    assert all(None not in b.checksums for b in first if b.entries)
+    assert all(b.checked is not None and all(b.checked) for b in first if b.entries)
     counts = []
     for n in range(1, PERIOD + 1):
         _, later = ipc_sync(named, verify=VerifyPolicy("sampled", n))
-        counts.append(sum(c is not None for b in later if b.checksums for c in b.checksums))
+        marked = sum(sum(b.checked) for b in later if b.checked)
+        assert marked == sum(len(v) for v in sent_sums(later).values())  # a checksum per mark, no more
+        counts.append(marked)
     assert sum(counts) == len(named)  # each tensor exactly once per rotation
     no_faults.setenv(faults.ENV, "receiver:bucket:corrupt:2")
     with pytest.raises(WeightSyncMismatch, match=r"layer\.0\.q\."):

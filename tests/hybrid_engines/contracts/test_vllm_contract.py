@@ -202,3 +202,102 @@ def test_the_lora_path_loads_an_adapter_by_tensor_with_vllms_own_calls():
     from vllm.v1.worker import lora_model_runner_mixin
 
     assert "self.lora_manager = LRUCacheWorkerLoRAManager(" in inspect.getsource(lora_model_runner_mixin)
+
+
+def test_the_adapter_by_tensor_takes_the_steps_of_vllms_own_add_adapter_and_packs_as_a_file_would():
+    """The worker's ``_hybrid_set_adapter`` repeats ``LRUCacheWorkerLoRAManager.add_adapter`` with tensors in memory
+    in place of ``_load_adapter``'s file. Checked here: the steps of ``_load_adapter`` it repeats are still vLLM's,
+    the model manager's calls come in vLLM's order, and -- run on the CPU with Qwen2's mapper and packed modules --
+    the LoRAModel it builds is packed by vLLM's own ``_create_merged_loras_inplace`` into the per-slice lists a
+    merged layer's ``set_lora`` takes (the model's loading mapper instead fused q/k/v under one ``qkv_proj``
+    tensor before packing: IndexError in ``MergedQKVParallelLinearWithLoRA.set_lora`` on the GPU)."""
+    import types
+
+    import torch
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.lora_weights import LoRALayerWeights, PackedLoRALayerWeights
+    from vllm.lora.model_manager import LoRAModelManager, LRUCacheLoRAModelManager
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
+    from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+
+    from hybrid_engines.weight_sync.adapter import AdapterSpec
+
+    load = inspect.getsource(WorkerLoRAManager._load_adapter)
+    for step in ("supported_lora_modules", "packed_modules_mapping", "PEFTHelper.from_local_dir", "validate_legal"):
+        assert step in load, f"vLLM's _load_adapter no longer uses {step}"
+    for step in ("get_unstacked_mapper()", "lora_skip_prefixes", "from_local_checkpoint"):
+        assert step in load, f"vLLM's _load_adapter no longer uses {step}"
+    assert '"vllm_max_position_embeddings"' in inspect.getsource(PEFTHelper.from_local_dir)
+    assert "self.max_position_embeddings" in inspect.getsource(WorkerLoRAManager.__init__)
+    assert "skip_prefixes" in _params(LoRAModel.from_lora_tensors)
+    assert "return cls.from_lora_tensors(" in inspect.getsource(LoRAModel.from_local_checkpoint)
+    assert "self._create_merged_loras_inplace(" in inspect.getsource(LoRAModelManager._add_adapter)
+    assert "self._add_adapter(" in inspect.getsource(LRUCacheLoRAModelManager.add_adapter)
+
+    def order(fn) -> list[str]:
+        source = inspect.getsource(fn)
+        calls = (".remove_adapter(", ".remove_oldest_adapter(", ".add_adapter(", ".activate_adapter(")
+        return sorted((c for c in calls if c in source), key=source.index)
+
+    steps = [".remove_adapter(", ".remove_oldest_adapter(", ".add_adapter(", ".activate_adapter("]
+    assert order(LRUCacheWorkerLoRAManager.add_adapter) == steps
+    assert order(vllm_worker.HybridWorkerExtension._hybrid_set_adapter) == steps
+    for attr in ("capacity", "__len__", "remove_oldest_adapter", "supported_lora_modules", "packed_modules_mapping"):
+        assert hasattr(LRUCacheLoRAModelManager, attr) or attr in inspect.getsource(LoRAModelManager.__init__), attr
+
+    # Qwen2's names (the 7B of bench/lora_gpu.py, shrunk): every linear layer, PEFT's wire names
+    r, hidden, kv, inter = 16, 64, 16, 96
+    outs = {"q_proj": hidden, "k_proj": kv, "v_proj": kv, "o_proj": hidden}
+    outs |= {"gate_proj": inter, "up_proj": inter, "down_proj": hidden}
+    ins = {m: (inter if m == "down_proj" else hidden) for m in outs}
+    where = {m: ("mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn") for m in outs}
+    tensors = {}
+    for m, out in outs.items():
+        wire = f"base_model.model.model.layers.0.{where[m]}.{m}"
+        tensors[f"{wire}.lora_A.weight"] = torch.randn(r, ins[m])
+        tensors[f"{wire}.lora_B.weight"] = torch.randn(out, r)
+    sent_k = tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"].clone()
+    spec = AdapterSpec(rank=r, alpha=2 * r, target_modules="all-linear")
+    helper = PEFTHelper.from_dict({**spec.peft_config(), "vllm_max_position_embeddings": 4096})
+    mapper = Qwen2ForCausalLM.hf_to_vllm_mapper
+    packed = dict(Qwen2ForCausalLM.packed_modules_mapping)
+    supported = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # get_supported_lora_modules of Qwen2
+
+    def build(weights_mapper):
+        return LoRAModel.from_lora_tensors(
+            lora_model_id=1, tensors=tensors, peft_helper=helper, device="cpu", dtype=torch.float32,
+            model_vocab_size=100, weights_mapper=weights_mapper, skip_prefixes=None,
+        )  # fmt: skip
+
+    fused = build(mapper)  # the bug: q/k/v land on one qkv_proj entry, each overwriting the last
+    assert "model.layers.0.self_attn.qkv_proj" in fused.loras and "model.layers.0.self_attn.q_proj" not in fused.loras
+    assert vllm_worker._unexpected_lora_modules(fused.loras, supported, packed) == [
+        "model.layers.0.mlp.gate_up_proj",
+        "model.layers.0.self_attn.qkv_proj",
+    ]
+    lora = build(mapper.get_unstacked_mapper())
+    assert set(lora.loras) == {f"model.layers.0.{where[m]}.{m}" for m in outs}
+    assert vllm_worker._unexpected_lora_modules(lora.loras, supported, packed) == []
+
+    # vLLM's own packing: the model manager's _register_packed_modules and _create_merged_loras_inplace, on an
+    # object holding only what they read of a manager (one for a model with no LoRA layer wrapped: modules={})
+    manager = types.SimpleNamespace(
+        packed_modules={}, packed_modules_mapping=packed, is_pooling_model=False, modules={},
+        _enable_moe_shared_loras=False, _is_non_gated_moe=False,
+    )  # fmt: skip
+    manager._get_lora_layer_weights = types.MethodType(LoRAModelManager._get_lora_layer_weights, manager)
+    layer_modules = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    for name in layer_modules:
+        LoRAModelManager._register_packed_modules(manager, f"model.layers.0.{name}")
+    LoRAModelManager._create_merged_loras_inplace(manager, lora)
+    assert set(lora.loras) == {f"model.layers.0.{name}" for name in layer_modules}
+    qkv, gate_up = lora.loras["model.layers.0.self_attn.qkv_proj"], lora.loras["model.layers.0.mlp.gate_up_proj"]
+    assert isinstance(qkv, PackedLoRALayerWeights) and isinstance(gate_up, PackedLoRALayerWeights)
+    assert [tuple(a.shape) for a in qkv.lora_a] == [(r, hidden)] * 3  # what set_lora indexes per slice
+    assert [tuple(b.shape) for b in qkv.lora_b] == [(hidden, r), (kv, r), (kv, r)]
+    assert [tuple(b.shape) for b in gate_up.lora_b] == [(inter, r)] * 2
+    down = lora.loras["model.layers.0.mlp.down_proj"]
+    assert type(down) is LoRALayerWeights and tuple(down.lora_a.shape) == (r, inter)
+    # optimize() folds the scaling into B (in place: .to() of a tensor already on the device is that tensor)
+    assert torch.allclose(qkv.lora_b[1], sent_k * spec.scaling)

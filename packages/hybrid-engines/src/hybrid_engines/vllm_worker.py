@@ -18,17 +18,20 @@ worker checks the bytes it received (the buckets it hands to ``load_weights``) a
 LoRA (adapter-only sync, ``hybrid_engines.weight_sync.adapter``): ``hybrid_receive_adapter`` /
 ``hybrid_load_adapter_ipc`` receive the adapter's tensors over the same transports (checked against the trainer's
 checksums over this worker's own copies of them, the tensors the adapter is built from), then build vLLM's
-``LoRAModel`` from them in memory (``LoRAModel.from_lora_tensors`` with a ``PEFTHelper.from_dict`` of the run's LoRA
-config, as vLLM's own ``WorkerLoRAManager._load_adapter`` does from a file) and put it in the worker's LoRA manager
-under the run's one adapter id, replacing the previous one (``remove_adapter``, then the model manager's
-``add_adapter`` / ``activate_adapter``, the calls ``add_dummy_lora`` makes for its warm-up adapters): no file is
-written or read, and a request carrying that id finds it loaded. A sync whose tensors do not pair up (an A without
-its B) or name other modules than the last one is refused, naming them.
+``LoRAModel`` from them in memory and put it in the worker's LoRA manager under the run's one adapter id, replacing
+the previous one, by the steps of vLLM's own ``LRUCacheWorkerLoRAManager.add_adapter`` with the tensors in place of
+its ``_load_adapter``'s file: ``LoRAModel.from_lora_tensors`` (what ``from_local_checkpoint`` ends in) with a
+``PEFTHelper.from_dict`` of the run's LoRA config, the model's *unstacked* name mapper and its skipped prefixes, the
+same check of module names; then the model manager's ``remove_adapter``, ``remove_oldest_adapter`` when full,
+``add_adapter`` (which packs ``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``'s per-slice lists) and
+``activate_adapter``. No file is written or read, and a request carrying that id finds it loaded. A sync whose tensors
+do not pair up (an A without its B), name other modules than the last one or modules vLLM does not expect is
+refused, naming them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -252,9 +255,17 @@ class HybridWorkerExtension:
                 "same modules each sync."
             )
         manager = self.model_runner.lora_manager  # vLLM's LRUCacheWorkerLoRAManager (LLM(enable_lora=True))
-        helper = PEFTHelper.from_dict(peft_config)
+        adapters = manager._adapter_manager  # its LRUCacheLoRAModelManager
+        # PEFTHelper.from_local_dir's one addition to the file's config
+        helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
         helper.validate_legal(manager.lora_config)  # the rank against max_lora_rank, as a file's config is checked
-        model = manager._adapter_manager.model
+        model = adapters.model
+        # As _load_adapter: the mapper without its q/k/v -> qkv_proj (gate/up -> gate_up_proj) fusion, so the names
+        # stay q_proj... and add_adapter packs them into per-slice lists; the loading mapper would put all three
+        # under one qkv_proj weight, which the merged layer's set_lora cannot take (IndexError in set_lora).
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        if mapper is not None:
+            mapper = mapper.get_unstacked_mapper()
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=lora_id,
             tensors=tensors,
@@ -262,12 +273,24 @@ class HybridWorkerExtension:
             device=str(self._hybrid_device()),  # already here: no round trip through host memory
             dtype=manager.lora_config.lora_dtype,
             model_vocab_size=manager.vocab_size,
-            weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
+            weights_mapper=mapper,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
-        if lora_id in manager.list_adapters():
-            manager.remove_adapter(lora_id)
-        manager._adapter_manager.add_adapter(lora)
-        manager._adapter_manager.activate_adapter(lora_id)
+        # from_local_checkpoint's check: a module no layer takes would be dropped silently by activate_adapter
+        unexpected = _unexpected_lora_modules(
+            lora.loras, adapters.supported_lora_modules, adapters.packed_modules_mapping
+        )
+        if unexpected:
+            raise RuntimeError(
+                f"vLLM worker rank {self.rank}: the adapter names modules vLLM's model has no LoRA layer for: "
+                f"{unexpected[:3]}. Target only the model's linear layers (names as in the HF checkpoint)."
+            )
+        # LRUCacheWorkerLoRAManager.add_adapter from here on (the adapter replaced in place, as load_inplace=True)
+        adapters.remove_adapter(lora.id)
+        if len(adapters) + 1 > adapters.capacity:
+            adapters.remove_oldest_adapter()
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(lora.id)
         self._hybrid_adapter_names = names
 
     # ---- the KV cache alone (residency) --------------------------------------------------------------------------
@@ -381,6 +404,27 @@ class _LayerwiseReload:
 
         finalize_layerwise_reload(self.model, self.model_config)
         torch.cuda.synchronize()
+
+
+def _unexpected_lora_modules(
+    modules: Iterable[str], supported: Iterable[str], packed_mapping: dict[str, list[str]]
+) -> list[str]:
+    """The parsed LoRA module names (``model.layers.0.self_attn.q_proj``) vLLM would refuse in an adapter's file:
+    ``WorkerLoRAManager._load_adapter``'s expected names (a packed module stands for its parts: ``qkv_proj`` for
+    ``q_proj``/``k_proj``/``v_proj``, never itself) checked as ``LoRAModel.from_local_checkpoint`` checks them."""
+    expected: set[str] = set()
+    for module in supported:
+        expected.update(packed_mapping.get(module, [module]))
+        if module == "experts":
+            expected.add(module)
+    unexpected = []
+    for name in modules:
+        if "base_layer" in name:  # PEFT's 3-D MoE layout (experts.base_layer: gate_up_proj), as vLLM skips it
+            continue
+        suffix = name[name.find(".experts") + 1 :] if ".experts" in name else name.rsplit(".", 1)[-1]
+        if suffix not in expected:
+            unexpected.append(name)
+    return sorted(unexpected)
 
 
 def _partner(name: str) -> str:
