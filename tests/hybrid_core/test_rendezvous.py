@@ -198,3 +198,29 @@ def _my_listeners() -> list[tuple[str, int]]:
                     address, hex_port = fields[1].rsplit(":", 1)
                     found.append((address, int(hex_port, 16)))
     return found
+
+
+def test_a_group_outlives_its_caller_dropping_the_store():
+    """The process groups call back into the Python store: one whose caller dropped the returned store must still
+    work (its Python half collected, a later ``new_group`` failed "fn INTERNAL ASSERT FAILED ... Not implemented":
+    DeepSpeed's first broadcast did, in bench/trainer_gpu.py). In a process of its own: it makes the default group."""
+    import subprocess
+    import sys
+
+    code = """
+import gc
+from datetime import timedelta
+import torch, torch.distributed as dist
+from hybrid_core import rendezvous
+port = rendezvous.free_port()
+dist.init_process_group("gloo", store=rendezvous.open_store("127.0.0.1", port, 1, is_master=True,
+    timeout=timedelta(seconds=10)), rank=0, world_size=1)
+gc.collect()
+group = dist.new_group([0])  # goes through the store
+t = torch.ones(1)
+dist.all_reduce(t, group=group)
+print("ok", float(t))
+dist.destroy_process_group()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ok 1.0" in done.stdout, done.stderr[-2000:]

@@ -216,7 +216,15 @@ def open_store(
         )
     else:
         store = dist.TCPStore(host, port, world_size, False, timeout)
-    return RendezvousStore(store, what)
+    wrapped = RendezvousStore(store, what)
+    # The process groups keep the C++ half of a Python store; should its Python half be collected (a caller that
+    # drops the returned store), their calls into it fail as "fn INTERNAL ASSERT FAILED ... Not implemented" (seen:
+    # DeepSpeed's first broadcast in bench/trainer_gpu.py). Kept for the process's life: a few small objects.
+    _OPENED.append(wrapped)
+    return wrapped
+
+
+_OPENED: list[RendezvousStore] = []
 
 
 class _Store(Protocol):
