@@ -17,7 +17,10 @@ Each phase runs in a process of its own (a fresh vLLM each). Rows (``<size>``: 7
 <size>`` (median of the syncs after the first; goal <= 0.05 at 7B), ``lora full-weights sync s <size>`` (the
 baseline), ``lora sync speedup vs full <size> x``, ``lora adapter MB <size>``, ``lora engine vs merged logprob diff
 <size>`` (mean |engine - merged HF| over the generated tokens), plus printed-only diagnostics (the max, the base's
-shift, the first sync). Exit 1 when the engine does not generate with the adapter.
+shift, the first sync, the engine's share of a sync and its last call's, where the adapter is built). Agreement is
+judged against ``--tolerance`` or, if larger, 3x the floor: the engine's own distance to HF on the *base* (its greedy
+tokens before the first adapter sync, scored by the HF base), the two implementations' bf16 noise. Exit 1 when the
+engine does not generate with the adapter.
 
     python bench/lora_gpu.py                         # 7B on the GPU (vLLM 0.26); the folder is built when missing
     python bench/lora_gpu.py --size 1.5b --record    # smaller; --record appends the rows to bench/RESULTS.md
@@ -38,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -64,7 +68,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-mem", type=float, default=0.45, help="vLLM's gpu_memory_utilization")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tolerance", type=float, default=0.05, help="mean |engine - merged| log-prob allowed")
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="mean |engine - merged| log-prob allowed (or 3x the engine's own distance to HF on the base, if larger)",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="seconds for any one wait")
     ap.add_argument("--record", action="store_true", help="append the rows to bench/RESULTS.md")
     ap.add_argument("--phase", choices=("lora", "full"), default=None, help=argparse.SUPPRESS)  # a child's
@@ -165,10 +174,12 @@ def trainer(conn, phase: str, model_dir: str, device: str, rank: int, alpha: flo
                 stream = iter(adapter.items()) if phase == "lora" else merged_stream(model, adapter, scaling)
                 conn.send(("done", sender.send(stream, deliver, wait).as_dict()))
             elif isinstance(command, tuple) and command[0] == "score":
-                _, prompts, completions = command
+                _, prompts, completions, base_completions = command
                 base = token_logprobs(model, prompts, completions)
+                floor = token_logprobs(model, prompts, base_completions)  # the engine's base tokens, the HF base
                 merge_in_place(model, adapter, scaling)  # the reference the engine must match
-                conn.send(("scores", {"base": base, "merged": token_logprobs(model, prompts, completions)}))
+                merged = token_logprobs(model, prompts, completions)
+                conn.send(("scores", {"base": base, "merged": merged, "floor": floor}))
             else:
                 break
         sender.close()
@@ -225,37 +236,51 @@ def run_phase(args) -> dict:
     try:
         _, ready = _answer(parent, args.timeout)
         result.update(ready)
-        seconds, nbytes = [], []
+        import random
+
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1000) for _ in range(24)] for _ in range(args.prompts)]
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+        # before the first adapter sync the engine serves the base: its distance to the HF base on the same tokens is
+        # the two implementations' own noise (bf16 kernels), the floor the adapter's agreement is judged against
+        base_outs = engine.generate(prompts, greedy) if args.phase == "lora" else None
+        seconds, nbytes, engine_s, last_call_s = [], [], [], []
         for _ in range(args.syncs):
             parent.send("go")
+            calls = []
             while True:
                 kind, payload = _answer(parent, args.timeout)
                 if kind == "done":
                     break
+                start = time.perf_counter()
                 engine.update_weights_from_ipc(payload)
+                calls.append(time.perf_counter() - start)
                 parent.send(payload.index)
             seconds.append(payload["seconds"])
             nbytes.append(payload["bytes"])
-        result.update(seconds=seconds, bytes=nbytes)
+            engine_s.append(sum(calls))
+            last_call_s.append(calls[-1] if calls else 0.0)  # the last bucket: the adapter is built there
+        result.update(seconds=seconds, bytes=nbytes, engine_seconds=engine_s, last_call_seconds=last_call_s)
         if args.phase == "lora":
-            import random
-
-            rng = random.Random(0)
-            prompts = [[rng.randrange(1000) for _ in range(24)] for _ in range(args.prompts)]
-            outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens))
+            outs = engine.generate(prompts, greedy)
             completions = [per[0].token_ids for per in outs]
-            parent.send(("score", prompts, completions))
+            base_completions = [per[0].token_ids for per in base_outs]
+            parent.send(("score", prompts, completions, base_completions))
             _, scores = _answer(parent, args.timeout)
             engine_lp = [lp for per in outs for lp in per[0].logprobs]
             merged_lp = [lp for per in scores["merged"] for lp in per]
             base_lp = [lp for per in scores["base"] for lp in per]
+            engine_base_lp = [lp for per in base_outs for lp in per[0].logprobs]
+            floor_lp = [lp for per in scores["floor"] for lp in per]
             diffs = [abs(a - b) for a, b in zip(engine_lp, merged_lp)]
             shift = [abs(a - b) for a, b in zip(base_lp, merged_lp)]
+            floor = [abs(a - b) for a, b in zip(engine_base_lp, floor_lp)]
             result.update(
                 tokens=len(diffs),
                 mean_diff=statistics.fmean(diffs),
                 max_diff=max(diffs),
                 base_shift=statistics.fmean(shift),
+                base_floor=statistics.fmean(floor),
             )
         parent.send("bye")
     finally:
@@ -305,7 +330,19 @@ def main(argv=None) -> int:
         Row(f"lora sync speedup vs full {size} x", steady["full"] / steady["lora"], "x"),
         Row(f"lora adapter MB {size}", lora["bytes"][-1] / 2**20, "MB sent per adapter-only sync"),
         Row(f"lora full-weights MB {size}", full["bytes"][-1] / 2**20, "MB sent per full sync", record=False),
-        Row(f"lora engine vs merged logprob diff {size}", lora["mean_diff"], "mean |engine - merged HF| (nats)"),
+        Row(
+            f"lora engine vs merged logprob diff {size}",
+            lora["mean_diff"],
+            f"mean |engine - merged HF| (nats; the base's own engine vs HF: {lora['base_floor']:.4f})",
+        ),
+        Row(f"lora engine vs HF base logprob diff {size}", lora["base_floor"], "nats (the floor)", record=False),
+        Row(
+            f"lora engine share of the sync {size}",
+            statistics.median(lora["engine_seconds"][1:] or lora["engine_seconds"]),
+            f"s in the engine's update calls (median; the last, which builds the adapter: "
+            f"{statistics.median(lora['last_call_seconds'][1:] or lora['last_call_seconds']):.4f} s)",
+            record=False,
+        ),
         Row(f"lora engine vs merged max logprob diff {size}", lora["max_diff"], "nats", record=False),
         Row(
             f"lora base vs merged logprob shift {size}", lora["base_shift"], "nats (the adapter's effect)", record=False
@@ -315,11 +352,15 @@ def main(argv=None) -> int:
     print_table(f"adapter-only vs merged weight sync, {args.engine}, {lora['device']}", rows)
     if os.environ.get("OUT"):  # a lent machine's results folder: both phases' raw numbers
         Path(os.environ["OUT"], "lora_gpu.json").write_text(json.dumps(results, indent=1))
-    ok = lora["bytes"][-1] == lora["adapter_bytes"] and lora["mean_diff"] <= args.tolerance
+    # agreement: within the tolerance, or within 3x the two implementations' own distance on the base (the adapter
+    # adds its own bf16 rounding: the engine's x @ A @ B against the merged W + s * B @ A)
+    allowed = max(args.tolerance, 3 * lora["base_floor"])
+    ok = lora["bytes"][-1] == lora["adapter_bytes"] and lora["mean_diff"] <= allowed
     ok = ok and lora["base_shift"] > 3 * lora["mean_diff"]  # the adapter is what the engine applies, not the base
     print(
         f"{'OK' if ok else 'FAILED'}: the engine generates with the adapter (mean diff {lora['mean_diff']:.4f} vs the "
-        f"merged model, {lora['base_shift']:.4f} vs the base, over {lora['tokens']} tokens); each sync sent "
+        f"merged model, allowed {allowed:.4f}: the base's own {lora['base_floor']:.4f} x 3 or --tolerance; "
+        f"{lora['base_shift']:.4f} vs the base, over {lora['tokens']} tokens); each sync sent "
         f"{lora['bytes'][-1]} bytes (the adapter: {lora['adapter_bytes']})"
     )
     if args.record and ok:
