@@ -9,11 +9,14 @@ Python values so they survive vLLM's executors (in-process, multiprocessing, Ray
 Weights are loaded with the model's own ``load_weights``, so vLLM maps checkpoint names onto its fused parameters
 (``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj``, TP sharding, tied embeddings) exactly as at start-up.
 
-Verification (``hybrid_core.weight_sync.verify``, on unless the trainer sends without checksums): vLLM's parameters
-are fused, sharded or post-processed, so no byte of them can be compared with a checkpoint tensor by name; each
-worker checks the bytes it received (the buckets it hands to ``load_weights``) against the trainer's checksums, and
-``_hybrid_result`` reports the parameters ``load_weights`` never reached after a level-2 sleep. A mismatch raises
-``WeightSyncMismatch`` (after the whole stream, so the trainer is not left waiting), naming the parameter.
+Verification (``hybrid_core.weight_sync.verify``, on unless the trainer sends without checksums): each worker
+recomputes the trainer's checksums after the load over vLLM's own parameters where they hold a checkpoint tensor byte
+for byte (``hybrid_engines.vllm_read_back``: under TP 1, the tensors vLLM's unquantized layers and default loader
+store as sent, a stacked ``q_proj`` as its rows of ``qkv_proj``), so a stale or skipped load shows; elsewhere (TP > 1,
+a padded vocabulary, quantized layers, a tensor the model's loader transforms, found at its first load) over the bytes
+it received (the buckets it hands to ``load_weights``). ``_hybrid_result`` reports the parameters ``load_weights``
+never reached after a level-2 sleep. A mismatch raises ``WeightSyncMismatch`` (after the whole stream, so the trainer
+is not left waiting), naming the parameter.
 
 LoRA (adapter-only sync, ``hybrid_engines.weight_sync.adapter``): ``hybrid_receive_adapter`` /
 ``hybrid_load_adapter_ipc`` receive the adapter's tensors over the same transports (checked against the trainer's
@@ -38,6 +41,8 @@ import torch
 
 if TYPE_CHECKING:
     from hybrid_core.weight_sync import SyncGroup, WeightReceiver
+
+    from .vllm_read_back import VllmReadBack
 
 #: Method names the adapter calls through ``collective_rpc`` (the contract test checks none exists on vLLM's Worker).
 RPC_METHODS = (
@@ -75,6 +80,7 @@ class HybridWorkerExtension:
         _hybrid_kv_released: Sequence[int]
         _hybrid_adapter_parts: dict[str, torch.Tensor]
         _hybrid_adapter_names: frozenset[str]
+        _hybrid_reader: VllmReadBack | None
 
     # ---- introspection -------------------------------------------------------------------------------------------
     def hybrid_free_bytes(self) -> int:
@@ -143,15 +149,22 @@ class HybridWorkerExtension:
             receiver = self._hybrid_receiver = WeightReceiver(group, bucket_bytes, self._hybrid_device())
         wanted = [TensorMeta(name, dtype, tuple(shape)) for name, dtype, shape in metas]
         model = self.get_model()
+        reader = self._hybrid_read_back(model)
         loaded: set[str] = set()
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
             if layerwise:
                 pairs = [(name, t.clone()) for name, t in pairs]
             loaded.update(model.load_weights(pairs) or ())
+            reader.calibrate(pairs)  # before the check reads back: a name's first load tells how vLLM stores it
 
-        with _on(self._hybrid_device()), self._hybrid_reload(layerwise):
-            stats = receiver.receive(wanted, load)
+        try:
+            # under layerwise reload a layer's parameters are vLLM's own again once the layer is complete (read
+            # back then); before, they are on the meta device behind wrapped loaders (None: the bytes received)
+            with _on(self._hybrid_device()), self._hybrid_reload(layerwise):
+                stats = receiver.receive(wanted, load, reader.for_sync(wanted))
+        finally:
+            reader.report()
         return self._hybrid_result(stats.bytes, stats.seconds, loaded)
 
     def hybrid_load_ipc(self, buckets: Sequence[Any]) -> dict[str, Any]:
@@ -165,9 +178,19 @@ class HybridWorkerExtension:
 
         mine = self._hybrid_my_bucket(buckets)
         model = self.get_model()
+        reader = self._hybrid_read_back(model)
         loaded: set[str] = set()
-        with _on(self._hybrid_device()):
-            stats = load_ipc_bucket(mine, lambda pairs: loaded.update(model.load_weights(pairs) or ()))
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            loaded.update(model.load_weights(pairs) or ())
+            reader.calibrate(pairs)  # before the check reads back: a name's first load tells how vLLM stores it
+
+        try:
+            with _on(self._hybrid_device()):
+                stats = load_ipc_bucket(mine, load, reader.for_sync(meta for meta, _ in mine.entries))
+        finally:
+            if mine.last:
+                reader.report()
         return self._hybrid_result(stats.bytes, stats.seconds, loaded)
 
     def _hybrid_my_bucket(self, buckets: Sequence[Any]) -> Any:
@@ -367,6 +390,17 @@ class HybridWorkerExtension:
     def _hybrid_device(self) -> torch.device:
         dev = getattr(self, "device", None) or torch.device("cuda")
         return dev if dev.type != "cuda" or dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def _hybrid_read_back(self, model: Any) -> VllmReadBack:
+        """This worker's read-back of ``model``'s parameters (built once per model object; a new model gets a new
+        one, keeping what calibration found). Nothing is read back where the TP size is unknown."""
+        from .vllm_read_back import VllmReadBack
+
+        reader = getattr(self, "_hybrid_reader", None)
+        if reader is None or reader.model is not model:
+            tp = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", None)  # vLLM's WorkerBase
+            reader = self._hybrid_reader = VllmReadBack(model, tp if isinstance(tp, int) else None, reader)
+        return reader
 
     def _hybrid_reload(self, layerwise: bool):
         return _LayerwiseReload(self.get_model(), self.model_config) if layerwise else _Nothing()
