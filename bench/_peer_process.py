@@ -17,9 +17,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 #: size -> (prompts per step, samples, max new tokens, prompt max len, micro rollout batch); = bench/e2e_gpu.py
-WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16)}
+WORKLOADS = {
+    "357m": (8, 8, 128, 64, 64),
+    "1.5b": (32, 8, 1024, 256, 16),
+    # issue 38's 4-GPU workloads (bench/peers.py G7 / P8)
+    "qwen2.5-7b": (64, 8, 1024, 512, 16),
+    "llama3-8b": (256, 1, 1024, 512, 16),
+}
 #: size -> (train micro batch, gradient checkpointing, vLLM memory fraction); = bench/sessions/residency_session.sh
-DEFAULTS = {"357m": (64, False, 0.35), "1.5b": (8, True, 0.3)}
+#: for the one-GPU sizes, bench/peer_ratio.py's G7 / P8 for the others
+DEFAULTS = {
+    "357m": (64, False, 0.35),
+    "1.5b": (8, True, 0.3),
+    "qwen2.5-7b": (8, True, 0.3),
+    "llama3-8b": (4, True, 0.3),
+}
 
 
 def run_peer(

@@ -3,7 +3,9 @@ predicted peak per phase checked against nvidia-smi samples.
 
 Workloads (bench/peer_workload.py, shared with the TRL peer): ``--size 357m`` (8 prompts x 8 samples, 32-token
 prompts, <= 128 new tokens), ``--size 1.5b`` (32 x 8, 256-token prompts, <= 1024 new tokens, gradient
-checkpointing), ``--size 7b`` (a model that does not fit resident: the planner decides what moves).
+checkpointing), ``--size 7b`` (a model that does not fit resident: the planner decides what moves), and issue 38's
+``--size qwen2.5-7b`` (G7: 64 x 8, 512-token prompts, <= 1024 new tokens) and ``--size llama3-8b`` (P8: 256 x 1,
+with ``--algo ppo``), both with ``--gpus 4`` (every role on the 4 GPUs, ``--engines`` x ``--tp`` vLLM engines).
 Set-ups: the default is the issue's (reference + KL, ZeRO-3 actor); ``--kl 0 --zero_stage 1 --micro 64`` is matched
 to TRL's defaults (no reference, one micro-batch). ``--residency`` auto (the planner) | all-sleep (every role moves
 between its phases: the behaviour before the planner).
@@ -13,7 +15,7 @@ between its phases: the behaviour before the planner).
 
 Each step's phases come from the run's metrics.jsonl; the step time is the median over the steps after warm-up.
 ``residency peak error %``: per phase, |measured - predicted| / predicted of the GPU's peak (all processes), the
-worst phase, after the warm-up steps. With --gpus 2 --split, the engine gets GPU 1 and the trainer GPU 0.
+worst phase, after the warm-up steps (GPU 0's). With --split (two GPUs), the engine gets GPU 1 and the trainer GPU 0.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PHASES = ("generate", "sleep", "wake", "infer", "reward", "train", "sync")
 #: size -> (prompts per step, samples, max new tokens, prompt max len, micro rollout batch)
-WORKLOADS = {"357m": (8, 8, 128, 64, 64), "1.5b": (32, 8, 1024, 256, 16), "7b": (16, 8, 512, 256, 8)}
+WORKLOADS = {
+    "357m": (8, 8, 128, 64, 64),
+    "1.5b": (32, 8, 1024, 256, 16),
+    "7b": (16, 8, 512, 256, 8),
+    # issue 38's multi-GPU workloads (bench/peers.py G7 / P8): run with --gpus 4
+    "qwen2.5-7b": (64, 8, 1024, 512, 16),
+    "llama3-8b": (256, 1, 1024, 512, 16),
+}
 
 
 def command(args, model: str, data: str, save: str) -> list[str]:
@@ -55,15 +64,15 @@ def command(args, model: str, data: str, save: str) -> list[str]:
         "--actor_num_nodes",
         "1",
         "--actor_num_gpus_per_node",
-        "1",
+        str(args.gpus),
         "--ref_num_nodes",
         "1",
         "--ref_num_gpus_per_node",
-        "1",
+        str(args.gpus),
         "--vllm_num_engines",
-        "1",
+        str(args.engines),
         "--vllm_tensor_parallel_size",
-        "1",
+        str(args.tp),
         "--bf16",
         "--rollout_batch_size",
         str(prompts),
@@ -105,7 +114,14 @@ def command(args, model: str, data: str, save: str) -> list[str]:
     if args.ckpt or args.size != "357m":
         cmd += ["--gradient_checkpointing"]
     if args.algo == "ppo":
-        cmd += ["--critic_num_nodes", "1", "--critic_num_gpus_per_node", "1", "--critic_learning_rate", "1e-6"]
+        cmd += [
+            "--critic_num_nodes",
+            "1",
+            "--critic_num_gpus_per_node",
+            str(args.gpus),
+            "--critic_learning_rate",
+            "1e-6",
+        ]
     if args.split:
         # Engine on its own GPU, the trainer roles on the other: nothing shares, weights go over NCCL.
         cmd += ["--placement", "actor=0", "reference=0", "rollout=1", *(["critic=0"] if args.algo == "ppo" else [])]
@@ -182,6 +198,9 @@ def main() -> int:
     ap.add_argument("--residency", default="auto", choices=["auto", "all-sleep", "manual"])
     ap.add_argument("--ckpt", action="store_true", help="gradient checkpointing (always on above 357m)")
     ap.add_argument("--split", action="store_true", help="engine on GPU 1, trainer on GPU 0")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs of every colocated role (issue 38's workloads: 4)")
+    ap.add_argument("--engines", type=int, default=None, help="vLLM engines (default: --gpus / --tp)")
+    ap.add_argument("--tp", type=int, default=1, help="vLLM tensor parallel size of each engine")
     ap.add_argument("--zero_stage", type=int, default=3, help="the actor's ZeRO stage (the issue's set-up: 3)")
     ap.add_argument("--trainer", choices=["deepspeed", "fsdp2"], default="deepspeed", help="the trainer backend")
     ap.add_argument(
@@ -194,12 +213,21 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="a 2-layer model (CPU logic check with --backend hf)")
     ap.add_argument("extra", nargs="*", help="more hybrid flags, after --")
     args = ap.parse_args()
+    args.engines = args.engines or max(1, args.gpus // args.tp)
+    if args.split and args.gpus != 1:
+        ap.error("--split places the trainer on GPU 0 and the engine on GPU 1: leave --gpus at 1")
 
     sys.path.insert(0, HERE)
     from peer_workload import build
 
     workdir = args.workdir or ("/tmp/peer" if args.size == "357m" else f"/tmp/peer-{args.size}")
-    model, data = build(workdir, size=args.size, **({"layers": 2, "hidden": 112} if args.small else {}))
+    per_step_prompts = WORKLOADS[args.size][0]  # prompts enough for every step (each is used once)
+    model, data = build(
+        workdir,
+        size=args.size,
+        prompts=max(256, args.steps * per_step_prompts),
+        **({"layers": 2, "hidden": 112} if args.small else {}),
+    )
     tag = f"{args.algo}-{args.size}-{'split' if args.split else 'colocated'}"
     tag += ("-fsdp2" if args.trainer == "fsdp2" else "") + (f"-{args.tag}" if args.tag else "")
     save = os.path.join(workdir, "runs", tag)

@@ -10,9 +10,15 @@ setting for the workload, on one clock, in alternating turns within one call; th
 
 * Sides: ours (bench/e2e_gpu.py); TRL at its default, without sleep, and with ``vllm_enable_sleep_mode``
   (bench/trl_grpo_peer.py [--sleep]); with ``--openrlhf``, OpenRLHF without and with ``--vllm.enable_sleep
-  --ds.enable_sleep`` (bench/openrlhf_peer.py [--no_sleep]). Each runs as a subprocess of its own (its own process
-  group, stopped with everything it started, then the GPU's memory waited for), on the workload's model folder and
-  batch shape (``--workload``: the e2e_gpu.py flags it implies, and the peers' counterparts).
+  --ds.enable_sleep`` (bench/openrlhf_peer.py [--no_sleep]); ``verl`` at its GRPO recipe (bench/verl_peer.py, its
+  ``--setup`` of the workload; timed on the arrival of its step lines, as OpenRLHF's).
+* Issue 38's four-GPU workloads (``G7``: GRPO 7B, ``P8`` / ``P8-tp2``: PPO 8B; bench/peers.py runs them with every
+  installed peer): ours with ``--gpus 4``, TRL through ``accelerate launch --num_processes 4``, OpenRLHF and verl
+  with their multi-GPU flags after ``--`` (the sizes are in bench/_peer_process.py's shapes); a peer that cannot
+  express a workload is refused with why (``Workload.not_run``). Where a peer has two settings, a row ``speedup vs
+  <peer> <workload> x`` also takes its faster setting of each turn. Each runs as a subprocess of its own (its own
+  process group, stopped with everything it started, then the GPU's memory waited for), on the workload's model
+  folder and batch shape (``--workload``: the e2e_gpu.py flags it implies, and the peers' counterparts).
 * One clock (bench/_common.py): wall time between step ends, the same ``--warmup`` steps dropped on every side,
   >= 5 measured steps; ours read off metrics.jsonl's ``wall_time``, so a step holds everything it cost (callbacks,
   metrics, the plan's refinement, checkpoints).
@@ -39,12 +45,14 @@ import datetime as _dt
 import glob
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -67,16 +75,19 @@ from _peer_process import failure, gpu_name, installed_version, stop_group  # no
 
 #: a ratio row is the median of at least this many same-call ratios
 MIN_TURNS = 3
-SIDES = ("ours", "trl-default", "trl-sleep", "openrlhf-nosleep", "openrlhf-sleep")
+SIDES = ("ours", "trl-default", "trl-sleep", "openrlhf-nosleep", "openrlhf-sleep", "verl")
 PEERS = SIDES[1:]
-PROGRAMS = {"ours": "e2e_gpu.py", "trl": "trl_grpo_peer.py", "openrlhf": "openrlhf_peer.py"}
+PROGRAMS = {"ours": "e2e_gpu.py", "trl": "trl_grpo_peer.py", "openrlhf": "openrlhf_peer.py", "verl": "verl_peer.py"}
 LABELS = {
     "ours": "ours",
     "trl-default": "TRL default",
     "trl-sleep": "TRL sleep",
     "openrlhf-nosleep": "OpenRLHF nosleep",
     "openrlhf-sleep": "OpenRLHF sleep",
+    "verl": "verl",
 }
+#: a peer program's name as the tables print it
+PROGRAM_LABELS = {"trl": "TRL", "openrlhf": "OpenRLHF", "verl": "verl"}
 
 
 def program(side: str) -> str:
@@ -86,7 +97,13 @@ def program(side: str) -> str:
 @dataclass(frozen=True)
 class Workload:
     """One comparison: the model size (bench/peer_workload.py), what it is (for the unit column), our e2e_gpu.py
-    flags beyond ``--size``, TRL's beyond the model folder, OpenRLHF's ``--setup``, and each peer's metric name."""
+    flags beyond ``--size``, TRL's beyond the model folder, OpenRLHF's ``--setup``, and each peer's metric name.
+
+    Issue 38's multi-GPU workloads add: ``algo`` (our ``--algo``), ``gpus`` (every side on that many GPUs),
+    ``trl_processes`` (TRL through ``accelerate launch --num_processes``), OpenRLHF's and verl's flags after their
+    scripts' own (``openrlhf_extra``: dotted flags, the last of a name wins; ``verl_extra``: Hydra overrides, the last
+    wins), verl's ``--setup`` (None: verl does not run it), ``best`` (program -> the row of the peer at its faster
+    setting of each turn) and ``not_run`` (program -> why the peer cannot run the workload)."""
 
     size: str
     what: str
@@ -94,6 +111,50 @@ class Workload:
     trl: tuple[str, ...]
     openrlhf_setup: str
     metrics: dict[str, str] = field(default_factory=dict)
+    algo: str = "grpo"
+    gpus: int = 1
+    trl_processes: int = 1
+    openrlhf_extra: tuple[str, ...] = ()
+    verl_setup: str | None = None
+    verl_extra: tuple[str, ...] = ()
+    best: dict[str, str] = field(default_factory=dict)
+    not_run: dict[str, str] = field(default_factory=dict)
+    default_peers: tuple[str, ...] = ("trl-default", "trl-sleep")
+
+    def runs(self, side: str) -> bool:
+        return program(side) not in self.not_run
+
+
+def _openrlhf_gpus(gpus: int, engines: int, tp: int) -> tuple[str, ...]:
+    """OpenRLHF's flags for every role on ``gpus`` GPUs of one node and ``engines`` x TP ``tp`` vLLM engines."""
+    out: list[str] = []
+    for role in ("actor", "ref", "reward"):
+        out += [f"--{role}.num_nodes", "1", f"--{role}.num_gpus_per_node", str(gpus)]
+    return (*out, "--vllm.num_engines", str(engines), "--vllm.tensor_parallel_size", str(tp))
+
+
+#: OpenRLHF's PPO (GAE with a critic initialised from the actor's folder; the critic's learning rate = ours)
+def _openrlhf_ppo(model: str, gpus: int) -> tuple[str, ...]:
+    return (
+        "--algo.advantage.estimator",
+        "gae",
+        "--critic.model_name_or_path",
+        model,
+        "--critic.num_nodes",
+        "1",
+        "--critic.num_gpus_per_node",
+        str(gpus),
+        "--critic.adam.lr",
+        "1e-6",
+    )
+
+
+#: where the TRL and verl lines of a PPO workload stop
+NO_PPO = {
+    "trl": "bench/trl_grpo_peer.py runs TRL's GRPOTrainer only (no PPO-with-critic script for TRL here); issue 38 "
+    "names TRL for G7",
+    "verl": "bench/verl_peer.py runs verl's GRPO only (no critic set-up); issue 38 names verl for G7",
+}
 
 
 WORKLOADS = {
@@ -109,7 +170,9 @@ WORKLOADS = {
             "trl-sleep": "speedup vs TRL sleep x",
             "openrlhf-nosleep": "speedup vs OpenRLHF nosleep x",
             "openrlhf-sleep": "speedup vs OpenRLHF sleep x",
+            "verl": "speedup vs verl 357M matched x",
         },
+        verl_setup="matched",
     ),
     # the issue's set-up on our side (ZeRO-3 actor + reference, KL 0.001, micro-batches of 32); TRL at its own
     "357m-zero3ref": Workload(
@@ -124,7 +187,10 @@ WORKLOADS = {
             "trl-sleep": "speedup vs TRL ZeRO-3+ref sleep x",
             "openrlhf-nosleep": "speedup vs OpenRLHF zero3ref nosleep x",
             "openrlhf-sleep": "speedup vs OpenRLHF zero3ref sleep x",
+            "verl": "speedup vs verl 357M lowvar x",
         },
+        verl_setup="lowvar",
+        verl_extra=("--micro", "32"),
     ),
     "1.5b": Workload(
         "1.5b",
@@ -138,9 +204,88 @@ WORKLOADS = {
             "trl-sleep": "speedup vs TRL 1.5B sleep x",
             "openrlhf-nosleep": "speedup vs OpenRLHF 1.5B nosleep x",
             "openrlhf-sleep": "speedup vs OpenRLHF 1.5B sleep x",
+            "verl": "speedup vs verl 1.5B matched x",
         },
+        verl_setup="matched",
+    ),
+    # issue 38: a 7B GRPO run on 4 GPUs, every role colocated; each side with a reference model where it has one
+    "G7": Workload(
+        "qwen2.5-7b",
+        "G7: GRPO, Qwen2.5-7B-shaped policy + reference (vocabulary 1024), 64 prompts x 8, 512-token prompts, "
+        "<= 1024 new tokens, 4 GPUs, every role colocated, vLLM 4 x TP1 at 0.3 of each GPU, ZeRO-3 (ours, "
+        "OpenRLHF) / FSDP (verl) / DDP (TRL: no reference, its beta 0), KL 0.001, micro-batches of 8, gradient "
+        "checkpointing, reward copy_first",
+        ours=("--gpus", "4", "--tp", "1", "--micro", "8", "--gpu_util", "0.3"),
+        # accelerate's 4 processes each take a quarter of the step: 16 prompts x 8, micro 8 x 16 accumulation
+        trl=("--prompts", "16", "--max_new", "1024", "--micro", "8", "--ckpt", "--gpu_util", "0.3"),
+        trl_processes=4,
+        openrlhf_setup="zero3ref",
+        openrlhf_extra=("--micro", "8", "--gpu_util", "0.3", "--ckpt", "--", *_openrlhf_gpus(4, 4, 1)),
+        verl_setup="lowvar",
+        verl_extra=(
+            "--micro",
+            "8",
+            "--gpu_util",
+            "0.3",
+            "--ckpt",
+            "--",
+            "trainer.n_gpus_per_node=4",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        ),
+        gpus=4,
+        metrics={
+            "trl-default": "speedup vs TRL G7 default x",
+            "trl-sleep": "speedup vs TRL G7 sleep x",
+            "openrlhf-nosleep": "speedup vs OpenRLHF G7 nosleep x",
+            "openrlhf-sleep": "speedup vs OpenRLHF G7 sleep x",
+            "verl": "speedup vs verl G7 x",
+        },
+        best={"trl": "speedup vs TRL G7 x", "openrlhf": "speedup vs OpenRLHF G7 x"},
+        default_peers=("openrlhf-nosleep", "openrlhf-sleep", "verl", "trl-default", "trl-sleep"),
     ),
 }
+
+
+def _p8(engines: int, tp: int) -> Workload:
+    """issue 38's P8 (the seeds' PPO line): actor, critic and reference on 4 GPUs, ``engines`` x TP ``tp``."""
+    layout = "" if (engines, tp) == (4, 1) else f" {engines}xTP{tp}"
+    model = "<workdir>/model"  # replaced by the workload's folder in side_command
+    return Workload(
+        "llama3-8b",
+        f"P8{layout}: PPO (GAE), Llama-3-8B-shaped actor, critic and reference (vocabulary 1024), 256 prompts x 1, "
+        f"512-token prompts, <= 1024 new tokens, 4 GPUs, every role colocated, ZeRO-3, vLLM {engines} x TP{tp} at "
+        "0.3 of each GPU, KL 0.001, micro-batches of 4, gradient checkpointing; reward copy_first (a rule: no "
+        "reward model on either side)",
+        ours=("--gpus", "4", "--engines", str(engines), "--tp", str(tp), "--micro", "4", "--gpu_util", "0.3"),
+        trl=(),
+        openrlhf_setup="zero3ref",
+        openrlhf_extra=(
+            "--micro",
+            "4",
+            "--gpu_util",
+            "0.3",
+            "--ckpt",
+            "--",
+            *_openrlhf_gpus(4, engines, tp),
+            *_openrlhf_ppo(model, 4),
+        ),
+        algo="ppo",
+        gpus=4,
+        metrics={
+            "trl-default": f"speedup vs TRL P8{layout} default x",
+            "trl-sleep": f"speedup vs TRL P8{layout} sleep x",
+            "openrlhf-nosleep": f"speedup vs OpenRLHF P8{layout} nosleep x",
+            "openrlhf-sleep": f"speedup vs OpenRLHF P8{layout} sleep x",
+            "verl": f"speedup vs verl P8{layout} x",
+        },
+        best={"openrlhf": f"speedup vs OpenRLHF P8{layout} x"},
+        not_run=NO_PPO,
+        default_peers=("openrlhf-nosleep", "openrlhf-sleep"),
+    )
+
+
+WORKLOADS["P8"] = _p8(4, 1)
+WORKLOADS["P8-tp2"] = _p8(2, 2)
 
 
 def turn_order(sides: list[str], turns: int, offset: int = 0) -> list[list[str]]:
@@ -152,17 +297,27 @@ def turn_order(sides: list[str], turns: int, offset: int = 0) -> list[list[str]]
 # ---- the sides' commands -------------------------------------------------------------------------------------------
 
 
+def _split(flags: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """A peer script's own flags and, after ``--``, those it passes on to the peer."""
+    if "--" not in flags:
+        return list(flags), []
+    i = flags.index("--")
+    return list(flags[:i]), list(flags[i + 1 :])
+
+
 def side_command(side: str, turn: int, args, scripts: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The command of ``side`` in ``turn`` (1-based) and what it adds to the environment."""
     wl = WORKLOADS[args.workload]
-    script = scripts.get(program(side)) or os.path.join(HERE, PROGRAMS[program(side)])
+    stand_in = scripts.get(program(side))
+    script = stand_in or os.path.join(HERE, PROGRAMS[program(side)])
     common = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    model = os.path.join(args.workdir, "model")
     if side == "ours":
         cmd = [
             sys.executable,
             script,
             "--algo",
-            "grpo",
+            wl.algo,
             "--size",
             wl.size,
             *common,
@@ -176,7 +331,11 @@ def side_command(side: str, turn: int, args, scripts: dict[str, str]) -> tuple[l
         ]
         return cmd + (["--small"] if args.small else []), {}
     if program(side) == "trl":
-        cmd = [sys.executable, script, os.path.join(args.workdir, "model"), "vllm", *common, *wl.trl]
+        rest = [model, "vllm", *common, *wl.trl, *(["--sleep"] if side == "trl-sleep" else [])]
+        if wl.trl_processes > 1 and not stand_in:  # TRL's multi-GPU runs: one process per GPU, as its docs launch
+            launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(wl.trl_processes)]
+            launch += ["--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no"]
+            return [*launch, "--main_process_port", str(free_port()), script, *rest], {}
         # one process of torch.distributed's env:// world (what `accelerate launch` would set)
         env = {
             "RANK": "0",
@@ -185,26 +344,18 @@ def side_command(side: str, turn: int, args, scripts: dict[str, str]) -> tuple[l
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
         }
-        return cmd + (["--sleep"] if side == "trl-sleep" else []), env
-    # OpenRLHF stops itself inside our limit (its log then still gives the steps it made) and gets 30 s to save
-    cmd = [
-        sys.executable,
-        script,
-        "--size",
-        wl.size,
-        "--setup",
-        wl.openrlhf_setup,
-        *common,
-        "--workdir",
-        args.workdir,
-        "--site",
-        args.openrlhf_site,
-        "--timeout",
-        str(max(60, args.run_timeout - 60)),
-        "--grace",
-        "30",
-    ]
-    return cmd + (["--no_sleep"] if side == "openrlhf-nosleep" else []), {}
+        return [sys.executable, script, *rest], env
+    # OpenRLHF and verl stop themselves inside our limit (their logs then still give the steps they made)
+    if program(side) == "openrlhf":
+        own, passed = _split(wl.openrlhf_extra)
+        flags = ["--setup", wl.openrlhf_setup, "--site", args.openrlhf_site, "--grace", "30", *own]
+        flags += ["--no_sleep"] if side == "openrlhf-nosleep" else []
+    else:
+        own, passed = _split(wl.verl_extra)
+        flags = ["--setup", str(wl.verl_setup), "--site", args.verl_site, "--grace", "20", *own]
+    passed = [model if p == "<workdir>/model" else p for p in passed]
+    flags += ["--size", wl.size, *common, "--workdir", args.workdir, "--timeout", str(max(60, args.run_timeout - 60))]
+    return [sys.executable, script, *flags, *(["--", *passed] if passed else [])], {}
 
 
 def our_tag(workload: str, turn: int) -> str:
@@ -214,13 +365,20 @@ def our_tag(workload: str, turn: int) -> str:
 # ---- running one side ----------------------------------------------------------------------------------------------
 
 
-def run_side(cmd: list[str], env: dict, log_path: str, timeout: float) -> dict:
+def run_side(cmd: list[str], env: dict, log_path: str, timeout: float, stamp: str | None = None) -> dict:
     """``cmd`` in a process group of its own, its output to ``log_path``; stopped at ``timeout``; whatever it left
-    in its group (Ray's workers, vLLM's engine core) is killed afterwards so that nothing holds the GPU."""
+    in its group (Ray's workers, vLLM's engine core) is killed afterwards so that nothing holds the GPU. ``stamp``:
+    the lines holding it are also written with their arrival times to ``<log_path>.times`` (``[t, line]`` JSON
+    lines: the step-end clock of a peer whose script keeps none, verl)."""
     start = time.time()
     stopped = None
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        out = subprocess.PIPE if stamp else log
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        reader = None
+        if stamp:
+            reader = threading.Thread(target=_tee, args=(proc, log, log_path + ".times", stamp), daemon=True)
+            reader.start()
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -234,7 +392,20 @@ def run_side(cmd: list[str], env: dict, log_path: str, timeout: float) -> dict:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            if reader is not None:
+                reader.join(timeout=10)
     return {"rc": proc.returncode, "stopped": stopped, "wall_s": round(time.time() - start, 1)}
+
+
+def _tee(proc: subprocess.Popen, log, times_path: str, stamp: str) -> None:
+    with open(times_path, "w") as times:
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace")
+            log.write(line)
+            log.flush()
+            if stamp in line:
+                times.write(json.dumps([time.time(), line.rstrip("\n")]) + "\n")
+                times.flush()
 
 
 def gpu_used_mib() -> int | None:
@@ -344,7 +515,38 @@ def read_openrlhf(side_dir: str, run: dict, warmup: int) -> dict:
     return measurement(res.get("steady_step_s") or [], **info)
 
 
-READERS = {"ours": read_ours, "trl": read_trl, "openrlhf": read_openrlhf}
+#: the step lines of verl's console logger as bench/verl_peer.py echoes them (only lines holding timing_s/step)
+VERL_STAMP = "timing_s/step"
+VERL_STEP = re.compile(r"(?:^|[\s)])step:(\d+) - ")
+
+
+def read_verl(side_dir: str, run: dict, warmup: int) -> dict:
+    """verl_peer.py's JSON (``$OUT/verl-*.json``) for its error and version; its steps on the one clock from the
+    arrival times of the step lines it echoes (``log.txt.times``, run_side's ``stamp``): verl_peer.py's own figure is
+    verl's ``timing_s/step``, another clock."""
+    files = sorted(glob.glob(os.path.join(side_dir, "verl-*.json")))
+    if not files:
+        return measurement([], error=f"no result: {_why(run, _log_lines(run['log']))}")
+    res = json.load(open(files[-1]))
+    info = {"version": res.get("verl"), **({"partial": res["partial"]} if res.get("partial") else {})}
+    if res.get("error"):
+        return measurement([], error=res["error"], **info)
+    if res.get("warmup") != warmup:
+        return measurement([], error=f"ran with warm-up {res.get('warmup')}, not {warmup}", **info)
+    ends: dict[int, float] = {}
+    for line in _log_lines(run["log"] + ".times"):
+        t, text = json.loads(line)
+        m = VERL_STEP.search(text)
+        if m:
+            ends.setdefault(int(m.group(1)), t)  # a step's first arrival
+    times = [ends[k] for k in sorted(ends)]
+    if times and sorted(ends) != list(range(min(ends), min(ends) + len(times))):
+        return measurement([], error=f"verl's step lines skip a step ({sorted(ends)}): no step-end clock", **info)
+    info["verl_timing_step_s"] = res.get("step_s")  # verl's own timer, kept beside the wall figure
+    return measurement(steady_step_times(times, warmup) if len(times) > warmup else [], **info)
+
+
+READERS = {"ours": read_ours, "trl": read_trl, "openrlhf": read_openrlhf, "verl": read_verl}
 
 
 # ---- the rows ------------------------------------------------------------------------------------------------------
@@ -412,7 +614,43 @@ def ratio_rows(data: dict) -> tuple[list[Row], list[str]]:
                 )
             )
             problems.append(f"{metric}: {left}, a row needs >= {MIN_TURNS}" + "".join(f"; {n}" for n in notes))
+    for prog, metric in wl.best.items():
+        row, problem = _best_row(data, prog, metric, by, turns, ours_ok)
+        if row is not None:
+            rows.append(row)
+        problems += [problem] if problem else []
     return rows, problems
+
+
+def _best_row(data: dict, prog: str, metric: str, by: dict, turns: list[int], ours_ok: set[int]):
+    """The peer at its best: in each turn, the faster of its settings that completed (e.g. OpenRLHF without sleep,
+    or with it where the run does not fit without) over ours of that turn; the row is the median of >= MIN_TURNS
+    such ratios. None when fewer than two of its settings ran."""
+    sides = [s for s in data["sides"] if s != "ours" and program(s) == prog]
+    if len(sides) < 2:
+        return None, None
+    label = PROGRAM_LABELS[prog]
+    ratios, picked, failed_turns = [], [], []
+    for t in turns:
+        done = [(by[(t, s)]["median_s"], s) for s in sides if by.get((t, s), {}).get("ok")]
+        if not done and any((t, s) in by for s in sides):
+            failed_turns.append(t)
+        if done and t in ours_ok:
+            best_s, best_side = min(done)
+            ratios.append(best_s / by[(t, "ours")]["median_s"])
+            picked.append(LABELS[best_side])
+    which = ", ".join(f"{n} x{picked.count(n)}" for n in sorted(set(picked)))
+    what = f"{label} at its faster setting of each turn ({which or 'none completed'}) over ours of that turn"
+    if len(ratios) >= MIN_TURNS:
+        span = f"{min(ratios):.3f}-{max(ratios):.3f} min-max over {len(ratios)} turns"
+        unit = f"x ({span}; {what}; {data.get('what') or ''})"
+        return Row(metric, statistics.median(ratios), unit), None
+    if failed_turns:
+        unit = f"x (every {label} setting failed in {len(failed_turns)} turn(s); {len(ratios)} ratio(s) left; {what})"
+        return Row(metric, "failed", unit), f"{metric}: every {label} setting failed in {len(failed_turns)} turn(s)"
+    value = statistics.median(ratios) if ratios else float("nan")
+    unit = f"x ({len(ratios)} ratio(s): a row needs >= {MIN_TURNS}; {what})"
+    return Row(metric, value, unit, record=False), f"{metric}: {len(ratios)} ratio(s) left, a row needs >= {MIN_TURNS}"
 
 
 def _cell(text: str) -> str:
@@ -431,13 +669,14 @@ def print_turns(data: dict) -> None:
         )
 
 
-def report(data: dict, record: bool, device: str | None = None) -> int:
-    """Print the turns and the rows of a run's JSON; append the recordable rows when asked (and allowed)."""
+def report(data: dict, record: bool, device: str | None = None, extra: list[Row] | None = None) -> int:
+    """Print the turns and the rows of a run's JSON; append the recordable rows when asked (and allowed). ``extra``:
+    rows printed after them, never recorded (bench/peers.py: the peers not installed or not run)."""
     print_turns(data)
     rows, problems = ratio_rows(data)
     print_table(
         f"peer ratios, {data['workload']} ({len(sorted({r['turn'] for r in data['runs']}))} turn(s), {data['device']})",
-        rows,
+        rows + [Row(r.metric, r.value, r.unit, record=False) for r in extra or []],
     )
     for p in problems:
         print("NOTE:", p)
@@ -469,10 +708,12 @@ def parse(argv: list[str]):
         nargs="+",
         choices=PEERS,
         default=None,
-        help="the peers to run (default: trl-default trl-sleep; with --openrlhf also openrlhf-nosleep openrlhf-sleep)",
+        help="the peers to run (default: trl-default trl-sleep; with --openrlhf also openrlhf-nosleep openrlhf-sleep; "
+        "G7 / P8: every peer that can run it)",
     )
     ap.add_argument("--openrlhf", action="store_true", help="OpenRLHF without and with sleep among the default peers")
     ap.add_argument("--openrlhf_site", default="/tmp/site-orl", help="where OpenRLHF is installed (openrlhf_peer.py)")
+    ap.add_argument("--verl_site", default="/tmp/site-verl", help="where verl is installed (verl_peer.py)")
     ap.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="steps dropped on every side")
     ap.add_argument(
         "--steps", type=int, default=None, help=f"steps of every side (default: warm-up + {MIN_MEASURED_STEPS + 1})"
@@ -514,7 +755,14 @@ def parse(argv: list[str]):
         ap.error("--turns must be >= 1")
     if args.peers is not None and args.openrlhf:
         ap.error("--peers names every peer: leave out --openrlhf, or name openrlhf-nosleep / openrlhf-sleep in --peers")
-    peers = args.peers or ["trl-default", "trl-sleep", *(PEERS[2:] if args.openrlhf else [])]
+    wl = WORKLOADS[args.workload]
+    default = list(wl.default_peers) + (["openrlhf-nosleep", "openrlhf-sleep"] if args.openrlhf else [])
+    peers = args.peers or default
+    cannot = [p for p in peers if not wl.runs(p)]
+    if cannot:
+        ap.error(f"{args.workload} cannot run {', '.join(cannot)}: {wl.not_run[program(cannot[0])]}")
+    if "verl" in peers and wl.verl_setup is None:
+        ap.error(f"{args.workload}: verl runs GRPO workloads only")
     args.sides = ["ours", *[p for p in PEERS if p in peers]]
     args.scripts = {}
     for item in args.script:
@@ -522,7 +770,7 @@ def parse(argv: list[str]):
         if name not in PROGRAMS or not path:
             ap.error(f"--script {item!r}: give PROGRAM=PATH with PROGRAM one of {', '.join(PROGRAMS)}")
         args.scripts[name] = os.path.abspath(path)
-    size = WORKLOADS[args.workload].size
+    size = wl.size
     args.workdir = args.workdir or (
         f"/tmp/peer-small-{size}" if args.small else "/tmp/peer" if size == "357m" else f"/tmp/peer-{size}"
     )
@@ -558,17 +806,39 @@ def check_installed(args, ap) -> None:
                 f"OpenRLHF is not installed in --openrlhf_site {args.openrlhf_site} "
                 "(bench/sessions/openrlhf_session.sh stage), or run without the OpenRLHF peers"
             )
+    if "verl" in programs:
+        from verl_peer import environment as verl_environment
+
+        if installed_version("verl", verl_environment(args.verl_site)) is None:
+            ap.error(
+                f"verl is not installed in --verl_site {args.verl_site} "
+                "(bench/sessions/verl_session.sh stage), or run without the verl peer"
+            )
+
+
+def prompts_needed(args) -> int:
+    """Prompts enough for every step of every side (each prompt is used once; OpenRLHF and verl stop at the end of
+    their data)."""
+    from e2e_gpu import WORKLOADS as SHAPES
+
+    return max(256, args.steps * SHAPES[WORKLOADS[args.workload].size][0])
 
 
 def build_workload(args) -> None:
-    """The model folder and prompts every side loads, built once before the first turn (if missing)."""
-    model, prompts = os.path.join(args.workdir, "model"), os.path.join(args.workdir, "prompts.jsonl")
-    if os.path.exists(os.path.join(model, "config.json")) and os.path.exists(prompts):
+    """The model folder and prompts every side loads, built once before the first turn (if missing; the prompts
+    also when they are fewer than the steps need)."""
+    from peer_workload import prompt_count, write_prompts
+
+    model = os.path.join(args.workdir, "model")
+    size, needed = WORKLOADS[args.workload].size, prompts_needed(args)
+    if os.path.exists(os.path.join(model, "config.json")):
+        if prompt_count(args.workdir) < needed:
+            write_prompts(args.workdir, size=size, prompts=needed)
         return
     from peer_workload import build
 
     t0 = time.time()
-    build(args.workdir, size=WORKLOADS[args.workload].size, **({"layers": 2, "hidden": 112} if args.small else {}))
+    build(args.workdir, size=size, prompts=needed, **({"layers": 2, "hidden": 112} if args.small else {}))
     print(f"built {model} in {time.time() - t0:.0f} s", flush=True)
 
 
@@ -614,7 +884,9 @@ def run(args) -> dict:
                 "gpu_mib_before": wait_gpu_quiet(),
                 "load_before": _load(),
             }
-            entry.update(run_side(cmd, {**os.environ, **extra_env, "OUT": side_dir}, entry["log"], args.run_timeout))
+            stamp = VERL_STAMP if program(side) == "verl" else None
+            env = {**os.environ, **extra_env, "OUT": side_dir}
+            entry.update(run_side(cmd, env, entry["log"], args.run_timeout, stamp=stamp))
             entry.update(READERS[program(side)](side_dir, entry, args.warmup))
             if side == "ours":
                 _keep_our_run(args, turn, side_dir)
@@ -634,7 +906,9 @@ def run(args) -> dict:
 def _our_save(args, turn: int) -> str:
     """e2e_gpu.py's run folder for our tag (its naming: <algo>-<size>-colocated-<tag>)."""
     return os.path.join(
-        args.workdir, "runs", f"grpo-{WORKLOADS[args.workload].size}-colocated-{our_tag(args.workload, turn)}"
+        args.workdir,
+        "runs",
+        f"{WORKLOADS[args.workload].algo}-{WORKLOADS[args.workload].size}-colocated-{our_tag(args.workload, turn)}",
     )
 
 

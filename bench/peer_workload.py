@@ -12,9 +12,16 @@ downloaded.
   with this small vocabulary); prompts of 256 tokens (32 prompts x 8 samples, <= 1024 new tokens).
 * ``7b`` -- Qwen2-7B's body: 28 layers, hidden 3584, 28 heads / 4 KV heads, intermediate 18944 (6.5B parameters);
   prompts of 256 tokens.
+* ``qwen2.5-7b`` -- Qwen2.5-7B's body (the same as Qwen2-7B's: 28 layers, hidden 3584, 28 heads / 4 KV heads,
+  intermediate 18944); prompts of 512 tokens (issue 38's G7: 64 prompts x 8 samples, <= 1024 new tokens, 4 GPUs).
+* ``llama3-8b`` -- Llama-3-8B's body: 32 layers, hidden 4096, 32 heads / 8 KV heads, intermediate 14336 (7.0B
+  parameters with this vocabulary); prompts of 512 tokens (issue 38's P8: 256 prompts x 1, <= 1024 new tokens).
+  The small vocabulary (1024, not 152k / 128k) leaves out most of the embedding and LM-head weights: the
+  transformer body, the KV cache and the sequence lengths are the real models'.
 
     python bench/peer_workload.py /tmp/peer              # the 357m workload: /tmp/peer/model, /tmp/peer/prompts.jsonl
     python bench/peer_workload.py /tmp/peer15 1.5b       # the realistic-scale one
+    python bench/peer_workload.py /tmp/peer-qwen2.5-7b qwen2.5-7b 512   # G7 (bench/peers.py builds it itself)
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ SHAPES = {
     "357m": (24, 896, 14, 2, 4864, 32, True),
     "1.5b": (28, 1536, 12, 2, 8960, 256, False),
     "7b": (28, 3584, 28, 4, 18944, 256, False),
+    "qwen2.5-7b": (28, 3584, 28, 4, 18944, 512, False),
+    "llama3-8b": (32, 4096, 32, 8, 14336, 512, False),
 }
 
 
@@ -53,7 +62,7 @@ def build(
         backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
         backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
         tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
-        n_layers, width, heads, kv_heads, inter, prompt_len, tied = SHAPES[size]
+        n_layers, width, heads, kv_heads, inter, _, tied = SHAPES[size]
         if hidden is not None:  # a small variant of the shape (CPU checks of the scripts)
             width, inter, heads, kv_heads = hidden, hidden * 54 // 10, 14 if hidden % 14 == 0 else 4, 2
         cfg = LlamaConfig(
@@ -86,15 +95,32 @@ def build(
         model.save_pretrained(model_dir)
         del model
         tok.save_pretrained(model_dir)
-    if not os.path.exists(data):
-        rng = random.Random(seed)
-        prompt_len = SHAPES[size][5]
-        with open(data, "w") as f:
-            for _ in range(prompts):
-                f.write(
-                    json.dumps({"prompt": " ".join(f"t{rng.randrange(VOCAB - 3)}" for _ in range(prompt_len))}) + "\n"
-                )
+    write_prompts(root, size=size, seed=seed, prompts=prompts)
     return model_dir, data
+
+
+def prompt_count(root: str) -> int:
+    """How many prompts ``root``/prompts.jsonl holds (0 when it is missing)."""
+    try:
+        with open(os.path.join(root, "prompts.jsonl")) as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def write_prompts(root: str, *, size: str = "357m", seed: int = 0, prompts: int = 256) -> str:
+    """``root``/prompts.jsonl with ``prompts`` random prompts of the shape's length, written when it is missing or
+    holds fewer (the first prompts are the same for any count: one seed). No torch needed."""
+    data = os.path.join(root, "prompts.jsonl")
+    if prompt_count(root) >= prompts:
+        return data
+    os.makedirs(root, exist_ok=True)
+    rng = random.Random(seed)
+    prompt_len = SHAPES[size][5]
+    with open(data, "w") as f:
+        for _ in range(prompts):
+            f.write(json.dumps({"prompt": " ".join(f"t{rng.randrange(VOCAB - 3)}" for _ in range(prompt_len))}) + "\n")
+    return data
 
 
 def copy_first(prompts, completions, **_):
@@ -108,4 +134,10 @@ def copy_first(prompts, completions, **_):
 
 
 if __name__ == "__main__":
-    print(*build(sys.argv[1] if len(sys.argv) > 1 else "/tmp/peer", size=sys.argv[2] if len(sys.argv) > 2 else "357m"))
+    print(
+        *build(
+            sys.argv[1] if len(sys.argv) > 1 else "/tmp/peer",
+            size=sys.argv[2] if len(sys.argv) > 2 else "357m",
+            prompts=int(sys.argv[3]) if len(sys.argv) > 3 else 256,
+        )
+    )
