@@ -233,9 +233,11 @@ pr)
   # alternating in this call; PR_WORKLOAD (default 357m-matched), PR_PEERS, PR_TURNS (default 3), PR_TIMEOUT per side;
   # PR_OFFSET=N: a call of PR_TURNS=1 continuing N earlier ones (ours took ~240 s at 357M: three turns of three sides
   # do not fit one call), their JSONs joined afterwards by `python bench/peer_ratio.py report a.json b.json c.json`
+  # --record (a call of fewer than 3 turns records nothing: peer_ratio.py refuses --record there)
   wait_for built357; wait_for builtadam; cleanup; monitor
   timeout $(left ${PHASE_BUDGET:-585}) $PY bench/peer_ratio.py --workload ${PR_WORKLOAD:-357m-matched} \
-    ${PR_PEERS:+--peers $PR_PEERS} --turns ${PR_TURNS:-3} ${PR_OFFSET:+--turn_offset $PR_OFFSET} --run_timeout ${PR_TIMEOUT:-240} --out $LOGS/ratio --record \
+    ${PR_PEERS:+--peers $PR_PEERS} --turns ${PR_TURNS:-3} ${PR_OFFSET:+--turn_offset $PR_OFFSET} --run_timeout ${PR_TIMEOUT:-240} --out $LOGS/ratio \
+    $([ "${PR_TURNS:-3}" -ge 3 ] && echo --record) \
     > $LOGS/peer_ratio.log 2>&1
   echo "peer ratio rc=$?"; grep -vE "^\s*$" $LOGS/peer_ratio.log | tail -${PR_LINES:-40}; cat $LOGS/rows.md 2>/dev/null
   cp $LOGS/ratio/*.json $OUT/ 2>/dev/null; kill $MON 2>/dev/null
